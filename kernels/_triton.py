@@ -1,0 +1,58 @@
+"""Guarded Triton import and device helpers shared by the kernel modules.
+
+Triton is optional: where it is missing (or cannot be imported on this
+platform) ``HAS_TRITON`` is False, no kernel is defined, and the dispatchers
+fall back to the PyTorch references.
+"""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the platform
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+# Devices on which the dispatchers launch Triton kernels.
+TRITON_DEVICE_TYPES = ("cuda", "xpu")
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` lives on an accelerator and Triton is importable."""
+    return HAS_TRITON and tensor.device.type in TRITON_DEVICE_TYPES
+
+
+def num_search_steps(num_seqs: int) -> int:
+    """Binary-search steps that locate a token among ``num_seqs`` sequences.
+
+    The search interval starts ``num_seqs`` wide and halves (rounding up) each
+    step, so ``ceil(log2(num_seqs))`` steps suffice; ``bit_length`` is an upper
+    bound that changes only at powers of two (few recompilations).
+    """
+    return max(1, num_seqs.bit_length())
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def find_sequence(query_start_loc_ptr, token, num_seqs, NUM_STEPS: tl.constexpr):
+        """Index b of the sequence with query_start_loc[b] <= token < query_start_loc[b+1].
+
+        ``token`` may be a scalar or a block of token indices. Invariant of the
+        search: query_start_loc[lo] <= token < query_start_loc[hi]; empty
+        sequences (repeated offsets) are skipped because the final ``hi`` is
+        ``lo + 1``.
+        """
+        lo = token * 0
+        hi = token * 0 + num_seqs
+        for _ in tl.static_range(NUM_STEPS):
+            mid = (lo + hi) // 2
+            start = tl.load(query_start_loc_ptr + mid)
+            is_left = start <= token
+            lo = tl.where(is_left, mid, lo)
+            hi = tl.where(is_left, hi, mid)
+        return lo

@@ -1,0 +1,1 @@
+"""The scheduler service: request queue, paged KV block allocation and speculation policy (no torch)."""

@@ -1,0 +1,43 @@
+"""Configuration of the scheduler core."""
+
+from dataclasses import dataclass
+
+SCHEDULING_MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits and policy of one scheduler (one worker's KV pool).
+
+    `scheduling="async"` lets the engine loop schedule step N+1 while step N is
+    still in flight; "sync" requires each step's result before the next step.
+    """
+
+    num_kv_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    num_speculative_tokens: int = 0                   # server k; 0 = no speculation
+    speculative_disable_queue_size: int | None = None  # None = never auto-disable
+    scheduling: str = "sync"
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and an output token), "
+                             f"got {self.max_model_len}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.speculative_disable_queue_size is not None and self.speculative_disable_queue_size < 1:
+            raise ValueError("speculative_disable_queue_size must be >= 1 or None (never disable), "
+                             f"got {self.speculative_disable_queue_size}")
+        if self.scheduling not in SCHEDULING_MODES:
+            raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, got {self.scheduling!r}")
+
+    @property
+    def is_async(self) -> bool:
+        """Whether one step may be in flight while the next one is scheduled."""
+        return self.scheduling == "async"

@@ -1,0 +1,1 @@
+"""specdec: a speculative-decoding LLM server built as two gRPC services."""

@@ -1,0 +1,66 @@
+"""Conversion between step dataclasses (specdec.step) and worker proto messages."""
+
+from specdec import step
+from specdec.v1 import worker_pb2 as pb
+
+
+def _sampling_to_proto(s: step.RequestSampling) -> pb.RequestSampling:
+    return pb.RequestSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                              logprobs=s.logprobs)
+
+
+def _sampling_from_proto(m: pb.RequestSampling) -> step.RequestSampling:
+    return step.RequestSampling(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k,
+                                seed=m.seed if m.HasField("seed") else None, logprobs=m.logprobs)
+
+
+def step_request_to_proto(r: step.StepRequest) -> pb.ExecuteModelRequest:
+    new = [pb.NewRequest(request_id=n.request_id, token_ids=n.token_ids, num_prompt_tokens=n.num_prompt_tokens,
+                         sampling=_sampling_to_proto(n.sampling), block_ids=n.block_ids,
+                         num_new_tokens=n.num_new_tokens, num_speculative_tokens=n.num_speculative_tokens)
+           for n in r.new_requests]
+    cached = [pb.CachedRequest(request_id=c.request_id, new_block_ids=c.new_block_ids,
+                               num_blocks_kept=c.num_blocks_kept, num_new_tokens=c.num_new_tokens,
+                               num_speculative_tokens=c.num_speculative_tokens)
+              for c in r.cached_requests]
+    return pb.ExecuteModelRequest(step_id=r.step_id, new_requests=new, cached_requests=cached,
+                                  finished_request_ids=r.finished_request_ids,
+                                  num_lookahead_slots=r.num_lookahead_slots,
+                                  running_queue_size=r.running_queue_size)
+
+
+def step_request_from_proto(m: pb.ExecuteModelRequest) -> step.StepRequest:
+    new = [step.NewRequest(request_id=n.request_id, token_ids=list(n.token_ids),
+                           num_prompt_tokens=n.num_prompt_tokens, sampling=_sampling_from_proto(n.sampling),
+                           block_ids=list(n.block_ids), num_new_tokens=n.num_new_tokens,
+                           num_speculative_tokens=n.num_speculative_tokens)
+           for n in m.new_requests]
+    cached = [step.CachedRequest(request_id=c.request_id, new_block_ids=list(c.new_block_ids),
+                                 num_blocks_kept=c.num_blocks_kept, num_new_tokens=c.num_new_tokens,
+                                 num_speculative_tokens=(c.num_speculative_tokens
+                                                         if c.HasField("num_speculative_tokens") else None))
+              for c in m.cached_requests]
+    return step.StepRequest(step_id=m.step_id, new_requests=new, cached_requests=cached,
+                            finished_request_ids=list(m.finished_request_ids),
+                            num_lookahead_slots=m.num_lookahead_slots, running_queue_size=m.running_queue_size)
+
+
+def step_result_to_proto(r: step.StepResult) -> pb.ExecuteModelResponse:
+    outputs = [pb.SequenceOutput(request_id=o.request_id, token_ids=o.token_ids, logprobs=o.logprobs,
+                                 num_draft_tokens=o.num_draft_tokens, num_accepted_tokens=o.num_accepted_tokens)
+               for o in r.outputs]
+    s = r.stats
+    stats = pb.StepStats(propose_ms=s.propose_ms, score_ms=s.score_ms, verify_ms=s.verify_ms,
+                         total_ms=s.total_ms, num_speculating_seqs=s.num_speculating_seqs)
+    return pb.ExecuteModelResponse(step_id=r.step_id, outputs=outputs, stats=stats)
+
+
+def step_result_from_proto(m: pb.ExecuteModelResponse) -> step.StepResult:
+    outputs = [step.SequenceOutput(request_id=o.request_id, token_ids=list(o.token_ids),
+                                   logprobs=list(o.logprobs), num_draft_tokens=o.num_draft_tokens,
+                                   num_accepted_tokens=o.num_accepted_tokens)
+               for o in m.outputs]
+    s = m.stats
+    stats = step.StepStats(propose_ms=s.propose_ms, score_ms=s.score_ms, verify_ms=s.verify_ms,
+                           total_ms=s.total_ms, num_speculating_seqs=s.num_speculating_seqs)
+    return step.StepResult(step_id=m.step_id, outputs=outputs, stats=stats)

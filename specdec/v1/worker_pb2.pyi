@@ -1,0 +1,153 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("block_size",)
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    def __init__(self, block_size: _Optional[int] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("model_id", "vocab_size", "max_model_len", "kv_bytes_per_block", "num_blocks_capacity", "eos_token_ids", "dtype", "proposer", "max_num_speculative_tokens", "draft_model_id", "scorer")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORER_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    vocab_size: int
+    max_model_len: int
+    kv_bytes_per_block: int
+    num_blocks_capacity: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    proposer: str
+    max_num_speculative_tokens: int
+    draft_model_id: str
+    scorer: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., num_blocks_capacity: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., proposer: _Optional[str] = ..., max_num_speculative_tokens: _Optional[int] = ..., draft_model_id: _Optional[str] = ..., scorer: _Optional[str] = ...) -> None: ...
+
+class InitCacheRequest(_message.Message):
+    __slots__ = ("num_blocks", "block_size")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    block_size: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class InitCacheResponse(_message.Message):
+    __slots__ = ("kv_cache_bytes",)
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    kv_cache_bytes: int
+    def __init__(self, kv_cache_bytes: _Optional[int] = ...) -> None: ...
+
+class RequestSampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    logprobs: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+
+class NewRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_new_tokens", "num_speculative_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: int
+    sampling: RequestSampling
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_new_tokens: int
+    num_speculative_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[RequestSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+
+class CachedRequest(_message.Message):
+    __slots__ = ("request_id", "new_block_ids", "num_blocks_kept", "num_new_tokens", "num_speculative_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_KEPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_blocks_kept: int
+    num_new_tokens: int
+    num_speculative_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_blocks_kept: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+
+class ExecuteModelRequest(_message.Message):
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "num_lookahead_slots", "running_queue_size")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
+    finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_lookahead_slots: int
+    running_queue_size: int
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., num_lookahead_slots: _Optional[int] = ..., running_queue_size: _Optional[int] = ...) -> None: ...
+
+class SequenceOutput(_message.Message):
+    __slots__ = ("request_id", "token_ids", "logprobs", "num_draft_tokens", "num_accepted_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
+
+class StepStats(_message.Message):
+    __slots__ = ("propose_ms", "score_ms", "verify_ms", "total_ms", "num_speculating_seqs")
+    PROPOSE_MS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATING_SEQS_FIELD_NUMBER: _ClassVar[int]
+    propose_ms: float
+    score_ms: float
+    verify_ms: float
+    total_ms: float
+    num_speculating_seqs: int
+    def __init__(self, propose_ms: _Optional[float] = ..., score_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_speculating_seqs: _Optional[int] = ...) -> None: ...
+
+class ExecuteModelResponse(_message.Message):
+    __slots__ = ("step_id", "outputs", "stats")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    outputs: _containers.RepeatedCompositeFieldContainer[SequenceOutput]
+    stats: StepStats
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,62 @@
+"""A client of the Worker service: describe, init the cache, and a step stream (no torch)."""
+
+import queue
+
+import grpc
+
+from specdec import step
+from specdec.convert import step_request_to_proto, step_result_from_proto
+from specdec.v1 import worker_pb2, worker_pb2_grpc
+
+_CLOSE = object()
+
+
+class StepStream:
+    """One ExecuteModel stream. `send` may run ahead of `recv` (two steps in flight)."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub):
+        self._outbox: queue.Queue = queue.Queue()
+        self._responses = stub.ExecuteModel(iter(self._outbox.get, _CLOSE))
+
+    def send(self, request: step.StepRequest) -> None:
+        self._outbox.put(step_request_to_proto(request))
+
+    def recv(self) -> step.StepResult:
+        """The next step's result; raises grpc.RpcError when the worker rejected a step."""
+        return step_result_from_proto(next(self._responses))
+
+    def close(self) -> None:
+        self._outbox.put(_CLOSE)
+        self._responses.cancel()
+
+
+class WorkerClient:
+    """Talks to one worker at `address` (host:port)."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                              ("grpc.max_send_message_length", 64 << 20)])
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+
+    def describe(self, block_size: int, timeout: float | None = None) -> worker_pb2.WorkerInfo:
+        return self.stub.Describe(worker_pb2.DescribeRequest(block_size=block_size), timeout=timeout)
+
+    def init_cache(self, num_blocks: int, block_size: int) -> int:
+        reply = self.stub.InitCache(worker_pb2.InitCacheRequest(num_blocks=num_blocks, block_size=block_size))
+        return reply.kv_cache_bytes
+
+    def open_stream(self) -> StepStream:
+        return StepStream(self.stub)
+
+    def execute(self, request: step.StepRequest) -> step.StepResult:
+        """One step on a fresh stream (simple, for tests and tools)."""
+        stream = self.open_stream()
+        try:
+            stream.send(request)
+            return stream.recv()
+        finally:
+            stream.close()
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,181 @@
+"""Paged attention: reference vs dense ground truth and HF SDPA; Triton vs reference."""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import kernels.paged_attention as pa
+from kernels._triton import HAS_TRITON
+
+requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: conftest sets TRITON_INTERPRET=1
+
+# (q_len, seq_len) per sequence; seq_len includes the query tokens.
+CASES = {
+    "decode_batch": [(1, 7), (1, 20), (1, 33), (1, 1)],
+    "decode_same_len": [(1, 20), (1, 20)],
+    "five_token_queries": [(5, 12), (5, 40), (5, 5)],
+    "prefill_no_prefix": [(13, 13)],
+    "prefill_same_len": [(9, 9), (9, 9)],
+    "four_lengths": [(3, 3), (10, 10), (17, 17), (6, 6)],
+    "mixed": [(12, 30), (1, 18), (5, 25), (7, 7), (1, 3), (5, 9)],
+}
+
+
+@dataclass
+class Case:
+    """A paged batch plus the dense per-sequence K/V it was built from."""
+
+    query: torch.Tensor  # [T, H, D]
+    key_cache: torch.Tensor  # [num_blocks, block_size, KVH, D]
+    value_cache: torch.Tensor  # [num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor  # [B, max_blocks] int32, -1 padded
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    dense_keys: list  # B x [L, KVH, D]
+    dense_values: list  # B x [L, KVH, D]
+    scale: float
+
+    def args(self, device: str = "cpu") -> tuple:
+        tensors = (self.query, self.key_cache, self.value_cache, self.block_tables,
+                   self.query_start_loc, self.seq_lens)
+        return (*(t.to(device) for t in tensors), self.scale)
+
+
+def make_case(specs, block_size, num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32, seed=0):
+    """Write random dense K/V into shuffled blocks of a cache full of large garbage."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in specs]
+    num_blocks = sum(blocks_per_seq) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    # Garbage is large so that reading a slot outside the causal range shows at once.
+    key_cache = 30 * torch.randn(shape, generator=gen)
+    value_cache = 30 * torch.randn(shape, generator=gen)
+    block_tables = torch.full((len(specs), max(blocks_per_seq) + 1), -1, dtype=torch.int32)
+    free_ids = torch.randperm(num_blocks, generator=gen).tolist()
+    dense_keys, dense_values = [], []
+    for b, (_, seq_len) in enumerate(specs):
+        ids = [free_ids.pop() for _ in range(blocks_per_seq[b])]
+        block_tables[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        positions = torch.arange(seq_len)  # [L]
+        slots = torch.tensor(ids)[positions // block_size] * block_size + positions % block_size  # [L]
+        dense_keys.append(torch.randn(seq_len, num_kv_heads, head_dim, generator=gen))
+        dense_values.append(torch.randn(seq_len, num_kv_heads, head_dim, generator=gen))
+        key_cache.view(-1, num_kv_heads, head_dim)[slots] = dense_keys[-1]
+        value_cache.view(-1, num_kv_heads, head_dim)[slots] = dense_values[-1]
+    q_lens = torch.tensor([q_len for q_len, _ in specs])
+    query_start_loc = torch.zeros(len(specs) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(q_lens, 0)
+    query = torch.randn(int(q_lens.sum()), num_heads, head_dim, generator=gen)
+    return Case(query.to(dtype), key_cache.to(dtype), value_cache.to(dtype), block_tables, query_start_loc,
+                torch.tensor([s for _, s in specs], dtype=torch.int32), dense_keys, dense_values,
+                1 / math.sqrt(head_dim))
+
+
+def dense_attention(case: Case) -> torch.Tensor:  # [T, H, D] float64
+    """Ground truth: softmax(QK^T * scale + causal mask) V per sequence, in float64."""
+    outs = []
+    starts = case.query_start_loc.tolist()
+    for b, (keys, values) in enumerate(zip(case.dense_keys, case.dense_values)):
+        q = case.query[starts[b]: starts[b + 1]].double()  # [Q, H, D]
+        group = q.shape[1] // keys.shape[1]
+        k = keys.double().repeat_interleave(group, dim=1)  # [L, H, D]
+        v = values.double().repeat_interleave(group, dim=1)  # [L, H, D]
+        q_len, seq_len = q.shape[0], k.shape[0]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale  # [H, Q, L]
+        visible = torch.arange(seq_len)[None, :] <= (seq_len - q_len + torch.arange(q_len))[:, None]  # [Q, L]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)  # [H, Q, L]
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))  # [Q, H, D]
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_ref_matches_dense(name, block_size, heads):
+    case = make_case(CASES[name], block_size, num_heads=heads[0], num_kv_heads=heads[1])
+    out = pa.paged_attention_ref(*case.args())
+    assert out.dtype == torch.float32 and out.shape == case.query.shape
+    assert (out.double() - dense_attention(case)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "name, expected_groups, is_uniform",
+    [("five_token_queries", [3], True), ("decode_batch", [4], True), ("mixed", [1, 2, 2, 1], False)],
+)
+def test_ref_batches_sequences_by_q_len(monkeypatch, name, expected_groups, is_uniform):
+    """Uniform batches take the no-regrouping fast path; mixed ones one SDPA call per q_len."""
+    group_sizes, num_regroupings = [], []
+    attend, group_by_q_len = pa.attend_uniform, pa.group_by_q_len
+
+    def spy_attend(query, *args):
+        group_sizes.append(query.shape[0])
+        return attend(query, *args)
+
+    def spy_group(q_lens):
+        num_regroupings.append(1)
+        return group_by_q_len(q_lens)
+
+    monkeypatch.setattr(pa, "attend_uniform", spy_attend)
+    monkeypatch.setattr(pa, "group_by_q_len", spy_group)
+    case = make_case(CASES[name], block_size=4)
+    out = pa.paged_attention_ref(*case.args())
+    assert group_sizes == expected_groups
+    assert len(num_regroupings) == (0 if is_uniform else 1)
+    assert (out.double() - dense_attention(case)).abs().max() <= 1e-5
+
+
+def test_ref_matches_transformers_sdpa():
+    """Same numbers as the attention `transformers` runs with a contiguous cache."""
+    sdpa_attention = pytest.importorskip("transformers.integrations.sdpa_attention")
+    case = make_case(CASES["mixed"], block_size=16, num_heads=4, num_kv_heads=2, head_dim=16)
+    out = pa.paged_attention_ref(*case.args())  # [T, H, D]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    starts = case.query_start_loc.tolist()
+    for b, (keys, values) in enumerate(zip(case.dense_keys, case.dense_values)):
+        q = case.query[starts[b]: starts[b + 1]].transpose(0, 1)[None]  # [1, H, Q, L]
+        q_len, seq_len = q.shape[2], keys.shape[0]
+        mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(seq_len - q_len)[None, None]  # [1, 1, Q, L]
+        expected, _ = sdpa_attention.sdpa_attention_forward(
+            module, q, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attention_mask=None if q_len == seq_len else mask, scaling=case.scale,
+        )  # [1, Q, H, D]
+        assert (out[starts[b]: starts[b + 1]] - expected[0]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["five_token_queries", "mixed"])
+def test_ref_bf16(name):
+    case = make_case(CASES[name], block_size=4, dtype=torch.bfloat16)
+    out = pa.paged_attention_ref(*case.args())
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - dense_attention(case)).abs().max() <= 3e-2
+
+
+def test_dispatcher_uses_ref_on_cpu():
+    case = make_case(CASES["mixed"], block_size=4)
+    assert torch.equal(pa.paged_attention(*case.args()), pa.paged_attention_ref(*case.args()))
+
+
+@requires_triton
+@pytest.mark.parametrize(
+    "name, block_size, heads, head_dim",
+    [("mixed", 4, (4, 2), 8), ("mixed", 16, (4, 1), 12), ("five_token_queries", 16, (2, 2), 8),
+     ("four_lengths", 4, (4, 2), 8)],
+)
+def test_triton_matches_ref(name, block_size, heads, head_dim):
+    case = make_case(CASES[name], block_size, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
+    expected = pa.paged_attention_ref(*case.args())
+    out = pa.paged_attention_triton(*case.args(DEVICE))
+    assert (out.cpu() - expected).abs().max() <= 1e-4
+
+
+@requires_triton
+def test_triton_bf16_matches_dense():
+    """bf16 caches and queries: the kernel loads them and computes in fp32."""
+    case = make_case(CASES["mixed"], block_size=4, dtype=torch.bfloat16)
+    out = pa.paged_attention_triton(*case.args(DEVICE))
+    assert out.dtype == torch.bfloat16
+    assert (out.cpu().double() - dense_attention(case)).abs().max() <= 3e-2

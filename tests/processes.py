@@ -1,0 +1,63 @@
+"""Starting real specdec processes on 127.0.0.1 port 0 for tests."""
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import threading
+
+_LISTEN = re.compile(r"listening on (\S+):(\d+)")
+
+
+class Process:
+    """A specdec subcommand in a child process; its output lines are collected."""
+
+    def __init__(self, args: list[str], env: dict | None = None):
+        self.proc = subprocess.Popen([sys.executable, "-m", "specdec", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self.cond = threading.Condition()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            with self.cond:
+                self.lines.append(line.rstrip("\n"))
+                self.cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 180.0) -> re.Match:
+        """Waits for an output line matching `pattern`; fails with the output if the process died."""
+        regex = re.compile(pattern)
+        with self.cond:
+            found = self.cond.wait_for(lambda: any(regex.search(l) for l in self.lines) or self.proc.poll() is not None,
+                                       timeout=timeout)
+            match = next((m for l in self.lines if (m := regex.search(l))), None)
+        if match is None:
+            raise AssertionError(f"no line matching {pattern!r} (found={found}, exit={self.proc.poll()}):\n"
+                                 + "\n".join(self.lines[-40:]))
+        return match
+
+    def address(self, timeout: float = 180.0) -> str:
+        match = self.wait_for(_LISTEN.pattern, timeout)
+        return f"{match.group(1)}:{match.group(2)}"
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@contextlib.contextmanager
+def running(args: list[str], env: dict | None = None):
+    process = Process(args, env)
+    try:
+        yield process
+    finally:
+        process.stop()

@@ -1,0 +1,45 @@
+"""A minimal in-test scheduler for driving a worker: generous block tables, all prompts at once."""
+
+import itertools
+
+from specdec import step
+
+
+class Driver:
+    """Feeds whole prompts, then decodes every request to `max_tokens` emitted tokens."""
+
+    def __init__(self, execute, block_size: int, num_blocks: int, num_lookahead_slots: int = 0):
+        self.execute = execute  # StepRequest -> StepResult (in-process worker or gRPC client)
+        self.block_size = block_size
+        self.free_blocks = list(reversed(range(num_blocks)))
+        self.num_lookahead_slots = num_lookahead_slots
+        self.step_ids = itertools.count()
+        self.results: list[step.StepResult] = []
+
+    def blocks(self, num_tokens: int) -> list[int]:
+        return [self.free_blocks.pop() for _ in range(-(-num_tokens // self.block_size))]
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, sampling: step.RequestSampling | None = None,
+                 num_speculative_tokens: int = 0, prefix: str = "r") -> list[list[int]]:
+        sampling = sampling or step.RequestSampling(temperature=0.0)
+        ids = [f"{prefix}{i}" for i in range(len(prompts))]
+        outputs = {rid: [] for rid in ids}
+        new = [step.NewRequest(rid, p, len(p), sampling, self.blocks(len(p) + max_tokens + 8), len(p),
+                               num_speculative_tokens) for rid, p in zip(ids, prompts)]
+        request = step.StepRequest(next(self.step_ids), new_requests=new, num_lookahead_slots=self.num_lookahead_slots)
+        while True:
+            result = self.execute(request)
+            self.results.append(result)
+            for out in result.outputs:
+                outputs[out.request_id].extend(out.token_ids)
+            running = [rid for rid in ids if len(outputs[rid]) < max_tokens]
+            if not running:
+                break
+            cached = [step.CachedRequest(rid, [], -1, 1) for rid in running]
+            request = step.StepRequest(next(self.step_ids), cached_requests=cached,
+                                       num_lookahead_slots=self.num_lookahead_slots)
+            for c in cached:  # keep the whole table: num_blocks_kept = its current length
+                c.num_blocks_kept = -(-(len(prompts[ids.index(c.request_id)]) + max_tokens + 8) // self.block_size)
+        finished = step.StepRequest(next(self.step_ids), finished_request_ids=ids)
+        self.execute(finished)
+        return [outputs[rid][:max_tokens] for rid in ids]

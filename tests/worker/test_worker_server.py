@@ -1,0 +1,150 @@
+"""The Worker gRPC service in a real process on 127.0.0.1 (port 0)."""
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+import pytest
+import torch
+
+from specdec import step
+from specdec.worker_client import WorkerClient
+from tests.processes import running
+from tests.worker.driver import Driver
+from worker_service.model_loader import load_model, load_tokenizer
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 256
+
+
+def health_status(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
+
+
+@pytest.fixture(scope="module")
+def tiny_worker(tiny_pair):
+    with running(["worker", "--host", "127.0.0.1", "--port", "0", "--model", str(tiny_pair.target_path),
+                  "--num-threads", "1"]) as proc:
+        address = proc.address()
+        proc.wait_for("model loaded")
+        assert health_status(address) == health_pb2.HealthCheckResponse.NOT_SERVING  # no cache yet
+        client = WorkerClient(address)
+        client.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+        yield proc, client
+        client.close()
+
+
+def stream_driver(client: WorkerClient, num_lookahead_slots: int = 0) -> Driver:
+    stream = client.open_stream()
+
+    def execute(request):
+        stream.send(request)
+        return stream.recv()
+
+    return Driver(execute, BLOCK_SIZE, NUM_BLOCKS, num_lookahead_slots)
+
+
+def test_health_serving_after_init_and_reflection(tiny_worker):
+    proc, client = tiny_worker
+    assert health_status(client.address) == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(client.address, "specdec.v1.Worker") == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(client.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"specdec.v1.Worker", "grpc.health.v1.Health"} <= names
+
+
+def test_describe(tiny_worker):
+    _, client = tiny_worker
+    info = client.describe(BLOCK_SIZE)
+    assert info.vocab_size == 256 and info.eos_token_ids == [2]
+    # 4 layers x K,V x 16 tokens x 2 kv heads x 16 head dim x 4 bytes
+    assert info.kv_bytes_per_block == 4 * 2 * 16 * 2 * 16 * 4
+    assert info.num_blocks_capacity > NUM_BLOCKS
+
+
+def test_batch_equals_each_alone(tiny_worker):
+    _, client = tiny_worker
+    prompts = [[5, 6, 7], list(range(10, 40)), [9] * 12, [100, 3]]
+    together = stream_driver(client).generate(prompts, 16, prefix="batch")
+    alone = [stream_driver(client).generate([p], 16, prefix=f"alone{i}")[0] for i, p in enumerate(prompts)]
+    assert together == alone
+
+
+def test_seeded_sampling_reproducible(tiny_worker):
+    _, client = tiny_worker
+    prompts = [[5, 6, 7], [11, 12, 13, 14]]
+    seeded = step.RequestSampling(temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    first = stream_driver(client).generate(prompts, 20, sampling=seeded, prefix="s1")
+    second = stream_driver(client).generate(prompts[::-1], 20, sampling=seeded, prefix="s2")[::-1]
+    other = stream_driver(client).generate(prompts, 20, sampling=step.RequestSampling(1.0, 0.9, 50, 99), prefix="s3")
+    assert first == second  # same seed: same tokens whatever the batch order
+    assert first != other   # and the seed matters
+
+
+def expect_invalid(client: WorkerClient, request: step.StepRequest, fragment: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        client.execute(request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in info.value.details()
+
+
+def test_bad_requests_get_invalid_argument_and_worker_keeps_serving(tiny_worker):
+    _, client = tiny_worker
+    greedy = step.RequestSampling(temperature=0.0)
+    expect_invalid(client, step.StepRequest(1, cached_requests=[step.CachedRequest("nope", [], 0, 1)]),
+                   "unknown request id 'nope'")
+    short = step.NewRequest("short", list(range(3, 40)), 37, greedy, [7], 37)  # 16 slots for 37 tokens
+    expect_invalid(client, step.StepRequest(2, new_requests=[short]), "shorter than the 37 positions")
+    vocab = step.NewRequest("vocab", [5, 256], 2, greedy, [8], 2)
+    expect_invalid(client, step.StepRequest(3, new_requests=[vocab]), "token id 256 is outside the vocabulary")
+    lookahead = step.NewRequest("look", [5, 6], 2, greedy, [9], 2, num_speculative_tokens=3)
+    assert client.execute(step.StepRequest(4, new_requests=[lookahead])).outputs[0].token_ids
+    expect_invalid(client, step.StepRequest(5, cached_requests=[step.CachedRequest("look", [], 1, 1)],
+                                            num_lookahead_slots=20), "shorter than")
+    # Still serving, and the rejected steps left no state behind.
+    assert stream_driver(client).generate([[5, 6, 7]], 4, prefix="after")[0]
+    expect_invalid(client, step.StepRequest(6, cached_requests=[step.CachedRequest("short", [], 0, 1)]),
+                   "unknown request id 'short'")
+
+
+def test_sigterm_exits_cleanly(tiny_pair):
+    with running(["worker", "--port", "0", "--model", str(tiny_pair.target_path)]) as proc:
+        proc.address()
+        proc.wait_for("model loaded")
+        assert proc.stop() == 0
+
+
+def test_bad_model_path_exits_nonzero(tmp_path):
+    with running(["worker", "--port", "0", "--model", str(tmp_path / "missing")]) as proc:
+        proc.wait_for("error: ", timeout=60)
+        assert proc.proc.wait(30) == 1
+
+
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+                "Explain in two sentences why the sky is blue."]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers_generate(smollm2_path):
+    tokenizer = load_tokenizer(smollm2_path)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for p in CHAT_PROMPTS]
+    reference = load_model(smollm2_path)
+    want = []
+    for p in prompts:
+        with torch.inference_mode():
+            out = reference.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)
+        want.append(out[0, len(p):].tolist())
+    with running(["worker", "--port", "0", "--model", str(smollm2_path)]) as proc:
+        client = WorkerClient(proc.address())
+        proc.wait_for("model loaded")
+        client.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+        got = stream_driver(client).generate(prompts, 32)
+        got_ngram = stream_driver(client, num_lookahead_slots=3).generate(prompts, 32, prefix="ng",
+                                                                           num_speculative_tokens=3)
+    for g, w in zip(got, want):
+        assert g[: len(w)] == w  # HF stops at EOS; the worker goes on until told to stop
+    assert got_ngram == got

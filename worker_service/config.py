@@ -1,0 +1,44 @@
+"""Worker configuration, built once at the edge (CLI / environment)."""
+
+from dataclasses import dataclass
+
+PROPOSERS = ("none", "ngram", "draft")
+SCORERS = ("multi_query", "batch_expansion")
+DTYPE_NAMES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one worker loads and how it speculates."""
+
+    model: str                          # checkpoint directory or .gguf file
+    dtype: str = "float32"
+    draft_model: str | None = None
+    proposer: str = "none"
+    num_speculative_tokens: int = 0     # k: the most drafts per sequence and step
+    ngram_min: int = 1
+    ngram_max: int = 4
+    scorer: str = "multi_query"
+    kv_cache_memory_bytes: int = 2 << 30
+    max_model_len: int | None = None    # None: the model's own limit
+    num_threads: int | None = None      # torch intra-op threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
+        if self.scorer not in SCORERS:
+            raise ValueError(f"scorer must be one of {SCORERS}, got {self.scorer!r}")
+        if self.proposer == "draft" and not self.draft_model:
+            raise ValueError("proposer 'draft' needs a draft model (--draft-model)")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.proposer != "none" and self.num_speculative_tokens == 0:
+            raise ValueError(f"proposer {self.proposer!r} needs num_speculative_tokens >= 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be > 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -1,0 +1,49 @@
+"""The paged KV cache: per layer, K and V in `[num_blocks, block_size, kv_heads, head_dim]` blocks."""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape facts of one model's KV cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, dtype: torch.dtype) -> "KVCacheSpec":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """K and V bytes of one block over all layers."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
+
+
+class KVCache:
+    """K/V block tensors for every layer of one model. Slot s = block_id * block_size + offset."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.key_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.value_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.spec.bytes_per_block(self.block_size) * self.num_blocks
+
+    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Stores this step's K/V (`[T, KVH, D]`) at their slots (`[T]` int64)."""
+        flat_shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
+        self.key_caches[layer_idx].view(flat_shape).index_copy_(0, slot_mapping, key.to(self.spec.dtype))
+        self.value_caches[layer_idx].view(flat_shape).index_copy_(0, slot_mapping, value.to(self.spec.dtype))

@@ -1,0 +1,62 @@
+"""Loads target and draft models: a local Hugging Face checkpoint directory or a GGUF file."""
+
+import logging
+import pathlib
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model path does not exist or does not hold a loadable causal LM."""
+
+
+def _split_path(model_path: pathlib.Path) -> tuple[str, dict]:
+    """from_pretrained arguments for a directory or a .gguf file."""
+    if model_path.is_file() and model_path.suffix == ".gguf":
+        return str(model_path.parent), {"gguf_file": model_path.name}
+    if model_path.is_dir():
+        return str(model_path), {}
+    raise ModelLoadError(f"model path {model_path} is neither a checkpoint directory nor a .gguf file")
+
+
+def load_model(model_path: str | pathlib.Path, dtype: str = "float32") -> PreTrainedModel:
+    """Loads a causal LM in eval mode on the CPU (GGUF weights are dequantised to `dtype`)."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    path, kwargs = _split_path(pathlib.Path(model_path))
+    start = time.monotonic()
+    logger.info("loading model %s (%s)", model_path, dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load model from {model_path}: {exc}") from exc
+    model.eval().requires_grad_(False)
+    logger.info("loaded %s in %.1f s", model_path, time.monotonic() - start)
+    return model
+
+
+def load_tokenizer(model_path: str | pathlib.Path) -> PreTrainedTokenizerBase:
+    """Loads the tokenizer stored with the model (GGUF files carry theirs)."""
+    path, kwargs = _split_path(pathlib.Path(model_path))
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load tokenizer from {model_path}: {exc}") from exc
+
+
+def unquantized_copy(gguf_path: str | pathlib.Path) -> PreTrainedModel:
+    """The GGUF model dequantised to fp32 as a plain (serialisable) `transformers` model."""
+    dequantised = load_model(gguf_path, "float32")
+    config = dequantised.config
+    del config.quantization_config  # the weights are plain fp32 now
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(dequantised.state_dict(), assign=True)
+    model.tie_weights()
+    return model.eval()

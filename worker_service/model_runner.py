@@ -1,0 +1,99 @@
+"""Runs a `transformers` causal LM over a packed batch on the paged KV cache.
+
+One forward takes any mix of sequence chunks: a prefill chunk (many tokens,
+with or without a cached prefix), a single-token decode, or a multi-token
+query over a cached prefix (speculative scoring). Every chunk's tokens are
+computed at positions `start_pos ..`, their K/V written into the blocks of
+the chunk's block table, and logits are returned for its last `num_logits`
+tokens only (the output layer is the costliest matmul of a small model).
+"""
+
+from dataclasses import dataclass
+import logging
+
+import torch
+from transformers import PreTrainedModel
+
+from kernels.slot_mapping import compute_slot_mapping
+from worker_service.attention import ATTENTION_NAME, PagedMetadata
+from worker_service.kv_cache import KVCache, KVCacheSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SequenceChunk:
+    """The tokens of one sequence to compute in a forward pass."""
+
+    token_ids: list[int]   # tokens at positions start_pos .. start_pos + len - 1
+    start_pos: int         # tokens before this position already have their K/V cached
+    block_table: list[int] # block ids covering at least start_pos + len positions
+    num_logits: int = 1    # logits wanted for the last num_logits tokens (0 for a mid-prompt chunk)
+
+
+@dataclass
+class PackedBatch:
+    """Chunks flattened into the tensors one forward pass needs."""
+
+    input_ids: torch.Tensor       # [T] int64
+    positions: torch.Tensor       # [T] int64
+    logits_indices: torch.Tensor  # [N] int64: packed rows whose logits are returned
+    metadata: PagedMetadata
+
+
+def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -> PackedBatch:
+    """Builds the packed inputs and cache metadata for `chunks` (see SequenceChunk)."""
+    input_ids, positions, logits_indices, starts, seq_lens = [], [], [], [0], []
+    for chunk in chunks:
+        num_tokens = len(chunk.token_ids)
+        offset = starts[-1]
+        input_ids.extend(chunk.token_ids)
+        positions.extend(range(chunk.start_pos, chunk.start_pos + num_tokens))
+        logits_indices.extend(range(offset + num_tokens - chunk.num_logits, offset + num_tokens))
+        starts.append(offset + num_tokens)
+        seq_lens.append(chunk.start_pos + num_tokens)
+    max_blocks = max(len(c.block_table) for c in chunks)
+    block_tables = torch.zeros((len(chunks), max_blocks), dtype=torch.int32)  # [B, M]
+    for i, chunk in enumerate(chunks):
+        block_tables[i, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
+    positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
+    block_tables = block_tables.to(device)
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+    slot_mapping = compute_slot_mapping(block_tables, query_start_loc, positions_t, kv_cache.block_size)
+    metadata = PagedMetadata(kv_cache=kv_cache, slot_mapping=slot_mapping, block_tables=block_tables,
+                             query_start_loc=query_start_loc,
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device))
+    return PackedBatch(input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+                       positions=positions_t,
+                       logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+                       metadata=metadata)
+
+
+class ModelRunner:
+    """Owns one model and its paged KV cache."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        model.set_attn_implementation(ATTENTION_NAME)
+        self.device = model.device
+        self.dtype = model.dtype
+        self.kv_spec = KVCacheSpec.from_config(model.config, model.dtype)
+        self.vocab_size = model.config.vocab_size
+        self.kv_cache: KVCache | None = None
+
+    def init_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        """(Re)allocates the KV cache; every cached K/V is dropped."""
+        self.kv_cache = KVCache(self.kv_spec, num_blocks, block_size, self.device)
+        logger.info("allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
+                    self.kv_cache.num_bytes / 2**20)
+        return self.kv_cache
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        """Computes every chunk; returns fp32 logits `[sum(num_logits), V]` in chunk order."""
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is not initialised")
+        batch = pack(chunks, self.kv_cache, self.device)
+        hidden = self.model.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
+                                  use_cache=False, paged_metadata=batch.metadata).last_hidden_state[0]  # [T, hidden]
+        return self.model.lm_head(hidden[batch.logits_indices]).float()  # [N, V]

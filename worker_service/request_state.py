@@ -1,0 +1,115 @@
+"""Per-request state the worker caches between steps, and the validation of step deltas.
+
+Every check runs before any state changes, so a rejected step leaves the
+worker exactly as it was (and it keeps serving).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec import step
+from worker_service.sampling import SamplingParams, make_generator
+
+
+class InvalidStepError(ValueError):
+    """A step request the worker cannot execute (mapped to INVALID_ARGUMENT)."""
+
+
+@dataclass
+class RequestState:
+    """What the worker knows of one request."""
+
+    request_id: str
+    token_ids: list[int]          # prompt + every emitted token
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    return_logprobs: bool
+    block_table: list[int]
+    num_speculative_tokens: int   # this request's k cap
+    num_computed_tokens: int = 0  # target KV written for token_ids[:num_computed_tokens]
+    num_draft_computed_tokens: int = 0  # the same for the draft model's KV
+    mean_accepted: float | None = None  # moving average of accepted drafts per step (adaptive k)
+    scheduled_new_tokens: int = field(default=0, repr=False)  # this step's chunk size
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _check_sampling(s: step.RequestSampling, request_id: str) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or None, seed=s.seed)
+    except ValueError as exc:
+        raise InvalidStepError(f"request {request_id!r}: {exc}") from exc
+
+
+def _check_tokens(token_ids: list[int], vocab_size: int, request_id: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidStepError(f"request {request_id!r}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def _check_blocks(block_ids: list[int], num_blocks: int, request_id: str) -> None:
+    bad = [b for b in block_ids if not 0 <= b < num_blocks]
+    if bad:
+        raise InvalidStepError(f"request {request_id!r}: block id {bad[0]} is outside the KV cache [0, {num_blocks})")
+
+
+def new_state(r: step.NewRequest, vocab_size: int, num_blocks: int, device: torch.device) -> RequestState:
+    """Validates a NewRequest and builds its state (not yet registered)."""
+    if not r.request_id:
+        raise InvalidStepError("a new request has an empty request_id")
+    if not r.token_ids:
+        raise InvalidStepError(f"request {r.request_id!r}: no token ids")
+    if not 0 < r.num_prompt_tokens <= len(r.token_ids):
+        raise InvalidStepError(f"request {r.request_id!r}: num_prompt_tokens {r.num_prompt_tokens} "
+                               f"must be in [1, {len(r.token_ids)}]")
+    _check_tokens(r.token_ids, vocab_size, r.request_id)
+    _check_blocks(r.block_ids, num_blocks, r.request_id)
+    sampling = _check_sampling(r.sampling, r.request_id)
+    if r.num_speculative_tokens < 0:
+        raise InvalidStepError(f"request {r.request_id!r}: num_speculative_tokens must be >= 0")
+    return RequestState(request_id=r.request_id, token_ids=list(r.token_ids), num_prompt_tokens=r.num_prompt_tokens,
+                        sampling=sampling, generator=make_generator(sampling.seed, device),
+                        return_logprobs=r.sampling.logprobs, block_table=list(r.block_ids),
+                        num_speculative_tokens=r.num_speculative_tokens, scheduled_new_tokens=r.num_new_tokens)
+
+
+def check_cached(c: step.CachedRequest, state: RequestState | None, num_blocks: int) -> None:
+    """Validates a CachedRequest delta against the request's state."""
+    if state is None:
+        raise InvalidStepError(f"unknown request id {c.request_id!r}: the worker holds no state for it "
+                               "(send it as a new request)")
+    if not 0 <= c.num_blocks_kept <= len(state.block_table):
+        raise InvalidStepError(f"request {c.request_id!r}: num_blocks_kept {c.num_blocks_kept} is outside "
+                               f"[0, {len(state.block_table)}]")
+    _check_blocks(c.new_block_ids, num_blocks, c.request_id)
+    if c.num_speculative_tokens is not None and c.num_speculative_tokens < 0:
+        raise InvalidStepError(f"request {c.request_id!r}: num_speculative_tokens must be >= 0")
+
+
+def apply_cached(c: step.CachedRequest, state: RequestState) -> None:
+    """Applies a validated delta."""
+    state.block_table = state.block_table[: c.num_blocks_kept] + list(c.new_block_ids)
+    state.scheduled_new_tokens = c.num_new_tokens
+    if c.num_speculative_tokens is not None:
+        state.num_speculative_tokens = c.num_speculative_tokens
+
+
+def check_schedulable(state: RequestState, num_lookahead_slots: int, block_size: int, max_model_len: int) -> None:
+    """The chunk fits the known tokens, and the block table covers it (plus lookahead slots for a decode)."""
+    pending = state.num_tokens - state.num_computed_tokens
+    if not 1 <= state.scheduled_new_tokens <= pending:
+        raise InvalidStepError(f"request {state.request_id!r}: num_new_tokens {state.scheduled_new_tokens} must be "
+                               f"in [1, {pending}] (tokens not yet computed)")
+    end = state.num_computed_tokens + state.scheduled_new_tokens
+    is_decode = pending == 1
+    if is_decode and state.num_speculative_tokens > 0:
+        end += num_lookahead_slots
+    end = min(end, max_model_len)
+    capacity = len(state.block_table) * block_size
+    if capacity < end:
+        raise InvalidStepError(f"request {state.request_id!r}: block table of {len(state.block_table)} blocks "
+                               f"({capacity} slots) is shorter than the {end} positions this step needs")

@@ -1,0 +1,145 @@
+"""Turning target logits into token distributions, and sampling from them.
+
+Small pure functions in the spirit of gpt-fast's ``logits_to_probs`` /
+``sample``, batched with per-row parameters so one call serves a whole step.
+Sampling is an exponential race, ``argmax(probs / E)`` with ``E ~ Exp(1)``,
+which picks token v with probability ``probs[v]``; each row draws its noise
+from its own request's generator, so a seeded request samples the same tokens
+whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Exp(1) noise is clamped away from 0 so that ``probs / noise`` is never 0/0.
+_MIN_EXP_NOISE = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    ``temperature == 0`` means greedy decoding; ``top_k`` of ``None`` or 0 and
+    ``top_p == 1`` switch those filters off; ``seed`` makes the request's
+    sampling reproducible (``None``: the process-wide RNG).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {self.top_k!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request decodes greedily (temperature 0)."""
+        return self.temperature == 0
+
+
+def sampling_tensors(
+    params: Sequence[SamplingParams], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stack per-request params into the ``(temperature, top_k, top_p)`` tensors
+    that :func:`logits_to_probs` takes (top_k 0 = off)."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)  # [N]
+    top_k = torch.tensor([p.top_k or 0 for p in params], dtype=torch.int64, device=device)  # [N]
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)  # [N]
+    return temperature, top_k, top_p
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # [N] float, 0 = greedy
+    top_k: torch.Tensor,  # [N] int, 0 = off
+    top_p: torch.Tensor,  # [N] float in (0, 1], 1 = off
+) -> torch.Tensor:  # [N, V] float32
+    """Per-row temperature, top-k then top-p, renormalised; greedy rows get a
+    one-hot on the argmax.
+
+    top-p keeps the smallest set of most likely tokens whose mass is at least
+    ``top_p`` (always at least the top token).
+    """
+    logits = logits.float()  # [N, V]
+    is_greedy = temperature == 0  # [N]
+    safe_temperature = torch.where(is_greedy, torch.ones_like(temperature), temperature)  # [N]
+    scaled = logits / safe_temperature.unsqueeze(1).float()  # [N, V]
+    if bool(((top_k > 0) | (top_p < 1)).any()):
+        probs = _top_k_top_p_probs(scaled, top_k, top_p)  # [N, V]
+    else:
+        probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    if bool(is_greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # [N, V]
+        probs = torch.where(is_greedy.unsqueeze(1), one_hot, probs)  # [N, V]
+    return probs
+
+
+def _top_k_top_p_probs(
+    scaled: torch.Tensor,  # [N, V] temperature-scaled logits
+    top_k: torch.Tensor,  # [N]
+    top_p: torch.Tensor,  # [N]
+) -> torch.Tensor:  # [N, V] float32
+    """Softmax restricted to each row's top-k / top-p set, in sorted order and
+    scattered back to vocabulary order."""
+    num_vocab = scaled.shape[-1]
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [N, V], [N, V]
+    rank = torch.arange(num_vocab, device=scaled.device)  # [V]
+    k = torch.where(top_k > 0, top_k, num_vocab).unsqueeze(1)  # [N, 1]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))  # [N, V]
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [N, V]
+    # A token is dropped when the tokens ranked above it already reach top_p;
+    # the top token (mass above it: 0) always stays. top_p == 1 drops nothing,
+    # even when rounding makes the cumulative sum reach 1 early.
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V]
+    is_dropped = (mass_above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)  # [N, V]
+    sorted_probs = sorted_probs.masked_fill(is_dropped, 0.0)  # [N, V]
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)  # [N, V]
+    return torch.zeros_like(sorted_probs).scatter_(1, sorted_ids, sorted_probs)  # [N, V]
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator for one request, seeded with ``seed``; ``None`` when the
+    request has no seed (it then uses the process-wide RNG)."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def exponential_noise(
+    generators: Sequence[torch.Generator | None], num_cols: int, device: torch.device | str
+) -> torch.Tensor:  # [N, num_cols] float32
+    """Exp(1) noise, row i drawn from ``generators[i]`` (the global RNG when
+    None), clamped away from zero."""
+    noise = torch.empty(len(generators), num_cols, dtype=torch.float32, device=device)  # [N, C]
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), num_cols, device=device).exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(generator=generator)
+    return noise.clamp_min_(_MIN_EXP_NOISE)
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [N, V]
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:  # [N] int64
+    """One token per row by the exponential race ``argmax(probs / Exp(1))``.
+
+    Greedy rows (one-hot probs) get their argmax whatever the noise.
+    """
+    noise = exponential_noise(generators, probs.shape[-1], probs.device)  # [N, V]
+    return (probs.float() / noise).argmax(dim=-1)  # [N]

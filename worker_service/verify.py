@@ -1,0 +1,63 @@
+"""Turns a step's target logits into emitted tokens: sampling, or rejection sampling of the drafts."""
+
+from dataclasses import dataclass
+import itertools
+
+import torch
+
+from worker_service.rejection_sampler import RejectionSampler
+from worker_service.request_state import RequestState
+from worker_service.sampling import logits_to_probs, sample_from_probs, sampling_tensors
+
+_sampler = RejectionSampler()
+
+
+@dataclass
+class VerifyResult:
+    token_ids: list[list[int]]   # emitted tokens per sequence: accepted drafts + one recovered/bonus token
+    logprobs: list[list[float]]  # target log-probability of each emitted token (empty unless requested)
+
+
+def verify(states: list[RequestState], logits: torch.Tensor, drafts: list[list[int]],
+           draft_probs: torch.Tensor | None) -> VerifyResult:
+    """`logits` holds 1 + len(drafts[i]) rows per sequence, in order (`[N, V]`)."""
+    num_drafts = [len(d) for d in drafts]
+    rows_per_seq = [n + 1 for n in num_drafts]
+    row_params = [s.sampling for s, n in zip(states, rows_per_seq) for _ in range(n)]
+    probs = logits_to_probs(logits, *sampling_tensors(row_params, logits.device))  # [N, V]
+    generators = [s.generator for s in states]
+    if max(num_drafts) == 0:
+        token_ids = [[t] for t in sample_from_probs(probs, generators).tolist()]
+    else:
+        token_ids = _rejection_sample(states, probs, drafts, draft_probs, generators)
+    logprobs = [[] for _ in states]
+    if any(s.return_logprobs for s in states):
+        logprobs = _logprobs(logits, rows_per_seq, token_ids)
+    return VerifyResult(token_ids, logprobs)
+
+
+def _rejection_sample(states, probs, drafts, draft_probs, generators) -> list[list[int]]:
+    num_seqs, num_vocab = len(states), probs.shape[-1]
+    num_spec = max(len(d) for d in drafts)
+    target_probs = torch.full((num_seqs, num_spec + 1, num_vocab), 1.0 / num_vocab)  # [B, K+1, V]
+    draft_ids = torch.zeros((num_seqs, num_spec), dtype=torch.int64)  # [B, K]
+    offsets = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]
+    for b, d in enumerate(drafts):
+        target_probs[b, : len(d) + 1] = probs[offsets[b]: offsets[b + 1]]
+        draft_ids[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
+    num_draft_tokens = torch.tensor([len(d) for d in drafts], dtype=torch.int64)  # [B]
+    is_greedy = torch.tensor([s.sampling.is_greedy for s in states])  # [B]
+    if draft_probs is not None:
+        draft_probs = draft_probs[:, :num_spec]  # [B, K, V]
+    output, num_emitted = _sampler(target_probs, draft_ids, num_draft_tokens, draft_probs, is_greedy, generators)
+    return [row[:n] for row, n in zip(output.tolist(), num_emitted.tolist())]
+
+
+def _logprobs(logits: torch.Tensor, rows_per_seq: list[int], token_ids: list[list[int]]) -> list[list[float]]:
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    out, offset = [], 0
+    for n_rows, tokens in zip(rows_per_seq, token_ids):
+        rows = torch.arange(offset, offset + len(tokens))
+        out.append(log_probs[rows, torch.tensor(tokens)].tolist())
+        offset += n_rows
+    return out

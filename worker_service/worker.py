@@ -1,0 +1,179 @@
+"""The worker: per-request state, and one propose -> score -> accept step.
+
+`Worker.execute` takes a `StepRequest` and returns a `StepResult`. All
+sequences of a step — prefill chunks, plain decodes and speculating decodes
+with any number of drafts — run in ONE target forward pass; the batch is never
+split into a speculative and a non-speculative pass.
+"""
+
+import logging
+import math
+import time
+
+import torch
+
+from specdec import step
+from worker_service.config import WorkerConfig
+from worker_service.model_runner import ModelRunner, SequenceChunk
+from worker_service.proposers.draft import DraftProposer
+from worker_service.proposers.ngram import NgramProposer
+from worker_service.request_state import (InvalidStepError, RequestState, apply_cached, check_cached,
+                                          check_schedulable, new_state)
+from worker_service.scorers import SCORERS
+from worker_service.verify import verify
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """Holds the target (and draft) model runners and the requests' cached state."""
+
+    def __init__(self, config: WorkerConfig, target: ModelRunner, draft: ModelRunner | None = None):
+        self.config = config
+        self.target = target
+        self.draft = draft
+        self.proposer = self._make_proposer()
+        self.score = SCORERS[config.scorer]
+        model_limit = getattr(target.model.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(config.max_model_len or model_limit, model_limit)
+        self.requests: dict[str, RequestState] = {}
+        self.block_size: int | None = None
+        self.num_blocks = 0
+
+    def _make_proposer(self):
+        if self.config.proposer == "ngram":
+            return NgramProposer(self.config.ngram_min, self.config.ngram_max)
+        if self.config.proposer == "draft":
+            if self.draft is None:
+                raise ValueError("proposer 'draft' needs a draft model runner")
+            if self.draft.vocab_size != self.target.vocab_size:
+                raise ValueError(f"the draft's vocabulary ({self.draft.vocab_size}) differs from the target's "
+                                 f"({self.target.vocab_size})")
+            return DraftProposer(self.draft)
+        return None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.block_size is not None
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Target + draft KV bytes of one block."""
+        runners = [r for r in (self.target, self.draft) if r is not None]
+        return sum(r.kv_spec.bytes_per_block(block_size) for r in runners)
+
+    def init_cache(self, num_blocks: int, block_size: int) -> int:
+        """Allocates the target's and the draft's caches (same block ids); drops every request."""
+        if num_blocks <= 0 or block_size <= 0:
+            raise InvalidStepError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
+        if (num_blocks, block_size) != (self.num_blocks, self.block_size):
+            self.requests.clear()
+            for runner in (self.target, self.draft):
+                if runner is not None:
+                    runner.init_cache(num_blocks, block_size)
+            self.num_blocks, self.block_size = num_blocks, block_size
+        return self.kv_bytes_per_block(block_size) * num_blocks
+
+    def execute(self, request: step.StepRequest) -> step.StepResult:
+        """Runs one step. Raises InvalidStepError (state unchanged) for a step it cannot run."""
+        start = time.perf_counter()
+        if not self.is_ready:
+            raise InvalidStepError("the KV cache is not initialised: call InitCache first")
+        scheduled = self._apply(request)
+        stats = step.StepStats()
+        outputs = self._run(scheduled, request.num_lookahead_slots, stats) if scheduled else []
+        stats.total_ms = (time.perf_counter() - start) * 1e3
+        return step.StepResult(step_id=request.step_id, outputs=outputs, stats=stats)
+
+    def _apply(self, request: step.StepRequest) -> list[RequestState]:
+        """Validates the whole step, then updates the cached state; returns the scheduled requests."""
+        staged = {rid: s for rid, s in self.requests.items() if rid not in set(request.finished_request_ids)}
+        news = []
+        for r in request.new_requests:
+            if r.request_id in staged or r.request_id in {n.request_id for n in news}:
+                raise InvalidStepError(f"request {r.request_id!r} is already running on this worker")
+            news.append(new_state(r, self.target.vocab_size, self.num_blocks, self.target.device))
+        for c in request.cached_requests:
+            check_cached(c, staged.get(c.request_id), self.num_blocks)
+        originals = {c.request_id: (staged[c.request_id].block_table, staged[c.request_id].scheduled_new_tokens,
+                                    staged[c.request_id].num_speculative_tokens) for c in request.cached_requests}
+        for c in request.cached_requests:
+            apply_cached(c, staged[c.request_id])
+        scheduled = news + [staged[c.request_id] for c in request.cached_requests]
+        try:
+            for state in scheduled:
+                check_schedulable(state, request.num_lookahead_slots, self.block_size, self.max_model_len)
+        except InvalidStepError:
+            for rid, (table, num_new, k) in originals.items():  # roll back: the step is rejected whole
+                staged[rid].block_table, staged[rid].scheduled_new_tokens = table, num_new
+                staged[rid].num_speculative_tokens = k
+            raise
+        staged.update({s.request_id: s for s in news})
+        self.requests = staged
+        return scheduled
+
+    def _num_drafts(self, state: RequestState, num_lookahead_slots: int) -> int:
+        """k for this sequence and step: 0 unless it is decoding with speculation on."""
+        if self.proposer is None or state.num_tokens - state.num_computed_tokens != 1:
+            return 0
+        k = min(self.config.num_speculative_tokens, num_lookahead_slots, state.num_speculative_tokens,
+                self.max_model_len - state.num_tokens - 1)
+        if state.mean_accepted is not None:  # adaptive: little beyond what it recently accepted
+            k = min(k, math.floor(state.mean_accepted) + 2)
+        return max(k, 0)
+
+    def _run(self, scheduled: list[RequestState], num_lookahead_slots: int,
+             stats: step.StepStats) -> list[step.SequenceOutput]:
+        t0 = time.perf_counter()
+        num_drafts = [self._num_drafts(s, num_lookahead_slots) for s in scheduled]
+        drafts, draft_probs = [[] for _ in scheduled], None
+        if any(num_drafts):
+            proposal = self._propose(scheduled, num_drafts)
+            drafts, draft_probs = proposal.draft_token_ids, proposal.draft_probs
+        t1 = time.perf_counter()
+        chunks = [self._chunk(s, d) for s, d in zip(scheduled, drafts)]
+        logits = self.score(self.target, chunks)  # [sum(num_logits), V]
+        t2 = time.perf_counter()
+        sampling_rows = [i for i, c in enumerate(chunks) if c.num_logits > 0]
+        result = verify([scheduled[i] for i in sampling_rows], logits, [drafts[i] for i in sampling_rows],
+                        None if draft_probs is None else draft_probs[sampling_rows])
+        outputs = {s.request_id: step.SequenceOutput(request_id=s.request_id, token_ids=[]) for s in scheduled}
+        for state in scheduled:
+            state.num_computed_tokens += state.scheduled_new_tokens
+        for row, i in enumerate(sampling_rows):
+            self._accept(scheduled[i], drafts[i], result, row, outputs[scheduled[i].request_id])
+        t3 = time.perf_counter()
+        stats.propose_ms, stats.score_ms, stats.verify_ms = ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
+        stats.num_speculating_seqs = sum(1 for d in drafts if d)
+        return list(outputs.values())
+
+    def _propose(self, scheduled: list[RequestState], num_drafts: list[int]):
+        if isinstance(self.proposer, DraftProposer):
+            return self.proposer.propose(scheduled, num_drafts)
+        return self.proposer.propose([s.token_ids for s in scheduled], num_drafts)
+
+    @staticmethod
+    def _chunk(state: RequestState, drafts: list[int]) -> SequenceChunk:
+        begin = state.num_computed_tokens
+        tokens = state.token_ids[begin: begin + state.scheduled_new_tokens] + drafts
+        completes = begin + state.scheduled_new_tokens == state.num_tokens
+        return SequenceChunk(tokens, begin, state.block_table, num_logits=(1 + len(drafts)) if completes else 0)
+
+    def _accept(self, state: RequestState, drafts: list[int], result, row: int, out: step.SequenceOutput) -> None:
+        """Appends the emitted tokens; accepted drafts' K/V (already in the cache) count as computed."""
+        emitted = result.token_ids[row]
+        num_accepted = len(emitted) - 1
+        num_tokens_before = state.num_tokens
+        state.token_ids.extend(emitted)
+        state.num_computed_tokens += num_accepted
+        if drafts:
+            previous = state.mean_accepted if state.mean_accepted is not None else float(len(drafts))
+            state.mean_accepted = 0.7 * previous + 0.3 * num_accepted
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.after_verify(state, num_tokens_before, len(drafts), num_accepted)
+        out.token_ids = emitted
+        out.logprobs = result.logprobs[row] if state.return_logprobs else []
+        out.num_draft_tokens, out.num_accepted_tokens = len(drafts), num_accepted
+
+    def drop(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.requests.pop(rid, None)
