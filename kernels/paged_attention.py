@@ -148,7 +148,7 @@ def gather_kv(
     return dense[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=8)
 def packed_causal_mask(
     seq_lens: tuple[int, ...], q_len: int, group: int, device: torch.device
 ) -> torch.Tensor:  # [B or 1, 1, G*Q, L] bool
@@ -156,7 +156,8 @@ def packed_causal_mask(
 
     Row g*Q + i holds query i of sequence b, at position seq_lens[b] - Q + i;
     it sees keys 0..position. Equal lengths give one broadcast row block.
-    Cached: every layer of a forward pass asks for the same mask.
+    Cached: every layer of a forward pass asks for the same mask (a few
+    distinct q_lens per step; at most G*Q*L bytes per sequence each).
     """
     max_len = max(seq_lens)
     lens = seq_lens[:1] if min(seq_lens) == max_len else seq_lens

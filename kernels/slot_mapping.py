@@ -80,10 +80,9 @@ def slot_mapping_triton(
 
 
 def token_seq_ids(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:  # [T] int64
-    """Sequence index of every packed token, from the [B+1] offsets."""
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
-    seq_ids = torch.arange(q_lens.shape[0], device=query_start_loc.device)  # [B]
-    return torch.repeat_interleave(seq_ids, q_lens, output_size=num_tokens)  # [T]
+    """Sequence index of every packed token: how many sequences end at or before it."""
+    token_ids = torch.arange(num_tokens, device=query_start_loc.device)  # [T]
+    return torch.searchsorted(query_start_loc[1:], token_ids, right=True)  # [T]
 
 
 def slot_mapping_ref(
@@ -93,11 +92,12 @@ def slot_mapping_ref(
     block_size: int,
 ) -> torch.Tensor:  # [T] int64
     """PyTorch reference of ``slot_mapping_triton``: vectorised, no host syncs."""
-    seq_ids = token_seq_ids(query_start_loc.to(positions.device), positions.shape[0])  # [T]
-    seq_ids = seq_ids.to(block_tables.device)
-    positions_bt = positions.to(block_tables.device)  # [T]
-    block_ids = block_tables[seq_ids, positions_bt // block_size].long()  # [T]
-    return block_ids * block_size + positions_bt % block_size  # [T]
+    device = positions.device
+    seq_ids = token_seq_ids(query_start_loc.to(device), positions.shape[0])  # [T]
+    block_idx = positions // block_size  # [T]
+    flat_idx = seq_ids * block_tables.shape[1] + block_idx  # [T] row-major index into block_tables
+    block_ids = torch.take(block_tables.to(device), flat_idx).long()  # [T]
+    return block_ids * block_size + (positions - block_idx * block_size)  # [T]
 
 
 def compute_slot_mapping(

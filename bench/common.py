@@ -1,0 +1,57 @@
+"""Shared pieces of the benchmark scripts: prompts, timing, result files."""
+
+import json
+import logging
+import pathlib
+import platform
+import statistics
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data" / "spec_bench_dev.jsonl"
+RESULTS = ROOT / "bench" / "results"
+
+logger = logging.getLogger("bench")
+
+
+def load_questions(path: pathlib.Path = DATA, categories: list[str] | None = None, per_category: int | None = None):
+    """Spec-Bench questions (first turn), optionally the first N of some categories."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if categories is not None:
+        rows = [r for r in rows if r["category"] in categories]
+    if per_category is not None:
+        counts: dict[str, int] = {}
+        kept = []
+        for r in rows:
+            counts[r["category"]] = counts.get(r["category"], 0) + 1
+            if counts[r["category"]] <= per_category:
+                kept.append(r)
+        rows = kept
+    return rows
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"]
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median wall time of fn() over `repeats` runs, in seconds."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def save(name: str, payload: dict) -> pathlib.Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
+                           "torch": torch.__version__}, **payload}
+    path = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    logger.info("saved %s", path)
+    return path

@@ -1,0 +1,152 @@
+"""Speculative decoding in the worker: lossless greedy output, draft KV upkeep, scorer equivalence."""
+
+import pytest
+import torch
+
+from specdec import step
+from tests.worker.driver import Driver
+from worker_service.config import WorkerConfig
+from worker_service.model_loader import load_model
+from worker_service.model_runner import ModelRunner, SequenceChunk
+from worker_service.request_state import InvalidStepError
+from worker_service.scorers import expand
+from worker_service.worker import Worker
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 400
+# Repetitive prompts give n-gram matches; the last two have no repeated token, so they propose nothing.
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [40] * 20, [10, 11, 12, 10, 11, 12, 10], list(range(3, 33)), [100, 101, 102]]
+MAX_TOKENS = 24
+
+
+def make_worker(pair, proposer="none", k=0, scorer="multi_query", draft_path=None) -> Worker:
+    draft_path = draft_path or pair.draft_path
+    config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k, scorer=scorer,
+                          draft_model=str(draft_path) if proposer == "draft" else None)
+    draft = ModelRunner(load_model(draft_path)) if proposer == "draft" else None
+    worker = Worker(config, ModelRunner(load_model(pair.target_path)), draft)
+    worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    return worker
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_pair):
+    """Greedy output without speculation, checked against full-sequence `transformers` forwards."""
+    got = Driver(make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, MAX_TOKENS)
+    reference = load_model(tiny_pair.target_path)
+    for prompt, output in zip(PROMPTS, got):
+        seq = list(prompt)
+        with torch.inference_mode():
+            for _ in range(MAX_TOKENS):
+                seq.append(int(reference(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert output == seq[len(prompt):]
+    return got
+
+
+def speculative_run(worker, k):
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS, num_lookahead_slots=k)
+    return driver.generate(PROMPTS, MAX_TOKENS, num_speculative_tokens=k), driver.results
+
+
+def has_mixed_step(results) -> bool:
+    """Some step ran speculating and non-speculating decodes together (one pass, no split)."""
+    return any(len({o.num_draft_tokens > 0 for o in r.outputs if o.token_ids}) == 2 for r in results[1:])
+
+
+def draft_counts(results):
+    per_request: dict[str, tuple[int, int]] = {}
+    for result in results:
+        for out in result.outputs:
+            drafted, accepted = per_request.get(out.request_id, (0, 0))
+            per_request[out.request_id] = (drafted + out.num_draft_tokens, accepted + out.num_accepted_tokens)
+    return per_request
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("scorer", ["multi_query", "batch_expansion"])
+def test_ngram_greedy_is_lossless(tiny_pair, baseline, k, scorer):
+    got, results = speculative_run(make_worker(tiny_pair, "ngram", k, scorer), k)
+    assert got == baseline
+    counts = draft_counts(results)
+    assert counts["r0"][1] > 0 and counts["r1"][1] > 0  # speculation really happened and was accepted
+    assert results[1].outputs[4].num_draft_tokens == 0  # no repeated n-gram yet: proposes nothing
+    assert has_mixed_step(results)
+    assert all(o.num_draft_tokens <= k for r in results for o in r.outputs)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_draft_model_greedy_is_lossless(tiny_pair, baseline, k):
+    got, results = speculative_run(make_worker(tiny_pair, "draft", k), k)
+    assert got == baseline
+    assert sum(o.num_draft_tokens for r in results for o in r.outputs) > 0
+
+
+def test_self_draft_accepts_everything_and_stays_lossless(tiny_pair, baseline):
+    """Target as its own draft: every draft is accepted, so every step goes through the bonus-token path."""
+    worker = make_worker(tiny_pair, "draft", 3, draft_path=tiny_pair.target_path)
+    got, results = speculative_run(worker, 3)
+    assert got == baseline
+    drafted, accepted = map(sum, zip(*draft_counts(results).values()))
+    assert drafted > 0 and accepted == drafted
+
+
+def test_per_request_k_zero_mixes_with_speculating_requests(tiny_pair, baseline):
+    worker = make_worker(tiny_pair, "draft", 3)
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS, num_lookahead_slots=3)
+    first = driver.generate(PROMPTS[:2], MAX_TOKENS, num_speculative_tokens=0, prefix="off")
+    assert first == baseline[:2]
+    assert all(o.num_draft_tokens == 0 for r in driver.results for o in r.outputs)
+
+
+def test_bonus_token_draft_kv_is_written(tiny_pair):
+    """After an all-accepted step, the draft's next proposal equals a fresh draft run on the full prefix."""
+    worker = make_worker(tiny_pair, "draft", 3, draft_path=tiny_pair.target_path)
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS, num_lookahead_slots=3)
+    prompt = [7, 8, 9, 10, 11]
+    table = driver.blocks(64)
+    greedy = step.RequestSampling(temperature=0.0)
+    worker.execute(step.StepRequest(0, new_requests=[step.NewRequest("b", prompt, 5, greedy, table, 5, 3)],
+                                    num_lookahead_slots=3))
+    result = worker.execute(step.StepRequest(1, cached_requests=[step.CachedRequest("b", [], len(table), 1)],
+                                             num_lookahead_slots=3))
+    assert result.outputs[0].num_accepted_tokens == 3 and len(result.outputs[0].token_ids) == 4
+    state = worker.requests["b"]
+    proposal = worker.proposer.propose([state], [3]).draft_token_ids[0]
+    fresh = load_model(tiny_pair.target_path)
+    seq = list(state.token_ids)
+    with torch.inference_mode():
+        for _ in range(3):
+            seq.append(int(fresh(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert proposal == seq[len(state.token_ids):]
+
+
+def test_batch_expansion_and_multi_query_scores_agree(tiny_pair):
+    runner = ModelRunner(load_model(tiny_pair.target_path))
+    runner.init_cache(64, BLOCK_SIZE)
+    prefixes = [list(range(3, 20)), [9, 9, 9], list(range(50, 60))]
+    tables = [[i * 8 + j for j in range(8)] for i in range(3)]
+    runner.forward([SequenceChunk(p, 0, t, 0) for p, t in zip(prefixes, tables)])
+    chunks = [SequenceChunk([1, 2, 3, 4], len(prefixes[0]), tables[0], 4),   # pending + 3 drafts
+              SequenceChunk([5], len(prefixes[1]), tables[1], 1),            # no drafts
+              SequenceChunk([6, 7, 8, 9, 10, 11], len(prefixes[2]), tables[2], 6)]
+    multi = runner.forward(chunks)
+    expanded = runner.forward(expand(chunks))
+    assert len(expand(chunks)) == 4 + 1 + 6
+    assert multi.shape == expanded.shape == (11, 256)
+    assert (multi - expanded).abs().max().item() <= 1e-4
+
+
+def test_lookahead_beyond_block_table_is_rejected(tiny_pair):
+    worker = make_worker(tiny_pair, "ngram", 3)
+    greedy = step.RequestSampling(temperature=0.0)
+    worker.execute(step.StepRequest(0, new_requests=[step.NewRequest("x", [5, 6, 5], 3, greedy, [0], 3, 3)]))
+    with pytest.raises(InvalidStepError, match="shorter than"):
+        worker.execute(step.StepRequest(1, cached_requests=[step.CachedRequest("x", [], 1, 1)],
+                                        num_lookahead_slots=3))
+    with pytest.raises(InvalidStepError, match="unknown request id 'y'"):
+        worker.execute(step.StepRequest(2, cached_requests=[step.CachedRequest("y", [], 0, 1)],
+                                        num_lookahead_slots=3))
+    # Rejected steps change nothing: with room for the lookahead the same request runs on.
+    ok = worker.execute(step.StepRequest(3, cached_requests=[step.CachedRequest("x", [1, 2], 1, 1)],
+                                         num_lookahead_slots=3))
+    assert len(ok.outputs[0].token_ids) >= 1
