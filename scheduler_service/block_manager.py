@@ -29,10 +29,12 @@ class BlockManager:
 
     @property
     def num_total_blocks(self) -> int:
+        """Blocks in the pool."""
         return len(self._ref_counts)
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks on the free list (ref count zero)."""
         return len(self._free_block_ids)
 
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -48,6 +50,7 @@ class BlockManager:
         return list(self._block_tables[request_id])
 
     def ref_count(self, block_id: int) -> int:
+        """How many block tables hold the block (0 or 1: blocks are not shared yet)."""
         return self._ref_counts[block_id]
 
     def can_allocate(self, num_tokens: int) -> bool:

@@ -17,7 +17,8 @@ REPLACEMENT_CHAR = "\ufffd"
 class Tokenizer(Protocol):
     """What the detokenizer needs from a tokenizer (Hugging Face tokenizers have it)."""
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`; an incomplete UTF-8 character at the end decodes to U+FFFD."""
 
 
 class IncrementalDetokenizer:

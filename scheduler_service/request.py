@@ -70,10 +70,12 @@ class Request:
 
     @property
     def num_prompt_tokens(self) -> int:
+        """Prompt length in tokens."""
         return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
+        """Confirmed output tokens (all of them were, or are being, streamed)."""
         return len(self.output_token_ids)
 
     @property
@@ -93,6 +95,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        """Whether the request ended (stopped, length or aborted)."""
         return self.status.is_finished
 
     @property

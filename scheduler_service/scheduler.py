@@ -76,6 +76,7 @@ class Scheduler:
 
     @property
     def num_free_blocks(self) -> int:
+        """Free KV blocks; back at num_kv_blocks once every request has ended and no step is in flight."""
         return self.block_manager.num_free_blocks
 
     @property

@@ -43,6 +43,8 @@ class PieceTokenizer:
 
 @dataclass
 class _WorkerState:
+    """What a worker keeps per request."""
+
     token_ids: list[int]
     num_computed: int
     block_ids: list[int]

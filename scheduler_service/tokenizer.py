@@ -1,0 +1,58 @@
+"""The scheduler's tokenizer: `tokenizers` + the model's Jinja chat template, no torch.
+
+Reads a Hugging Face checkpoint directory: `tokenizer.json`, and the chat
+template from `chat_template.jinja` or `tokenizer_config.json`.
+"""
+
+import json
+import pathlib
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class TokenizerError(ValueError):
+    """The model directory has no usable tokenizer, or a prompt cannot be rendered."""
+
+
+def _raise(message: str):
+    raise TokenizerError(message)
+
+
+class ChatTokenizer:
+    """Encode, decode and render chat messages the way `transformers` does."""
+
+    def __init__(self, model_dir: str | pathlib.Path):
+        model_dir = pathlib.Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise TokenizerError(f"{model_dir} has no tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.bos_token = config.get("bos_token") or ""
+        self.eos_token = config.get("eos_token") or ""
+        template_path = model_dir / "chat_template.jinja"
+        template = template_path.read_text() if template_path.exists() else config.get("chat_template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self.chat_template = env.from_string(template) if isinstance(template, str) else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text to ids, without special tokens added."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Renders messages with the generation prompt appended, then tokenises the text."""
+        if self.chat_template is None:
+            raise TokenizerError("this model has no chat template: send a text prompt or token ids")
+        text = self.chat_template.render(messages=messages, add_generation_prompt=True,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        return self.encode(text)
