@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from kernels.slot_mapping import compute_slot_mapping
 from worker_service.attention import ATTENTION_NAME, PagedMetadata
+from worker_service.fast_linear import use_mkldnn_output_layer
 from worker_service.kv_cache import KVCache, KVCacheSpec
 
 logger = logging.getLogger(__name__)
@@ -72,9 +73,11 @@ def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -
 class ModelRunner:
     """Owns one model and its paged KV cache."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, fast_linears: bool = True):
         self.model = model
         model.set_attn_implementation(ATTENTION_NAME)
+        if fast_linears:
+            use_mkldnn_output_layer(model)
         self.device = model.device
         self.dtype = model.dtype
         self.kv_spec = KVCacheSpec.from_config(model.config, model.dtype)
