@@ -177,10 +177,11 @@ class Request:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def make_output(self, new_token_ids: list[int], text: str) -> "RequestOutput":
+    def make_output(self, new_token_ids: list[int], text: str, logprobs: list[float] | None = None) -> "RequestOutput":
         """This step's output with the usage counts so far."""
         return RequestOutput(self.request_id, new_token_ids, text, self.finish_reason, self.num_prompt_tokens,
-                             self.num_output_tokens, self.num_draft_tokens, self.num_accepted_tokens)
+                             self.num_output_tokens, self.num_draft_tokens, self.num_accepted_tokens,
+                             logprobs or [])
 
     def reset_for_recompute(self) -> None:
         """Forgets all KV state after preemption; the output already streamed is kept."""
@@ -219,3 +220,4 @@ class RequestOutput:
     num_completion_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    logprobs: list[float] = field(default_factory=list)  # one per new token, when requested

@@ -37,6 +37,7 @@ class SchedulerStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0              # tokens delivered to clients
+    num_sequence_steps: int = 0              # (request, step) pairs that delivered tokens
     num_preemptions: int = 0
 
 
@@ -273,7 +274,9 @@ class Scheduler:
         if status is not None:
             self._finish(request, status)
         self.stats.num_emitted_tokens += len(new_token_ids)
-        return request.make_output(new_token_ids, text)
+        self.stats.num_sequence_steps += 1
+        logprobs = output.logprobs[: len(new_token_ids)] if output is not None else []
+        return request.make_output(new_token_ids, text, logprobs)
 
     def _is_in_flight(self, request_id: str) -> bool:
         return any(request_id in step.scheduled for step in self._in_flight)

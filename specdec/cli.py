@@ -21,10 +21,31 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
+def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: what the worker's KV budget holds")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
+                   help="no speculation in a step when more than N requests run")
+    p.add_argument("--scheduling", choices=("sync", "async"), default="async")
+
+
+def _scheduler_options(args: argparse.Namespace, worker_address: str, model_dir: str):
+    from scheduler_service.main import SchedulerOptions
+
+    return SchedulerOptions(model_dir=model_dir, worker_address=worker_address, host=args.host, port=args.port,
+                            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
+                            speculative_disable_queue_size=args.speculative_disable_queue_size,
+                            scheduling=args.scheduling)
+
+
 def _worker_config(args: argparse.Namespace):
     from worker_service.config import WorkerConfig
 
-    model = args.model or str(models.fetch_default_model())
+    model = str(models.resolve_model(args.model))
     return WorkerConfig(model=model, dtype=args.dtype, draft_model=args.draft_model, proposer=args.proposer,
                         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                         ngram_max=args.ngram_max, scorer=args.scorer,
@@ -43,6 +64,29 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 1
 
 
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from scheduler_service.main import run_scheduler
+
+    try:
+        model_dir = str(models.resolve_model(args.model))
+        return run_scheduler(_scheduler_options(args, args.worker, model_dir))
+    except Exception as exc:  # noqa: BLE001 - the CLI edge: one clear line, non-zero exit
+        print(f"specdec scheduler: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specdec.serve import serve
+
+    return serve(args)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdec.client import generate
+
+    return generate(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -52,6 +96,37 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--port", type=int, default=50052)
     _add_worker_flags(worker)
     worker.set_defaults(func=cmd_worker)
+
+    scheduler = sub.add_parser("scheduler", help="run the scheduler (client API) for a running worker")
+    scheduler.add_argument("--host", default="127.0.0.1")
+    scheduler.add_argument("--port", type=int, default=50051)
+    scheduler.add_argument("--worker", required=True, metavar="HOST:PORT")
+    scheduler.add_argument("--model", default=None, help="the worker's model, for its tokenizer")
+    scheduler.add_argument("--max-model-len", type=int, default=None)
+    scheduler.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                           help="default: the worker's k")
+    _add_scheduler_flags(scheduler)
+    scheduler.set_defaults(func=cmd_scheduler)
+
+    serve = sub.add_parser("serve", help="start a worker and the scheduler on loopback")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=50051)
+    _add_worker_flags(serve)
+    _add_scheduler_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="stream a completion from a running server")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default="127.0.0.1:50051")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, not as a chat message")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--no-speculation", action="store_true")
+    gen.set_defaults(func=cmd_generate)
     return parser
 
 

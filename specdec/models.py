@@ -16,6 +16,7 @@ the default model.
 import logging
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,18 +47,38 @@ def default_model_path() -> pathlib.Path:
 
 def fetch_default_model() -> pathlib.Path:
     """Returns the default model's checkpoint directory, fetching and converting it once if needed."""
-    target = default_model_path()
+    return convert_gguf(fetch_default_gguf(), default_model_path())
+
+
+def resolve_model(model: str | None) -> pathlib.Path:
+    """A checkpoint directory for `model`: None = the default; a .gguf file is converted once into the cache."""
+    if model is None:
+        return fetch_default_model()
+    path = pathlib.Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        size = path.stat().st_size
+        return convert_gguf(path, cache_dir() / f"{path.stem}-{size}")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model {model}: not a checkpoint directory (no config.json) nor a .gguf file")
+    return path
+
+
+def convert_gguf(gguf_path: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
+    """Dequantises a GGUF into a checkpoint directory at `target` (once; later calls return it)."""
     if (target / "config.json").exists():
         return target
-    gguf_path = fetch_default_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("converting %s to a checkpoint directory (once)", gguf_path.name)
     from worker_service.model_loader import load_tokenizer, unquantized_copy  # torch only when converting
 
-    partial = target.with_name(target.name + ".partial")
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")
     unquantized_copy(gguf_path).save_pretrained(partial)
     load_tokenizer(gguf_path).save_pretrained(partial)
-    partial.replace(target)
-    logger.info("cached the default model at %s", target)
+    try:
+        partial.replace(target)
+    except OSError:  # another process converted it meanwhile
+        shutil.rmtree(partial, ignore_errors=True)
+    logger.info("cached %s at %s", gguf_path.name, target)
     return target
 
 

@@ -143,7 +143,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("num_requests", "num_drafted_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate", "mean_accepted_length", "num_steps", "num_steps_speculation_disabled", "num_preemptions")
+    __slots__ = ("num_requests", "num_drafted_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate", "mean_accepted_length", "num_steps", "num_steps_speculation_disabled", "num_preemptions", "worker_busy_seconds", "active_wall_seconds", "num_worker_failures")
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,9 @@ class Counters(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_SPECULATION_DISABLED_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     num_requests: int
     num_drafted_tokens: int
     num_accepted_tokens: int
@@ -162,7 +165,10 @@ class Counters(_message.Message):
     num_steps: int
     num_steps_speculation_disabled: int
     num_preemptions: int
-    def __init__(self, num_requests: _Optional[int] = ..., num_drafted_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_emitted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_steps: _Optional[int] = ..., num_steps_speculation_disabled: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    worker_busy_seconds: float
+    active_wall_seconds: float
+    num_worker_failures: int
+    def __init__(self, num_requests: _Optional[int] = ..., num_drafted_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_emitted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_steps: _Optional[int] = ..., num_steps_speculation_disabled: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., worker_busy_seconds: _Optional[float] = ..., active_wall_seconds: _Optional[float] = ..., num_worker_failures: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("model", "proposer", "num_speculative_tokens", "max_model_len", "max_num_seqs", "block_size", "num_kv_blocks", "num_free_kv_blocks", "scheduling", "speculative_disable_queue_size", "counters", "num_running", "num_waiting")
