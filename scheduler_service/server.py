@@ -124,7 +124,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 def create_server(host: str, port: int, max_workers: int = 64):
     """A started server (health NOT_SERVING until attach); returns (server, servicer, health, bound port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    # so_reuseport off: a port another server holds must fail to bind, not be shared.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=[("grpc.so_reuseport", 0)])
     health_servicer = health.HealthServicer()
     for name in (SERVICE_NAME, ""):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -40,8 +40,9 @@ class Process:
                                  + "\n".join(self.lines[-40:]))
         return match
 
-    def address(self, timeout: float = 180.0) -> str:
-        match = self.wait_for(_LISTEN.pattern, timeout)
+    def address(self, timeout: float = 180.0, who: str = "") -> str:
+        """The address from the first `<who> listening on HOST:PORT` line."""
+        match = self.wait_for(who + _LISTEN.pattern, timeout)
         return f"{match.group(1)}:{match.group(2)}"
 
     def stop(self, timeout: float = 30.0) -> int:

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 import pathlib
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -30,6 +31,19 @@ class TinyPair:
     draft_path: pathlib.Path
 
 
+def save_tiny_tokenizer(directory: pathlib.Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary: id i is the word "w<i>" (0 unk, 1 bos, 2 eos)."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"\u2581w{i}": i for i in range(3, VOCAB_SIZE)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    (directory / "chat_template.jinja").write_text(
+        "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}{% if add_generation_prompt %}w5{% endif %}")
+
+
 def make_tiny_pair(directory: pathlib.Path) -> TinyPair:
     """Saves the seeded target (4 layers, GQA) and draft (2 layers) as HF checkpoints."""
     target = tiny_llama(seed=0, num_layers=4, hidden=64, heads=4, kv_heads=2)
@@ -37,4 +51,5 @@ def make_tiny_pair(directory: pathlib.Path) -> TinyPair:
     pair = TinyPair(directory / "target", directory / "draft")
     target.save_pretrained(pair.target_path)
     draft.save_pretrained(pair.draft_path)
+    save_tiny_tokenizer(pair.target_path)
     return pair

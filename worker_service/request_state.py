@@ -106,8 +106,8 @@ def check_schedulable(state: RequestState, num_lookahead_slots: int, block_size:
                                f"in [1, {pending}] (tokens not yet computed)")
     end = state.num_computed_tokens + state.scheduled_new_tokens
     is_decode = pending == 1
-    if is_decode and state.num_speculative_tokens > 0:
-        end += num_lookahead_slots
+    if is_decode:  # drafts go into the lookahead slots, up to this request's k cap
+        end += min(num_lookahead_slots, state.num_speculative_tokens)
     end = min(end, max_model_len)
     capacity = len(state.block_table) * block_size
     if capacity < end:

@@ -91,7 +91,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 def create_server(host: str, port: int, max_workers: int = 8) -> tuple[grpc.Server, WorkerServicer, int]:
     """A started server with the Worker, health and reflection services; returns the bound port."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=[("grpc.max_receive_message_length", 64 << 20),
+                         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20)])
     health_servicer = health.HealthServicer()
     for name in (SERVICE_NAME, ""):

@@ -1,0 +1,66 @@
+"""gRPC client helpers for end-to-end tests."""
+
+from concurrent.futures import ThreadPoolExecutor
+import contextlib
+import time
+
+import grpc
+
+from specdec.v1 import generation_pb2 as pb
+from specdec.v1 import generation_pb2_grpc
+from tests.processes import running
+
+
+class Server:
+    """A `specdec serve` process and a stub to its client API."""
+
+    def __init__(self, process):
+        self.process = process
+        self.address = process.address(who="scheduler ")
+        process.wait_for("scheduler ready")
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def info(self) -> pb.ServerInfo:
+        return self.stub.GetServerInfo(pb.GetServerInfoRequest())
+
+    def wait_idle(self, timeout: float = 30.0) -> pb.ServerInfo:
+        """Waits until no request runs and every KV block is free again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.info()
+            if (info.num_running == 0 and info.num_waiting == 0 and info.num_free_kv_blocks == info.num_kv_blocks) \
+                    or time.monotonic() > deadline:
+                return info
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def serve(args: list[str]):
+    with running(["serve", "--port", "0", *args]) as process:
+        server = Server(process)
+        try:
+            yield server
+        finally:
+            server.channel.close()
+
+
+def greedy_request(prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True, **kwargs) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt_ids),
+                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                         ignore_eos=ignore_eos), **kwargs)
+
+
+def stream(stub, request: pb.GenerateRequest) -> tuple[list[int], pb.GenerateResponse]:
+    """Token ids of a streamed completion, and its last message."""
+    token_ids, last = [], None
+    for response in stub.Generate(request):
+        token_ids.extend(response.token_ids)
+        last = response
+    return token_ids, last
+
+
+def stream_all(stub, requests: list[pb.GenerateRequest]) -> list[tuple[list[int], pb.GenerateResponse]]:
+    """All requests streamed concurrently."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda r: stream(stub, r), requests))

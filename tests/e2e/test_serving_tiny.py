@@ -1,0 +1,160 @@
+"""End to end with real processes (`specdec serve`) and the tiny seeded target/draft pair."""
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from specdec.v1 import generation_pb2 as pb
+from tests.e2e.client import greedy_request, serve, stream, stream_all
+from worker_service.model_loader import load_model
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [40] * 12, [10, 11, 12, 10, 11], list(range(3, 23)), [100, 101, 102],
+           [9, 8, 7, 9, 8, 7, 9], [200, 201], [33, 34, 35, 36, 33, 34]]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    """Greedy continuations from full-sequence `transformers` forwards (EOS ignored)."""
+    model = load_model(tiny_pair.target_path)
+    outputs = []
+    for prompt in PROMPTS:
+        seq = list(prompt)
+        with torch.inference_mode():
+            for _ in range(MAX_TOKENS):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        outputs.append(seq[len(prompt):])
+    return outputs
+
+
+def tiny_args(pair, *extra) -> list[str]:
+    return ["--model", str(pair.target_path), "--block-size", "4", "--num-threads", "1", *extra]
+
+
+CONFIGS = {
+    "plain-sync": ["--scheduling", "sync"],
+    "plain-async": ["--scheduling", "async"],
+    "ngram-async": ["--proposer", "ngram", "--num-speculative-tokens", "3", "--scheduling", "async"],
+    "ngram-sync-preempt": ["--proposer", "ngram", "--num-speculative-tokens", "3", "--scheduling", "sync",
+                           "--num-kv-blocks", "24"],
+    "draft-async-preempt": ["--proposer", "draft", "--num-speculative-tokens", "3", "--scheduling", "async",
+                            "--num-kv-blocks", "24"],
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_concurrent_greedy_outputs_are_identical(tiny_pair, reference, name):
+    args = CONFIGS[name]
+    if "draft" in name:
+        args = [*args, "--draft-model", str(tiny_pair.draft_path)]
+    with serve(tiny_args(tiny_pair, *args)) as server:
+        results = stream_all(server.stub, [greedy_request(p, MAX_TOKENS) for p in PROMPTS])
+        assert [tokens for tokens, _ in results] == reference
+        assert all(last.finish_reason == pb.FINISH_REASON_LENGTH for _, last in results)
+        info = server.wait_idle()
+        assert info.num_free_kv_blocks == info.num_kv_blocks  # no block leaks
+        if "preempt" in name:
+            assert info.counters.num_preemptions > 0
+        if "ngram" in name or "draft" in name:
+            assert info.counters.num_drafted_tokens > 0
+
+
+def test_auto_disable_then_resume(tiny_pair, reference):
+    """More than 2 running: steps carry k=0; once one request remains it speculates again (self-draft)."""
+    args = tiny_args(tiny_pair, "--proposer", "draft", "--draft-model", str(tiny_pair.target_path),
+                     "--num-speculative-tokens", "3", "--speculative-disable-queue-size", "2", "--scheduling", "sync")
+    with serve(args) as server:
+        requests = [greedy_request(p, 4) for p in PROMPTS[:3]] + [greedy_request(PROMPTS[3], MAX_TOKENS)]
+        results = stream_all(server.stub, requests)
+        info = server.wait_idle()
+    assert results[3][0] == reference[3]
+    assert [tokens for tokens, _ in results[:3]] == [r[:4] for r in reference[:3]]
+    assert info.counters.num_steps_speculation_disabled > 0
+    assert results[3][1].usage.draft_tokens > 0  # speculated after the others had finished
+    assert results[3][1].usage.accepted_tokens == results[3][1].usage.draft_tokens  # self-draft: all accepted
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_pair):
+    with serve(tiny_args(tiny_pair, "--max-model-len", "64", "--num-kv-blocks", "64")) as server:
+        yield server
+
+
+def expect_status(call, code, fragment):
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == code, info.value.details()
+    assert fragment in info.value.details()
+
+
+def test_bad_client_input(plain_server):
+    stub = plain_server.stub
+    bad = [
+        (pb.GenerateRequest(prompt=""), "prompt is empty"),
+        (pb.GenerateRequest(), "no prompt"),
+        (greedy_request(list(range(3, 70)), 4), "max_model_len 64"),
+        (pb.GenerateRequest(prompt="w5 w6", sampling=pb.SamplingParams(temperature=-0.5)), "temperature must be >= 0"),
+        (pb.GenerateRequest(prompt="w5 w6", sampling=pb.SamplingParams(top_p=0.0)), "top_p must be in (0, 1]"),
+        (pb.GenerateRequest(prompt="w5 w6", sampling=pb.SamplingParams(top_p=1.5)), "top_p must be in (0, 1]"),
+        (pb.GenerateRequest(prompt="w5 w6", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens must be > 0"),
+        (greedy_request([5, 999], 4), "outside the vocabulary"),
+    ]
+    for request, fragment in bad:
+        expect_status(lambda: list(stub.Generate(request)), grpc.StatusCode.INVALID_ARGUMENT, fragment)
+        expect_status(lambda: stub.Complete(request), grpc.StatusCode.INVALID_ARGUMENT, fragment)
+    expect_status(lambda: stub.Abort(pb.AbortRequest(request_id="nope")), grpc.StatusCode.NOT_FOUND, "nope")
+    # Still serving: text, chat and token-id prompts.
+    done = stub.Complete(pb.GenerateRequest(prompt="w5 w6 w7", sampling=pb.SamplingParams(max_tokens=5,
+                                                                                          temperature=0)))
+    assert done.usage.prompt_tokens == 3 and 1 <= len(done.token_ids) <= 5
+    chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="w9 w10")]),
+                              sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
+    assert stub.Complete(chat).usage.prompt_tokens == 5  # w3 w9 w10 w4 w5 from the chat template
+
+
+def test_abort_and_cancellation_free_blocks(plain_server):
+    stub = plain_server.stub
+    total = plain_server.info().num_kv_blocks
+    call = stub.Generate(greedy_request([5, 6, 7], 50, request_id="cancel-me"))
+    next(call)  # streaming has begun
+    call.cancel()
+    info = plain_server.wait_idle()
+    assert info.num_free_kv_blocks == total and info.num_running == 0
+
+    seen = []
+    started = threading.Event()
+
+    def consume():
+        for response in stub.Generate(greedy_request([8, 9], 50, request_id="abort-me")):
+            seen.append(response)
+            started.set()
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    assert started.wait(30)
+    stub.Abort(pb.AbortRequest(request_id="abort-me"))
+    thread.join(30)
+    assert seen[-1].finish_reason == pb.FINISH_REASON_ABORT
+    info = plain_server.wait_idle()
+    assert info.num_free_kv_blocks == total
+    # Still serving, and the id can be used again.
+    tokens, last = stream(stub, greedy_request([8, 9], 4, request_id="abort-me"))
+    assert len(tokens) == 4 and last.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_server_info_counters(plain_server):
+    info = plain_server.info()
+    assert info.model.endswith("target") and info.proposer == "none" and info.max_model_len == 64
+    assert info.counters.num_requests > 0 and info.counters.num_emitted_tokens > 0
+    assert 0 < info.counters.worker_busy_seconds <= info.counters.active_wall_seconds
+
+
+def test_port_taken_exits_nonzero(tiny_pair, plain_server):
+    port = plain_server.address.rsplit(":", 1)[1]
+    from tests.processes import running
+
+    with running(["serve", "--port", port, *tiny_args(tiny_pair)]) as proc:
+        assert proc.proc.wait(120) == 1
+        proc.wait_for("error: cannot listen")
