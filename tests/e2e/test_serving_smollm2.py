@@ -1,0 +1,68 @@
+"""End to end with the embedded SmolLM2: 8 concurrent streaming requests equal `transformers` generate."""
+
+import pytest
+import torch
+
+from specdec.v1 import generation_pb2 as pb
+from tests.e2e.client import serve, stream_all
+from worker_service.model_loader import load_model, load_tokenizer
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+             "Explain why the sky is blue in one sentence.", "Translate 'good morning' into German.",
+             "What is 12 times 12?", "Name a famous painting by Leonardo da Vinci.",
+             "Repeat after me: the cat sat on the mat, the cat sat on the mat."]
+MAX_TOKENS = 32
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_path):
+    tokenizer = load_tokenizer(smollm2_path)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"] for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path, prompts):
+    model = load_model(smollm2_path)
+    outputs = []
+    for p in prompts:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        outputs.append(out[0, len(p):].tolist())
+    return outputs
+
+
+CONFIGS = {
+    "plain-sync": ["--scheduling", "sync"],
+    "ngram-async": ["--proposer", "ngram", "--num-speculative-tokens", "4", "--scheduling", "async"],
+    "ngram-sync-preempt": ["--proposer", "ngram", "--num-speculative-tokens", "4", "--scheduling", "sync",
+                           "--num-kv-blocks", "24"],
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_concurrent_chat_requests_match_transformers(smollm2_path, prompts, reference, name):
+    with serve(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *CONFIGS[name]]) as server:
+        requests = [pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=p),
+                                       sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+                    for p in prompts]
+        results = stream_all(server.stub, requests)
+        info = server.wait_idle()
+    assert [tokens for tokens, _ in results] == reference  # HF stops at EOS, and so does the server
+    assert info.num_free_kv_blocks == info.num_kv_blocks
+    if "preempt" in name:
+        assert info.counters.num_preemptions > 0
+    if "ngram" in name:
+        assert info.counters.num_accepted_tokens > 0
+
+
+def test_chat_messages_and_text(smollm2_path):
+    with serve(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.25"]) as server:
+        chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(
+            role="user", content="What is the capital of France?")]),
+            sampling=pb.SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]))
+        done = server.stub.Complete(chat)
+    assert done.finish_reason == pb.FINISH_REASON_STOP
+    assert done.text.startswith("The capital of France is") and "Paris" not in done.text
