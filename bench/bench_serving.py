@@ -215,8 +215,13 @@ def main(args) -> None:
         configs.append(run_config(args.address, args.address, prompts, args))
     for flags in args.spawn or []:
         logger.info("starting specdec serve %s", flags)
-        with spawned(flags) as address:
-            configs.append(run_config(address, flags, prompts, args))
+        try:
+            with spawned(flags) as address:
+                configs.append(run_config(address, flags, prompts, args))
+        except (AssertionError, grpc.RpcError) as exc:  # a server that fails to start or to answer: go on
+            logger.error("configuration %r failed: %s", flags, exc)
+    if not configs:
+        sys.exit("no configuration completed")
     for config in configs:
         print_table(config)
     ratios = comparison(configs)

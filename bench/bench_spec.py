@@ -1,7 +1,7 @@
 """N-gram speculation in the worker vs no speculation vs `transformers` prompt lookup, batch 1, greedy.
 
     .venv/bin/python bench/bench_spec.py [--dtype float32] [--prompts-per-category 10] [--new-tokens 128]
-        [--ks 2,3,4,5] [--hf-ks 2,3,4,5] [--skip-hf] [--fixed-k]
+        [--ks 2,3,4,5] [--hf-ks 2,3,4,5] [--skip-hf] [--fixed-k] [--threads N]
 
 SmolLM2-135M-Instruct, the first N prompts of five Spec-Bench categories (first
 turn, chat template). Every configuration runs on a prompt before the next
@@ -272,7 +272,11 @@ if __name__ == "__main__":
     parser.add_argument("--hf-ks", type=int_list, default=None, help="transformers' k values (default: --ks)")
     parser.add_argument("--skip-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--fixed-k", action="store_true", help="also run our n-gram workers with adaptive k off")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's); 1 degrades far less when other work shares the cores")
     ARGS = parser.parse_args()
     ARGS.hf_ks = ARGS.hf_ks if ARGS.hf_ks is not None else ARGS.ks
+    if ARGS.threads:
+        torch.set_num_threads(ARGS.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     main(ARGS)

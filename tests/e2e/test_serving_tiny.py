@@ -106,9 +106,11 @@ def test_bad_client_input(plain_server):
         expect_status(lambda: stub.Complete(request), grpc.StatusCode.INVALID_ARGUMENT, fragment)
     expect_status(lambda: stub.Abort(pb.AbortRequest(request_id="nope")), grpc.StatusCode.NOT_FOUND, "nope")
     # Still serving: text, chat and token-id prompts.
-    done = stub.Complete(pb.GenerateRequest(prompt="w5 w6 w7", sampling=pb.SamplingParams(max_tokens=5,
-                                                                                          temperature=0)))
-    assert done.usage.prompt_tokens == 3 and 1 <= len(done.token_ids) <= 5
+    done = stub.Complete(pb.GenerateRequest(prompt="w5 w6 w7", sampling=pb.SamplingParams(
+        max_tokens=5, temperature=0, logprobs=True, ignore_eos=True)))
+    assert done.usage.prompt_tokens == 3 and len(done.token_ids) == 5
+    assert len(done.logprobs) == 5 and all(lp <= 0 for lp in done.logprobs)
+    assert done.text.split() == [f"w{t}" for t in done.token_ids if t > 2]
     chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="w9 w10")]),
                               sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
     assert stub.Complete(chat).usage.prompt_tokens == 5  # w3 w9 w10 w4 w5 from the chat template

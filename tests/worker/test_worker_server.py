@@ -100,10 +100,11 @@ def test_bad_requests_get_invalid_argument_and_worker_keeps_serving(tiny_worker)
     expect_invalid(client, step.StepRequest(2, new_requests=[short]), "shorter than the 37 positions")
     vocab = step.NewRequest("vocab", [5, 256], 2, greedy, [8], 2)
     expect_invalid(client, step.StepRequest(3, new_requests=[vocab]), "token id 256 is outside the vocabulary")
-    lookahead = step.NewRequest("look", [5, 6], 2, greedy, [9], 2, num_speculative_tokens=3)
+    # 14 prompt tokens in one 16-slot block: the decode token and 3 lookahead slots need 18.
+    lookahead = step.NewRequest("look", list(range(5, 19)), 14, greedy, [9], 14, num_speculative_tokens=3)
     assert client.execute(step.StepRequest(4, new_requests=[lookahead])).outputs[0].token_ids
     expect_invalid(client, step.StepRequest(5, cached_requests=[step.CachedRequest("look", [], 1, 1)],
-                                            num_lookahead_slots=20), "shorter than")
+                                            num_lookahead_slots=3), "shorter than the 18 positions")
     # Still serving, and the rejected steps left no state behind.
     assert stream_driver(client).generate([[5, 6, 7]], 4, prefix="after")[0]
     expect_invalid(client, step.StepRequest(6, cached_requests=[step.CachedRequest("short", [], 0, 1)]),
