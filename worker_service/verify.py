@@ -23,6 +23,10 @@ def verify(states: list[RequestState], logits: torch.Tensor, drafts: list[list[i
     """`logits` holds 1 + len(drafts[i]) rows per sequence, in order (`[N, V]`)."""
     num_drafts = [len(d) for d in drafts]
     rows_per_seq = [n + 1 for n in num_drafts]
+    if all(s.sampling.is_greedy for s in states):
+        token_ids = _greedy(logits, drafts)
+        logprobs = _logprobs(logits, rows_per_seq, token_ids) if any(s.return_logprobs for s in states) else None
+        return VerifyResult(token_ids, logprobs or [[] for _ in states])
     row_params = [s.sampling for s, n in zip(states, rows_per_seq) for _ in range(n)]
     probs = logits_to_probs(logits, *sampling_tensors(row_params, logits.device))  # [N, V]
     generators = [s.generator for s in states]
@@ -34,6 +38,26 @@ def verify(states: list[RequestState], logits: torch.Tensor, drafts: list[list[i
     if any(s.return_logprobs for s in states):
         logprobs = _logprobs(logits, rows_per_seq, token_ids)
     return VerifyResult(token_ids, logprobs)
+
+
+def _greedy(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
+    """Temperature 0: accept drafts while they equal the target argmax; then emit the argmax.
+
+    This is the rejection rule with one-hot q and p (accept iff x == argmax q;
+    the recovered token is argmax q at the first mismatch, the bonus token
+    argmax q after the last draft), without building vocabulary-sized tensors.
+    """
+    targets = logits.argmax(dim=-1).tolist()  # [N]
+    token_ids, offset = [], 0
+    for draft in drafts:
+        emitted = []
+        for j, target in enumerate(targets[offset: offset + len(draft) + 1]):
+            emitted.append(target)
+            if j == len(draft) or draft[j] != target:
+                break
+        token_ids.append(emitted)
+        offset += len(draft) + 1
+    return token_ids
 
 
 def _rejection_sample(states, probs, drafts, draft_probs, generators) -> list[list[int]]:
