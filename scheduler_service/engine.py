@@ -89,14 +89,10 @@ class Engine:
         """Aborts a live request (its blocks are freed); False when no such request runs."""
         with self._lock:
             handle = self._handles.pop(request_id, None)
-            if handle is None or not self.scheduler.abort(request_id):
+            request = self.scheduler.get_request(request_id)
+            if handle is None or request is None or not self.scheduler.abort(request_id):
                 return False
-            request = self.scheduler._requests.get(request_id)
-            handle.outputs.put(RequestOutput(request_id, [], "", "abort",
-                                             request.num_prompt_tokens if request else 0,
-                                             request.num_output_tokens if request else 0,
-                                             request.num_draft_tokens if request else 0,
-                                             request.num_accepted_tokens if request else 0))
+            handle.outputs.put(request.make_output([], ""))  # finish_reason "abort", usage so far
             self._lock.notify_all()
             return True
 
@@ -160,10 +156,10 @@ class Engine:
         logger.error("%s; failing %d requests", message, len(self._handles))
         with self._lock:
             self.stats.num_worker_failures += 1
-            stale_ids = list(self.scheduler._requests)
+            stale_ids = self.scheduler.request_ids()
             for handle in self._handles.values():
                 handle.outputs.put(EngineError(message))
             self._handles.clear()
             self.scheduler = self._scheduler_factory()
-            self.scheduler._worker_drop_ids.extend(stale_ids)  # the worker may still hold their state
+            self.scheduler.drop_on_worker(stale_ids)  # the worker may still hold their state
         time.sleep(1.0)

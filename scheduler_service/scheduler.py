@@ -89,6 +89,17 @@ class Scheduler:
         """Whether any request waits or runs."""
         return bool(self.waiting or self.running)
 
+    def get_request(self, request_id: str) -> Request | None:
+        """A request whose state is still held (running, waiting, or finished with a step in flight)."""
+        return self._requests.get(request_id)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def drop_on_worker(self, request_ids: list[str]) -> None:
+        """Tells the worker, with the next step, to forget these requests (after a failed stream)."""
+        self._worker_drop_ids.extend(request_ids)
+
     def add_request(self, request: Request) -> None:
         """Queues a new request (FCFS); raises ValueError when it can never be served."""
         if request.request_id in self._requests:
