@@ -160,3 +160,13 @@ def test_port_taken_exits_nonzero(tiny_pair, plain_server):
     with running(["serve", "--port", port, *tiny_args(tiny_pair)]) as proc:
         assert proc.proc.wait(120) == 1
         proc.wait_for("error: cannot listen")
+
+
+def test_serve_stops_cleanly_on_sigterm(tiny_pair):
+    from tests.processes import running
+
+    with running(["serve", "--port", "0", *tiny_args(tiny_pair)]) as proc:
+        proc.wait_for("scheduler ready", timeout=120)
+        worker_lines = len([line for line in proc.lines if line.startswith("[worker]")])
+        assert proc.stop() == 0
+        assert worker_lines > 0  # the worker ran as its own process, its output relayed
