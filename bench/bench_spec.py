@@ -1,7 +1,7 @@
 """N-gram speculation in the worker vs no speculation vs `transformers` prompt lookup, batch 1, greedy.
 
     .venv/bin/python bench/bench_spec.py [--dtype float32] [--prompts-per-category 10] [--new-tokens 128]
-        [--ks 2,3,4,5] [--hf-ks 2,3,4,5] [--repeats 1] [--skip-hf] [--fixed-k] [--threads N]
+        [--ks 2,3,4,5] [--hf-ks 2,3,4,5] [--repeats 1] [--skip-hf] [--threads N]
 
 SmolLM2-135M-Instruct, the first N prompts of five Spec-Bench categories (first
 turn, chat template). Every configuration runs on a prompt before the next
@@ -9,8 +9,7 @@ prompt starts (interleaved, rotating order), so machine noise hits them alike;
 with --repeats R each prompt gets R such rounds and each configuration's
 fastest run counts (a neighbour's burst can slow one run several times over):
 - ours none: the worker without speculation;
-- ours k=K: the worker's n-gram proposer (longest of 4..1-grams, latest match), adaptive k <= K;
-- ours fixed k=K (--fixed-k): the same with the adaptive k switched off;
+- ours k=K: the worker's n-gram proposer (longest of 4..1-grams, latest match), up to K drafts;
 - hf plain / hf pl k=K: `model.generate(do_sample=False[, prompt_lookup_num_tokens=K])`
   (transformers tries 2- then 1-grams and takes the earliest match).
 Neither side stops at EOS, so all produce the same new_tokens tokens.
@@ -64,17 +63,6 @@ class Run:
     token_ids: list[int] = dataclasses.field(default_factory=list, repr=False)
 
 
-class FixedKWorker(Worker):
-    """The worker with its adaptive k off: always min(k, slots, ...) drafts when the n-grams match."""
-
-    def _num_drafts(self, state, num_lookahead_slots):
-        saved, state.mean_accepted = state.mean_accepted, None
-        try:
-            return super()._num_drafts(state, num_lookahead_slots)
-        finally:
-            state.mean_accepted = saved
-
-
 def run_ours(worker: Worker, k: int, prompt: list[int], new_tokens: int) -> Run:
     driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS, num_lookahead_slots=k)
     start = time.perf_counter()
@@ -116,8 +104,6 @@ def build_configs(args) -> tuple[dict, ModelRunner, object]:
     add_worker("ours none", Worker, "none", 0)
     for k in args.ks:
         add_worker(f"ours k={k}", Worker, "ngram", k)
-    for k in args.ks if args.fixed_k else []:
-        add_worker(f"ours fixed k={k}", FixedKWorker, "ngram", k)
     if not args.skip_hf:
         model, counter = load_model(path, args.dtype), [0]
         model.register_forward_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
@@ -283,9 +269,8 @@ if __name__ == "__main__":
     parser.add_argument("--hf-ks", type=int_list, default=None, help="transformers' k values (default: --ks)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds per prompt; each config's fastest counts")
     parser.add_argument("--skip-hf", action="store_true", help="skip transformers generate")
-    parser.add_argument("--fixed-k", action="store_true", help="also run our n-gram workers with adaptive k off")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's); 1 degrades far less when other work shares the cores")
+                        help="torch threads (default: torch's)")
     ARGS = parser.parse_args()
     ARGS.hf_ks = ARGS.hf_ks if ARGS.hf_ks is not None else ARGS.ks
     if ARGS.threads:

@@ -30,7 +30,6 @@ class RequestState:
     num_speculative_tokens: int   # this request's k cap
     num_computed_tokens: int = 0  # target KV written for token_ids[:num_computed_tokens]
     num_draft_computed_tokens: int = 0  # the same for the draft model's KV
-    mean_accepted: float | None = None  # moving average of accepted drafts per step (adaptive k)
     scheduled_new_tokens: int = field(default=0, repr=False)  # this step's chunk size
 
     @property
