@@ -88,7 +88,8 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     logger.info("serving %s: %d KV blocks of %d tokens, k=%d, %s scheduling", info.model_id,
                 config.num_kv_blocks, config.block_size, config.num_speculative_tokens, config.scheduling)
     print("scheduler ready", flush=True)
-    stop.wait()
+    while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
+        pass
     server.stop(grace=5).wait()
     engine.stop()
     client.close()

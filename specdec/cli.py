@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 import sys
 
 from specdec import models
@@ -133,7 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    code = args.func(args)
+    if args.command in ("worker", "scheduler", "serve"):
+        # The servers have stopped. Exit now: a gRPC handler thread still blocked on a peer's
+        # stream would otherwise hold up the interpreter's exit (it joins executor threads).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
     servicer.set_worker(worker, config.model)
     if ready_line:
         print("worker model loaded", flush=True)
-    stop.wait()
+    while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
+        pass
     logger.info("shutting down")
     server.stop(grace=5).wait()
     return 0
