@@ -85,10 +85,11 @@ class Worker:
 
     def _apply(self, request: step.StepRequest) -> list[RequestState]:
         """Validates the whole step, then updates the cached state; returns the scheduled requests."""
-        staged = {rid: s for rid, s in self.requests.items() if rid not in set(request.finished_request_ids)}
+        finished = set(request.finished_request_ids)
+        staged = {rid: s for rid, s in self.requests.items() if rid not in finished}
         news = []
         for r in request.new_requests:
-            if r.request_id in staged or r.request_id in {n.request_id for n in news}:
+            if r.request_id in staged or any(n.request_id == r.request_id for n in news):
                 raise InvalidStepError(f"request {r.request_id!r} is already running on this worker")
             news.append(new_state(r, self.target.vocab_size, self.num_blocks, self.target.device))
         for c in request.cached_requests:
@@ -169,7 +170,3 @@ class Worker:
         out.token_ids = emitted
         out.logprobs = result.logprobs[row] if state.return_logprobs else []
         out.num_draft_tokens, out.num_accepted_tokens = len(drafts), num_accepted
-
-    def drop(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.requests.pop(rid, None)
