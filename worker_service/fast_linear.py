@@ -1,15 +1,26 @@
-"""fp32 linear layers through oneDNN (mkldnn) on the CPU.
+"""Batch-invariant CPU linear layers: weights pre-packed for oneDNN.
 
-Profiling SmolLM2 decode steps showed ~80% of the time in `aten::mm`, and
-`F.linear` in fp32 reaches only about half of the memory bandwidth at 1 row
-(the 49152x576 output layer: 10.7 ms with F.linear, 5.4 ms through oneDNN
-with its weight pre-packed) and gets 2-3x slower from 2 rows on, while oneDNN
-stays nearly flat (7.4 ms at 5 rows). See bench/bench_worker.py.
+Why: profiling SmolLM2 decode steps on the CPU showed ~70% of a step in
+`aten::mm`. `F.linear` (MKL) in fp32 streams the weights at about half the
+memory bandwidth for one row, and gets 1.5-2x slower again from 2 to 8 rows,
+so a (k+1)-token verification step cost 1.3-1.5x a decode step. oneDNN with
+the weight reordered once for a small batch (`_reorder_linear_weight`) is
+nearly flat from 1 to 8 rows: a SmolLM2 forward at 500 tokens of context took
+53 ms for 1 query token and 68 ms for 5 with `F.linear`, and 52 / 49 ms
+packed (2-core AMD EPYC, median of 25; `bench/bench_spec.py` prints the step
+times it sees).
 
-Only the output layer is switched: oneDNN sums in another order than MKL, and
-over 30 layers that moved SmolLM2's logits by 1.5e-4 from `transformers`
-(beyond the 1e-4 the paged-KV tests hold); at the output layer alone the
-difference stays around 1e-6, and that layer is a fifth of the weights.
+Batch invariance: a row's result does not depend on how many rows share the
+call (checked bitwise for 2..64 rows in fp32 and 1..64 in bf16; in fp32 a
+lone row takes another kernel, so it is padded (see MIN_ROWS); `tests/worker/
+test_fast_linear.py`). Attention (SDPA) is not batch invariant, so a
+verification query's logits still differ from step-by-step decoding by float
+rounding (~1e-7 in fp32). A two-pass attention over fixed 128-key chunks with
+query rows padded to 16 per KV head was measured bitwise invariant in fp32 and
+bf16, but in PyTorch ops it costs ~0.45 ms per layer against ~0.1 ms for SDPA,
+so it is not used.
+
+Other devices keep `torch.nn.Linear` (cuBLAS on a GPU).
 """
 
 import logging
@@ -18,32 +29,54 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# Fewer rows are padded to this many: in fp32 one row takes another kernel (not batch invariant),
+# and on the 2-core AMD EPYC we measured, 2 rows ran a SmolLM2 step ~15% slower than 3-4 rows (60 vs 52 ms).
+MIN_ROWS = 4
+BATCH_HINT = 8  # oneDNN picks the weight layout for this many rows; 1..64 all run fast with it
 
-class MkldnnLinear(torch.nn.Module):
-    """A bias-free or biased Linear whose weight is pre-packed for oneDNN."""
 
-    def __init__(self, linear: torch.nn.Linear):
+class PackedLinear(torch.nn.Module):
+    """`torch.nn.Linear` with its weight reordered for oneDNN; rows are computed independently."""
+
+    def __init__(self, linear: torch.nn.Linear, batch_hint: int = BATCH_HINT):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", linear.weight.detach().to_mkldnn(), persistent=False)
-        bias = linear.bias.detach().to_mkldnn() if linear.bias is not None else None
+        weight = linear.weight.detach()
+        # An opaque oneDNN tensor: kept as a plain attribute (it has no storage to save or move).
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous()  # [N, in]
-        out = torch._C._nn.mkldnn_linear(rows.to_mkldnn(), self.weight, self.bias).to_dense()  # [N, out]
-        return out.view(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features)  # [N, in]
+        num_rows = rows.shape[0]
+        if num_rows < MIN_ROWS:
+            rows = torch.cat([rows, rows.new_zeros(MIN_ROWS - num_rows, self.in_features)])
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed_weight, self.bias,
+                                                 "none", [], "")  # [max(N, MIN_ROWS), out]
+        return out[:num_rows].view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def can_use_mkldnn(model: torch.nn.Module) -> bool:
-    return model.device.type == "cpu" and model.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-def use_mkldnn_output_layer(model: torch.nn.Module) -> bool:
-    """Switches an fp32 CPU causal LM's `lm_head` to oneDNN in place; False when it does not apply."""
-    head = getattr(model, "lm_head", None)
-    if type(head) is not torch.nn.Linear or not can_use_mkldnn(model):
+def can_pack(model: torch.nn.Module) -> bool:
+    """True for a CPU model in fp32, or bf16 where oneDNN has native bf16 kernels."""
+    if model.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    model.lm_head = MkldnnLinear(head)
-    logger.info("using oneDNN for the fp32 output layer")
-    return True
+    if model.dtype == torch.float32:
+        return True
+    return model.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Replaces every `torch.nn.Linear` of a CPU model by a PackedLinear in place; returns how many."""
+    if not can_pack(model):
+        return 0
+    targets = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, PackedLinear(module))
+    logger.info("packed %d linear layers for oneDNN (%s)", len(targets), model.dtype)
+    return len(targets)

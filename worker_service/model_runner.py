@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from kernels.slot_mapping import compute_slot_mapping
 from worker_service.attention import ATTENTION_NAME, PagedMetadata
-from worker_service.fast_linear import use_mkldnn_output_layer
+from worker_service.fast_linear import pack_linears
 from worker_service.kv_cache import KVCache, KVCacheSpec
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class ModelRunner:
         self.model = model
         model.set_attn_implementation(ATTENTION_NAME)
         if fast_linears:
-            use_mkldnn_output_layer(model)
+            pack_linears(model)
         self.device = model.device
         self.dtype = model.dtype
         self.kv_spec = KVCacheSpec.from_config(model.config, model.dtype)

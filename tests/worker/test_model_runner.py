@@ -10,6 +10,9 @@ from worker_service.model_runner import ModelRunner, SequenceChunk
 
 BLOCK_SIZE = 4
 ATOL = 1e-4
+# oneDNN (worker_service/fast_linear.py) sums in another order than the MKL `transformers` uses;
+# over SmolLM2's 30 layers that moves logits of magnitude ~20 by up to ~2e-4 (1e-5 relative).
+SMOLLM2_ATOL = 5e-4
 
 
 def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
@@ -39,14 +42,14 @@ def random_tokens(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-def check_scenarios(h: Harness, vocab: int, lengths=(7, 13, 1, 22)):
+def check_scenarios(h: Harness, vocab: int, lengths=(7, 13, 1, 22), atol: float = ATOL):
     # 1. A batch of sequences of different lengths, prefilled in one pass (crossing block boundaries).
     seqs = [random_tokens(n, i, vocab) for i, n in enumerate(lengths)]
     tables = [h.blocks_for(len(s) + 40) for s in seqs]
     chunks = [SequenceChunk(s, 0, t, num_logits=len(s)) for s, t in zip(seqs, tables)]
     got = h.runner.forward(chunks)
     want = torch.cat([reference_logits(h.reference, s) for s in seqs])
-    assert (got - want).abs().max().item() <= ATOL
+    assert (got - want).abs().max().item() <= atol
 
     # 2. 20 decode steps on every sequence at once (greedy continuation of the reference argmax).
     for _ in range(20):
@@ -55,17 +58,17 @@ def check_scenarios(h: Harness, vocab: int, lengths=(7, 13, 1, 22)):
         seqs = [s + [t] for s, t in zip(seqs, nxt)]
         got = h.runner.forward(chunks)
         want = torch.stack([reference_logits(h.reference, s)[-1] for s in seqs])
-        assert (got - want).abs().max().item() <= ATOL
+        assert (got - want).abs().max().item() <= atol
 
     # 3. A 5-token query over each cached prefix (speculative scoring), all logits.
     queries = [random_tokens(5, 100 + i, vocab) for i in range(len(seqs))]
     chunks = [SequenceChunk(q, len(s), tb, num_logits=5) for s, q, tb in zip(seqs, queries, tables)]
     got = h.runner.forward(chunks)
     want = torch.cat([reference_logits(h.reference, s + q)[-5:] for s, q in zip(seqs, queries)])
-    assert (got - want).abs().max().item() <= ATOL
+    assert (got - want).abs().max().item() <= atol
 
 
-def check_chunked_prefill(h: Harness, vocab: int):
+def check_chunked_prefill(h: Harness, vocab: int, atol: float = ATOL):
     prompt = random_tokens(30, 7, vocab)
     table = h.blocks_for(len(prompt))
     assert h.runner.forward([SequenceChunk(prompt[:11], 0, table, num_logits=0)]).shape[0] == 0
@@ -74,7 +77,7 @@ def check_chunked_prefill(h: Harness, vocab: int):
     got = h.runner.forward([SequenceChunk(prompt[11:], 11, table, num_logits=19),
                             SequenceChunk(other, 0, h.blocks_for(len(other)), num_logits=1)])
     want = torch.cat([reference_logits(h.reference, prompt)[11:], reference_logits(h.reference, other)[-1:]])
-    assert (got - want).abs().max().item() <= ATOL
+    assert (got - want).abs().max().item() <= atol
 
 
 def test_tiny_llama_paged_matches_transformers(tiny_pair):
@@ -91,5 +94,5 @@ def test_tiny_llama_block_size_16(tiny_pair):
 @pytest.mark.slow
 def test_smollm2_paged_matches_transformers(smollm2_path):
     h = Harness(smollm2_path, num_blocks=128, block_size=16)
-    check_scenarios(h, vocab=h.runner.vocab_size, lengths=(37, 5))
-    check_chunked_prefill(h, vocab=h.runner.vocab_size)
+    check_scenarios(h, vocab=h.runner.vocab_size, lengths=(37, 5), atol=SMOLLM2_ATOL)
+    check_chunked_prefill(h, vocab=h.runner.vocab_size, atol=SMOLLM2_ATOL)
