@@ -34,7 +34,7 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        worker = build_worker(config)
+        worker = servicer.run_compute(build_worker, config)  # torch stays on the compute thread
     except Exception:
         server.stop(grace=None)
         raise
@@ -45,4 +45,5 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
         pass
     logger.info("shutting down")
     server.stop(grace=5).wait()
+    servicer.compute.shutdown(wait=False)
     return 0

@@ -4,11 +4,16 @@ Health is NOT_SERVING until the model is loaded and the KV cache is allocated
 (InitCache). A step the worker cannot run ends its ExecuteModel stream with
 INVALID_ARGUMENT and a message; the worker's state is unchanged and it keeps
 serving other and later streams.
+
+All torch work (model loading, cache allocation, steps) runs on one compute
+thread. OpenMP gives every thread that enters a parallel region its own team,
+and with two teams on a 2-core machine (the model loaded on the main thread,
+steps run on a gRPC thread) a SmolLM2 decode step took 55-76 ms instead of
+40-45 ms; on a single thread it takes the same as on the main thread.
 """
 
 from concurrent import futures
 import logging
-import threading
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,13 +30,17 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Serves one Worker; steps run one at a time, in arrival order."""
+    """Serves one Worker; steps run one at a time, in arrival order, on the compute thread."""
 
     def __init__(self, health_servicer: health.HealthServicer):
         self.worker: Worker | None = None
         self.model_id = ""
         self.health = health_servicer
-        self.lock = threading.Lock()
+        self.compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+
+    def run_compute(self, fn, *args):
+        """Runs fn(*args) on the compute thread and returns its result (or raises its exception)."""
+        return self.compute.submit(fn, *args).result()
 
     def set_worker(self, worker: Worker, model_id: str) -> None:
         """Called once the models are loaded."""
@@ -66,11 +75,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.num_blocks > capacity:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{request.num_blocks} blocks exceed the KV memory budget ({capacity} blocks)")
-        with self.lock:
-            try:
-                num_bytes = worker.init_cache(request.num_blocks, request.block_size)
-            except InvalidStepError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            num_bytes = self.run_compute(worker.init_cache, request.num_blocks, request.block_size)
+        except InvalidStepError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         return worker_pb2.InitCacheResponse(kv_cache_bytes=num_bytes)
@@ -79,12 +87,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Executes steps in order; one response per request."""
         worker = self._require_worker(context)
         for request in request_iterator:
-            with self.lock:
-                try:
-                    result = worker.execute(step_request_from_proto(request))
-                except InvalidStepError as exc:
-                    logger.warning("rejected step %d: %s", request.step_id, exc)
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            try:
+                result = self.run_compute(worker.execute, step_request_from_proto(request))
+            except InvalidStepError as exc:
+                logger.warning("rejected step %d: %s", request.step_id, exc)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             yield step_result_to_proto(result)
 
 
