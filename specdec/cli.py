@@ -20,6 +20,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--speculative-row-budget", type=int, default=None, metavar="R",
+                   help="most query rows a step verifies before drafts follow each sequence's recent acceptance "
+                        "(default: 8 on a CPU, unlimited elsewhere; 0: unlimited)")
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -50,6 +53,7 @@ def _worker_config(args: argparse.Namespace):
     return WorkerConfig(model=model, dtype=args.dtype, draft_model=args.draft_model, proposer=args.proposer,
                         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                         ngram_max=args.ngram_max, scorer=args.scorer,
+                        speculative_row_budget=args.speculative_row_budget,
                         kv_cache_memory_bytes=int(args.kv_cache_memory_gib * 2**30),
                         max_model_len=args.max_model_len, num_threads=args.num_threads)
 

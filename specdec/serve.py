@@ -8,7 +8,7 @@ import threading
 from specdec import models
 
 _WORKER_FLAGS = ("model", "draft_model", "proposer", "num_speculative_tokens", "ngram_min", "ngram_max", "scorer",
-                 "dtype", "max_model_len", "kv_cache_memory_gib", "num_threads")
+                 "dtype", "max_model_len", "kv_cache_memory_gib", "num_threads", "speculative_row_budget")
 
 
 def _worker_argv(args: argparse.Namespace, model_dir: str) -> list[str]:

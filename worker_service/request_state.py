@@ -31,6 +31,15 @@ class RequestState:
     num_computed_tokens: int = 0  # target KV written for token_ids[:num_computed_tokens]
     num_draft_computed_tokens: int = 0  # the same for the draft model's KV
     scheduled_new_tokens: int = field(default=0, repr=False)  # this step's chunk size
+    accepted_ema: float | None = None  # moving average of drafts accepted per speculative step
+
+    def record_acceptance(self, num_accepted: int) -> None:
+        self.accepted_ema = (num_accepted if self.accepted_ema is None
+                             else 0.5 * self.accepted_ema + 0.5 * num_accepted)
+
+    def draft_cap(self, k: int) -> int:
+        """About what this sequence recently got accepted, plus one (k before it has speculated)."""
+        return k if self.accepted_ema is None else min(k, 1 + round(self.accepted_ema))
 
     @property
     def num_tokens(self) -> int:

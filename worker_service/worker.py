@@ -23,6 +23,10 @@ from worker_service.verify import verify
 
 logger = logging.getLogger(__name__)
 
+# On the CPU a step's linear layers cost about the same for 1 to ~8 query rows (fast_linear.py), then more
+# per row: a batch of 4 sequences x 6 rows at 14% acceptance served 0.67x plain (bench_serving.py).
+CPU_ROW_BUDGET = 8
+
 
 class Worker:
     """Holds the target (and draft) model runners and the requests' cached state."""
@@ -35,6 +39,10 @@ class Worker:
         self.score = SCORERS[config.scorer]
         model_limit = getattr(target.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
+        budget = config.speculative_row_budget
+        if budget is None:
+            budget = CPU_ROW_BUDGET if target.device.type == "cpu" else 0
+        self.row_budget = budget  # 0: unlimited
         self.requests: dict[str, RequestState] = {}
         self.block_size: int | None = None
         self.num_blocks = 0
@@ -115,16 +123,25 @@ class Worker:
         """k for this sequence and step: 0 unless it is decoding with speculation on."""
         if self.proposer is None or state.num_tokens - state.num_computed_tokens != 1:
             return 0
-        # No adaptive cap: on a CPU a verify step costs about the same for 2..6 query tokens
-        # (bench_spec.py: a fixed k beat min(k, floor(mean accepted) + 2) by 5-15%).
+        # The full k: at batch 1 on a CPU a verify step costs about the same for 2..6 query tokens
+        # (bench_spec.py: a fixed k beat min(k, floor(mean accepted) + 2) by 5-15%); _plan_drafts cuts it
+        # back only when a batch's rows exceed the row budget.
         k = min(self.config.num_speculative_tokens, num_lookahead_slots, state.num_speculative_tokens,
                 self.max_model_len - state.num_tokens - 1)
         return max(k, 0)
 
+    def _plan_drafts(self, scheduled: list[RequestState], num_lookahead_slots: int) -> list[int]:
+        """k per sequence: the full k while the step stays within the row budget, else each
+        sequence's recent acceptance plus one (a sequence that accepts nothing still tries one draft)."""
+        ks = [self._num_drafts(s, num_lookahead_slots) for s in scheduled]
+        if not self.row_budget or sum(1 + k for k in ks if k) <= self.row_budget:
+            return ks
+        return [s.draft_cap(k) for s, k in zip(scheduled, ks)]
+
     def _run(self, scheduled: list[RequestState], num_lookahead_slots: int,
              stats: step.StepStats) -> list[step.SequenceOutput]:
         t0 = time.perf_counter()
-        num_drafts = [self._num_drafts(s, num_lookahead_slots) for s in scheduled]
+        num_drafts = self._plan_drafts(scheduled, num_lookahead_slots)
         drafts, draft_probs = [[] for _ in scheduled], None
         if any(num_drafts):
             proposal = self._propose(scheduled, num_drafts)
@@ -170,3 +187,5 @@ class Worker:
         out.token_ids = emitted
         out.logprobs = result.logprobs[row] if state.return_logprobs else []
         out.num_draft_tokens, out.num_accepted_tokens = len(drafts), num_accepted
+        if drafts:
+            state.record_acceptance(num_accepted)

@@ -19,10 +19,12 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [40] * 20, [10, 11, 12, 10, 11, 12, 10], li
 MAX_TOKENS = 24
 
 
-def make_worker(pair, proposer="none", k=0, scorer="multi_query", draft_path=None) -> Worker:
+def make_worker(pair, proposer="none", k=0, scorer="multi_query", draft_path=None, row_budget=0) -> Worker:
+    """row_budget 0 (unlimited) keeps every sequence at the full k, so the tests below exercise it."""
     draft_path = draft_path or pair.draft_path
     config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k, scorer=scorer,
-                          draft_model=str(draft_path) if proposer == "draft" else None)
+                          draft_model=str(draft_path) if proposer == "draft" else None,
+                          speculative_row_budget=row_budget)
     draft = ModelRunner(load_model(draft_path)) if proposer == "draft" else None
     worker = Worker(config, ModelRunner(load_model(pair.target_path)), draft)
     worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
@@ -150,3 +152,27 @@ def test_lookahead_beyond_block_table_is_rejected(tiny_pair):
     ok = worker.execute(step.StepRequest(3, cached_requests=[step.CachedRequest("x", [1, 2], 1, 1)],
                                          num_lookahead_slots=3))
     assert len(ok.outputs[0].token_ids) >= 1
+
+
+def test_row_budget_caps_drafts_by_recent_acceptance(tiny_pair, baseline):
+    """Over the row budget each sequence drafts at most 1 + round(its acceptance average); still lossless."""
+    k = 5
+    worker = make_worker(tiny_pair, "ngram", k, row_budget=8)
+    assert worker.row_budget == 8
+    got, results = speculative_run(worker, k)
+    assert got == baseline
+    ema: dict[str, float] = {}
+    capped_steps = 0
+    for result in results[1:]:
+        decoding = [o for o in result.outputs if o.token_ids]
+        for out in decoding:
+            if len(decoding) * (k + 1) > 8 and out.request_id in ema:  # over budget: the cap applies
+                assert out.num_draft_tokens <= min(k, 1 + round(ema[out.request_id]))
+                capped_steps += 1
+            if out.num_draft_tokens:
+                prev = ema.get(out.request_id)
+                ema[out.request_id] = out.num_accepted_tokens if prev is None else 0.5 * prev + 0.5 * out.num_accepted_tokens
+    assert capped_steps > 0
+    unlimited = draft_counts(speculative_run(make_worker(tiny_pair, "ngram", k), k)[1])
+    budgeted = draft_counts(results)
+    assert sum(d for d, _ in budgeted.values()) < sum(d for d, _ in unlimited.values())
