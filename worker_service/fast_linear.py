@@ -38,12 +38,12 @@ BATCH_HINT = 8  # oneDNN picks the weight layout for this many rows; 1..64 all r
 class PackedLinear(torch.nn.Module):
     """`torch.nn.Linear` with its weight reordered for oneDNN; rows are computed independently."""
 
-    def __init__(self, linear: torch.nn.Linear, batch_hint: int = BATCH_HINT):
+    def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         # An opaque oneDNN tensor: kept as a plain attribute (it has no storage to save or move).
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 

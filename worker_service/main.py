@@ -45,5 +45,5 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
         pass
     logger.info("shutting down")
     server.stop(grace=5).wait()
-    servicer.compute.shutdown(wait=False)
+    servicer.close()
     return 0

@@ -73,11 +73,10 @@ def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -
 class ModelRunner:
     """Owns one model and its paged KV cache."""
 
-    def __init__(self, model: PreTrainedModel, fast_linears: bool = True):
+    def __init__(self, model: PreTrainedModel):
         self.model = model
         model.set_attn_implementation(ATTENTION_NAME)
-        if fast_linears:
-            pack_linears(model)
+        pack_linears(model)  # CPU only; other devices keep nn.Linear
         self.device = model.device
         self.dtype = model.dtype
         self.kv_spec = KVCacheSpec.from_config(model.config, model.dtype)

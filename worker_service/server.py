@@ -42,6 +42,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Runs fn(*args) on the compute thread and returns its result (or raises its exception)."""
         return self.compute.submit(fn, *args).result()
 
+    def close(self) -> None:
+        """Lets the compute thread go once the server has stopped."""
+        self.compute.shutdown(wait=False)
+
     def set_worker(self, worker: Worker, model_id: str) -> None:
         """Called once the models are loaded."""
         self.worker, self.model_id = worker, model_id
