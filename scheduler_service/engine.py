@@ -9,7 +9,7 @@ Clients submit requests from gRPC threads and read their outputs from a
 per-request queue; everything that touches the scheduler holds one lock.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import logging
 import queue
 import threading
@@ -17,8 +17,10 @@ import time
 
 import grpc
 
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.pipeline import BusyStats, StepPipeline
 from scheduler_service.request import Request, RequestOutput
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.scheduler import Scheduler, SchedulerStats
 from specdec.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
@@ -28,13 +30,17 @@ class EngineError(RuntimeError):
     """The worker failed; the request cannot complete."""
 
 
-@dataclass
-class EngineStats:
-    """Worker time accounting: idle share = 1 - busy / active wall time."""
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """An immutable copy of the engine's state, for GetServerInfo (read without holding the lock)."""
 
-    worker_busy_s: float = 0.0    # sum of the worker's own step times
-    active_wall_s: float = 0.0    # wall time with at least one step in flight
-    num_worker_failures: int = 0
+    config: SchedulerConfig
+    stats: SchedulerStats
+    busy: BusyStats
+    num_worker_failures: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
 
 
 class RequestHandle:
@@ -56,14 +62,14 @@ class Engine:
     """Owns the scheduler and the step stream to one worker."""
 
     def __init__(self, scheduler_factory, client: WorkerClient):
-        self._scheduler_factory = scheduler_factory
-        self.scheduler: Scheduler = scheduler_factory()
+        self._scheduler_factory = scheduler_factory  # scheduler_factory(stats) -> Scheduler
+        self.scheduler: Scheduler = scheduler_factory(SchedulerStats())
         self.client = client
-        self.stats = EngineStats()
+        self.busy = BusyStats()
+        self.num_worker_failures = 0
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Condition()
         self._stopped = False
-        self._max_in_flight = 2 if self.scheduler.config.is_async else 1
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -96,10 +102,13 @@ class Engine:
             self._lock.notify_all()
             return True
 
-    def snapshot(self):
-        """(scheduler, stats) read under the lock, for GetServerInfo."""
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state and counters, copied under the lock."""
         with self._lock:
-            return self.scheduler, EngineStats(**vars(self.stats))
+            s = self.scheduler
+            return EngineSnapshot(config=s.config, stats=replace(s.stats), busy=replace(self.busy),
+                                  num_worker_failures=self.num_worker_failures, num_running=len(s.running),
+                                  num_waiting=len(s.waiting), num_free_blocks=s.num_free_blocks)
 
     def _run(self) -> None:
         while not self._stopped:
@@ -112,34 +121,19 @@ class Engine:
                 stream.close()
 
     def _drive(self, stream) -> None:
-        num_in_flight = 0
-        last_result_at = busy_since = 0.0  # busy period: from a send after idling to the last result
+        pipeline = StepPipeline(self.scheduler, self.busy)
         while True:
             with self._lock:
-                while num_in_flight < self._max_in_flight and not self._stopped:
-                    step = self.scheduler.schedule()
-                    if step is None:
-                        break
-                    if num_in_flight == 0 and busy_since == 0.0:
-                        busy_since = time.perf_counter()
-                    stream.send(step)
-                    num_in_flight += 1
+                if not self._stopped:
+                    pipeline.send_ready(stream.send)
                 if self._stopped:
                     return
-                if not num_in_flight:
-                    busy_since = 0.0
+                if not pipeline.num_in_flight:
                     self._lock.wait(timeout=1.0)
                     continue
             result = stream.recv()  # blocks outside the lock: clients may submit meanwhile
-            now = time.perf_counter()
-            num_in_flight -= 1
             with self._lock:
-                # Wall time counts from the previous result (or the start of this busy period), so
-                # the gaps between steps — the scheduler's bubbles — count as worker idle time.
-                self.stats.active_wall_s += now - max(last_result_at, busy_since)
-                self.stats.worker_busy_s += result.stats.total_ms / 1e3
-                last_result_at = now
-                self._dispatch(self.scheduler.update(result))
+                self._dispatch(pipeline.apply(result))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -155,11 +149,11 @@ class Engine:
         """Ends every live request with an error and starts over with an empty scheduler."""
         logger.error("%s; failing %d requests", message, len(self._handles))
         with self._lock:
-            self.stats.num_worker_failures += 1
+            self.num_worker_failures += 1
             stale_ids = self.scheduler.request_ids()
             for handle in self._handles.values():
                 handle.outputs.put(EngineError(message))
             self._handles.clear()
-            self.scheduler = self._scheduler_factory()
+            self.scheduler = self._scheduler_factory(self.scheduler.stats)
             self.scheduler.drop_on_worker(stale_ids)  # the worker may still hold their state
         time.sleep(1.0)

@@ -80,7 +80,7 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     except Exception:
         server.stop(grace=None)
         raise
-    engine = Engine(lambda: Scheduler(config, tokenizer), client)
+    engine = Engine(lambda stats: Scheduler(config, tokenizer, stats), client)
     engine.start()
     servicer.attach(engine, tokenizer, ModelFacts(info.model_id, info.vocab_size, list(info.eos_token_ids),
                                                   info.proposer))

@@ -61,12 +61,13 @@ class Scheduler:
     previous step's `update()`.
     """
 
-    def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer | None = None,
+                 stats: SchedulerStats | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.policy = SpeculationPolicy(config.num_speculative_tokens, config.speculative_disable_queue_size)
-        self.stats = SchedulerStats()
+        self.stats = stats if stats is not None else SchedulerStats()  # passed on: counters outlive a scheduler
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []         # sorted by arrival_index
         self._requests: dict[str, Request] = {}  # every request whose blocks/ids are not released yet

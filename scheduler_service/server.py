@@ -103,8 +103,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """Model, limits, KV usage and counters."""
         if self.engine is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting: the worker is not ready yet")
-        scheduler, engine_stats = self.engine.snapshot()
-        c, st = scheduler.config, scheduler.stats
+        snap = self.engine.snapshot()
+        c, st = snap.config, snap.stats
         num_sequence_steps = max(st.num_sequence_steps, 1)
         counters = pb.Counters(
             num_requests=st.num_requests, num_drafted_tokens=st.num_draft_tokens,
@@ -112,14 +112,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             acceptance_rate=st.num_accepted_tokens / st.num_draft_tokens if st.num_draft_tokens else 0.0,
             mean_accepted_length=st.num_emitted_tokens / num_sequence_steps, num_steps=st.num_steps,
             num_steps_speculation_disabled=st.num_steps_speculation_disabled, num_preemptions=st.num_preemptions,
-            worker_busy_seconds=engine_stats.worker_busy_s, active_wall_seconds=engine_stats.active_wall_s,
-            num_worker_failures=engine_stats.num_worker_failures)
+            worker_busy_seconds=snap.busy.worker_busy_s, active_wall_seconds=snap.busy.active_wall_s,
+            num_worker_failures=snap.num_worker_failures)
         return pb.ServerInfo(
             model=self.facts.model_id, proposer=self.facts.proposer, num_speculative_tokens=c.num_speculative_tokens,
             max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs, block_size=c.block_size,
-            num_kv_blocks=c.num_kv_blocks, num_free_kv_blocks=scheduler.num_free_blocks, scheduling=c.scheduling,
+            num_kv_blocks=c.num_kv_blocks, num_free_kv_blocks=snap.num_free_blocks, scheduling=c.scheduling,
             speculative_disable_queue_size=c.speculative_disable_queue_size or 0, counters=counters,
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting))
+            num_running=snap.num_running, num_waiting=snap.num_waiting)
 
 
 def create_server(host: str, port: int, max_workers: int = 64):

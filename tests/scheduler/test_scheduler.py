@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.pipeline import StepPipeline
 from scheduler_service.request import Request, RequestOutput
 from scheduler_service.scheduler import Scheduler
 from specdec.step import SequenceOutput, StepRequest, StepResult
@@ -116,21 +117,26 @@ class FakeWorker:
 
 
 def run(scheduler: Scheduler, worker: FakeWorker, on_step=None, max_iterations: int = 10_000):
-    """Drives schedule -> execute -> update; in async mode two steps are in flight. Returns outputs by id."""
-    max_in_flight = 2 if scheduler.config.is_async else 1
+    """Drives the engine's step pipeline against the fake worker (two steps in flight in async mode).
+
+    Returns the outputs by request id.
+    """
+    pipeline = StepPipeline(scheduler)
     results: deque[StepResult] = deque()
     outputs: dict[str, list[RequestOutput]] = defaultdict(list)
+
+    def send(step: StepRequest) -> None:
+        if on_step is not None:
+            on_step(step)
+        results.append(worker.execute(step))
+
     for _ in range(max_iterations):
-        if not scheduler.has_unfinished() and not results:
+        pipeline.send_ready(send)
+        if not results:
+            assert not scheduler.has_unfinished(), "nothing in flight, yet requests wait"
             return outputs
-        step = scheduler.schedule() if len(results) < max_in_flight else None
-        if step is not None:
-            if on_step is not None:
-                on_step(step)
-            results.append(worker.execute(step))
-        if results and (step is None or len(results) == max_in_flight):
-            for output in scheduler.update(results.popleft()):
-                outputs[output.request_id].append(output)
+        for output in pipeline.apply(results.popleft()):
+            outputs[output.request_id].append(output)
     raise AssertionError("the scheduler did not finish")
 
 
@@ -350,3 +356,29 @@ def test_async_skips_a_request_its_step_in_flight_surely_finishes():
 def test_scheduler_never_imports_torch():
     code = "import scheduler_service.scheduler, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pipeline_accounts_busy_and_idle_time():
+    scheduler, worker = make(scheduling="sync")
+    now = [0.0]
+    pipeline = StepPipeline(scheduler, clock=lambda: now[0])
+    scheduler.add_request(Request("a", [1, 2], max_tokens=2))
+    sent = []
+    assert pipeline.send_ready(sent.append) == 1 and pipeline.send_ready(sent.append) == 0  # sync: one in flight
+    now[0] = 0.5
+    result = worker.execute(sent.pop())
+    result.stats.total_ms = 300.0
+    pipeline.apply(result)
+    assert pipeline.send_ready(sent.append) == 1
+    now[0] = 0.75
+    result = worker.execute(sent.pop())
+    result.stats.total_ms = 200.0
+    pipeline.apply(result)
+    assert pipeline.send_ready(sent.append) == 0 and pipeline.num_in_flight == 0
+    now[0] = 10.0  # idle: not counted
+    scheduler.add_request(Request("b", [3], max_tokens=1))
+    pipeline.send_ready(sent.append)
+    now[0] = 10.25
+    pipeline.apply(worker.execute(sent.pop()))
+    assert pipeline.stats.active_wall_s == 1.0
+    assert pipeline.stats.worker_busy_s == 0.5
