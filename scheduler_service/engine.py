@@ -21,7 +21,7 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.pipeline import BusyStats, StepPipeline
 from scheduler_service.request import Request, RequestOutput
 from scheduler_service.scheduler import Scheduler, SchedulerStats
-from specdec.worker_client import WorkerClient
+from scheduler_service.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
 

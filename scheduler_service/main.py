@@ -13,7 +13,7 @@ from scheduler_service.engine import Engine
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.server import ModelFacts, create_server, set_serving
 from scheduler_service.tokenizer import ChatTokenizer
-from specdec.worker_client import WorkerClient
+from scheduler_service.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
 

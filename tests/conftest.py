@@ -21,6 +21,6 @@ def tiny_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_path():
     """Path of the embedded SmolLM2 checkpoint (fetched and converted once)."""
-    from specdec.models import fetch_default_model
+    from worker_service.models import fetch_default_model
 
     return fetch_default_model()

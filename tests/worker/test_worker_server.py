@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec import step
-from specdec.worker_client import WorkerClient
+from scheduler_service.worker_client import WorkerClient
 from tests.processes import running
 from tests.worker.driver import Driver
 from worker_service.model_loader import load_model, load_tokenizer

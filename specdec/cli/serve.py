@@ -5,18 +5,15 @@ import subprocess
 import sys
 import threading
 
-from specdec import models
-
-_WORKER_FLAGS = ("model", "draft_model", "proposer", "num_speculative_tokens", "ngram_min", "ngram_max", "scorer",
-                 "dtype", "max_model_len", "kv_cache_memory_gib", "num_threads", "speculative_row_budget")
+from scheduler_service import flags as scheduler_flags
+from worker_service import flags as worker_flags
+from worker_service import models
 
 
 def _worker_argv(args: argparse.Namespace, model_dir: str) -> list[str]:
-    argv = ["worker", "--host", "127.0.0.1", "--port", "0"]
-    for name in _WORKER_FLAGS:
-        value = model_dir if name == "model" else getattr(args, name)
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
+    argv = ["worker", "--host", "127.0.0.1", "--port", "0", "--model", model_dir, *worker_flags.forwarded_argv(args)]
+    if args.num_threads is not None:
+        argv += ["--num-threads", str(args.num_threads)]
     return argv
 
 
@@ -37,7 +34,6 @@ def _start_worker(args: argparse.Namespace, model_dir: str) -> tuple[subprocess.
 
 def serve(args: argparse.Namespace) -> int:
     from scheduler_service.main import run_scheduler
-    from specdec.cli import _scheduler_options
 
     try:
         model_dir = str(models.resolve_model(args.model))
@@ -54,7 +50,7 @@ def serve(args: argparse.Namespace) -> int:
 
     threading.Thread(target=watch_worker, daemon=True).start()
     try:
-        code = run_scheduler(_scheduler_options(args, address, model_dir), stop)
+        code = run_scheduler(scheduler_flags.options_from_args(args, model_dir, address), stop)
     except Exception as exc:  # noqa: BLE001
         print(f"specdec serve: error: {exc}", file=sys.stderr)
         code = 1

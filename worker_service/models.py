@@ -10,7 +10,7 @@ converts it once into a Hugging Face checkpoint directory (fp32 safetensors and
 the tokenizer) next to it, which loads in about a second. That directory is
 the default model.
 
-    python -m specdec.models fetch   # prints the path of the cached checkpoint
+    python -m worker_service.models fetch   # prints the path of the cached checkpoint
 """
 
 import logging
@@ -106,7 +106,7 @@ def fetch_default_gguf() -> pathlib.Path:
 
 def main(argv: list[str]) -> int:
     if argv != ["fetch"]:
-        print("usage: python -m specdec.models fetch", file=sys.stderr)
+        print("usage: python -m worker_service.models fetch", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(fetch_default_model())

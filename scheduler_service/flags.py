@@ -1,0 +1,39 @@
+"""The scheduler's command-line flags and the SchedulerOptions built from them (one place for both)."""
+
+import argparse
+
+from scheduler_service.config import SCHEDULING_MODES
+from scheduler_service.main import SchedulerOptions
+
+
+def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None:
+    """Adds the batching, KV and speculation-policy flags.
+
+    with_model_flags=False leaves out --max-model-len and --num-speculative-tokens, for a launcher
+    whose worker flags already define them (`specdec serve`).
+    """
+    if with_model_flags:
+        p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the worker's)")
+        p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                       help="most drafts per sequence and step (default: the worker's k)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks per worker (default: what each worker's KV budget holds, at most 4096)")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="most running requests per worker (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens per step, prefill chunks included (default: %(default)s)")
+    p.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
+                   help="no speculation in a step when more than N requests run on its worker (default: never)")
+    p.add_argument("--scheduling", choices=SCHEDULING_MODES, default="async",
+                   help="async: step N+1 is scheduled while the worker runs step N (default: %(default)s)")
+
+
+def options_from_args(args: argparse.Namespace, model_dir: str, worker_address: str) -> SchedulerOptions:
+    """The SchedulerOptions of parsed flags."""
+    return SchedulerOptions(model_dir=model_dir, worker_address=worker_address, host=args.host,
+                            port=args.port, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
+                            speculative_disable_queue_size=args.speculative_disable_queue_size,
+                            scheduling=args.scheduling)

@@ -1,0 +1,113 @@
+"""The `specdec` command: serve, worker, scheduler, generate.
+
+The top layer: it imports both services (each defines its own flags and builds
+its config from them) and the shared protocol; nothing imports it.
+"""
+
+import argparse
+import logging
+import os
+import sys
+
+from scheduler_service import flags as scheduler_flags
+from worker_service import flags as worker_flags
+from worker_service import models
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _add_model_flag(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument("--model", default=None, help=f"{help_text} (default: the embedded SmolLM2-135M-Instruct)")
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from worker_service.main import run_worker
+    from worker_service.model_loader import ModelLoadError
+
+    try:
+        config = worker_flags.config_from_args(args, str(models.resolve_model(args.model)), args.num_threads)
+        return run_worker(config, args.host, args.port)
+    except (ModelLoadError, ValueError, OSError, RuntimeError) as exc:
+        print(f"specdec worker: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from scheduler_service.main import run_scheduler
+
+    try:
+        model_dir = str(models.resolve_model(args.model))
+        return run_scheduler(scheduler_flags.options_from_args(args, model_dir, args.worker))
+    except Exception as exc:  # noqa: BLE001 - the CLI edge: one clear line, non-zero exit
+        print(f"specdec scheduler: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specdec.cli.serve import serve
+
+    return serve(args)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdec.cli.generate import generate
+
+    return generate(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    sub = parser.add_subparsers(dest="command", required=True)
+    worker = sub.add_parser("worker", help="run a worker service (models + KV cache)")
+    worker.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    worker.add_argument("--port", type=int, default=50052, help="0: any free port (default: %(default)s)")
+    _add_model_flag(worker, "checkpoint directory or .gguf file")
+    worker_flags.add_flags(worker)
+    worker.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    worker.set_defaults(func=cmd_worker)
+
+    scheduler = sub.add_parser("scheduler", help="run the scheduler (client API) for running workers")
+    scheduler.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    scheduler.add_argument("--port", type=int, default=50051, help="0: any free port (default: %(default)s)")
+    scheduler.add_argument("--worker", required=True, metavar="HOST:PORT", help="the worker's address")
+    _add_model_flag(scheduler, "the workers' model, for its tokenizer")
+    scheduler_flags.add_flags(scheduler)
+    scheduler.set_defaults(func=cmd_scheduler)
+
+    serve = sub.add_parser("serve", help="start a worker and the scheduler on loopback")
+    serve.add_argument("--host", default="127.0.0.1", help="client API host (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=50051, help="client API port; 0: any (default: %(default)s)")
+    _add_model_flag(serve, "checkpoint directory or .gguf file")
+    worker_flags.add_flags(serve)
+    serve.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    scheduler_flags.add_flags(serve, with_model_flags=False)
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="stream a completion from a running server")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default="127.0.0.1:50051", help="(default: %(default)s)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, not as a chat message")
+    gen.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
+    gen.add_argument("--seed", type=int, default=None, help="reproducible sampling")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--no-speculation", action="store_true", help="decode this request without drafts")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    code = args.func(args)
+    if args.command in ("worker", "scheduler", "serve"):
+        # The servers have stopped. Exit now: a gRPC handler thread still blocked on a peer's
+        # stream would otherwise hold up the interpreter's exit (it joins executor threads).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code
