@@ -1,12 +1,12 @@
-"""logits_to_probs / sample_from_probs / SamplingParams on hand-made inputs."""
+"""logits_to_probs / sample_from_probs / RequestSampling on hand-made inputs."""
 
 import math
 
 import pytest
 import torch
 
+from specdec.step import RequestSampling
 from worker_service.sampling import (
-    SamplingParams,
     logits_to_probs,
     make_generator,
     sample_from_probs,
@@ -71,23 +71,23 @@ def test_top_p_one_keeps_tiny_tokens():
 
 def test_per_row_parameters_in_one_batch():
     params = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(top_k=2),
-        SamplingParams(top_p=0.75),
-        SamplingParams(temperature=0.5, top_k=3, top_p=0.9),
-        SamplingParams(),
+        RequestSampling(temperature=0.0),
+        RequestSampling(top_k=2),
+        RequestSampling(top_p=0.75),
+        RequestSampling(temperature=0.5, top_k=3, top_p=0.9),
+        RequestSampling(),
     ]
     logits = torch.randn(len(params), 50, generator=torch.Generator().manual_seed(0))  # [N, V]
     probs = logits_to_probs(logits, *sampling_tensors(params))  # [N, V]
     for i, p in enumerate(params):
-        alone = probs_for(logits[i], p.temperature, p.top_k or 0, p.top_p)  # [V]
+        alone = probs_for(logits[i], p.temperature, p.top_k, p.top_p)  # [V]
         torch.testing.assert_close(probs[i], alone)
     torch.testing.assert_close(probs.sum(dim=-1), torch.ones(len(params)))
     assert int((probs[1] > 0).sum()) == 2
 
 
 def test_sampling_tensors():
-    params = [SamplingParams(0.7, 0.9, None), SamplingParams(0.0, 1.0, 5)]
+    params = [RequestSampling(0.7, 0.9, 0), RequestSampling(0.0, 1.0, 5)]
     temperature, top_k, top_p = sampling_tensors(params)
     torch.testing.assert_close(temperature, torch.tensor([0.7, 0.0]))
     assert top_k.tolist() == [0, 5] and top_k.dtype == torch.int64
@@ -137,14 +137,21 @@ def test_make_generator():
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"logprobs": 1}, "logprobs"),
     ],
 )
 def test_invalid_params_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SamplingParams(**kwargs)
+        RequestSampling(**kwargs)
 
 
 def test_params_defaults_and_greedy():
-    assert not SamplingParams().is_greedy
-    assert SamplingParams(temperature=0).is_greedy
-    assert SamplingParams(top_k=0).top_k == 0  # 0 = off, accepted
+    assert not RequestSampling().is_greedy
+    assert RequestSampling(temperature=0).is_greedy
+    assert RequestSampling(top_k=0).top_k == 0  # 0 = off, accepted
+    assert RequestSampling(seed=2**64 - 1).seed == 2**64 - 1  # the whole uint64 range
+    with pytest.raises(AttributeError):
+        RequestSampling().temperature = 0.5  # frozen: validated once, never changed
