@@ -1,6 +1,5 @@
 """Client requests (generation_pb2) into scheduler Requests: validation with messages a user can act on."""
 
-import math
 import uuid
 
 from scheduler_service.request import Request
@@ -41,16 +40,13 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: ChatTokenizer, voca
 
 
 def sampling_params(s: pb.SamplingParams) -> RequestSampling:
-    temperature = s.temperature if s.HasField("temperature") else 1.0
-    top_p = s.top_p if s.HasField("top_p") else 1.0
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}")
-    if s.top_k < 0:
-        raise InvalidRequestError(f"top_k must be >= 0 (0 = off), got {s.top_k}")
-    seed = s.seed if s.HasField("seed") else None
-    return RequestSampling(temperature=temperature, top_p=top_p, top_k=s.top_k, seed=seed, logprobs=s.logprobs)
+    """The client's sampling parameters, validated by RequestSampling (unset fields take their defaults)."""
+    try:
+        return RequestSampling(temperature=s.temperature if s.HasField("temperature") else 1.0,
+                               top_p=s.top_p if s.HasField("top_p") else 1.0, top_k=s.top_k,
+                               seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from exc
 
 
 def build_request(request: pb.GenerateRequest, tokenizer: ChatTokenizer, vocab_size: int,

@@ -9,9 +9,13 @@ def _sampling_to_proto(s: step.RequestSampling) -> pb.RequestSampling:
                               logprobs=s.logprobs)
 
 
-def _sampling_from_proto(m: pb.RequestSampling) -> step.RequestSampling:
-    return step.RequestSampling(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k,
-                                seed=m.seed if m.HasField("seed") else None, logprobs=m.logprobs)
+def _sampling_from_proto(m: pb.RequestSampling, request_id: str) -> step.RequestSampling:
+    """Raises ValueError naming the request when the parameters are invalid."""
+    try:
+        return step.RequestSampling(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k,
+                                    seed=m.seed if m.HasField("seed") else None, logprobs=m.logprobs)
+    except ValueError as exc:
+        raise ValueError(f"request {request_id!r}: {exc}") from exc
 
 
 def step_request_to_proto(r: step.StepRequest) -> pb.ExecuteModelRequest:
@@ -30,8 +34,9 @@ def step_request_to_proto(r: step.StepRequest) -> pb.ExecuteModelRequest:
 
 
 def step_request_from_proto(m: pb.ExecuteModelRequest) -> step.StepRequest:
+    """Raises ValueError (naming the request) for sampling parameters a step cannot use."""
     new = [step.NewRequest(request_id=n.request_id, token_ids=list(n.token_ids),
-                           num_prompt_tokens=n.num_prompt_tokens, sampling=_sampling_from_proto(n.sampling),
+                           num_prompt_tokens=n.num_prompt_tokens, sampling=_sampling_from_proto(n.sampling, n.request_id),
                            block_ids=list(n.block_ids), num_new_tokens=n.num_new_tokens,
                            num_speculative_tokens=n.num_speculative_tokens)
            for n in m.new_requests]

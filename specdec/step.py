@@ -5,15 +5,45 @@ is the only place that converts between the two.
 """
 
 from dataclasses import dataclass, field
+import math
+
+MAX_SEED = 2**64 - 1  # seeds are uint64 on the wire
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestSampling:
+    """How one request samples: the single validated type on both sides of the wire.
+
+    ``temperature == 0`` is greedy decoding; ``top_k == 0`` and ``top_p == 1``
+    switch those filters off; ``seed`` keys the request's randomness (``None``:
+    the scheduler or worker picks one); ``logprobs`` asks for the log-probability
+    of every emitted token. Raises ``ValueError`` with a message a user can act on.
+    """
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
     logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**64 - 1] or unset, got {self.seed!r}")
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs must be true or false, got {self.logprobs!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request decodes greedily (temperature 0)."""
+        return self.temperature == 0
 
 
 @dataclass

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import step
-from worker_service.sampling import SamplingParams, make_generator
+from worker_service.sampling import make_generator
 
 
 class InvalidStepError(ValueError):
@@ -23,9 +23,8 @@ class RequestState:
     request_id: str
     token_ids: list[int]          # prompt + every emitted token
     num_prompt_tokens: int
-    sampling: SamplingParams
+    sampling: step.RequestSampling  # validated when the step was built
     generator: torch.Generator | None
-    return_logprobs: bool
     block_table: list[int]
     num_speculative_tokens: int   # this request's k cap
     num_computed_tokens: int = 0  # target KV written for token_ids[:num_computed_tokens]
@@ -45,12 +44,9 @@ class RequestState:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-
-def _check_sampling(s: step.RequestSampling, request_id: str) -> SamplingParams:
-    try:
-        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or None, seed=s.seed)
-    except ValueError as exc:
-        raise InvalidStepError(f"request {request_id!r}: {exc}") from exc
+    @property
+    def return_logprobs(self) -> bool:
+        return self.sampling.logprobs
 
 
 def _check_tokens(token_ids: list[int], vocab_size: int, request_id: str) -> None:
@@ -76,12 +72,11 @@ def new_state(r: step.NewRequest, vocab_size: int, num_blocks: int, device: torc
                                f"must be in [1, {len(r.token_ids)}]")
     _check_tokens(r.token_ids, vocab_size, r.request_id)
     _check_blocks(r.block_ids, num_blocks, r.request_id)
-    sampling = _check_sampling(r.sampling, r.request_id)
     if r.num_speculative_tokens < 0:
         raise InvalidStepError(f"request {r.request_id!r}: num_speculative_tokens must be >= 0")
     return RequestState(request_id=r.request_id, token_ids=list(r.token_ids), num_prompt_tokens=r.num_prompt_tokens,
-                        sampling=sampling, generator=make_generator(sampling.seed, device),
-                        return_logprobs=r.sampling.logprobs, block_table=list(r.block_ids),
+                        sampling=r.sampling, generator=make_generator(r.sampling.seed, device),
+                        block_table=list(r.block_ids),
                         num_speculative_tokens=r.num_speculative_tokens, scheduled_new_tokens=r.num_new_tokens)
 
 

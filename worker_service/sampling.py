@@ -10,51 +10,23 @@ whatever else is in the batch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
+
+from specdec.step import RequestSampling
 
 # Exp(1) noise is clamped away from 0 so that ``probs / noise`` is never 0/0.
 _MIN_EXP_NOISE = torch.finfo(torch.float32).tiny
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings.
-
-    ``temperature == 0`` means greedy decoding; ``top_k`` of ``None`` or 0 and
-    ``top_p == 1`` switch those filters off; ``seed`` makes the request's
-    sampling reproducible (``None``: the process-wide RNG).
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {self.top_k!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        """True when the request decodes greedily (temperature 0)."""
-        return self.temperature == 0
-
-
 def sampling_tensors(
-    params: Sequence[SamplingParams], device: torch.device | str = "cpu"
+    params: Sequence[RequestSampling], device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stack per-request params into the ``(temperature, top_k, top_p)`` tensors
     that :func:`logits_to_probs` takes (top_k 0 = off)."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)  # [N]
-    top_k = torch.tensor([p.top_k or 0 for p in params], dtype=torch.int64, device=device)  # [N]
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)  # [N]
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)  # [N]
     return temperature, top_k, top_p
 

@@ -92,7 +92,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         worker = self._require_worker(context)
         for request in request_iterator:
             try:
-                result = self.run_compute(worker.execute, step_request_from_proto(request))
+                step_request = step_request_from_proto(request)
+            except ValueError as exc:  # the step dataclasses reject a field (e.g. sampling parameters)
+                logger.warning("rejected step %d: %s", request.step_id, exc)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            try:
+                result = self.run_compute(worker.execute, step_request)
             except InvalidStepError as exc:
                 logger.warning("rejected step %d: %s", request.step_id, exc)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
