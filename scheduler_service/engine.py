@@ -1,159 +1,197 @@
-"""The engine loop: schedule -> execute on the worker -> process, in a background thread.
+"""One worker's engine loop: join it, drive its steps, and hand its requests back when it leaves.
 
-sync: one step in flight. async (zero-bubble): the next step is scheduled and
-sent while the worker runs the current one, so the worker always finds its
-next step queued; the scheduler assumes every draft is accepted and corrects
-itself when the result arrives (see scheduler.py).
+A `WorkerEngine` owns one worker's scheduler (its KV pool, queues and
+speculation state) and a thread that runs
 
-Clients submit requests from gRPC threads and read their outputs from a
-per-request queue; everything that touches the scheduler holds one lock.
+    join:  Describe -> InitCache (retried while the worker is not up)
+    serve: schedule -> send -> receive -> update, one (sync) or two (async)
+           steps in flight (see pipeline.py)
+    leave: when the step stream fails, the health check fails or the worker
+           is no longer listed; its unfinished requests go back to the
+           cluster, which moves them to other workers by recompute
+
+and then joins again (a worker restarted at the same address comes back),
+unless it was stopped. Everything that touches the scheduler holds the
+cluster's lock; the step stream is read outside it.
 """
 
 from dataclasses import dataclass, replace
+import enum
 import logging
-import queue
 import threading
-import time
+from typing import TYPE_CHECKING
 
 import grpc
 
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.pipeline import BusyStats, StepPipeline
-from scheduler_service.request import Request, RequestOutput
 from scheduler_service.scheduler import Scheduler, SchedulerStats
 from scheduler_service.worker_client import WorkerClient
 
+if TYPE_CHECKING:
+    from scheduler_service.cluster import Cluster
+
 logger = logging.getLogger(__name__)
 
+DESCRIBE_TIMEOUT_S = 10.0
+INIT_CACHE_TIMEOUT_S = 120.0
+JOIN_RETRY_S = 1.0       # between attempts to reach a worker that is not up
+REJOIN_DELAY_S = 0.5     # after a worker left, before trying to join it again
+WAIT_POLL_S = 1.0
 
-class EngineError(RuntimeError):
-    """The worker failed; the request cannot complete."""
+
+class WorkerState(enum.Enum):
+    JOINING = "joining"   # not (yet) reachable, or not initialised
+    SERVING = "serving"   # initialised; takes requests
+    GONE = "gone"         # left (failed, or no longer listed); its requests moved
 
 
 @dataclass(frozen=True)
-class EngineSnapshot:
-    """An immutable copy of the engine's state, for GetServerInfo (read without holding the lock)."""
+class WorkerSnapshot:
+    """An immutable copy of one worker's state and counters (read without the lock)."""
 
-    config: SchedulerConfig
+    address: str
+    state: WorkerState
+    config: SchedulerConfig | None   # None until it first joined
     stats: SchedulerStats
     busy: BusyStats
-    num_worker_failures: int
+    num_failures: int
     num_running: int
     num_waiting: int
     num_free_blocks: int
+    num_total_blocks: int
 
 
-class RequestHandle:
-    """The outputs of one request, in order; the last has a finish_reason (or is an EngineError)."""
+class WorkerEngine:
+    """Drives one worker on a thread of its own; see the module docstring."""
 
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-        self.outputs: queue.Queue = queue.Queue()
-        self.is_done = False
-
-    def get(self, timeout: float | None = None) -> RequestOutput:
-        item = self.outputs.get(timeout=timeout)
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-
-class Engine:
-    """Owns the scheduler and the step stream to one worker."""
-
-    def __init__(self, scheduler_factory, client: WorkerClient):
-        self._scheduler_factory = scheduler_factory  # scheduler_factory(stats) -> Scheduler
-        self.scheduler: Scheduler = scheduler_factory(SchedulerStats())
-        self.client = client
+    def __init__(self, address: str, cluster: "Cluster"):
+        self.address = address
+        self.client = WorkerClient(address)
+        self.state = WorkerState.JOINING
+        self.scheduler: Scheduler | None = None   # while SERVING
+        self.config: SchedulerConfig | None = None
+        self.stats = SchedulerStats()              # across every scheduler this worker had
         self.busy = BusyStats()
-        self.num_worker_failures = 0
-        self._handles: dict[str, RequestHandle] = {}
-        self._lock = threading.Condition()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.num_failures = 0
+        self._cluster = cluster
+        self._lock = cluster.lock
+        self._wakeup = threading.Condition(cluster.lock)
+        self._stream = None
+        self._stale_request_ids: list[str] = []    # the worker may still hold them after a failure
+        self._leave_reason: str | None = None      # set to make the serve loop leave
+        self._is_stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"engine {address}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-            self._lock.notify_all()
-        self._thread.join(timeout=30)
+    def join_thread(self, timeout: float) -> None:
+        self._thread.join(timeout)
 
-    def submit(self, request: Request) -> RequestHandle:
-        """Queues a request; raises ValueError (bad or duplicate request) before anything is queued."""
-        with self._lock:
-            if request.request_id in self._handles:
-                raise KeyError(f"request id {request.request_id!r} is already running")
-            self.scheduler.add_request(request)
-            handle = self._handles[request.request_id] = RequestHandle(request.request_id)
-            self._lock.notify_all()
-        return handle
+    def wake(self) -> None:
+        """Lets the loop schedule again (new requests, aborts). Lock held."""
+        self._wakeup.notify_all()
 
-    def abort(self, request_id: str) -> bool:
-        """Aborts a live request (its blocks are freed); False when no such request runs."""
+    def leave(self, reason: str, stop: bool) -> None:
+        """Makes the worker leave (its requests move); with stop, it never joins again."""
         with self._lock:
-            handle = self._handles.pop(request_id, None)
-            request = self.scheduler.get_request(request_id)
-            if handle is None or request is None or not self.scheduler.abort(request_id):
-                return False
-            handle.outputs.put(request.make_output([], ""))  # finish_reason "abort", usage so far
-            self._lock.notify_all()
-            return True
+            self._is_stopped = self._is_stopped or stop
+            self._leave_reason = self._leave_reason or reason
+            stream = self._stream
+            self._wakeup.notify_all()
+        if stream is not None:
+            stream.close()  # a receive in progress raises at once
 
-    def snapshot(self) -> EngineSnapshot:
-        """The engine's state and counters, copied under the lock."""
-        with self._lock:
-            s = self.scheduler
-            return EngineSnapshot(config=s.config, stats=replace(s.stats), busy=replace(self.busy),
-                                  num_worker_failures=self.num_worker_failures, num_running=len(s.running),
-                                  num_waiting=len(s.waiting), num_free_blocks=s.num_free_blocks)
+    def snapshot(self) -> WorkerSnapshot:
+        """Lock held."""
+        s = self.scheduler
+        return WorkerSnapshot(
+            address=self.address, state=self.state, config=self.config, stats=replace(self.stats),
+            busy=replace(self.busy), num_failures=self.num_failures,
+            num_running=len(s.running) if s else 0, num_waiting=len(s.waiting) if s else 0,
+            num_free_blocks=s.num_free_blocks if s else 0,
+            num_total_blocks=self.config.num_kv_blocks if s and self.config else 0)
+
+    def headroom_key(self) -> tuple[int, int]:
+        """Smaller is more headroom: queued + running requests, then fewer free KV blocks. Lock held."""
+        s = self.scheduler
+        return len(s.waiting) + len(s.running), -s.num_free_blocks
 
     def _run(self) -> None:
-        while not self._stopped:
-            stream = self.client.open_stream()
-            try:
-                self._drive(stream)
-            except grpc.RpcError as exc:
-                self._fail_all(f"the worker failed: {exc.code().name}: {exc.details()}")
-            finally:
-                stream.close()
+        while not self._is_stopped:
+            if self._join():
+                self._leave(self._serve())
+                self._sleep(REJOIN_DELAY_S)
+        self.client.close()
 
-    def _drive(self, stream) -> None:
-        pipeline = StepPipeline(self.scheduler, self.busy)
-        while True:
-            with self._lock:
-                if not self._stopped:
-                    pipeline.send_ready(stream.send)
-                if self._stopped:
-                    return
-                if not pipeline.num_in_flight:
-                    self._lock.wait(timeout=1.0)
-                    continue
-            result = stream.recv()  # blocks outside the lock: clients may submit meanwhile
-            with self._lock:
-                self._dispatch(pipeline.apply(result))
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            handle = self._handles.get(output.request_id)
-            if handle is None:
-                continue
-            handle.outputs.put(output)
-            if output.finish_reason is not None:
-                handle.is_done = True
-                del self._handles[output.request_id]
-
-    def _fail_all(self, message: str) -> None:
-        """Ends every live request with an error and starts over with an empty scheduler."""
-        logger.error("%s; failing %d requests", message, len(self._handles))
+    def _join(self) -> bool:
+        """Describe + InitCache; True once the worker serves. False (after a pause) when it cannot now."""
+        try:
+            info = self.client.describe(self._cluster.options.block_size, timeout=DESCRIBE_TIMEOUT_S)
+            config = self._cluster.config_for(self.address, info)
+            self.client.init_cache(config.num_kv_blocks, config.block_size, timeout=INIT_CACHE_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            log = logger.debug if exc.code() is grpc.StatusCode.UNAVAILABLE else logger.warning
+            log("worker %s is not available: %s: %s", self.address, exc.code().name, exc.details())
+            self._sleep(JOIN_RETRY_S)
+            return False
+        except ValueError as exc:
+            logger.error("worker %s cannot join: %s", self.address, exc)
+            self._sleep(10 * JOIN_RETRY_S)
+            return False
+        stream = self.client.open_stream()
         with self._lock:
-            self.num_worker_failures += 1
-            stale_ids = self.scheduler.request_ids()
-            for handle in self._handles.values():
-                handle.outputs.put(EngineError(message))
-            self._handles.clear()
-            self.scheduler = self._scheduler_factory(self.scheduler.stats)
-            self.scheduler.drop_on_worker(stale_ids)  # the worker may still hold their state
-        time.sleep(1.0)
+            if self._is_stopped:
+                stream.close()
+                return False
+            self.config = config
+            self.scheduler = Scheduler(config, self._cluster.tokenizer, self.stats)
+            self.scheduler.drop_on_worker(self._stale_request_ids)
+            self._stale_request_ids = []
+            self._stream, self._leave_reason = stream, None
+            self.state = WorkerState.SERVING
+            logger.info("worker %s serves: %d KV blocks of %d tokens, k=%d, %s scheduling", self.address,
+                        config.num_kv_blocks, config.block_size, config.num_speculative_tokens, config.scheduling)
+            self._cluster.on_serving(self)
+        return True
+
+    def _serve(self) -> str:
+        """Runs steps until the worker must leave; returns why."""
+        pipeline = StepPipeline(self.scheduler, self.busy)
+        stream = self._stream
+        try:
+            while True:
+                with self._lock:
+                    while True:
+                        if self._leave_reason is not None:
+                            return self._leave_reason
+                        pipeline.send_ready(stream.send)
+                        if pipeline.num_in_flight:
+                            break
+                        self._wakeup.wait(WAIT_POLL_S)
+                result = stream.recv()  # outside the lock: clients submit and other workers run meanwhile
+                with self._lock:
+                    self._cluster.dispatch(pipeline.apply(result))
+        except grpc.RpcError as exc:
+            return self._leave_reason or f"its step stream failed: {exc.code().name}: {exc.details()}"
+        except ValueError as exc:  # the scheduler rejected a result: the worker broke the protocol
+            return f"it sent an invalid step result: {exc}"
+        finally:
+            stream.close()
+
+    def _leave(self, reason: str) -> None:
+        with self._lock:
+            self.state = WorkerState.GONE
+            self._stream = None
+            self._stale_request_ids = self.scheduler.worker_request_ids()
+            requests = self.scheduler.take_live_requests()
+            self.scheduler = None
+            if not self._is_stopped:
+                self.num_failures += 1
+            logger.warning("worker %s left: %s; %d requests move", self.address, reason, len(requests))
+            self._cluster.on_left(self, requests)
+
+    def _sleep(self, seconds: float) -> None:
+        with self._lock:
+            self._wakeup.wait_for(lambda: self._is_stopped, seconds)

@@ -3,11 +3,11 @@
 import argparse
 
 from scheduler_service.config import SCHEDULING_MODES
-from scheduler_service.main import SchedulerOptions
+from scheduler_service.options import SchedulerOptions
 
 
 def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None:
-    """Adds the batching, KV and speculation-policy flags.
+    """Adds the batching, KV, speculation-policy and worker-membership flags.
 
     with_model_flags=False leaves out --max-model-len and --num-speculative-tokens, for a launcher
     whose worker flags already define them (`specdec serve`).
@@ -27,13 +27,18 @@ def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None
                    help="no speculation in a step when more than N requests run on its worker (default: never)")
     p.add_argument("--scheduling", choices=SCHEDULING_MODES, default="async",
                    help="async: step N+1 is scheduled while the worker runs step N (default: %(default)s)")
+    p.add_argument("--worker-refresh-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="how often dns:/// worker names are resolved again (default: %(default)s)")
+    p.add_argument("--worker-wait-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long a request waits while no worker serves, then UNAVAILABLE (default: %(default)s)")
 
 
-def options_from_args(args: argparse.Namespace, model_dir: str, worker_address: str) -> SchedulerOptions:
-    """The SchedulerOptions of parsed flags."""
-    return SchedulerOptions(model_dir=model_dir, worker_address=worker_address, host=args.host,
+def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses: list[str]) -> SchedulerOptions:
+    """The SchedulerOptions of parsed flags; raises ValueError for bad values."""
+    return SchedulerOptions(model_dir=model_dir, worker_addresses=tuple(worker_addresses), host=args.host,
                             port=args.port, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
                             speculative_disable_queue_size=args.speculative_disable_queue_size,
-                            scheduling=args.scheduling)
+                            scheduling=args.scheduling, worker_refresh_interval_s=args.worker_refresh_interval,
+                            worker_wait_timeout_s=args.worker_wait_timeout)

@@ -53,6 +53,7 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
+    num_moves: int = 0                             # times it resumed on another worker
     is_held_by_worker: bool = False
     num_speculative_tokens_sent: int | None = None  # the k cap the worker holds
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
@@ -122,6 +123,10 @@ class Request:
         if self.num_prompt_tokens >= max_model_len:
             raise ValueError(f"request {self.request_id!r}: the prompt has {self.num_prompt_tokens} tokens; "
                              f"max_model_len {max_model_len} leaves no room for output")
+        self.check_fits(max_model_len, num_kv_tokens)
+
+    def check_fits(self, max_model_len: int, num_kv_tokens: int) -> None:
+        """Raises ValueError when the request's longest possible sequence exceeds a KV pool."""
         # Lookahead is capped by the tokens left, so no step needs slots past this.
         num_tokens_max = min(self.num_prompt_tokens + self.max_tokens, max_model_len)
         if num_tokens_max > num_kv_tokens:
@@ -186,11 +191,24 @@ class Request:
     def reset_for_recompute(self) -> None:
         """Forgets all KV state after preemption; the output already streamed is kept."""
         assert self.num_assumed_tokens == 0, "a request with a step in flight is never preempted"
+        self._forget_worker_state()
+        self.num_preemptions += 1
+
+    def reset_for_move(self) -> None:
+        """Forgets all state on a worker that left: steps in flight there never complete.
+
+        What was streamed (prompt + output_token_ids, the detokenizer's text) is kept; the
+        request resumes elsewhere by recomputing it.
+        """
+        self.num_assumed_tokens = 0
+        self._forget_worker_state()
+        self.num_moves += 1
+
+    def _forget_worker_state(self) -> None:
         self.status = RequestStatus.PREEMPTED
         self.num_computed_tokens = 0
         self.is_held_by_worker = False
         self.num_speculative_tokens_sent = None
-        self.num_preemptions += 1
 
 
 @dataclass(frozen=True)

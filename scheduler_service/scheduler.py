@@ -94,12 +94,49 @@ class Scheduler:
         """A request whose state is still held (running, waiting, or finished with a step in flight)."""
         return self._requests.get(request_id)
 
-    def request_ids(self) -> list[str]:
-        return list(self._requests)
+    def worker_request_ids(self) -> list[str]:
+        """Ids whose state the worker may hold: every request not released yet, and those it is to drop."""
+        return [*self._requests, *self._worker_drop_ids]
 
     def drop_on_worker(self, request_ids: list[str]) -> None:
         """Tells the worker, with the next step, to forget these requests (after a failed stream)."""
         self._worker_drop_ids.extend(request_ids)
+
+    def take_live_requests(self) -> list[Request]:
+        """Empties the scheduler after its worker left; returns the unfinished requests, reset for a move.
+
+        Steps in flight will never complete; the returned requests keep what was streamed and
+        resume elsewhere by recompute. Finished ones are simply forgotten. The scheduler holds
+        nothing afterwards (its block pool is back at full).
+        """
+        live = sorted((r for r in self._requests.values() if not r.is_finished), key=lambda r: r.arrival_index)
+        for request in self._requests.values():
+            if self.block_manager.has_blocks(request.request_id):
+                self.block_manager.free(request.request_id)
+        for request in live:
+            request.reset_for_move()
+        self._requests.clear()
+        self.running.clear()
+        self.waiting.clear()
+        self._in_flight.clear()
+        self._worker_drop_ids = []
+        return live
+
+    def resume_requests(self, requests: list[Request]) -> None:
+        """Queues requests moved from another worker at the front, in the given order.
+
+        Raises ValueError (nothing queued) when one can never fit this worker's KV pool.
+        """
+        num_kv_tokens = self.config.num_kv_blocks * self.config.block_size
+        for request in requests:
+            if request.request_id in self._requests:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            request.check_fits(self.config.max_model_len, num_kv_tokens)
+        for request in reversed(requests):
+            request.arrival_index = -self._next_arrival_index  # before every request that arrived here
+            self._next_arrival_index += 1
+            self._requests[request.request_id] = request
+            self.waiting.appendleft(request)
 
     def add_request(self, request: Request) -> None:
         """Queues a new request (FCFS); raises ValueError when it can never be served."""

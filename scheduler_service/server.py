@@ -1,16 +1,18 @@
 """The Generation gRPC service (client API), with health checking and reflection."""
 
 from concurrent import futures
-from dataclasses import dataclass
 import logging
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from scheduler_service.api import InvalidRequestError, build_request
-from scheduler_service.engine import Engine, EngineError
+from scheduler_service.cluster import Cluster, ClusterSnapshot, EngineError
+from scheduler_service.pipeline import BusyStats
 from scheduler_service.request import RequestOutput
+from scheduler_service.scheduler import SchedulerStats
 from scheduler_service.tokenizer import ChatTokenizer
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
@@ -22,50 +24,67 @@ _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "l
            "abort": pb.FINISH_REASON_ABORT}
 
 
-@dataclass
-class ModelFacts:
-    """What the API layer needs to know of the model the worker serves."""
-
-    model_id: str
-    vocab_size: int
-    eos_token_ids: list[int]
-    proposer: str
-
-
 def _usage(o: RequestOutput) -> pb.Usage:
     return pb.Usage(prompt_tokens=o.num_prompt_tokens, completion_tokens=o.num_completion_tokens,
                     draft_tokens=o.num_draft_tokens, accepted_tokens=o.num_accepted_tokens)
 
 
+def _counters(st: SchedulerStats, busy: BusyStats, num_failures: int, num_moved: int = 0,
+              num_requests: int | None = None) -> pb.Counters:
+    return pb.Counters(
+        num_requests=st.num_requests if num_requests is None else num_requests,
+        num_drafted_tokens=st.num_draft_tokens, num_accepted_tokens=st.num_accepted_tokens,
+        num_emitted_tokens=st.num_emitted_tokens,
+        acceptance_rate=st.num_accepted_tokens / st.num_draft_tokens if st.num_draft_tokens else 0.0,
+        mean_accepted_length=st.num_emitted_tokens / max(st.num_sequence_steps, 1), num_steps=st.num_steps,
+        num_steps_speculation_disabled=st.num_steps_speculation_disabled, num_preemptions=st.num_preemptions,
+        worker_busy_seconds=busy.worker_busy_s, active_wall_seconds=busy.active_wall_s,
+        num_worker_failures=num_failures, num_moved_requests=num_moved)
+
+
+def _workers(snap: ClusterSnapshot) -> list[pb.WorkerStatus]:
+    return [pb.WorkerStatus(address=w.address, state=w.state.value, num_running=w.num_running,
+                            num_waiting=w.num_waiting, num_free_kv_blocks=w.num_free_blocks,
+                            num_kv_blocks=w.num_total_blocks, counters=_counters(w.stats, w.busy, w.num_failures))
+            for w in snap.workers]
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """Validates client requests, hands them to the engine and streams the outputs back."""
+    """Validates client requests, hands them to the cluster and streams the outputs back."""
 
     def __init__(self):
-        self.engine: Engine | None = None
+        self.cluster: Cluster | None = None
         self.tokenizer: ChatTokenizer | None = None
-        self.facts: ModelFacts | None = None
 
-    def attach(self, engine: Engine, tokenizer: ChatTokenizer, facts: ModelFacts) -> None:
-        self.engine, self.tokenizer, self.facts = engine, tokenizer, facts
+    def attach(self, cluster: Cluster, tokenizer: ChatTokenizer) -> None:
+        """Called once a worker has described the model."""
+        self.cluster, self.tokenizer = cluster, tokenizer
+
+    def _require_cluster(self, context) -> Cluster:
+        if self.cluster is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting: no worker has answered yet")
+        return self.cluster
 
     def _outputs(self, request, context):
         """Submits the request and yields its RequestOutputs; aborts the call with the right status."""
-        if self.engine is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting: the worker is not ready yet")
+        cluster = self._require_cluster(context)
+        facts = cluster.facts
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
         try:
-            req = build_request(request, self.tokenizer, self.facts.vocab_size, self.facts.eos_token_ids)
-            handle = self.engine.submit(req)
+            req = build_request(request, self.tokenizer, facts.vocab_size, list(facts.eos_token_ids))
+            handle = cluster.submit(req, deadline)
         except KeyError as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc.args[0]))
         except (InvalidRequestError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # A client that cancels or disconnects aborts the request, which frees its blocks.
-        context.add_callback(lambda: handle.is_done or self.engine.abort(req.request_id))
+        context.add_callback(lambda: handle.is_done or cluster.abort(req.request_id))
         while True:
             try:
                 output = handle.get()
             except EngineError as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                context.abort(exc.code, str(exc))
             yield output
             if output.finish_reason is not None:
                 handle.is_done = True
@@ -95,35 +114,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def Abort(self, request, context):
         """Aborts a running request by id."""
-        if self.engine is None or not self.engine.abort(request.request_id):
+        if self.cluster is None or not self.cluster.abort(request.request_id):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no running request with id {request.request_id!r}")
         return pb.AbortResponse()
 
     def GetServerInfo(self, request, context):
-        """Model, limits, KV usage and counters."""
-        if self.engine is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting: the worker is not ready yet")
-        snap = self.engine.snapshot()
-        c, st = snap.config, snap.stats
-        num_sequence_steps = max(st.num_sequence_steps, 1)
-        counters = pb.Counters(
-            num_requests=st.num_requests, num_drafted_tokens=st.num_draft_tokens,
-            num_accepted_tokens=st.num_accepted_tokens, num_emitted_tokens=st.num_emitted_tokens,
-            acceptance_rate=st.num_accepted_tokens / st.num_draft_tokens if st.num_draft_tokens else 0.0,
-            mean_accepted_length=st.num_emitted_tokens / num_sequence_steps, num_steps=st.num_steps,
-            num_steps_speculation_disabled=st.num_steps_speculation_disabled, num_preemptions=st.num_preemptions,
-            worker_busy_seconds=snap.busy.worker_busy_s, active_wall_seconds=snap.busy.active_wall_s,
-            num_worker_failures=snap.num_worker_failures)
+        """Model, limits, KV usage and counters: totals, and each worker's."""
+        cluster = self._require_cluster(context)
+        facts, snap = cluster.facts, cluster.snapshot()
+        c = facts.config
+        serving = [w for w in snap.workers if w.num_total_blocks]
+        counters = _counters(snap.stats, snap.busy, snap.num_worker_failures, snap.num_moved_requests,
+                             snap.num_requests)
         return pb.ServerInfo(
-            model=self.facts.model_id, proposer=self.facts.proposer, num_speculative_tokens=c.num_speculative_tokens,
+            model=facts.model_id, proposer=facts.proposer, num_speculative_tokens=c.num_speculative_tokens,
             max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs, block_size=c.block_size,
-            num_kv_blocks=c.num_kv_blocks, num_free_kv_blocks=snap.num_free_blocks, scheduling=c.scheduling,
+            num_kv_blocks=sum(w.num_total_blocks for w in serving),
+            num_free_kv_blocks=sum(w.num_free_blocks for w in serving), scheduling=c.scheduling,
             speculative_disable_queue_size=c.speculative_disable_queue_size or 0, counters=counters,
-            num_running=snap.num_running, num_waiting=snap.num_waiting)
+            num_running=sum(w.num_running for w in snap.workers),
+            num_waiting=sum(w.num_waiting for w in snap.workers) + snap.num_waiting_for_worker,
+            workers=_workers(snap))
 
 
 def create_server(host: str, port: int, max_workers: int = 64):
-    """A started server (health NOT_SERVING until attach); returns (server, servicer, health, bound port)."""
+    """A started server (health NOT_SERVING until a worker serves); returns (server, servicer, health, bound port)."""
     # so_reuseport off: a port another server holds must fail to bind, not be shared.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=[("grpc.so_reuseport", 0)])
     health_servicer = health.HealthServicer()
@@ -144,6 +159,8 @@ def create_server(host: str, port: int, max_workers: int = 64):
     return server, servicer, health_servicer, bound
 
 
-def set_serving(health_servicer: health.HealthServicer) -> None:
+def set_serving(health_servicer: health.HealthServicer, is_serving: bool = True) -> None:
+    """Health of the client API: SERVING while at least one worker serves."""
+    status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in (SERVICE_NAME, ""):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        health_servicer.set(name, status)

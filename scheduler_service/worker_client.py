@@ -3,12 +3,14 @@
 import queue
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import step
 from specdec.convert import step_request_to_proto, step_result_from_proto
 from specdec.v1 import worker_pb2, worker_pb2_grpc
 
 _CLOSE = object()
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 class StepStream:
@@ -38,12 +40,14 @@ class WorkerClient:
         self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
                                                               ("grpc.max_send_message_length", 64 << 20)])
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def describe(self, block_size: int, timeout: float | None = None) -> worker_pb2.WorkerInfo:
         return self.stub.Describe(worker_pb2.DescribeRequest(block_size=block_size), timeout=timeout)
 
-    def init_cache(self, num_blocks: int, block_size: int) -> int:
-        reply = self.stub.InitCache(worker_pb2.InitCacheRequest(num_blocks=num_blocks, block_size=block_size))
+    def init_cache(self, num_blocks: int, block_size: int, timeout: float | None = None) -> int:
+        reply = self.stub.InitCache(worker_pb2.InitCacheRequest(num_blocks=num_blocks, block_size=block_size),
+                                    timeout=timeout)
         return reply.kv_cache_bytes
 
     def open_stream(self) -> StepStream:
@@ -57,6 +61,10 @@ class WorkerClient:
             return stream.recv()
         finally:
             stream.close()
+
+    def check_health(self, timeout: float) -> grpc.Future:
+        """A gRPC health check of the Worker service, as a future (its result is the serving status)."""
+        return self.health.Check.future(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
 
     def close(self) -> None:
         self.channel.close()

@@ -20,6 +20,16 @@ def _add_model_flag(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--model", default=None, help=f"{help_text} (default: the embedded SmolLM2-135M-Instruct)")
 
 
+def _worker_address(value: str) -> str:
+    from scheduler_service.membership import parse_worker_spec
+
+    try:
+        parse_worker_spec(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return value
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from worker_service.main import run_worker
     from worker_service.model_loader import ModelLoadError
@@ -70,17 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler = sub.add_parser("scheduler", help="run the scheduler (client API) for running workers")
     scheduler.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     scheduler.add_argument("--port", type=int, default=50051, help="0: any free port (default: %(default)s)")
-    scheduler.add_argument("--worker", required=True, metavar="HOST:PORT", help="the worker's address")
+    scheduler.add_argument("--worker", required=True, action="append", type=_worker_address,
+                           metavar="HOST:PORT|dns:///NAME:PORT",
+                           help="a worker, or every address a DNS name resolves to (repeatable)")
     _add_model_flag(scheduler, "the workers' model, for its tokenizer")
     scheduler_flags.add_flags(scheduler)
     scheduler.set_defaults(func=cmd_scheduler)
 
-    serve = sub.add_parser("serve", help="start a worker and the scheduler on loopback")
+    serve = sub.add_parser("serve", help="start workers and the scheduler on loopback")
     serve.add_argument("--host", default="127.0.0.1", help="client API host (default: %(default)s)")
     serve.add_argument("--port", type=int, default=50051, help="client API port; 0: any (default: %(default)s)")
     _add_model_flag(serve, "checkpoint directory or .gguf file")
     worker_flags.add_flags(serve)
-    serve.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    serve.add_argument("--num-workers", type=int, default=1, metavar="N",
+                       help="worker processes; the CPU cores are split between them (default: %(default)s)")
+    serve.add_argument("--num-threads", type=int, default=None,
+                       help="torch threads per worker (default: the cores / --num-workers)")
     scheduler_flags.add_flags(serve, with_model_flags=False)
     serve.set_defaults(func=cmd_serve)
 

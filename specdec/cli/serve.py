@@ -1,6 +1,14 @@
-"""`specdec serve`: a worker process and the scheduler (this process) on loopback."""
+"""`specdec serve`: N worker processes and the scheduler (this process) on loopback.
+
+The CPU cores are split between the workers (torch threads per worker). A
+worker that dies after it has loaded its model is started again on the same
+port, and the scheduler takes it back (its requests meanwhile moved to the
+others); a worker that fails before loading its model stops the server.
+"""
 
 import argparse
+import logging
+import os
 import subprocess
 import sys
 import threading
@@ -9,56 +17,106 @@ from scheduler_service import flags as scheduler_flags
 from worker_service import flags as worker_flags
 from worker_service import models
 
+logger = logging.getLogger(__name__)
+
+
+class WorkerProcess:
+    """One worker process; `supervise` restarts it on its port when it dies after loading its model."""
+
+    def __init__(self, index: int, argv: list[str]):
+        self.index = index
+        self.argv = argv          # `specdec ...` arguments without --port
+        self.proc: subprocess.Popen | None = None
+        self.address: str | None = None
+        self.is_loaded = False
+        self.is_stopping = False
+
+    def start(self, port: int = 0) -> str:
+        """Starts the process and returns its address, read from its output."""
+        self.is_loaded = False
+        self.proc = proc = subprocess.Popen([sys.executable, "-m", "specdec", *self.argv, "--port", str(port)],
+                                            stdout=subprocess.PIPE, stderr=None, text=True)
+        for line in proc.stdout:
+            self._echo(line)
+            if line.startswith("worker listening on "):
+                self.address = line.split()[-1]
+                threading.Thread(target=self._pump, args=(proc,), daemon=True).start()
+                return self.address
+        raise RuntimeError(f"worker {self.index} exited with code {proc.wait()} before listening")
+
+    def supervise(self, on_fatal) -> None:
+        """Waits for the process; restarts it when it dies after loading, else calls on_fatal(message)."""
+        while True:
+            code = self.proc.wait()
+            if self.is_stopping:
+                return
+            if not self.is_loaded:
+                on_fatal(f"worker {self.index} exited with code {code} before loading its model")
+                return
+            port = int(self.address.rsplit(":", 1)[1])
+            logger.warning("worker %d (%s) exited with code %d: starting it again on port %d",
+                           self.index, self.address, code, port)
+            try:
+                self.start(port)
+            except RuntimeError as exc:
+                on_fatal(str(exc))
+                return
+
+    def stop(self) -> None:
+        self.is_stopping = True
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def _pump(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self._echo(line)
+
+    def _echo(self, line: str) -> None:
+        if line.startswith("worker model loaded"):
+            self.is_loaded = True
+        print(f"[worker {self.index}] {line}", end="", file=sys.stderr)
+
 
 def _worker_argv(args: argparse.Namespace, model_dir: str) -> list[str]:
-    argv = ["worker", "--host", "127.0.0.1", "--port", "0", "--model", model_dir, *worker_flags.forwarded_argv(args)]
-    if args.num_threads is not None:
-        argv += ["--num-threads", str(args.num_threads)]
-    return argv
-
-
-def _start_worker(args: argparse.Namespace, model_dir: str) -> tuple[subprocess.Popen, str]:
-    """Starts the worker and returns it with its address, read from its first output line."""
-    proc = subprocess.Popen([sys.executable, "-m", "specdec", "--log-level", args.log_level,
-                             *_worker_argv(args, model_dir)],
-                            stdout=subprocess.PIPE, stderr=None, text=True)
-    for line in proc.stdout:
-        if line.startswith("worker listening on "):
-            address = line.split()[-1]
-            threading.Thread(target=lambda: [print(f"[worker] {l}", end="", file=sys.stderr) for l in proc.stdout],
-                             daemon=True).start()
-            return proc, address
-        print(f"[worker] {line}", end="", file=sys.stderr)
-    raise RuntimeError(f"the worker exited with code {proc.wait()} before listening")
+    num_threads = args.num_threads or max(1, (os.cpu_count() or 1) // args.num_workers)
+    return ["--log-level", args.log_level, "worker", "--host", "127.0.0.1", "--model", model_dir,
+            "--num-threads", str(num_threads), *worker_flags.forwarded_argv(args)]
 
 
 def serve(args: argparse.Namespace) -> int:
     from scheduler_service.main import run_scheduler
 
-    try:
-        model_dir = str(models.resolve_model(args.model))
-        proc, address = _start_worker(args, model_dir)
-    except Exception as exc:  # noqa: BLE001 - the CLI edge
-        print(f"specdec serve: error: {exc}", file=sys.stderr)
-        return 1
+    if args.num_workers < 1:
+        print(f"specdec serve: error: --num-workers must be >= 1, got {args.num_workers}", file=sys.stderr)
+        return 2
+    workers: list[WorkerProcess] = []
     stop = threading.Event()
-    worker_exit: list[int] = []
+    fatal: list[str] = []
 
-    def watch_worker() -> None:
-        worker_exit.append(proc.wait())
+    def on_fatal(message: str) -> None:
+        fatal.append(message)
         stop.set()
 
-    threading.Thread(target=watch_worker, daemon=True).start()
     try:
-        code = run_scheduler(scheduler_flags.options_from_args(args, model_dir, address), stop)
-    except Exception as exc:  # noqa: BLE001
+        model_dir = str(models.resolve_model(args.model))
+        argv = _worker_argv(args, model_dir)
+        for index in range(args.num_workers):
+            workers.append(WorkerProcess(index, argv))
+            workers[-1].start()
+        for worker in workers:
+            threading.Thread(target=worker.supervise, args=(on_fatal,), daemon=True).start()
+        code = run_scheduler(scheduler_flags.options_from_args(args, model_dir, [w.address for w in workers]), stop)
+    except Exception as exc:  # noqa: BLE001 - the CLI edge: one clear line, non-zero exit
         print(f"specdec serve: error: {exc}", file=sys.stderr)
         code = 1
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(30)
-    if worker_exit and worker_exit[0] != 0 and code == 0:
-        print(f"specdec serve: error: the worker exited with code {worker_exit[0]}", file=sys.stderr)
+        for worker in workers:
+            worker.stop()
+    if fatal:
+        print(f"specdec serve: error: {fatal[0]}", file=sys.stderr)
         code = 1
     return code

@@ -167,6 +167,6 @@ def test_serve_stops_cleanly_on_sigterm(tiny_pair):
 
     with running(["serve", "--port", "0", *tiny_args(tiny_pair)]) as proc:
         proc.wait_for("scheduler ready", timeout=120)
-        worker_lines = len([line for line in proc.lines if line.startswith("[worker]")])
+        worker_lines = len([line for line in proc.lines if line.startswith("[worker ")])
         assert proc.stop() == 0
         assert worker_lines > 0  # the worker ran as its own process, its output relayed

@@ -1,4 +1,4 @@
-"""Scheduler against a fake worker that applies the worker semantics of specdec.step.
+"""Scheduler against a fake worker that applies the worker semantics of specdec.step (tests/sim_worker.py).
 
 The fake worker keeps a fake paged KV cache: every position it computes is
 written as (request id, token) into the slot its block table names, and
@@ -7,7 +7,6 @@ own tokens. Freeing or sharing a block too early therefore fails a test.
 """
 
 from collections import defaultdict, deque
-from dataclasses import dataclass
 import subprocess
 import sys
 
@@ -18,103 +17,7 @@ from scheduler_service.pipeline import StepPipeline
 from scheduler_service.request import Request, RequestOutput
 from scheduler_service.scheduler import Scheduler
 from specdec.step import SequenceOutput, StepRequest, StepResult
-
-VOCAB_SIZE = 50
-PIECES = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMN"  # one character per token id
-
-
-def next_token(token_ids: list[int]) -> int:
-    """The "model": (last * 7 + 3) % 50, shifted by the position so that outputs do not cycle quickly."""
-    return (token_ids[-1] * 7 + 3 + len(token_ids)) % VOCAB_SIZE
-
-
-def reference_output(prompt_token_ids: list[int], num_tokens: int) -> list[int]:
-    token_ids = list(prompt_token_ids)
-    for _ in range(num_tokens):
-        token_ids.append(next_token(token_ids))
-    return token_ids[len(prompt_token_ids):]
-
-
-class PieceTokenizer:
-    """Each token id is one character of PIECES."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(PIECES[i] for i in ids)
-
-
-@dataclass
-class _WorkerState:
-    """What a worker keeps per request."""
-
-    token_ids: list[int]
-    num_computed: int
-    block_ids: list[int]
-    num_speculative_tokens: int
-
-
-class FakeWorker:
-    """Deterministic worker: the true next token is next_token(last); drafts are right `num_accepted` times."""
-
-    def __init__(self, block_size: int, num_accepted=lambda step_id, request_id: 1_000):
-        self.block_size = block_size
-        self.num_accepted = num_accepted
-        self.states: dict[str, _WorkerState] = {}
-        self.kv: dict[tuple[int, int], tuple[str, int]] = {}  # (block id, offset) -> (request id, token)
-        self.num_emitted_by_id: dict[str, int] = defaultdict(int)
-
-    def execute(self, step: StepRequest) -> StepResult:
-        for request_id in step.finished_request_ids:
-            del self.states[request_id]  # KeyError: told to drop a request it does not hold
-        scheduled = []
-        for new in step.new_requests:
-            assert new.request_id not in self.states, "a NewRequest for a request the worker holds"
-            self.states[new.request_id] = _WorkerState(list(new.token_ids), 0, list(new.block_ids),
-                                                       new.num_speculative_tokens)
-            scheduled.append((new.request_id, new.num_new_tokens))
-        for cached in step.cached_requests:
-            state = self.states[cached.request_id]
-            assert cached.num_blocks_kept <= len(state.block_ids)
-            state.block_ids = state.block_ids[:cached.num_blocks_kept] + cached.new_block_ids
-            if cached.num_speculative_tokens is not None:
-                state.num_speculative_tokens = cached.num_speculative_tokens
-            scheduled.append((cached.request_id, cached.num_new_tokens))
-        outputs = [self._run(step, request_id, num_new) for request_id, num_new in scheduled]
-        return StepResult(step.step_id, outputs)
-
-    def _run(self, step: StepRequest, request_id: str, num_new: int) -> SequenceOutput:
-        state = self.states[request_id]
-        self._check_kv(request_id, state)
-        num_pending = len(state.token_ids) - state.num_computed
-        assert 1 <= num_new <= num_pending
-        end = state.num_computed + num_new
-        if end < len(state.token_ids):  # a prefill chunk short of the end: nothing emitted
-            self._write(request_id, state, state.num_computed, state.token_ids[state.num_computed:end])
-            state.num_computed = end
-            return SequenceOutput(request_id, [])
-        k = min(step.num_lookahead_slots, state.num_speculative_tokens) if num_pending == 1 else 0
-        true_next = reference_output(state.token_ids, k + 1)
-        num_accepted = min(k, self.num_accepted(step.step_id, request_id))
-        drafts = true_next[:num_accepted] + [(t + 1) % VOCAB_SIZE for t in true_next[num_accepted:k]]
-        # The scheduler must have reserved every slot written: known tokens and k lookahead slots.
-        assert len(state.block_ids) * self.block_size >= end + k, "block table does not cover the step"
-        self._write(request_id, state, state.num_computed, state.token_ids[state.num_computed:end] + drafts)
-        emitted = true_next[:num_accepted + 1]
-        state.token_ids += emitted
-        state.num_computed = end + num_accepted
-        self.num_emitted_by_id[request_id] += len(emitted)
-        return SequenceOutput(request_id, emitted, num_draft_tokens=k, num_accepted_tokens=num_accepted)
-
-    def _write(self, request_id: str, state: _WorkerState, start: int, token_ids: list[int]) -> None:
-        for position, token_id in enumerate(token_ids, start=start):
-            block_id = state.block_ids[position // self.block_size]
-            self.kv[(block_id, position % self.block_size)] = (request_id, token_id)
-
-    def _check_kv(self, request_id: str, state: _WorkerState) -> None:
-        for position in range(state.num_computed):
-            block_id = state.block_ids[position // self.block_size]
-            slot = self.kv.get((block_id, position % self.block_size))
-            assert slot == (request_id, state.token_ids[position]), f"KV of {request_id} overwritten at {position}"
-
+from tests.sim_worker import PIECES, VOCAB_SIZE, FakeWorker, PieceTokenizer, reference_output
 
 def run(scheduler: Scheduler, worker: FakeWorker, on_step=None, max_iterations: int = 10_000):
     """Drives the engine's step pipeline against the fake worker (two steps in flight in async mode).

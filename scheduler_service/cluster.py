@@ -1,0 +1,370 @@
+"""Many workers behind one client API: membership, routing, and moving requests when a worker leaves.
+
+Each worker has its own engine (engine.py: a scheduler with its own KV pool,
+speculation state and step loop). The cluster
+
+- keeps one engine per worker address the membership names (static
+  addresses, and every address a `dns:///` name resolves to, re-resolved
+  every refresh interval); a worker whose address disappears leaves;
+- places each new request on the serving worker with the most headroom
+  (queued + running requests, then free KV blocks); a request stays there
+  unless its worker leaves;
+- moves the unfinished requests of a worker that left to the others: they
+  resume by recompute from prompt + the tokens already streamed, so the
+  client's stream just continues (keyed sampling makes the output the same);
+- holds requests while no worker serves, for at most the wait timeout (and
+  never past the client's deadline), then fails them with UNAVAILABLE;
+- checks every serving worker's health, so a worker that hangs (no step
+  result, no failure) leaves too.
+
+One lock (`lock`) guards the cluster and every engine's scheduler.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field, fields
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.engine import WorkerEngine, WorkerSnapshot, WorkerState
+from scheduler_service.membership import Membership
+from scheduler_service.options import SchedulerOptions, scheduler_config
+from scheduler_service.pipeline import BusyStats
+from scheduler_service.request import Request, RequestOutput, RequestStatus
+from scheduler_service.scheduler import SchedulerStats
+from scheduler_service.tokenizer import ChatTokenizer
+
+logger = logging.getLogger(__name__)
+
+MAINTENANCE_INTERVAL_S = 0.2
+HEALTH_INTERVAL_S = 2.0
+HEALTH_TIMEOUT_S = 5.0
+NUM_HEALTH_FAILURES_TO_LEAVE = 2
+
+
+class EngineError(RuntimeError):
+    """A request cannot complete: carries the gRPC status the client gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the API layer needs to know of the model the workers serve (from the first worker)."""
+
+    model_id: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    proposer: str
+    config: SchedulerConfig   # the first worker's scheduler config: the API's limits
+
+
+class RequestHandle:
+    """The outputs of one request, in order; the last has a finish_reason (or is an EngineError)."""
+
+    def __init__(self, request: Request, client_deadline: float | None):
+        self.request = request
+        self.request_id = request.request_id
+        self.client_deadline = client_deadline   # time.monotonic() deadline, or None
+        self.engine: WorkerEngine | None = None  # None while waiting for a worker
+        self.wait_deadline: float | None = None
+        self.outputs: queue.Queue = queue.Queue()
+        self.is_done = False
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        item = self.outputs.get(timeout=timeout)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """Every worker's state and the totals, copied under the lock."""
+
+    workers: list[WorkerSnapshot]
+    stats: SchedulerStats          # summed over every worker, those gone included
+    busy: BusyStats
+    num_worker_failures: int
+    num_requests: int              # accepted by the API (a moved request counts once)
+    num_moved_requests: int
+    num_waiting_for_worker: int
+
+
+def _sum(items: list, cls):
+    return cls(**{f.name: sum(getattr(i, f.name) for i in items) for f in fields(cls)})
+
+
+class Cluster:
+    """See the module docstring."""
+
+    def __init__(self, options: SchedulerOptions, membership: Membership, tokenizer: ChatTokenizer | None,
+                 on_serving_changed: Callable[[bool], None] = lambda is_serving: None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.options = options
+        self.tokenizer = tokenizer
+        self.lock = threading.RLock()
+        self.facts: ModelFacts | None = None
+        self._membership = membership
+        self._on_serving_changed = on_serving_changed
+        self._clock = clock
+        self._engines: dict[str, WorkerEngine] = {}
+        self._retired: list[WorkerEngine] = []
+        self._handles: dict[str, RequestHandle] = {}
+        self._waiting: deque[RequestHandle] = deque()   # for a worker to serve
+        self._num_requests = 0
+        self._num_moved_requests = 0
+        self._was_serving = False
+        self._is_stopping = False
+        self._changed = threading.Condition(self.lock)
+        self._health: dict[str, tuple[grpc.Future, int]] = {}  # address -> (check in flight, failures)
+        self._thread = threading.Thread(target=self._maintain, name="cluster", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._update_members(self._membership.addresses())
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Fails the requests still running (UNAVAILABLE) and stops every engine."""
+        with self.lock:
+            self._is_stopping = True
+            engines = [*self._engines.values()]
+            self._changed.notify_all()
+        for engine in engines:
+            engine.leave("the scheduler is shutting down", stop=True)
+        for engine in engines:
+            engine.join_thread(timeout=10)
+        with self.lock:
+            for handle in [*self._waiting]:
+                self._fail(handle, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+
+    def wait_for_facts(self, timeout_s: float) -> ModelFacts:
+        """Blocks until a worker has described its model; raises TimeoutError."""
+        with self.lock:
+            if not self._changed.wait_for(lambda: self.facts is not None, timeout_s):
+                raise TimeoutError(f"no worker answered within {timeout_s:.0f} s "
+                                   f"({', '.join(map(str, self._membership.specs))})")
+            return self.facts
+
+    # ------------------------------------------------------------------ client API
+
+    def submit(self, request: Request, client_deadline: float | None = None) -> RequestHandle:
+        """Queues a request on a worker, or holds it until one serves.
+
+        Raises KeyError for an id in use and ValueError for a request no worker can serve.
+        """
+        with self.lock:
+            if request.request_id in self._handles:
+                raise KeyError(f"request id {request.request_id!r} is already running")
+            config = self.facts.config
+            request.check_limits(config.max_model_len, self._largest_pool_tokens())
+            handle = RequestHandle(request, client_deadline)
+            self._place(handle)  # raises ValueError before anything is kept
+            self._handles[request.request_id] = handle
+            self._num_requests += 1
+            return handle
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a live request (its blocks are freed); False when no such request runs."""
+        with self.lock:
+            handle = self._handles.get(request_id)
+            if handle is None:
+                return False
+            if handle.engine is not None:
+                if not handle.engine.scheduler.abort(request_id):
+                    return False
+                handle.engine.wake()
+            else:
+                self._waiting.remove(handle)
+                handle.request.status = RequestStatus.FINISHED_ABORTED
+            del self._handles[request_id]
+            handle.outputs.put(handle.request.make_output([], ""))  # finish_reason "abort", usage so far
+            return True
+
+    def snapshot(self) -> ClusterSnapshot:
+        with self.lock:
+            engines = [*self._engines.values(), *self._retired]
+            return ClusterSnapshot(
+                workers=[e.snapshot() for e in self._engines.values()],
+                stats=_sum([e.stats for e in engines], SchedulerStats), busy=_sum([e.busy for e in engines], BusyStats),
+                num_worker_failures=sum(e.num_failures for e in engines), num_requests=self._num_requests,
+                num_moved_requests=self._num_moved_requests, num_waiting_for_worker=len(self._waiting))
+
+    # ------------------------------------------------------------------ called by engines (lock held)
+
+    def config_for(self, address: str, info) -> SchedulerConfig:
+        """The scheduler config for a joining worker; ValueError when it serves another model."""
+        config = scheduler_config(self.options, info)
+        with self.lock:
+            if self.facts is None:
+                self.facts = ModelFacts(info.model_id, info.vocab_size, tuple(info.eos_token_ids), info.proposer,
+                                        config)
+                self._changed.notify_all()
+            facts = self.facts
+        theirs = (info.model_id, info.vocab_size, tuple(info.eos_token_ids))
+        ours = (facts.model_id, facts.vocab_size, facts.eos_token_ids)
+        if theirs != ours:
+            raise ValueError(f"it serves model {theirs} (id, vocab size, EOS ids); the others serve {ours}")
+        return config
+
+    def on_serving(self, engine: WorkerEngine) -> None:
+        """A worker joined: the requests waiting for one are placed."""
+        for handle in [*self._waiting]:
+            self._waiting.remove(handle)
+            self._place_or_fail(handle)
+        self._serving_changed()
+
+    def on_left(self, engine: WorkerEngine, requests: list[Request]) -> None:
+        """A worker left: its unfinished requests move to the others (or wait for one)."""
+        for request in requests:
+            handle = self._handles.get(request.request_id)
+            if handle is None:
+                continue
+            handle.engine = None
+            if self._is_stopping:
+                self._fail(handle, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+                continue
+            self._num_moved_requests += 1
+            self._place_or_fail(handle)
+        self._serving_changed()
+
+    def dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hands a step's outputs to their requests' streams."""
+        for output in outputs:
+            handle = self._handles.get(output.request_id)
+            if handle is None:
+                continue
+            handle.outputs.put(output)
+            if output.finish_reason is not None:
+                handle.is_done = True
+                del self._handles[output.request_id]
+
+    # ------------------------------------------------------------------ placement (lock held)
+
+    def _serving_engines(self) -> list[WorkerEngine]:
+        return [e for e in self._engines.values() if e.state is WorkerState.SERVING]
+
+    def _largest_pool_tokens(self) -> int:
+        configs = [e.config for e in self._engines.values() if e.config is not None] or [self.facts.config]
+        return max(c.num_kv_blocks * c.block_size for c in configs)
+
+    def _place(self, handle: RequestHandle) -> None:
+        """Puts the request on the serving worker with the most headroom that can hold it, else waits.
+
+        Raises ValueError when every serving worker refuses it (its KV pool is too small).
+        """
+        request, error = handle.request, None
+        for engine in sorted(self._serving_engines(), key=WorkerEngine.headroom_key):
+            try:
+                if request.arrival_index is None:  # never scheduled: a new request
+                    engine.scheduler.add_request(request)
+                else:
+                    engine.scheduler.resume_requests([request])
+            except ValueError as exc:
+                error = exc
+                continue
+            handle.engine = engine
+            engine.wake()
+            return
+        if error is not None:
+            raise error
+        wait_s = self.options.worker_wait_timeout_s
+        handle.wait_deadline = min(self._clock() + wait_s, handle.client_deadline or float("inf"))
+        self._waiting.append(handle)
+        logger.info("no worker serves: %s waits (at most %.0f s)", request.request_id, wait_s)
+
+    def _place_or_fail(self, handle: RequestHandle) -> None:
+        try:
+            self._place(handle)
+        except ValueError as exc:
+            self._fail(handle, grpc.StatusCode.RESOURCE_EXHAUSTED, f"no worker can hold the request: {exc}")
+
+    def _fail(self, handle: RequestHandle, code: grpc.StatusCode, message: str) -> None:
+        if handle in self._waiting:
+            self._waiting.remove(handle)
+        self._handles.pop(handle.request_id, None)
+        handle.request.status = RequestStatus.FINISHED_ABORTED
+        handle.outputs.put(EngineError(code, message))
+
+    def _serving_changed(self) -> None:
+        is_serving = bool(self._serving_engines())
+        if is_serving != self._was_serving:
+            self._was_serving = is_serving
+            logger.info("%d of %d workers serve", len(self._serving_engines()), len(self._engines))
+            self._on_serving_changed(is_serving)
+
+    # ------------------------------------------------------------------ maintenance thread
+
+    def _maintain(self) -> None:
+        next_refresh = self._clock() + self.options.worker_refresh_interval_s
+        next_health = self._clock()
+        while True:
+            with self.lock:
+                if self._changed.wait_for(lambda: self._is_stopping, MAINTENANCE_INTERVAL_S):
+                    return
+                self._expire_waiting()
+            now = self._clock()
+            if self._membership.has_dns and now >= next_refresh:
+                next_refresh = now + self.options.worker_refresh_interval_s
+                self._update_members(self._membership.addresses())  # DNS outside the lock
+            if now >= next_health:
+                next_health = now + HEALTH_INTERVAL_S
+                self._check_health()
+
+    def _expire_waiting(self) -> None:
+        now = self._clock()
+        for handle in [h for h in self._waiting if h.wait_deadline <= now]:
+            self._fail(handle, grpc.StatusCode.UNAVAILABLE,
+                       f"no worker is available: the request waited {self.options.worker_wait_timeout_s:.0f} s "
+                       "(or until its deadline) for one to serve")
+
+    def _update_members(self, addresses: list[str]) -> None:
+        with self.lock:
+            if self._is_stopping:
+                return
+            for address in addresses:
+                if address not in self._engines:
+                    logger.info("worker %s is listed: joining it", address)
+                    self._engines[address] = engine = WorkerEngine(address, self)
+                    engine.start()
+            gone = [e for a, e in self._engines.items() if a not in addresses]
+            for engine in gone:
+                del self._engines[engine.address]
+                self._retired.append(engine)
+        for engine in gone:
+            engine.leave("it is no longer listed", stop=True)
+
+    def _check_health(self) -> None:
+        """Collects the last round of health checks and starts the next one (never blocks)."""
+        with self.lock:
+            engines = self._serving_engines()
+        for address in self._health.keys() - {e.address for e in engines}:
+            del self._health[address]  # left or rejoining: start counting afresh
+        for engine in engines:
+            future, num_failures = self._health.get(engine.address, (None, 0))
+            if future is not None:
+                if not future.done():
+                    continue  # still waiting (it has its own timeout)
+                num_failures = 0 if self._is_healthy(future) else num_failures + 1
+                if num_failures >= NUM_HEALTH_FAILURES_TO_LEAVE:
+                    engine.leave(f"{num_failures} health checks failed", stop=False)
+                    self._health.pop(engine.address, None)
+                    continue
+            self._health[engine.address] = (engine.client.check_health(HEALTH_TIMEOUT_S), num_failures)
+
+    @staticmethod
+    def _is_healthy(future: grpc.Future) -> bool:
+        try:
+            return future.result().status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False

@@ -1,0 +1,50 @@
+"""The scheduler's options (from flags) and the per-worker scheduler config built from a worker's facts."""
+
+from dataclasses import dataclass
+
+from scheduler_service.config import SchedulerConfig
+
+MAX_DEFAULT_KV_BLOCKS = 4096
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """Scheduler flags before any worker's facts are known (None = derive from the worker)."""
+
+    model_dir: str
+    worker_addresses: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 50051
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_speculative_tokens: int | None = None
+    speculative_disable_queue_size: int | None = None
+    scheduling: str = "async"
+    worker_refresh_interval_s: float = 10.0
+    worker_wait_timeout_s: float = 60.0
+    first_worker_timeout_s: float = 600.0   # the process exits when no worker answers in time
+
+    def __post_init__(self) -> None:
+        if not self.worker_addresses:
+            raise ValueError("at least one worker address is needed (--worker HOST:PORT or dns:///NAME:PORT)")
+        if self.worker_refresh_interval_s <= 0:
+            raise ValueError(f"--worker-refresh-interval must be > 0, got {self.worker_refresh_interval_s}")
+        if self.worker_wait_timeout_s < 0:
+            raise ValueError(f"--worker-wait-timeout must be >= 0, got {self.worker_wait_timeout_s}")
+
+
+def scheduler_config(opts: SchedulerOptions, info) -> SchedulerConfig:
+    """The scheduler config for one worker, from the options and its WorkerInfo; ValueError if they clash."""
+    max_model_len = min(opts.max_model_len or info.max_model_len, info.max_model_len)
+    num_kv_blocks = opts.num_kv_blocks or min(info.num_blocks_capacity, MAX_DEFAULT_KV_BLOCKS)
+    k = info.max_num_speculative_tokens if opts.num_speculative_tokens is None else opts.num_speculative_tokens
+    if k > info.max_num_speculative_tokens:
+        raise ValueError(f"--num-speculative-tokens {k} exceeds the worker's k ({info.max_num_speculative_tokens})")
+    return SchedulerConfig(num_kv_blocks=num_kv_blocks, block_size=opts.block_size, max_num_seqs=opts.max_num_seqs,
+                           max_num_batched_tokens=opts.max_num_batched_tokens, max_model_len=max_model_len,
+                           num_speculative_tokens=k if info.proposer != "none" else 0,
+                           speculative_disable_queue_size=opts.speculative_disable_queue_size,
+                           scheduling=opts.scheduling)

@@ -1,0 +1,189 @@
+"""A simulated worker: the worker semantics of specdec.step with a deterministic "model", no torch.
+
+`FakeWorker` runs steps in-process (scheduler tests). `SimWorkerServer` serves
+it as a real Worker gRPC service on 127.0.0.1, optionally taking a fixed time
+per step (cluster tests, and bench/bench_scheduler_capacity.py). The model:
+the next token is a function of the last token and the position; drafts are
+right `num_accepted` times, then wrong.
+"""
+
+from collections import defaultdict
+from concurrent import futures
+from dataclasses import dataclass
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from specdec.convert import step_request_from_proto, step_result_to_proto
+from specdec.step import SequenceOutput, StepRequest, StepResult
+from specdec.v1 import worker_pb2, worker_pb2_grpc
+
+VOCAB_SIZE = 50
+PIECES = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMN"  # one character per token id
+
+
+def next_token(token_ids: list[int]) -> int:
+    """The "model": (last * 7 + 3) % 50, shifted by the position so that outputs do not cycle quickly."""
+    return (token_ids[-1] * 7 + 3 + len(token_ids)) % VOCAB_SIZE
+
+
+def reference_output(prompt_token_ids: list[int], num_tokens: int) -> list[int]:
+    token_ids = list(prompt_token_ids)
+    for _ in range(num_tokens):
+        token_ids.append(next_token(token_ids))
+    return token_ids[len(prompt_token_ids):]
+
+
+class PieceTokenizer:
+    """Each token id is one character of PIECES."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(PIECES[i] for i in ids)
+
+
+@dataclass
+class _WorkerState:
+    """What a worker keeps per request."""
+
+    token_ids: list[int]
+    num_computed: int
+    block_ids: list[int]
+    num_speculative_tokens: int
+
+
+class FakeWorker:
+    """Deterministic worker: the true next token is next_token(last); drafts are right `num_accepted` times."""
+
+    def __init__(self, block_size: int, num_accepted=lambda step_id, request_id: 1_000, is_strict: bool = True):
+        self.block_size = block_size
+        # Strict: dropping an unknown request is a scheduler bug. A worker serving a scheduler that
+        # rejoins it is told to drop what it may still hold from before (like the real worker, it ignores
+        # ids it does not hold).
+        self.is_strict = is_strict
+        self.num_accepted = num_accepted
+        self.states: dict[str, _WorkerState] = {}
+        self.kv: dict[tuple[int, int], tuple[str, int]] = {}  # (block id, offset) -> (request id, token)
+        self.num_emitted_by_id: dict[str, int] = defaultdict(int)
+
+    def execute(self, step: StepRequest) -> StepResult:
+        for request_id in step.finished_request_ids:
+            if self.is_strict or request_id in self.states:
+                del self.states[request_id]  # KeyError: told to drop a request it does not hold
+        scheduled = []
+        for new in step.new_requests:
+            assert new.request_id not in self.states, "a NewRequest for a request the worker holds"
+            self.states[new.request_id] = _WorkerState(list(new.token_ids), 0, list(new.block_ids),
+                                                       new.num_speculative_tokens)
+            scheduled.append((new.request_id, new.num_new_tokens))
+        for cached in step.cached_requests:
+            state = self.states[cached.request_id]
+            assert cached.num_blocks_kept <= len(state.block_ids)
+            state.block_ids = state.block_ids[:cached.num_blocks_kept] + cached.new_block_ids
+            if cached.num_speculative_tokens is not None:
+                state.num_speculative_tokens = cached.num_speculative_tokens
+            scheduled.append((cached.request_id, cached.num_new_tokens))
+        outputs = [self._run(step, request_id, num_new) for request_id, num_new in scheduled]
+        return StepResult(step.step_id, outputs)
+
+    def _run(self, step: StepRequest, request_id: str, num_new: int) -> SequenceOutput:
+        state = self.states[request_id]
+        self._check_kv(request_id, state)
+        num_pending = len(state.token_ids) - state.num_computed
+        assert 1 <= num_new <= num_pending
+        end = state.num_computed + num_new
+        if end < len(state.token_ids):  # a prefill chunk short of the end: nothing emitted
+            self._write(request_id, state, state.num_computed, state.token_ids[state.num_computed:end])
+            state.num_computed = end
+            return SequenceOutput(request_id, [])
+        k = min(step.num_lookahead_slots, state.num_speculative_tokens) if num_pending == 1 else 0
+        true_next = reference_output(state.token_ids, k + 1)
+        num_accepted = min(k, self.num_accepted(step.step_id, request_id))
+        drafts = true_next[:num_accepted] + [(t + 1) % VOCAB_SIZE for t in true_next[num_accepted:k]]
+        # The scheduler must have reserved every slot written: known tokens and k lookahead slots.
+        assert len(state.block_ids) * self.block_size >= end + k, "block table does not cover the step"
+        self._write(request_id, state, state.num_computed, state.token_ids[state.num_computed:end] + drafts)
+        emitted = true_next[:num_accepted + 1]
+        state.token_ids += emitted
+        state.num_computed = end + num_accepted
+        self.num_emitted_by_id[request_id] += len(emitted)
+        return SequenceOutput(request_id, emitted, num_draft_tokens=k, num_accepted_tokens=num_accepted)
+
+    def _write(self, request_id: str, state: _WorkerState, start: int, token_ids: list[int]) -> None:
+        for position, token_id in enumerate(token_ids, start=start):
+            block_id = state.block_ids[position // self.block_size]
+            self.kv[(block_id, position % self.block_size)] = (request_id, token_id)
+
+    def _check_kv(self, request_id: str, state: _WorkerState) -> None:
+        for position in range(state.num_computed):
+            block_id = state.block_ids[position // self.block_size]
+            slot = self.kv.get((block_id, position % self.block_size))
+            assert slot == (request_id, state.token_ids[position]), f"KV of {request_id} overwritten at {position}"
+
+
+class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """The Worker service over a FakeWorker; each step takes `step_time_s` (slept, not computed)."""
+
+    def __init__(self, health_servicer: health.HealthServicer, block_size: int, num_blocks: int,
+                 step_time_s: float, num_speculative_tokens: int, num_accepted):
+        self.health = health_servicer
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.step_time_s = step_time_s
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_accepted = num_accepted
+        self.worker: FakeWorker | None = None
+        self.num_steps = 0
+        self.is_frozen = threading.Event()  # set: steps hang and health says NOT_SERVING
+
+    def Describe(self, request, context):
+        return worker_pb2.WorkerInfo(model_id="sim", vocab_size=VOCAB_SIZE, max_model_len=4096,
+                                     kv_bytes_per_block=1024, num_blocks_capacity=self.num_blocks,
+                                     eos_token_ids=[], dtype="float32",
+                                     proposer="ngram" if self.num_speculative_tokens else "none",
+                                     max_num_speculative_tokens=self.num_speculative_tokens, scorer="multi_query")
+
+    def InitCache(self, request, context):
+        assert request.block_size == self.block_size, "the test's block size differs from the scheduler's"
+        self.worker = FakeWorker(self.block_size, self.num_accepted, is_strict=False)
+        for name in ("", "specdec.v1.Worker"):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return worker_pb2.InitCacheResponse(kv_cache_bytes=1024 * request.num_blocks)
+
+    def ExecuteModel(self, request_iterator, context):
+        for request in request_iterator:
+            start = time.perf_counter()
+            while self.is_frozen.is_set() and context.is_active():
+                time.sleep(0.05)
+            result = self.worker.execute(step_request_from_proto(request))
+            self.num_steps += 1
+            time.sleep(max(0.0, self.step_time_s - (time.perf_counter() - start)))
+            result.stats.total_ms = (time.perf_counter() - start) * 1e3
+            yield step_result_to_proto(result)
+
+    def freeze(self) -> None:
+        """Hangs like a stopped process: steps never answer, health checks fail."""
+        self.is_frozen.set()
+        for name in ("", "specdec.v1.Worker"):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+class SimWorkerServer:
+    """A SimWorkerServicer on 127.0.0.1 (port 0, or a given port to come back at the same address)."""
+
+    def __init__(self, block_size: int = 4, num_blocks: int = 256, step_time_s: float = 0.0,
+                 num_speculative_tokens: int = 3, num_accepted=lambda step_id, request_id: 1_000, port: int = 0):
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)])
+        health_servicer = health.HealthServicer()
+        self.servicer = SimWorkerServicer(health_servicer, block_size, num_blocks, step_time_s,
+                                          num_speculative_tokens, num_accepted)
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        assert self.port, f"cannot listen on 127.0.0.1:{port}"
+        self.address = f"127.0.0.1:{self.port}"
+        self.server.start()
+
+    def stop(self) -> None:
+        """Stops at once: open step streams fail, as when the process is killed."""
+        self.server.stop(grace=None).wait()
