@@ -1,0 +1,128 @@
+"""Two real worker processes behind one scheduler process (tiny model): a worker killed mid-stream loses nothing.
+
+The reference is the undisturbed output of one in-process worker (greedy and
+seeded sampling at temperature 0.8): with randomness keyed by (seed,
+position), a request's tokens do not depend on the batch, on preemption or on
+moving to another worker.
+"""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from specdec import step
+from specdec.v1 import generation_pb2 as pb
+from specdec.v1 import generation_pb2_grpc
+from tests.processes import Process, running
+from tests.worker.driver import Driver
+from worker_service.config import WorkerConfig
+from worker_service.model_loader import load_model
+from worker_service.model_runner import ModelRunner
+from worker_service.worker import Worker
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [40] * 12, [10, 11, 12, 10, 11], list(range(3, 23)),
+           [100, 101, 102], [9, 8, 7, 9, 8, 7, 9], [200, 201], [33, 34, 35, 36, 33, 34]]
+SEEDS = [None, None, None, None, 11, 12, 13, 14]   # the first four greedy, the rest sampled at 0.8
+MAX_TOKENS = 160
+WORKER_ARGS = ["--num-threads", "1", "--proposer", "ngram", "--num-speculative-tokens", "3"]
+
+
+def sampling(seed: int | None) -> pb.SamplingParams:
+    if seed is None:
+        return pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return pb.SamplingParams(temperature=0.8, seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    """Each request alone on one in-process worker, no speculation."""
+    config = WorkerConfig(model=str(tiny_pair.target_path))
+    worker = Worker(config, ModelRunner(load_model(tiny_pair.target_path)))
+    worker.init_cache(512, 4)
+    outputs = []
+    for i, (prompt, seed) in enumerate(zip(PROMPTS, SEEDS)):
+        params = step.RequestSampling(temperature=0.0 if seed is None else 0.8, seed=seed)
+        outputs += Driver(worker.execute, 4, 512).generate([prompt], MAX_TOKENS, params, prefix=f"ref{i}-")
+    return outputs
+
+
+def start_worker(pair, port: int = 0) -> Process:
+    process = Process(["worker", "--host", "127.0.0.1", "--port", str(port), "--model", str(pair.target_path),
+                       *WORKER_ARGS])
+    process.wait_for("model loaded")
+    return process
+
+
+def worker_status(stub, address: str) -> pb.WorkerStatus | None:
+    info = stub.GetServerInfo(pb.GetServerInfoRequest())
+    return next((w for w in info.workers if w.address == address), None)
+
+
+def wait_until(predicate, timeout: float = 60.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_sigkill_a_worker_mid_stream_then_restart_it(tiny_pair, reference):
+    workers = [start_worker(tiny_pair) for _ in range(2)]
+    addresses = [w.address() for w in workers]
+    try:
+        with running(["scheduler", "--port", "0", "--model", str(tiny_pair.target_path), "--block-size", "4",
+                      "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
+            channel = grpc.insecure_channel(scheduler.address(who="scheduler "))
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            scheduler.wait_for("scheduler ready")
+            wait_until(lambda: all(worker_status(stub, a).state == "serving" for a in addresses),
+                       what="both workers to serve")
+
+            chunks: list[list[list[int]]] = [[] for _ in PROMPTS]
+            finish: list = [None] * len(PROMPTS)
+
+            def consume(i: int) -> None:
+                request = pb.GenerateRequest(request_id=f"r{i}", prompt_token_ids=pb.TokenIds(ids=PROMPTS[i]),
+                                             sampling=sampling(SEEDS[i]))
+                try:
+                    for response in stub.Generate(request):
+                        chunks[i].append(list(response.token_ids))
+                        finish[i] = response.finish_reason
+                except grpc.RpcError as exc:
+                    finish[i] = exc
+
+            threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(PROMPTS))]
+            for thread in threads:
+                thread.start()
+            wait_until(lambda: all(sum(map(len, c)) >= 4 for c in chunks), what="every stream to begin")
+            before = {a: worker_status(stub, a) for a in addresses}
+            assert all(s.num_running > 0 for s in before.values()), before  # spread over both workers
+            workers[0].proc.kill()  # SIGKILL, mid-stream
+            for thread in threads:
+                thread.join(120)
+
+            assert finish == [pb.FINISH_REASON_LENGTH] * len(PROMPTS), finish
+            tokens = [[t for chunk in c for t in chunk] for c in chunks]
+            for i, expected in enumerate(reference):
+                assert tokens[i] == expected, f"request {i} (seed {SEEDS[i]}) differs from the undisturbed run"
+            info = stub.GetServerInfo(pb.GetServerInfoRequest())
+            assert info.counters.num_moved_requests >= 1 and info.counters.num_worker_failures >= 1
+            wait_until(lambda: (s := worker_status(stub, addresses[1])).num_free_kv_blocks == s.num_kv_blocks > 0,
+                       what="the survivor's KV blocks to be free")
+            assert worker_status(stub, addresses[0]).state != "serving"
+
+            port = int(addresses[0].rsplit(":", 1)[1])
+            workers[0] = start_worker(tiny_pair, port)  # a restarted pod: same address
+            wait_until(lambda: worker_status(stub, addresses[0]).state == "serving", what="the worker to rejoin")
+            placed_before = worker_status(stub, addresses[0]).counters.num_requests
+            for i in range(4):
+                request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=PROMPTS[i]),
+                                             sampling=pb.SamplingParams(temperature=0.0, max_tokens=8,
+                                                                        ignore_eos=True))
+                assert list(stub.Complete(request).token_ids) == reference[i][:8]
+            assert worker_status(stub, addresses[0]).counters.num_requests > placed_before  # it takes work
+            channel.close()
+    finally:
+        for worker in workers:
+            worker.stop()
