@@ -189,7 +189,8 @@ class WorkerEngine:
             self.scheduler = None
             if not self._is_stopped:
                 self.num_failures += 1
-            logger.warning("worker %s left: %s; %d requests move", self.address, reason, len(requests))
+            logger.warning("worker %s left: %s; %d unfinished requests handed back", self.address, reason,
+                           len(requests))
             self._cluster.on_left(self, requests)
 
     def _sleep(self, seconds: float) -> None:

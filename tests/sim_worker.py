@@ -56,8 +56,10 @@ class _WorkerState:
 class FakeWorker:
     """Deterministic worker: the true next token is next_token(last); drafts are right `num_accepted` times."""
 
-    def __init__(self, block_size: int, num_accepted=lambda step_id, request_id: 1_000, is_strict: bool = True):
+    def __init__(self, block_size: int, num_accepted=lambda step_id, request_id: 1_000, is_strict: bool = True,
+                 is_checking_kv: bool = True):
         self.block_size = block_size
+        self.is_checking_kv = is_checking_kv  # off in benchmarks: the check reads every computed position
         # Strict: dropping an unknown request is a scheduler bug. A worker serving a scheduler that
         # rejoins it is told to drop what it may still hold from before (like the real worker, it ignores
         # ids it does not hold).
@@ -116,6 +118,8 @@ class FakeWorker:
             self.kv[(block_id, position % self.block_size)] = (request_id, token_id)
 
     def _check_kv(self, request_id: str, state: _WorkerState) -> None:
+        if not self.is_checking_kv:
+            return
         for position in range(state.num_computed):
             block_id = state.block_ids[position // self.block_size]
             slot = self.kv.get((block_id, position % self.block_size))
@@ -126,7 +130,8 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
     """The Worker service over a FakeWorker; each step takes `step_time_s` (slept, not computed)."""
 
     def __init__(self, health_servicer: health.HealthServicer, block_size: int, num_blocks: int,
-                 step_time_s: float, num_speculative_tokens: int, num_accepted):
+                 step_time_s: float, num_speculative_tokens: int, num_accepted, is_checking_kv: bool = True):
+        self.is_checking_kv = is_checking_kv
         self.health = health_servicer
         self.block_size, self.num_blocks = block_size, num_blocks
         self.step_time_s = step_time_s
@@ -145,7 +150,8 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def InitCache(self, request, context):
         assert request.block_size == self.block_size, "the test's block size differs from the scheduler's"
-        self.worker = FakeWorker(self.block_size, self.num_accepted, is_strict=False)
+        self.worker = FakeWorker(self.block_size, self.num_accepted, is_strict=False,
+                                 is_checking_kv=self.is_checking_kv)
         for name in ("", "specdec.v1.Worker"):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return worker_pb2.InitCacheResponse(kv_cache_bytes=1024 * request.num_blocks)
@@ -172,11 +178,12 @@ class SimWorkerServer:
     """A SimWorkerServicer on 127.0.0.1 (port 0, or a given port to come back at the same address)."""
 
     def __init__(self, block_size: int = 4, num_blocks: int = 256, step_time_s: float = 0.0,
-                 num_speculative_tokens: int = 3, num_accepted=lambda step_id, request_id: 1_000, port: int = 0):
+                 num_speculative_tokens: int = 3, num_accepted=lambda step_id, request_id: 1_000, port: int = 0,
+                 is_checking_kv: bool = True):
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)])
         health_servicer = health.HealthServicer()
         self.servicer = SimWorkerServicer(health_servicer, block_size, num_blocks, step_time_s,
-                                          num_speculative_tokens, num_accepted)
+                                          num_speculative_tokens, num_accepted, is_checking_kv)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
@@ -187,3 +194,32 @@ class SimWorkerServer:
     def stop(self) -> None:
         """Stops at once: open step streams fail, as when the process is killed."""
         self.server.stop(grace=None).wait()
+
+
+def partial_acceptance(step_id: int, request_id: str) -> int:
+    """0..3 drafts accepted, varying by step and request: 1..4 tokens per sequence and step at k = 3."""
+    return (step_id + sum(map(ord, request_id))) % 4
+
+
+def main() -> None:
+    """Serves N simulated workers in this process until stdin closes (for bench_scheduler_capacity.py)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--num-workers", type=int, default=1)
+    parser.add_argument("--step-time-ms", type=float, default=30.0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=4096)
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    args = parser.parse_args()
+    servers = [SimWorkerServer(args.block_size, args.num_blocks, args.step_time_ms / 1e3, args.num_speculative_tokens,
+                               partial_acceptance, is_checking_kv=False) for _ in range(args.num_workers)]
+    print("sim workers", *[s.address for s in servers], flush=True)
+    sys.stdin.read()
+    for server in servers:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
