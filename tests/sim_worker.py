@@ -138,6 +138,7 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.num_speculative_tokens = num_speculative_tokens
         self.num_accepted = num_accepted
         self.worker: FakeWorker | None = None
+        self.num_blocks_initialised = 0
         self.num_steps = 0
         self.is_frozen = threading.Event()  # set: steps hang and health says NOT_SERVING
 
@@ -150,8 +151,11 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def InitCache(self, request, context):
         assert request.block_size == self.block_size, "the test's block size differs from the scheduler's"
-        self.worker = FakeWorker(self.block_size, self.num_accepted, is_strict=False,
-                                 is_checking_kv=self.is_checking_kv)
+        if self.worker is None or request.num_blocks != self.num_blocks_initialised:
+            # Like the real worker: the same shape again keeps what it holds (the scheduler tells it what to drop).
+            self.worker = FakeWorker(self.block_size, self.num_accepted, is_strict=False,
+                                     is_checking_kv=self.is_checking_kv)
+            self.num_blocks_initialised = request.num_blocks
         for name in ("", "specdec.v1.Worker"):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return worker_pb2.InitCacheResponse(kv_cache_bytes=1024 * request.num_blocks)
@@ -161,6 +165,8 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
             start = time.perf_counter()
             while self.is_frozen.is_set() and context.is_active():
                 time.sleep(0.05)
+            if not context.is_active():
+                return  # the scheduler gave up on this stream: its steps must not run any more
             result = self.worker.execute(step_request_from_proto(request))
             self.num_steps += 1
             time.sleep(max(0.0, self.step_time_s - (time.perf_counter() - start)))
@@ -172,6 +178,13 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.is_frozen.set()
         for name in ("", "specdec.v1.Worker"):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+    def thaw(self) -> None:
+        """Answers again, like a process continued after SIGSTOP."""
+        self.is_frozen.clear()
+        for name in ("", "specdec.v1.Worker"):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
 class SimWorkerServer:

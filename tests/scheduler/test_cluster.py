@@ -249,6 +249,24 @@ def test_a_hung_worker_leaves_by_its_health_check(fast_health):
             w.stop()
 
 
+def test_a_worker_that_left_alive_is_told_to_drop_the_old_requests_when_it_rejoins(fast_health):
+    worker = SimWorkerServer(step_time_s=0.01)
+    cluster = make_cluster([worker.address])
+    try:
+        wait_until(lambda: serving(cluster) == [worker.address], what="the worker to serve")
+        streams = Streams(cluster, prompts(3), max_tokens=200)
+        wait_until(lambda: all(len(t) >= 3 for t in streams.tokens.values()), what="every stream to begin")
+        worker.servicer.freeze()
+        wait_until(lambda: not serving(cluster), what="the worker to leave")
+        worker.servicer.thaw()  # it still holds the requests' old state; they come back to it as new requests
+        streams.join()
+        streams.assert_complete_and_exact()
+        assert cluster.snapshot().num_worker_failures == 1  # a NewRequest for an id it held would fail again
+    finally:
+        cluster.stop()
+        worker.stop()
+
+
 def test_abort_while_waiting_for_a_worker_and_shutdown_fail_cleanly():
     worker = SimWorkerServer()
     cluster = make_cluster([worker.address])
