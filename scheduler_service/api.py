@@ -1,5 +1,7 @@
 """Client requests (generation_pb2) into scheduler Requests: validation with messages a user can act on."""
 
+from dataclasses import replace
+import secrets
 import uuid
 
 from scheduler_service.request import Request
@@ -49,10 +51,20 @@ def sampling_params(s: pb.SamplingParams) -> RequestSampling:
         raise InvalidRequestError(str(exc)) from exc
 
 
+def with_arrival_seed(sampling: RequestSampling) -> RequestSampling:
+    """A request without a seed gets a random 63-bit one when it arrives.
+
+    The worker keys every random number by (seed, token position); with the
+    seed fixed here, a request preempted (recompute) or moved to another
+    worker goes on with exactly the tokens it would have produced otherwise.
+    """
+    return sampling if sampling.seed is not None else replace(sampling, seed=secrets.randbits(63))
+
+
 def build_request(request: pb.GenerateRequest, tokenizer: ChatTokenizer, vocab_size: int,
                   eos_token_ids: list[int]) -> Request:
     """Validates a GenerateRequest and builds the scheduler's Request."""
-    sampling = sampling_params(request.sampling)
+    sampling = with_arrival_seed(sampling_params(request.sampling))
     s = request.sampling
     max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     if max_tokens <= 0:

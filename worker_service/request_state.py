@@ -4,12 +4,10 @@ Every check runs before any state changes, so a rejected step leaves the
 worker exactly as it was (and it keeps serving).
 """
 
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass, field, replace
+import secrets
 
 from specdec import step
-from worker_service.sampling import make_generator
 
 
 class InvalidStepError(ValueError):
@@ -23,8 +21,7 @@ class RequestState:
     request_id: str
     token_ids: list[int]          # prompt + every emitted token
     num_prompt_tokens: int
-    sampling: step.RequestSampling  # validated when the step was built
-    generator: torch.Generator | None
+    sampling: step.RequestSampling  # validated when the step was built; its seed is always set
     block_table: list[int]
     num_speculative_tokens: int   # this request's k cap
     num_computed_tokens: int = 0  # target KV written for token_ids[:num_computed_tokens]
@@ -61,7 +58,7 @@ def _check_blocks(block_ids: list[int], num_blocks: int, request_id: str) -> Non
         raise InvalidStepError(f"request {request_id!r}: block id {bad[0]} is outside the KV cache [0, {num_blocks})")
 
 
-def new_state(r: step.NewRequest, vocab_size: int, num_blocks: int, device: torch.device) -> RequestState:
+def new_state(r: step.NewRequest, vocab_size: int, num_blocks: int) -> RequestState:
     """Validates a NewRequest and builds its state (not yet registered)."""
     if not r.request_id:
         raise InvalidStepError("a new request has an empty request_id")
@@ -74,9 +71,11 @@ def new_state(r: step.NewRequest, vocab_size: int, num_blocks: int, device: torc
     _check_blocks(r.block_ids, num_blocks, r.request_id)
     if r.num_speculative_tokens < 0:
         raise InvalidStepError(f"request {r.request_id!r}: num_speculative_tokens must be >= 0")
+    sampling = r.sampling
+    if sampling.seed is None:  # a scheduler that sends none: key this request's randomness by a fresh seed
+        sampling = replace(sampling, seed=secrets.randbits(63))
     return RequestState(request_id=r.request_id, token_ids=list(r.token_ids), num_prompt_tokens=r.num_prompt_tokens,
-                        sampling=r.sampling, generator=make_generator(r.sampling.seed, device),
-                        block_table=list(r.block_ids),
+                        sampling=sampling, block_table=list(r.block_ids),
                         num_speculative_tokens=r.num_speculative_tokens, scheduled_new_tokens=r.num_new_tokens)
 
 

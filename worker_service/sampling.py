@@ -3,9 +3,9 @@
 Small pure functions in the spirit of gpt-fast's ``logits_to_probs`` /
 ``sample``, batched with per-row parameters so one call serves a whole step.
 Sampling is an exponential race, ``argmax(probs / E)`` with ``E ~ Exp(1)``,
-which picks token v with probability ``probs[v]``; each row draws its noise
-from its own request's generator, so a seeded request samples the same tokens
-whatever else is in the batch.
+which picks token v with probability ``probs[v]``; each row's noise is keyed
+by (request seed, token position) (worker_service/keyed_random.py), so a
+seeded request samples the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.rejection_sampler import race
 from specdec.step import RequestSampling
-
-# Exp(1) noise is clamped away from 0 so that ``probs / noise`` is never 0/0.
-_MIN_EXP_NOISE = torch.finfo(torch.float32).tiny
+from worker_service.keyed_random import keyed_exponential
 
 
 def sampling_tensors(
@@ -80,38 +79,23 @@ def _top_k_top_p_probs(
     return torch.zeros_like(sorted_probs).scatter_(1, sorted_ids, sorted_probs)  # [N, V]
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator for one request, seeded with ``seed``; ``None`` when the
-    request has no seed (it then uses the process-wide RNG)."""
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
-
-
-def exponential_noise(
-    generators: Sequence[torch.Generator | None], num_cols: int, device: torch.device | str
-) -> torch.Tensor:  # [N, num_cols] float32
-    """Exp(1) noise, row i drawn from ``generators[i]`` (the global RNG when
-    None), clamped away from zero."""
-    noise = torch.empty(len(generators), num_cols, dtype=torch.float32, device=device)  # [N, C]
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), num_cols, device=device).exponential_()
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            noise[i].exponential_(generator=generator)
-    return noise.clamp_min_(_MIN_EXP_NOISE)
-
-
 def sample_from_probs(
     probs: torch.Tensor,  # [N, V]
-    generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int],  # N request seeds
+    positions: Sequence[int],  # N absolute positions of the sampled tokens
+    stream: int,
+    is_greedy: Sequence[bool] | None = None,  # N; None: every row samples
 ) -> torch.Tensor:  # [N] int64
-    """One token per row by the exponential race ``argmax(probs / Exp(1))``.
+    """One token per row by the exponential race with keyed noise, ``argmax(probs / E(seed, position))``.
 
-    Greedy rows (one-hot probs) get their argmax whatever the noise.
+    Greedy rows (one-hot probs) take their argmax: no noise is computed for them.
     """
-    noise = exponential_noise(generators, probs.shape[-1], probs.device)  # [N, V]
-    return (probs.float() / noise).argmax(dim=-1)  # [N]
+    rows = [i for i in range(len(seeds)) if is_greedy is None or not is_greedy[i]]
+    if len(rows) == len(seeds):
+        noise = keyed_exponential(seeds, positions, stream, probs.shape[-1], probs.device)  # [N, V]
+    else:
+        noise = torch.ones_like(probs, dtype=torch.float32)  # [N, V]
+        if rows:
+            noise[rows] = keyed_exponential([seeds[i] for i in rows], [positions[i] for i in rows], stream,
+                                            probs.shape[-1], probs.device)
+    return race(probs.float(), noise)  # [N]

@@ -1,4 +1,13 @@
-"""Turns a step's target logits into emitted tokens: sampling, or rejection sampling of the drafts."""
+"""Turns a step's target logits into emitted tokens: keyed sampling, or rejection sampling of the drafts.
+
+Row j of a sequence samples the token at absolute position ``num_tokens + j``
+(``num_tokens``: prompt + every token emitted so far): a plain step samples
+position n, a verify step with k drafts positions n..n+k. Each row's
+randomness is keyed by (request seed, that position), and the accept rule
+(worker_service/rejection_sampler.py) emits, for n-gram drafts, exactly the
+tokens a plain step would have sampled; so a seeded request's tokens depend
+neither on the batch nor on n-gram speculation.
+"""
 
 from dataclasses import dataclass
 import itertools
@@ -7,7 +16,7 @@ import torch
 
 from worker_service.rejection_sampler import RejectionSampler
 from worker_service.request_state import RequestState
-from worker_service.sampling import logits_to_probs, sample_from_probs, sampling_tensors
+from worker_service.sampling import logits_to_probs, sampling_tensors
 
 _sampler = RejectionSampler()
 
@@ -21,19 +30,13 @@ class VerifyResult:
 def verify(states: list[RequestState], logits: torch.Tensor, drafts: list[list[int]],
            draft_probs: torch.Tensor | None) -> VerifyResult:
     """`logits` holds 1 + len(drafts[i]) rows per sequence, in order (`[N, V]`)."""
-    num_drafts = [len(d) for d in drafts]
-    rows_per_seq = [n + 1 for n in num_drafts]
+    rows_per_seq = [len(d) + 1 for d in drafts]
     if all(s.sampling.is_greedy for s in states):
         token_ids = _greedy(logits, drafts)
-        logprobs = _logprobs(logits, rows_per_seq, token_ids) if any(s.return_logprobs for s in states) else None
-        return VerifyResult(token_ids, logprobs or [[] for _ in states])
-    row_params = [s.sampling for s, n in zip(states, rows_per_seq) for _ in range(n)]
-    probs = logits_to_probs(logits, *sampling_tensors(row_params, logits.device))  # [N, V]
-    generators = [s.generator for s in states]
-    if max(num_drafts) == 0:
-        token_ids = [[t] for t in sample_from_probs(probs, generators).tolist()]
     else:
-        token_ids = _rejection_sample(states, probs, drafts, draft_probs, generators)
+        row_params = [s.sampling for s, n in zip(states, rows_per_seq) for _ in range(n)]
+        probs = logits_to_probs(logits, *sampling_tensors(row_params, logits.device))  # [N, V]
+        token_ids = _rejection_sample(states, probs, drafts, draft_probs)
     logprobs = [[] for _ in states]
     if any(s.return_logprobs for s in states):
         logprobs = _logprobs(logits, rows_per_seq, token_ids)
@@ -60,20 +63,27 @@ def _greedy(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
     return token_ids
 
 
-def _rejection_sample(states, probs, drafts, draft_probs, generators) -> list[list[int]]:
+def _rejection_sample(states: list[RequestState], probs: torch.Tensor, drafts: list[list[int]],
+                      draft_probs: torch.Tensor | None) -> list[list[int]]:
+    """Pads the rows to [B, K+1, V] and runs the sampler; K = 0 is a plain sampling step."""
     num_seqs, num_vocab = len(states), probs.shape[-1]
     num_spec = max(len(d) for d in drafts)
-    target_probs = torch.full((num_seqs, num_spec + 1, num_vocab), 1.0 / num_vocab)  # [B, K+1, V]
-    draft_ids = torch.zeros((num_seqs, num_spec), dtype=torch.int64)  # [B, K]
-    offsets = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]
-    for b, d in enumerate(drafts):
-        target_probs[b, : len(d) + 1] = probs[offsets[b]: offsets[b + 1]]
-        draft_ids[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
-    num_draft_tokens = torch.tensor([len(d) for d in drafts], dtype=torch.int64)  # [B]
-    is_greedy = torch.tensor([s.sampling.is_greedy for s in states])  # [B]
+    device = probs.device
+    if num_spec == 0:
+        target_probs = probs.unsqueeze(1)  # [B, 1, V]
+    else:
+        target_probs = torch.full((num_seqs, num_spec + 1, num_vocab), 1.0 / num_vocab, device=device)  # [B, K+1, V]
+        offsets = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]
+        for b, d in enumerate(drafts):
+            target_probs[b, : len(d) + 1] = probs[offsets[b]: offsets[b + 1]]
+    draft_ids = torch.tensor([d + [0] * (num_spec - len(d)) for d in drafts], dtype=torch.int64,
+                             device=device).view(num_seqs, num_spec)  # [B, K]
+    num_draft_tokens = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=device)  # [B]
+    is_greedy = torch.tensor([s.sampling.is_greedy for s in states], device=device)  # [B]
     if draft_probs is not None:
-        draft_probs = draft_probs[:, :num_spec]  # [B, K, V]
-    output, num_emitted = _sampler(target_probs, draft_ids, num_draft_tokens, draft_probs, is_greedy, generators)
+        draft_probs = draft_probs[:, :num_spec].to(device)  # [B, K, V]
+    output, num_emitted = _sampler(target_probs, draft_ids, num_draft_tokens, draft_probs, is_greedy,
+                                   [s.sampling.seed for s in states], [s.num_tokens for s in states])
     return [row[:n] for row, n in zip(output.tolist(), num_emitted.tolist())]
 
 

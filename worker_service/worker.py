@@ -99,7 +99,7 @@ class Worker:
         for r in request.new_requests:
             if r.request_id in staged or any(n.request_id == r.request_id for n in news):
                 raise InvalidStepError(f"request {r.request_id!r} is already running on this worker")
-            news.append(new_state(r, self.target.vocab_size, self.num_blocks, self.target.device))
+            news.append(new_state(r, self.target.vocab_size, self.num_blocks))
         for c in request.cached_requests:
             check_cached(c, staged.get(c.request_id), self.num_blocks)
         originals = {c.request_id: (staged[c.request_id].block_table, staged[c.request_id].scheduled_new_tokens,

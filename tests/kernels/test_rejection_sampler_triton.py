@@ -30,7 +30,7 @@ def random_case(num_seqs: int, num_spec: int, num_vocab: int, has_draft_probs: b
     drafts = torch.where(torch.arange(num_spec) < num_draft.unsqueeze(1), drafts, -1)  # [B, K]
     is_greedy = torch.rand(num_seqs, generator=gen) < 0.3  # [B]
     uniform = torch.rand(num_seqs, num_spec, generator=gen)  # [B, K]
-    noise = torch.empty(num_seqs, num_vocab).exponential_(generator=gen)  # [B, V]
+    noise = torch.empty(num_seqs, num_spec + 1, num_vocab).exponential_(generator=gen)  # [B, K+1, V]
     args = (target, drafts, num_draft, draft_probs if has_draft_probs else None, is_greedy, uniform, noise)
     return tuple(a.to(DEVICE) if a is not None else None for a in args)
 
@@ -51,6 +51,20 @@ def test_triton_matches_reference(num_seqs, num_spec, num_vocab, has_draft_probs
         assert bool((want_emitted <= num_draft).any()) and bool((want_emitted == num_draft + 1).any())
 
 
+def test_triton_one_hot_drafts_emit_each_positions_race_winner():
+    target, drafts, num_draft, _, is_greedy, _, noise = random_case(64, 3, 40, False, seed=8)
+    want = rejection_sample_ref(target, drafts, num_draft, None, is_greedy, None, noise)[0]
+    raced = torch.where(target > 0, target / noise, -1.0).argmax(dim=-1)  # [B, K+1]
+    y = torch.where(is_greedy.unsqueeze(1), target.argmax(dim=-1), raced)  # [B, K+1]
+    output, num_emitted = rejection_sample_triton(target, drafts, num_draft, None, is_greedy, None, noise)
+    assert torch.equal(output, want)
+    for b in range(64):  # every emitted token is y at its position; the drafts before it matched
+        n = int(num_emitted[b])
+        assert output[b, :n].tolist() == y[b, :n].tolist()
+        assert drafts[b, : n - 1].tolist() == y[b, : n - 1].tolist()
+        assert n == int(num_draft[b]) + 1 or int(drafts[b, n - 1]) != int(y[b, n - 1])
+
+
 def test_triton_greedy_exact_match_semantics():
     argmax = torch.tensor([[3, 1, 4, 0], [3, 1, 4, 0], [2, 2, 5, 1], [0, 5, 5, 3]])  # [B, K+1]
     target = (torch.eye(6)[argmax] * 0.5 + 0.1).to(DEVICE)  # [B, K+1, V=6]
@@ -59,7 +73,7 @@ def test_triton_greedy_exact_match_semantics():
     is_greedy = torch.ones(4, dtype=torch.bool, device=DEVICE)
     output, num_emitted = rejection_sample_triton(
         target, drafts, num_draft, None, is_greedy,
-        torch.rand(4, 3, device=DEVICE), torch.ones(4, 6, device=DEVICE),
+        torch.rand(4, 3, device=DEVICE), torch.ones(4, 4, 6, device=DEVICE),
     )
     assert output.tolist() == [[3, 1, 4, 0], [3, 1, -1, -1], [2, 2, 5, -1], [0, -1, -1, -1]]
     assert num_emitted.tolist() == [4, 2, 3, 1]
@@ -70,7 +84,7 @@ def test_triton_ties_go_to_the_lowest_token_id():
     target = torch.zeros(2, 1, 1500)  # [B=2, K+1=1, V]
     target[:, 0, [1300, 7, 1100]] = 1 / 3
     args = (target, torch.zeros(2, 0, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), None,
-            torch.tensor([False, True]), torch.zeros(2, 0), torch.ones(2, 1500))
+            torch.tensor([False, True]), torch.zeros(2, 0), torch.ones(2, 1, 1500))
     args = tuple(a.to(DEVICE) if a is not None else None for a in args)
     assert rejection_sample_triton(*args)[0][:, 0].tolist() == [7, 7]
     assert rejection_sample_ref(*args)[0][:, 0].tolist() == [7, 7]
@@ -101,7 +115,7 @@ def test_triton_is_lossless(has_draft_probs):
         P.expand(num_trials, -1, -1).to(DEVICE) if has_draft_probs else None,
         torch.zeros(num_trials, dtype=torch.bool, device=DEVICE),
         torch.rand(num_trials, num_spec, generator=gen).to(DEVICE),
-        torch.empty(num_trials, 6).exponential_(generator=gen).to(DEVICE),
+        torch.empty(num_trials, num_spec + 1, 6).exponential_(generator=gen).to(DEVICE),
     )
     output, num_emitted = output.cpu(), num_emitted.cpu()
     for i in range(num_spec + 1):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from scheduler_service.api import InvalidRequestError, sampling_params
+from scheduler_service.api import InvalidRequestError, build_request, sampling_params
 from specdec.step import RequestSampling
 from specdec.v1 import generation_pb2 as pb
 
@@ -25,3 +25,13 @@ def test_unset_fields_take_the_defaults():
 def test_bad_parameters_are_invalid_requests(params, message):
     with pytest.raises(InvalidRequestError, match=message):
         sampling_params(params)
+
+
+def test_requests_without_a_seed_get_one_at_arrival():
+    def arrive(**sampling) -> int:
+        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, 6]), sampling=pb.SamplingParams(**sampling))
+        return build_request(request, tokenizer=None, vocab_size=256, eos_token_ids=[2]).sampling.seed
+
+    seeds = {arrive() for _ in range(8)}
+    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)  # random, 63 bits
+    assert arrive(seed=7) == 7 and arrive(seed=2**64 - 1) == 2**64 - 1  # a client's seed is kept

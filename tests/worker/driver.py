@@ -19,13 +19,16 @@ class Driver:
     def blocks(self, num_tokens: int) -> list[int]:
         return [self.free_blocks.pop() for _ in range(-(-num_tokens // self.block_size))]
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, sampling: step.RequestSampling | None = None,
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 sampling: step.RequestSampling | list[step.RequestSampling] | None = None,
                  num_speculative_tokens: int = 0, prefix: str = "r") -> list[list[int]]:
+        """`sampling`: one for all requests, or one per prompt (default greedy)."""
         sampling = sampling or step.RequestSampling(temperature=0.0)
+        samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [f"{prefix}{i}" for i in range(len(prompts))]
         outputs = {rid: [] for rid in ids}
-        new = [step.NewRequest(rid, p, len(p), sampling, self.blocks(len(p) + max_tokens + 8), len(p),
-                               num_speculative_tokens) for rid, p in zip(ids, prompts)]
+        new = [step.NewRequest(rid, p, len(p), s, self.blocks(len(p) + max_tokens + 8), len(p),
+                               num_speculative_tokens) for rid, p, s in zip(ids, prompts, samplings)]
         request = step.StepRequest(next(self.step_ids), new_requests=new, num_lookahead_slots=self.num_lookahead_slots)
         while True:
             result = self.execute(request)

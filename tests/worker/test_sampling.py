@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from specdec.step import RequestSampling
+from worker_service.keyed_random import STREAM_DRAFT, STREAM_TOKEN
 from worker_service.sampling import (
     logits_to_probs,
-    make_generator,
     sample_from_probs,
     sampling_tensors,
 )
@@ -97,36 +97,32 @@ def test_sampling_tensors():
 def test_sample_from_probs_follows_the_distribution():
     num_rows = 50_000
     probs = torch.tensor([0.2, 0.0, 0.5, 0.3]).expand(num_rows, 4)  # [N, V]
-    torch.manual_seed(0)
-    tokens = sample_from_probs(probs, [None] * num_rows)  # [N]
+    seeds = [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(num_rows)]  # many requests, one position
+    tokens = sample_from_probs(probs, seeds, [77] * num_rows, STREAM_TOKEN)  # [N]
     empirical = torch.bincount(tokens, minlength=4).float() / num_rows  # [V]
     assert float(empirical[1]) == 0.0
+    assert 0.5 * float((empirical - probs[0]).abs().sum()) < 0.01
+    along_positions = sample_from_probs(probs, [5] * num_rows, range(num_rows), STREAM_TOKEN)  # one request
+    empirical = torch.bincount(along_positions, minlength=4).float() / num_rows  # [V]
     assert 0.5 * float((empirical - probs[0]).abs().sum()) < 0.01
 
 
 def test_greedy_one_hot_rows_sample_their_argmax():
     probs = torch.eye(5)[[3, 0, 4]]  # [N=3, V=5]
-    for _ in range(20):
-        assert sample_from_probs(probs, [None, make_generator(1), None]).tolist() == [3, 0, 4]
+    for position in range(20):
+        assert sample_from_probs(probs, [1, 2, 3], [position] * 3, STREAM_TOKEN).tolist() == [3, 0, 4]
+        assert sample_from_probs(probs, [1, 2, 3], [position] * 3, STREAM_TOKEN,
+                                 is_greedy=[True, False, True]).tolist() == [3, 0, 4]
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
     probs = torch.softmax(torch.randn(3, 100, generator=torch.Generator().manual_seed(1)), dim=-1)  # [3, V]
-
-    def draws(rows, seeds):
-        generators = [make_generator(s) for s in seeds]
-        return torch.stack([sample_from_probs(probs[rows], generators) for _ in range(10)])  # [10, N]
-
-    alone = draws([2], [7])[:, 0]  # [10]
-    in_batch = draws([0, 1, 2], [None, 3, 7])[:, 2]  # [10]
-    assert torch.equal(alone, in_batch)
-    assert len(set(alone.tolist())) > 1  # really sampled, not a constant
-
-
-def test_make_generator():
-    assert make_generator(None) is None
-    a, b = make_generator(5), make_generator(5)
-    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+    alone = [int(sample_from_probs(probs[2:], [7], [p], STREAM_TOKEN)[0]) for p in range(10)]
+    in_batch = [int(sample_from_probs(probs, [3, 1, 7], [p + 5, 0, p], STREAM_TOKEN)[2]) for p in range(10)]
+    assert alone == in_batch
+    assert len(set(alone)) > 1  # really sampled, not a constant
+    other_stream = [int(sample_from_probs(probs[2:], [7], [p], STREAM_DRAFT)[0]) for p in range(10)]
+    assert other_stream != alone  # the draft's noise is not the target's
 
 
 @pytest.mark.parametrize(

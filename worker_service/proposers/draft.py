@@ -7,11 +7,15 @@ computed; a proposal first catches the draft up (the pending last token, plus
 any tokens emitted while speculation was off, plus the last draft token when
 all drafts of the previous step were accepted and a bonus token followed —
 without that KV the next proposal would differ from a fresh run), then
-samples k tokens one at a time.
+samples k tokens one at a time. The draft at position n+i is sampled with
+noise keyed by (request seed, n+i) on its own stream (STREAM_DRAFT), so a
+proposal is reproducible and independent of the target's accept uniforms and
+sampling noise at the same positions.
 """
 
 import torch
 
+from worker_service.keyed_random import STREAM_DRAFT
 from worker_service.model_runner import ModelRunner, SequenceChunk
 from worker_service.proposers import Proposal
 from worker_service.request_state import RequestState
@@ -37,8 +41,10 @@ class DraftProposer:
             chunks = [self._chunk(states[i], drafts[i], first) for i in active]
             logits = self.runner.forward(chunks)  # [len(active), V]
             params = [states[i].sampling for i in active]
-            probs = logits_to_probs(logits, *sampling_tensors(params))  # [len(active), V]
-            tokens = sample_from_probs(probs, [states[i].generator for i in active]).tolist()
+            probs = logits_to_probs(logits, *sampling_tensors(params, logits.device))  # [len(active), V]
+            tokens = sample_from_probs(probs, [states[i].sampling.seed for i in active],
+                                       [states[i].num_tokens + pos for i in active], STREAM_DRAFT,
+                                       [states[i].sampling.is_greedy for i in active]).tolist()
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
                 draft_probs[i, pos] = probs[row]
