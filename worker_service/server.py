@@ -96,6 +96,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             except ValueError as exc:  # the step dataclasses reject a field (e.g. sampling parameters)
                 logger.warning("rejected step %d: %s", request.step_id, exc)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if not context.is_active():
+                return  # the scheduler gave up on this stream (it left us): its queued steps must not run
             try:
                 result = self.run_compute(worker.execute, step_request)
             except InvalidStepError as exc:
