@@ -36,7 +36,8 @@ def step_request_to_proto(r: step.StepRequest) -> pb.ExecuteModelRequest:
 def step_request_from_proto(m: pb.ExecuteModelRequest) -> step.StepRequest:
     """Raises ValueError (naming the request) for sampling parameters a step cannot use."""
     new = [step.NewRequest(request_id=n.request_id, token_ids=list(n.token_ids),
-                           num_prompt_tokens=n.num_prompt_tokens, sampling=_sampling_from_proto(n.sampling, n.request_id),
+                           num_prompt_tokens=n.num_prompt_tokens,
+                           sampling=_sampling_from_proto(n.sampling, n.request_id),
                            block_ids=list(n.block_ids), num_new_tokens=n.num_new_tokens,
                            num_speculative_tokens=n.num_speculative_tokens)
            for n in m.new_requests]
