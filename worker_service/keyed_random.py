@@ -16,9 +16,9 @@ uint32 arithmetic::
 ``fmix32`` is murmur3's finaliser, a bijection on uint32 with full avalanche.
 Each absorbing step ``fmix32(h ^ word)`` is a bijection of the new word, so for
 one (seed, stream) distinct positions get distinct row keys, and in one row
-distinct columns get distinct values. Columns are mixed through their own hash
-(not ``row_key + c * constant``) so two rows are never shifted copies of each
-other. Streams separate the uses of one (seed, position):
+distinct columns get distinct 32-bit values. Columns are mixed through their
+own hash (not ``row_key + c * constant``) so two rows are never shifted copies
+of each other. Streams separate the uses of one (seed, position):
 
     STREAM_TOKEN   the target's race noise over the vocabulary (sampled and recovered tokens)
     STREAM_ACCEPT  the uniform of the accept test of a model draft (one column)
