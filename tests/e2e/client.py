@@ -64,3 +64,12 @@ def stream_all(stub, requests: list[pb.GenerateRequest]) -> list[tuple[list[int]
     """All requests streamed concurrently."""
     with ThreadPoolExecutor(len(requests)) as pool:
         return list(pool.map(lambda r: stream(stub, r), requests))
+
+
+def chat_prompts(model_path, questions: list[str]) -> list[list[int]]:
+    """Each question as a user message, rendered with the model's chat template, as token ids."""
+    from worker_service.model_loader import load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"] for q in questions]

@@ -10,8 +10,7 @@ import time
 import pytest
 
 from specdec.v1 import generation_pb2 as pb
-from tests.e2e.client import serve, stream, stream_all
-from worker_service.model_loader import load_tokenizer
+from tests.e2e.client import chat_prompts, serve, stream, stream_all
 
 QUESTIONS = ["Write a short story about a robot who learns to paint.", "Describe the water cycle.",
              "Give me three tips for learning a new language.", "What makes a good cup of coffee?",
@@ -29,9 +28,7 @@ def seeded(prompt: list[int], seed: int) -> pb.GenerateRequest:
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_path):
-    tokenizer = load_tokenizer(smollm2_path)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"] for q in QUESTIONS]
+    return chat_prompts(smollm2_path, QUESTIONS)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from specdec.v1 import generation_pb2 as pb
-from tests.e2e.client import serve, stream_all
-from worker_service.model_loader import load_model, load_tokenizer
+from tests.e2e.client import chat_prompts, serve, stream_all
+from worker_service.model_loader import load_model
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
              "Explain why the sky is blue in one sentence.", "Translate 'good morning' into German.",
@@ -18,9 +18,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_path):
-    tokenizer = load_tokenizer(smollm2_path)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"] for q in QUESTIONS]
+    return chat_prompts(smollm2_path, QUESTIONS)
 
 
 @pytest.fixture(scope="module")
