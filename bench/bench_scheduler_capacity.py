@@ -11,17 +11,16 @@ outputs, standing in for the gRPC client streams, is not counted), the
 workers' idle share (1 - busy / active wall time), and steps per second.
 
     .venv/bin/python bench/bench_scheduler_capacity.py --workers 1,4,8,16 --seqs-per-worker 32 --step-time-ms 30
-    .venv/bin/python bench/bench_scheduler_capacity.py --workers 8 --profile   # where the scheduler's time goes
+    .venv/bin/python bench/bench_scheduler_capacity.py --workers 16 --profile  # where the scheduler's time goes
 
 Results are saved in bench/results/scheduler-capacity-*.json.
 """
 
 import argparse
-import cProfile
+from collections import Counter
 import itertools
 import logging
 import pathlib
-import pstats
 import random
 import subprocess
 import sys
@@ -79,6 +78,49 @@ class ClosedLoop:
             time.sleep(0.005)
 
 
+class StackSampler:
+    """A sampling profiler for every thread of this process (cProfile sees only the thread that starts it).
+
+    Every `interval_s` it records the function on top of each busy thread's stack (self time) and every
+    function on it (inclusive time). Threads blocked in a wait, a sleep or a gRPC read are not counted.
+    """
+
+    IDLE = ("wait", "sleep", "_next", "get", "select", "_wait_once", "_run")
+
+    def __init__(self, interval_s: float = 0.002):
+        self.interval_s = interval_s
+        self.self_counts: Counter = Counter()
+        self.total_counts: Counter = Counter()
+        self.num_samples = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self.stop.wait(self.interval_s):
+            self.num_samples += 1
+            for ident, frame in sys._current_frames().items():
+                if ident == me or frame.f_code.co_name in self.IDLE:
+                    continue
+                self.self_counts[self._name(frame)] += 1
+                names = set()
+                while frame is not None:
+                    names.add(self._name(frame))
+                    frame = frame.f_back
+                self.total_counts.update(names)
+
+    @staticmethod
+    def _name(frame) -> str:
+        path = pathlib.Path(frame.f_code.co_filename)
+        return f"{path.parent.name}/{path.name}:{frame.f_code.co_name}"
+
+    def report(self, top: int = 20) -> None:
+        for title, counts in (("self", self.self_counts), ("inclusive", self.total_counts)):
+            print(f"--- {title}: share of samples with a busy thread in the function ({self.num_samples} samples)")
+            for name, count in counts.most_common(top):
+                print(f"{100 * count / self.num_samples:6.1f}%  {name}")
+
+
 def measure(addresses: list[str], args, tokenizer) -> dict:
     opts = SchedulerOptions(model_dir="", worker_addresses=tuple(addresses), block_size=16,
                             max_num_seqs=args.seqs_per_worker, scheduling="async")
@@ -92,13 +134,13 @@ def measure(addresses: list[str], args, tokenizer) -> dict:
     loop = ClosedLoop(cluster, args.seqs_per_worker * len(addresses), args.prompt_len, args.max_tokens)
     loop.thread.start()
     time.sleep(args.warmup_seconds)
-    profiler = cProfile.Profile() if args.profile else None
+    profiler = StackSampler() if args.profile else None
     before, cpu0, loop_cpu0, wall0 = cluster.snapshot(), time.process_time(), loop.cpu_s, time.perf_counter()
     if profiler:
-        profiler.enable()
+        profiler.thread.start()
     time.sleep(args.seconds)
     if profiler:
-        profiler.disable()
+        profiler.stop.set()
     after, cpu1, loop_cpu1, wall1 = cluster.snapshot(), time.process_time(), loop.cpu_s, time.perf_counter()
     loop.stop.set()
     loop.thread.join()
@@ -117,8 +159,7 @@ def measure(addresses: list[str], args, tokenizer) -> dict:
            "cpu_us_per_seq_step": 1e6 * scheduler_cpu_s / max(num_seq_steps, 1),
            "worker_idle_share": 1 - busy / active if active else 1.0}
     if profiler:
-        stats = pstats.Stats(profiler).sort_stats("cumulative")
-        stats.print_stats(25)
+        profiler.report()
     return row
 
 
@@ -131,7 +172,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=10.0, help="measured time per worker count")
     parser.add_argument("--warmup-seconds", type=float, default=3.0)
-    parser.add_argument("--profile", action="store_true", help="print a cProfile of the measured interval")
+    parser.add_argument("--profile", action="store_true", help="sample every thread's stack in the measured interval; print the busiest functions")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logger.setLevel(logging.INFO)
