@@ -27,11 +27,11 @@ def partial_acceptance(step_id: int, request_id: str) -> int:
     return (step_id + len(request_id)) % 4
 
 
-def make_cluster(specs: list[str], resolver=None, **options) -> Cluster:
+def make_cluster(specs: list[str], resolver=None, on_serving_changed=lambda is_serving: None, **options) -> Cluster:
     opts = SchedulerOptions(model_dir="", worker_addresses=tuple(specs), block_size=BLOCK_SIZE,
                             worker_refresh_interval_s=0.1, **options)
     membership = Membership([parse_worker_spec(s) for s in specs], *([resolver] if resolver else []))
-    cluster = Cluster(opts, membership, PieceTokenizer())
+    cluster = Cluster(opts, membership, PieceTokenizer(), on_serving_changed)
     cluster.start()
     return cluster
 
@@ -149,10 +149,11 @@ def test_a_failed_worker_s_requests_move_and_it_rejoins_at_the_same_address():
             w.stop()
 
 
-def cluster_with_its_worker_down(worker_wait_timeout_s: float) -> tuple[Cluster, int]:
+def cluster_with_its_worker_down(worker_wait_timeout_s: float, on_serving_changed=lambda is_serving: None):
     """A cluster whose only worker served once and is gone; returns it and the worker's port."""
     worker = SimWorkerServer()
-    cluster = make_cluster([worker.address], worker_wait_timeout_s=worker_wait_timeout_s)
+    cluster = make_cluster([worker.address], worker_wait_timeout_s=worker_wait_timeout_s,
+                           on_serving_changed=on_serving_changed)
     wait_until(lambda: serving(cluster) == [worker.address], what="the worker to serve")
     worker.stop()
     wait_until(lambda: not serving(cluster), what="the worker to leave")
@@ -160,8 +161,10 @@ def cluster_with_its_worker_down(worker_wait_timeout_s: float) -> tuple[Cluster,
 
 
 def test_with_every_worker_down_a_request_waits_and_runs_once_one_starts():
-    cluster, port = cluster_with_its_worker_down(worker_wait_timeout_s=30.0)
+    health = []  # the scheduler's health: SERVING while at least one worker serves
+    cluster, port = cluster_with_its_worker_down(worker_wait_timeout_s=30.0, on_serving_changed=health.append)
     try:
+        assert health == [True, False]
         waiting = Streams(cluster, {"w": [4, 5, 6]}, max_tokens=5)
         assert cluster.snapshot().num_waiting_for_worker == 1
         time.sleep(0.3)
@@ -170,6 +173,7 @@ def test_with_every_worker_down_a_request_waits_and_runs_once_one_starts():
         waiting.join()
         waiting.assert_complete_and_exact()
         wait_idle(cluster)
+        assert health == [True, False, True]
         back.stop()
     finally:
         cluster.stop()
