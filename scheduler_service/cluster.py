@@ -14,8 +14,8 @@ speculation state and step loop). The cluster
   client's stream just continues (keyed sampling makes the output the same);
 - holds requests while no worker serves, for at most the wait timeout (and
   never past the client's deadline), then fails them with UNAVAILABLE;
-- checks every serving worker's health, so a worker that hangs (no step
-  result, no failure) leaves too.
+- checks every serving worker's health, and how long its step has been
+  running, so a worker that hangs (no step result, no failure) leaves too.
 
 One lock (`lock`) guards the cluster and every engine's scheduler.
 """
@@ -46,6 +46,11 @@ MAINTENANCE_INTERVAL_S = 0.2
 HEALTH_INTERVAL_S = 2.0
 HEALTH_TIMEOUT_S = 5.0
 NUM_HEALTH_FAILURES_TO_LEAVE = 2
+# A worker whose health service answers but whose steps do not (a wedged compute thread) leaves after this;
+# generous, as a step that prefills a long prompt on a CPU takes seconds.
+STEP_TIMEOUT_S = 120.0
+# A request whose workers keep failing while they run it (one that crashes them?) stops moving.
+MAX_MOVES_PER_REQUEST = 4
 
 
 class EngineError(RuntimeError):
@@ -126,6 +131,7 @@ class Cluster:
         self._is_stopping = False
         self._changed = threading.Condition(self.lock)
         self._health: dict[str, tuple[grpc.Future, int]] = {}  # address -> (check in flight, failures)
+        self._stale_ids_by_address: dict[str, list[str]] = {}   # of retired engines: the worker may hold them
         self._thread = threading.Thread(target=self._maintain, name="cluster", daemon=True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -164,6 +170,8 @@ class Cluster:
         Raises KeyError for an id in use and ValueError for a request no worker can serve.
         """
         with self.lock:
+            if self._is_stopping:
+                raise EngineError(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
             if request.request_id in self._handles:
                 raise KeyError(f"request id {request.request_id!r} is already running")
             config = self.facts.config
@@ -226,6 +234,12 @@ class Cluster:
 
     def on_left(self, engine: WorkerEngine, requests: list[Request]) -> None:
         """A worker left: its unfinished requests move to the others (or wait for one)."""
+        if self._engines.get(engine.address) is not engine:  # retired (no longer listed)
+            successor = self._engines.get(engine.address)
+            if successor is not None:  # listed again meanwhile: it must drop them
+                successor.add_stale_request_ids(engine.stale_request_ids)
+            else:
+                self._stale_ids_by_address[engine.address] = engine.stale_request_ids
         for request in requests:
             handle = self._handles.get(request.request_id)
             if handle is None:
@@ -233,9 +247,12 @@ class Cluster:
             handle.engine = None
             if self._is_stopping:
                 self._fail(handle, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
-                continue
-            self._num_moved_requests += 1
-            self._place_or_fail(handle)
+            elif request.num_moves > MAX_MOVES_PER_REQUEST:
+                self._fail(handle, grpc.StatusCode.INTERNAL,
+                           f"the request moved {MAX_MOVES_PER_REQUEST} times: every worker that ran it failed")
+            else:
+                self._num_moved_requests += 1
+                self._place_or_fail(handle)
         self._serving_changed()
 
     def dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -254,6 +271,11 @@ class Cluster:
     def _serving_engines(self) -> list[WorkerEngine]:
         return [e for e in self._engines.values() if e.state is WorkerState.SERVING]
 
+    def _workers_summary(self) -> str:
+        """Each worker's state and last error, for messages that say why nothing serves."""
+        return "; ".join(f"{e.address}: {e.state.value}" + (f" ({e.last_error})" if e.last_error else "")
+                         for e in self._engines.values()) or "none listed"
+
     def _largest_pool_tokens(self) -> int:
         configs = [e.config for e in self._engines.values() if e.config is not None] or [self.facts.config]
         return max(c.num_kv_blocks * c.block_size for c in configs)
@@ -264,7 +286,8 @@ class Cluster:
         Raises ValueError when every serving worker refuses it (its KV pool is too small).
         """
         request, error = handle.request, None
-        for engine in sorted(self._serving_engines(), key=WorkerEngine.headroom_key):
+        available = [e for e in self._engines.values() if e.is_available]
+        for engine in sorted(available, key=WorkerEngine.headroom_key):
             try:
                 if request.arrival_index is None:  # never scheduled: a new request
                     engine.scheduler.add_request(request)
@@ -326,7 +349,7 @@ class Cluster:
         for handle in [h for h in self._waiting if h.wait_deadline <= now]:
             self._fail(handle, grpc.StatusCode.UNAVAILABLE,
                        f"no worker is available: the request waited {self.options.worker_wait_timeout_s:.0f} s "
-                       "(or until its deadline) for one to serve")
+                       f"(or until its deadline) for one to serve. Workers: {self._workers_summary()}")
 
     def _update_members(self, addresses: list[str]) -> None:
         with self.lock:
@@ -335,7 +358,8 @@ class Cluster:
             for address in addresses:
                 if address not in self._engines:
                     logger.info("worker %s is listed: joining it", address)
-                    self._engines[address] = engine = WorkerEngine(address, self)
+                    stale_ids = self._stale_ids_by_address.pop(address, None)
+                    self._engines[address] = engine = WorkerEngine(address, self, stale_ids)
                     engine.start()
             gone = [e for a, e in self._engines.items() if a not in addresses]
             for engine in gone:
@@ -345,12 +369,18 @@ class Cluster:
             engine.leave("it is no longer listed", stop=True)
 
     def _check_health(self) -> None:
-        """Collects the last round of health checks and starts the next one (never blocks)."""
+        """Collects the last round of health checks, starts the next one (never blocks), and makes a worker
+        whose step takes too long leave."""
         with self.lock:
             engines = self._serving_engines()
         for address in self._health.keys() - {e.address for e in engines}:
             del self._health[address]  # left or rejoining: start counting afresh
+        now = time.monotonic()
         for engine in engines:
+            waiting_since = engine.waiting_since
+            if waiting_since is not None and now - waiting_since > STEP_TIMEOUT_S:
+                engine.leave(f"no step result for {now - waiting_since:.0f} s", stop=False)
+                continue
             future, num_failures = self._health.get(engine.address, (None, 0))
             if future is not None:
                 if not future.done():

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import enum
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -56,6 +57,7 @@ class WorkerSnapshot:
     stats: SchedulerStats
     busy: BusyStats
     num_failures: int
+    last_error: str | None           # why it last failed to join or left, for operators
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -65,7 +67,7 @@ class WorkerSnapshot:
 class WorkerEngine:
     """Drives one worker on a thread of its own; see the module docstring."""
 
-    def __init__(self, address: str, cluster: "Cluster"):
+    def __init__(self, address: str, cluster: "Cluster", stale_request_ids: list[str] | None = None):
         self.address = address
         self.client = WorkerClient(address)
         self.state = WorkerState.JOINING
@@ -74,11 +76,13 @@ class WorkerEngine:
         self.stats = SchedulerStats()              # across every scheduler this worker had
         self.busy = BusyStats()
         self.num_failures = 0
+        self.last_error: str | None = None
+        self.waiting_since: float | None = None    # monotonic time the loop began waiting for a step result
         self._cluster = cluster
         self._lock = cluster.lock
         self._wakeup = threading.Condition(cluster.lock)
         self._stream = None
-        self._stale_request_ids: list[str] = []    # the worker may still hold them after a failure
+        self._stale_request_ids = list(stale_request_ids or [])  # the worker may still hold them
         self._leave_reason: str | None = None      # set to make the serve loop leave
         self._is_stopped = False
         self._thread = threading.Thread(target=self._run, name=f"engine {address}", daemon=True)
@@ -88,6 +92,23 @@ class WorkerEngine:
 
     def join_thread(self, timeout: float) -> None:
         self._thread.join(timeout)
+
+    @property
+    def is_available(self) -> bool:
+        """Serving and not about to leave: new requests may go here. Lock held."""
+        return self.state is WorkerState.SERVING and self._leave_reason is None
+
+    @property
+    def stale_request_ids(self) -> list[str]:
+        """Ids the worker may still hold state for (kept by the cluster if this engine is retired)."""
+        return list(self._stale_request_ids)
+
+    def add_stale_request_ids(self, request_ids: list[str]) -> None:
+        """Ids a previous engine of this address left on the worker: it is told to drop them. Lock held."""
+        if self.scheduler is None:
+            self._stale_request_ids.extend(request_ids)
+        else:  # never drop a request this engine runs now (it was sent to the worker again since)
+            self.scheduler.drop_on_worker([r for r in request_ids if self.scheduler.get_request(r) is None])
 
     def wake(self) -> None:
         """Lets the loop schedule again (new requests, aborts). Lock held."""
@@ -108,7 +129,7 @@ class WorkerEngine:
         s = self.scheduler
         return WorkerSnapshot(
             address=self.address, state=self.state, config=self.config, stats=replace(self.stats),
-            busy=replace(self.busy), num_failures=self.num_failures,
+            busy=replace(self.busy), num_failures=self.num_failures, last_error=self.last_error,
             num_running=len(s.running) if s else 0, num_waiting=len(s.waiting) if s else 0,
             num_free_blocks=s.num_free_blocks if s else 0,
             num_total_blocks=self.config.num_kv_blocks if s and self.config else 0)
@@ -126,6 +147,15 @@ class WorkerEngine:
         self.client.close()
 
     def _join(self) -> bool:
+        try:
+            return self._try_join()
+        except Exception as exc:  # noqa: BLE001 - a bug must not end the loop silently: log it, retry
+            logger.exception("worker %s: joining failed", self.address)
+            self.last_error = f"joining failed: {exc!r}"
+            self._sleep(10 * JOIN_RETRY_S)
+            return False
+
+    def _try_join(self) -> bool:
         """Describe + InitCache; True once the worker serves. False (after a pause) when it cannot now."""
         try:
             info = self.client.describe(self._cluster.options.block_size, timeout=DESCRIBE_TIMEOUT_S)
@@ -134,10 +164,12 @@ class WorkerEngine:
         except grpc.RpcError as exc:
             log = logger.debug if exc.code() is grpc.StatusCode.UNAVAILABLE else logger.warning
             log("worker %s is not available: %s: %s", self.address, exc.code().name, exc.details())
+            self.last_error = f"not available: {exc.code().name}: {exc.details()}"
             self._sleep(JOIN_RETRY_S)
             return False
         except ValueError as exc:
             logger.error("worker %s cannot join: %s", self.address, exc)
+            self.last_error = f"cannot join: {exc}"
             self._sleep(10 * JOIN_RETRY_S)
             return False
         stream = self.client.open_stream()
@@ -170,14 +202,22 @@ class WorkerEngine:
                         if pipeline.num_in_flight:
                             break
                         self._wakeup.wait(WAIT_POLL_S)
+                self.waiting_since = time.monotonic()
                 result = stream.recv()  # outside the lock: clients submit and other workers run meanwhile
                 with self._lock:
+                    self.waiting_since = None
                     self._cluster.dispatch(pipeline.apply(result))
         except grpc.RpcError as exc:
             return self._leave_reason or f"its step stream failed: {exc.code().name}: {exc.details()}"
+        except StopIteration:
+            return self._leave_reason or "it ended its step stream"
         except ValueError as exc:  # the scheduler rejected a result: the worker broke the protocol
             return f"it sent an invalid step result: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a bug must not strand the requests: leave, they move
+            logger.exception("worker %s: the engine loop failed", self.address)
+            return f"the engine loop failed: {exc!r}"
         finally:
+            self.waiting_since = None
             stream.close()
 
     def _leave(self, reason: str) -> None:
@@ -189,6 +229,7 @@ class WorkerEngine:
             self.scheduler = None
             if not self._is_stopped:
                 self.num_failures += 1
+                self.last_error = reason
             logger.warning("worker %s left: %s; %d unfinished requests handed back", self.address, reason,
                            len(requests))
             self._cluster.on_left(self, requests)

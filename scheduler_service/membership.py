@@ -51,14 +51,19 @@ def _join(host: str, port: int) -> str:
 
 
 def resolve_dns(name: str, port: int) -> list[str]:
-    """Every address `name` resolves to, as HOST:PORT, sorted."""
+    """Every address `name` resolves to, as HOST:PORT, sorted.
+
+    IPv4 addresses only when there are any: a dual-stack name lists each host twice (A and AAAA), and two
+    engines on one worker would hand out the same KV blocks.
+    """
     try:
         infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
             raise NameNotFoundError(f"{name}: {exc.strerror}") from exc
         raise
-    return sorted({_join(info[4][0], port) for info in infos})
+    ipv4 = [info for info in infos if info[0] == socket.AF_INET]
+    return sorted({_join(info[4][0], port) for info in ipv4 or infos})
 
 
 class Membership:
@@ -66,8 +71,12 @@ class Membership:
 
     A name that cannot be resolved for now (resolver error) keeps its last
     answer, so a flaky resolver does not take workers away; a name that does
-    not exist (or resolves to nothing) names no worker.
+    not exist names no worker once that was the answer NUM_NOT_FOUND_TO_EMPTY
+    times in a row (a headless Service scaled to zero; one odd answer is not
+    enough to move every request).
     """
+
+    NUM_NOT_FOUND_TO_EMPTY = 3
 
     def __init__(self, specs: list[WorkerSpec], resolver: Resolver = resolve_dns) -> None:
         if not specs:
@@ -75,6 +84,7 @@ class Membership:
         self.specs = specs
         self._resolver = resolver
         self._last: dict[WorkerSpec, list[str]] = {}
+        self._num_not_found: dict[WorkerSpec, int] = {}
 
     @property
     def has_dns(self) -> bool:
@@ -89,9 +99,12 @@ class Membership:
                 continue
             try:
                 self._last[spec] = self._resolver(spec.host, spec.port)
+                self._num_not_found[spec] = 0
             except NameNotFoundError as exc:
-                logger.warning("worker name %s: %s; no workers under it", spec, exc)
-                self._last[spec] = []
+                self._num_not_found[spec] = num = self._num_not_found.get(spec, 0) + 1
+                if num >= self.NUM_NOT_FOUND_TO_EMPTY or spec not in self._last:
+                    logger.warning("worker name %s: %s; no workers under it", spec, exc)
+                    self._last[spec] = []
             except OSError as exc:
                 logger.warning("cannot resolve %s now (%s); keeping its last %d addresses", spec, exc,
                                len(self._last.get(spec, [])))

@@ -53,6 +53,7 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
+    num_moves: int = 0                             # times it resumed on another worker (bounded by the cluster)
     is_held_by_worker: bool = False
     num_speculative_tokens_sent: int | None = None  # the k cap the worker holds
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
@@ -201,6 +202,7 @@ class Request:
         """
         self.num_assumed_tokens = 0
         self._forget_worker_state()
+        self.num_moves += 1
 
     def _forget_worker_state(self) -> None:
         self.status = RequestStatus.PREEMPTED

@@ -51,6 +51,7 @@ class _Step:
     cached_requests: list[CachedRequest] = field(default_factory=list)
     scheduled: dict[str, ScheduledTokens] = field(default_factory=dict)
     is_preempting: bool = False
+    dropped_request_ids: list[str] = field(default_factory=list)  # sent as finished_request_ids
 
 
 class Scheduler:
@@ -95,8 +96,10 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def worker_request_ids(self) -> list[str]:
-        """Ids whose state the worker may hold: every request not released yet, and those it is to drop."""
-        return [*self._requests, *self._worker_drop_ids]
+        """Ids whose state the worker may hold: every request not released yet, and those it is told to drop
+        by a step not sent or not answered yet (a worker that failed may never have run that step)."""
+        in_flight = [request_id for step in self._in_flight for request_id in step.dropped_request_ids]
+        return [*self._requests, *in_flight, *self._worker_drop_ids]
 
     def drop_on_worker(self, request_ids: list[str]) -> None:
         """Tells the worker, with the next step, to forget these requests (after a failed stream)."""
@@ -290,7 +293,7 @@ class Scheduler:
         step = StepRequest(step_id=plan.step_id, new_requests=plan.new_requests,
                            cached_requests=plan.cached_requests, finished_request_ids=self._worker_drop_ids,
                            num_lookahead_slots=num_lookahead_slots, running_queue_size=len(self.running))
-        self._worker_drop_ids = []
+        plan.dropped_request_ids, self._worker_drop_ids = self._worker_drop_ids, []
         self._in_flight.append(plan)
         self._next_step_id += 1
         self.stats.num_steps += 1

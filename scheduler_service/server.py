@@ -45,7 +45,8 @@ def _counters(st: SchedulerStats, busy: BusyStats, num_failures: int, num_moved:
 def _workers(snap: ClusterSnapshot) -> list[pb.WorkerStatus]:
     return [pb.WorkerStatus(address=w.address, state=w.state.value, num_running=w.num_running,
                             num_waiting=w.num_waiting, num_free_kv_blocks=w.num_free_blocks,
-                            num_kv_blocks=w.num_total_blocks, counters=_counters(w.stats, w.busy, w.num_failures))
+                            num_kv_blocks=w.num_total_blocks, counters=_counters(w.stats, w.busy, w.num_failures),
+                            last_error=w.last_error or "")
             for w in snap.workers]
 
 
@@ -74,6 +75,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             req = build_request(request, self.tokenizer, facts.vocab_size, list(facts.eos_token_ids))
             handle = cluster.submit(req, deadline)
+        except EngineError as exc:
+            context.abort(exc.code, str(exc))
         except KeyError as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc.args[0]))
         except (InvalidRequestError, ValueError) as exc:

@@ -130,8 +130,10 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
     """The Worker service over a FakeWorker; each step takes `step_time_s` (slept, not computed)."""
 
     def __init__(self, health_servicer: health.HealthServicer, block_size: int, num_blocks: int,
-                 step_time_s: float, num_speculative_tokens: int, num_accepted, is_checking_kv: bool = True):
+                 step_time_s: float, num_speculative_tokens: int, num_accepted, is_checking_kv: bool = True,
+                 model_id: str = "sim"):
         self.is_checking_kv = is_checking_kv
+        self.model_id = model_id
         self.health = health_servicer
         self.block_size, self.num_blocks = block_size, num_blocks
         self.step_time_s = step_time_s
@@ -143,13 +145,17 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.is_frozen = threading.Event()  # set: steps hang and health says NOT_SERVING
 
     def Describe(self, request, context):
-        return worker_pb2.WorkerInfo(model_id="sim", vocab_size=VOCAB_SIZE, max_model_len=4096,
+        if self.is_frozen.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "frozen")  # a stopped process answers nothing
+        return worker_pb2.WorkerInfo(model_id=self.model_id, vocab_size=VOCAB_SIZE, max_model_len=4096,
                                      kv_bytes_per_block=1024, num_blocks_capacity=self.num_blocks,
                                      eos_token_ids=[], dtype="float32",
                                      proposer="ngram" if self.num_speculative_tokens else "none",
                                      max_num_speculative_tokens=self.num_speculative_tokens, scorer="multi_query")
 
     def InitCache(self, request, context):
+        if self.is_frozen.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "frozen")
         assert request.block_size == self.block_size, "the test's block size differs from the scheduler's"
         if self.worker is None or request.num_blocks != self.num_blocks_initialised:
             # Like the real worker: the same shape again keeps what it holds (the scheduler tells it what to drop).
@@ -192,11 +198,11 @@ class SimWorkerServer:
 
     def __init__(self, block_size: int = 4, num_blocks: int = 256, step_time_s: float = 0.0,
                  num_speculative_tokens: int = 3, num_accepted=lambda step_id, request_id: 1_000, port: int = 0,
-                 is_checking_kv: bool = True):
+                 is_checking_kv: bool = True, model_id: str = "sim"):
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)])
         health_servicer = health.HealthServicer()
         self.servicer = SimWorkerServicer(health_servicer, block_size, num_blocks, step_time_s,
-                                          num_speculative_tokens, num_accepted, is_checking_kv)
+                                          num_speculative_tokens, num_accepted, is_checking_kv, model_id)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")

@@ -30,12 +30,19 @@ class WorkerProcess:
         self.address: str | None = None
         self.is_loaded = False
         self.is_stopping = False
+        self._lock = threading.Lock()  # start (restart) and stop never interleave
 
     def start(self, port: int = 0) -> str:
         """Starts the process and returns its address, read from its output."""
-        self.is_loaded = False
-        self.proc = proc = subprocess.Popen([sys.executable, "-m", "specdec", *self.argv, "--port", str(port)],
-                                            stdout=subprocess.PIPE, stderr=None, text=True)
+        with self._lock:
+            if self.is_stopping:
+                raise RuntimeError(f"worker {self.index}: the server is stopping")
+            self.is_loaded = False
+            # Its own session: a Ctrl-C in the terminal reaches only `specdec serve`, which stops the
+            # workers itself (otherwise they would exit first and be restarted as if they had crashed).
+            self.proc = proc = subprocess.Popen(
+                [sys.executable, "-m", "specdec", *self.argv, "--port", str(port)],
+                stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
         for line in proc.stdout:
             self._echo(line)
             if line.startswith("worker listening on "):
@@ -59,17 +66,20 @@ class WorkerProcess:
             try:
                 self.start(port)
             except RuntimeError as exc:
-                on_fatal(str(exc))
+                if not self.is_stopping:
+                    on_fatal(str(exc))
                 return
 
     def stop(self) -> None:
-        self.is_stopping = True
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+        with self._lock:
+            self.is_stopping = True
+            proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
             try:
-                self.proc.wait(30)
+                proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                proc.kill()
 
     def _pump(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:

@@ -173,7 +173,7 @@ class Counters(_message.Message):
     def __init__(self, num_requests: _Optional[int] = ..., num_drafted_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_emitted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_steps: _Optional[int] = ..., num_steps_speculation_disabled: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., worker_busy_seconds: _Optional[float] = ..., active_wall_seconds: _Optional[float] = ..., num_worker_failures: _Optional[int] = ..., num_moved_requests: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "state", "num_running", "num_waiting", "num_free_kv_blocks", "num_kv_blocks", "counters")
+    __slots__ = ("address", "state", "num_running", "num_waiting", "num_free_kv_blocks", "num_kv_blocks", "counters", "last_error")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,7 @@ class WorkerStatus(_message.Message):
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: str
     num_running: int
@@ -188,7 +189,8 @@ class WorkerStatus(_message.Message):
     num_free_kv_blocks: int
     num_kv_blocks: int
     counters: Counters
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ...) -> None: ...
+    last_error: str
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("model", "proposer", "num_speculative_tokens", "max_model_len", "max_num_seqs", "block_size", "num_kv_blocks", "num_free_kv_blocks", "scheduling", "speculative_disable_queue_size", "counters", "num_running", "num_waiting", "workers")
