@@ -179,11 +179,13 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
             result.stats.total_ms = (time.perf_counter() - start) * 1e3
             yield step_result_to_proto(result)
 
-    def freeze(self) -> None:
-        """Hangs like a stopped process: steps never answer, health checks fail."""
+    def freeze(self, is_health_failing: bool = True) -> None:
+        """Hangs like a stopped process: steps never answer, health checks fail (or, like a wedged compute
+        thread, keep answering SERVING)."""
         self.is_frozen.set()
-        for name in ("", "specdec.v1.Worker"):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if is_health_failing:
+            for name in ("", "specdec.v1.Worker"):
+                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
     def thaw(self) -> None:

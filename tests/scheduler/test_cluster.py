@@ -255,6 +255,48 @@ def test_a_hung_worker_leaves_by_its_health_check(fast_health):
             w.stop()
 
 
+def test_a_worker_whose_step_hangs_while_its_health_says_serving_leaves(monkeypatch, fast_health):
+    monkeypatch.setattr(cluster_module, "STEP_TIMEOUT_S", 0.5)
+    workers = [SimWorkerServer(step_time_s=0.01) for _ in range(2)]
+    cluster = make_cluster([w.address for w in workers])
+    try:
+        wait_until(lambda: len(serving(cluster)) == 2, what="both workers to serve")
+        streams = Streams(cluster, prompts(6), max_tokens=40)
+        wait_until(lambda: all(len(t) >= 3 for t in streams.tokens.values()), what="every stream to begin")
+        workers[0].servicer.freeze(is_health_failing=False)
+        streams.join()
+        streams.assert_complete_and_exact()
+        status = {w.address: w for w in cluster.snapshot().workers}[workers[0].address]
+        assert "no step result" in status.last_error
+    finally:
+        cluster.stop()
+        for w in workers:
+            w.stop()
+
+
+def test_a_request_whose_workers_keep_failing_stops_moving(monkeypatch):
+    monkeypatch.setattr(cluster_module, "MAX_MOVES_PER_REQUEST", 1)
+    workers = [SimWorkerServer(step_time_s=0.01)]
+    cluster = make_cluster([workers[0].address])
+    try:
+        wait_until(lambda: serving(cluster), what="the worker to serve")
+        streams = Streams(cluster, {"poison": [1, 2, 3]}, max_tokens=500)
+        wait_until(lambda: len(streams.tokens["poison"]) >= 3, what="the stream to begin")
+        port = workers[0].port
+        workers[0].stop()  # first failure: it moves (waits for a worker)
+        workers[0] = SimWorkerServer(step_time_s=0.01, port=port)
+        wait_until(lambda: len(streams.tokens["poison"]) >= 20, what="the stream to resume")
+        workers[0].stop()  # second failure: it has moved once already
+        streams.join()
+        assert isinstance(streams.finish["poison"], EngineError)
+        assert streams.finish["poison"].code is grpc.StatusCode.INTERNAL
+        assert "every worker that ran it failed" in str(streams.finish["poison"])
+    finally:
+        cluster.stop()
+        for w in workers:
+            w.stop()
+
+
 def test_a_worker_that_left_alive_is_told_to_drop_the_old_requests_when_it_rejoins(fast_health):
     worker = SimWorkerServer(step_time_s=0.01)
     cluster = make_cluster([worker.address])
