@@ -95,7 +95,7 @@ class RequestHandle:
 class ClusterSnapshot:
     """Every worker's state and the totals, copied under the lock."""
 
-    workers: list[WorkerSnapshot]
+    workers: tuple[WorkerSnapshot, ...]
     stats: SchedulerStats          # summed over every worker, those gone included
     busy: BusyStats
     num_worker_failures: int
@@ -203,7 +203,7 @@ class Cluster:
         with self.lock:
             engines = [*self._engines.values(), *self._retired]
             return ClusterSnapshot(
-                workers=[e.snapshot() for e in self._engines.values()],
+                workers=tuple(e.snapshot() for e in self._engines.values()),
                 stats=_sum([e.stats for e in engines], SchedulerStats), busy=_sum([e.busy for e in engines], BusyStats),
                 num_worker_failures=sum(e.num_failures for e in engines), num_requests=self._num_requests,
                 num_moved_requests=self._num_moved_requests, num_waiting_for_worker=len(self._waiting))

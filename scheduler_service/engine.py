@@ -230,8 +230,8 @@ class WorkerEngine:
             if not self._is_stopped:
                 self.num_failures += 1
                 self.last_error = reason
-            logger.warning("worker %s left: %s; %d unfinished requests handed back", self.address, reason,
-                           len(requests))
+            log = logger.info if self._is_stopped else logger.warning
+            log("worker %s left: %s; %d unfinished requests handed back", self.address, reason, len(requests))
             self._cluster.on_left(self, requests)
 
     def _sleep(self, seconds: float) -> None:
