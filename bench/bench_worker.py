@@ -18,7 +18,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import chat_ids, load_questions, median_time, save  # noqa: E402
-from specdec import step  # noqa: E402
 from worker_service.models import fetch_default_model  # noqa: E402
 from worker_service.config import WorkerConfig  # noqa: E402
 from worker_service.main import build_worker  # noqa: E402

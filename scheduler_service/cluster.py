@@ -21,7 +21,7 @@ One lock (`lock`) guards the cluster and every engine's scheduler.
 """
 
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 import logging
 import queue
 import threading

@@ -9,7 +9,6 @@ split into a speculative and a non-speculative pass.
 import logging
 import time
 
-import torch
 
 from specdec import step
 from worker_service.config import WorkerConfig
