@@ -9,7 +9,6 @@ split into a speculative and a non-speculative pass.
 import logging
 import time
 
-
 from specdec import step
 from worker_service.config import WorkerConfig
 from worker_service.model_runner import ModelRunner, SequenceChunk
