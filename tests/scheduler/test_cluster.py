@@ -238,36 +238,23 @@ def test_discovery_adds_and_removes_workers_and_removed_workers_requests_move():
             w.stop()
 
 
-def test_a_hung_worker_leaves_by_its_health_check(fast_health):
+@pytest.mark.parametrize(("is_health_failing", "why"), [(True, "health checks failed"), (False, "no step result")])
+def test_a_hung_worker_leaves(monkeypatch, fast_health, is_health_failing, why):
+    """Like SIGSTOP (no result, no error, health checks fail), or a wedged compute thread (health still
+    SERVING, caught by the step timeout)."""
+    if not is_health_failing:
+        monkeypatch.setattr(cluster_module, "STEP_TIMEOUT_S", 0.5)
     workers = [SimWorkerServer(step_time_s=0.01) for _ in range(2)]
     cluster = make_cluster([w.address for w in workers])
     try:
         wait_until(lambda: len(serving(cluster)) == 2, what="both workers to serve")
         streams = Streams(cluster, prompts(6), max_tokens=40)
         wait_until(lambda: all(len(t) >= 3 for t in streams.tokens.values()), what="every stream to begin")
-        workers[0].servicer.freeze()  # like SIGSTOP: no result, no error
-        streams.join()
-        streams.assert_complete_and_exact()
-        assert cluster.snapshot().num_worker_failures >= 1
-    finally:
-        cluster.stop()
-        for w in workers:
-            w.stop()
-
-
-def test_a_worker_whose_step_hangs_while_its_health_says_serving_leaves(monkeypatch, fast_health):
-    monkeypatch.setattr(cluster_module, "STEP_TIMEOUT_S", 0.5)
-    workers = [SimWorkerServer(step_time_s=0.01) for _ in range(2)]
-    cluster = make_cluster([w.address for w in workers])
-    try:
-        wait_until(lambda: len(serving(cluster)) == 2, what="both workers to serve")
-        streams = Streams(cluster, prompts(6), max_tokens=40)
-        wait_until(lambda: all(len(t) >= 3 for t in streams.tokens.values()), what="every stream to begin")
-        workers[0].servicer.freeze(is_health_failing=False)
+        workers[0].servicer.freeze(is_health_failing)
         streams.join()
         streams.assert_complete_and_exact()
         status = {w.address: w for w in cluster.snapshot().workers}[workers[0].address]
-        assert "no step result" in status.last_error
+        assert why in status.last_error and status.num_failures == 1
     finally:
         cluster.stop()
         for w in workers:
