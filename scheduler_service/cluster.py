@@ -14,8 +14,8 @@ speculation state and step loop). The cluster
   client's stream just continues (keyed sampling makes the output the same);
 - holds requests while no worker serves, for at most the wait timeout (and
   never past the client's deadline), then fails them with UNAVAILABLE;
-- checks every serving worker's health, and how long its step has been
-  running, so a worker that hangs (no step result, no failure) leaves too.
+- watches every serving worker (watchdog.py), so a worker that hangs (no
+  step result, no failure) leaves too.
 
 One lock (`lock`) guards the cluster and every engine's scheduler.
 """
@@ -23,72 +23,28 @@ One lock (`lock`) guards the cluster and every engine's scheduler.
 from collections import deque
 from dataclasses import dataclass, fields
 import logging
-import queue
 import threading
 import time
 from typing import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2
 
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import WorkerEngine, WorkerSnapshot, WorkerState
+from scheduler_service.handle import EngineError, ModelFacts, RequestHandle
 from scheduler_service.membership import Membership
 from scheduler_service.options import SchedulerOptions, scheduler_config
 from scheduler_service.pipeline import BusyStats
 from scheduler_service.request import Request, RequestOutput, RequestStatus
 from scheduler_service.scheduler import SchedulerStats
 from scheduler_service.tokenizer import ChatTokenizer
+from scheduler_service.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
 MAINTENANCE_INTERVAL_S = 0.2
-HEALTH_INTERVAL_S = 2.0
-HEALTH_TIMEOUT_S = 5.0
-NUM_HEALTH_FAILURES_TO_LEAVE = 2
-# A worker whose health service answers but whose steps do not (a wedged compute thread) leaves after this;
-# generous, as a step that prefills a long prompt on a CPU takes seconds.
-STEP_TIMEOUT_S = 120.0
 # A request whose workers keep failing while they run it (one that crashes them?) stops moving.
 MAX_MOVES_PER_REQUEST = 4
-
-
-class EngineError(RuntimeError):
-    """A request cannot complete: carries the gRPC status the client gets."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the API layer needs to know of the model the workers serve (from the first worker)."""
-
-    model_id: str
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    proposer: str
-    config: SchedulerConfig   # the first worker's scheduler config: the API's limits
-
-
-class RequestHandle:
-    """The outputs of one request, in order; the last has a finish_reason (or is an EngineError)."""
-
-    def __init__(self, request: Request, client_deadline: float | None):
-        self.request = request
-        self.request_id = request.request_id
-        self.client_deadline = client_deadline   # time.monotonic() deadline, or None
-        self.engine: WorkerEngine | None = None  # None while waiting for a worker
-        self.wait_deadline: float | None = None
-        self.outputs: queue.Queue = queue.Queue()
-        self.is_done = False
-
-    def get(self, timeout: float | None = None) -> RequestOutput:
-        item = self.outputs.get(timeout=timeout)
-        if isinstance(item, Exception):
-            raise item
-        return item
 
 
 @dataclass(frozen=True)
@@ -130,7 +86,7 @@ class Cluster:
         self._was_serving = False
         self._is_stopping = False
         self._changed = threading.Condition(self.lock)
-        self._health: dict[str, tuple[grpc.Future, int]] = {}  # address -> (check in flight, failures)
+        self._watchdog = Watchdog()
         self._stale_ids_by_address: dict[str, list[str]] = {}   # of retired engines: the worker may hold them
         self._thread = threading.Thread(target=self._maintain, name="cluster", daemon=True)
 
@@ -330,7 +286,6 @@ class Cluster:
 
     def _maintain(self) -> None:
         next_refresh = self._clock() + self.options.worker_refresh_interval_s
-        next_health = self._clock()
         while True:
             with self.lock:
                 if self._changed.wait_for(lambda: self._is_stopping, MAINTENANCE_INTERVAL_S):
@@ -340,9 +295,9 @@ class Cluster:
             if self._membership.has_dns and now >= next_refresh:
                 next_refresh = now + self.options.worker_refresh_interval_s
                 self._update_members(self._membership.addresses())  # DNS outside the lock
-            if now >= next_health:
-                next_health = now + HEALTH_INTERVAL_S
-                self._check_health()
+            with self.lock:
+                engines = self._serving_engines()
+            self._watchdog.tick(engines)
 
     def _expire_waiting(self) -> None:
         now = self._clock()
@@ -367,34 +322,3 @@ class Cluster:
                 self._retired.append(engine)
         for engine in gone:
             engine.leave("it is no longer listed", stop=True)
-
-    def _check_health(self) -> None:
-        """Collects the last round of health checks, starts the next one (never blocks), and makes a worker
-        whose step takes too long leave."""
-        with self.lock:
-            engines = self._serving_engines()
-        for address in self._health.keys() - {e.address for e in engines}:
-            del self._health[address]  # left or rejoining: start counting afresh
-        now = time.monotonic()
-        for engine in engines:
-            waiting_since = engine.waiting_since
-            if waiting_since is not None and now - waiting_since > STEP_TIMEOUT_S:
-                engine.leave(f"no step result for {now - waiting_since:.0f} s", stop=False)
-                continue
-            future, num_failures = self._health.get(engine.address, (None, 0))
-            if future is not None:
-                if not future.done():
-                    continue  # still waiting (it has its own timeout)
-                num_failures = 0 if self._is_healthy(future) else num_failures + 1
-                if num_failures >= NUM_HEALTH_FAILURES_TO_LEAVE:
-                    engine.leave(f"{num_failures} health checks failed", stop=False)
-                    self._health.pop(engine.address, None)
-                    continue
-            self._health[engine.address] = (engine.client.check_health(HEALTH_TIMEOUT_S), num_failures)
-
-    @staticmethod
-    def _is_healthy(future: grpc.Future) -> bool:
-        try:
-            return future.result().status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False

@@ -9,7 +9,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from scheduler_service.api import InvalidRequestError, build_request
-from scheduler_service.cluster import Cluster, ClusterSnapshot, EngineError
+from scheduler_service.cluster import Cluster, ClusterSnapshot
+from scheduler_service.handle import EngineError
 from scheduler_service.pipeline import BusyStats
 from scheduler_service.request import RequestOutput
 from scheduler_service.scheduler import SchedulerStats

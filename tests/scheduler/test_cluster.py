@@ -13,7 +13,9 @@ import grpc
 import pytest
 
 from scheduler_service import cluster as cluster_module
-from scheduler_service.cluster import Cluster, EngineError
+from scheduler_service import watchdog
+from scheduler_service.cluster import Cluster
+from scheduler_service.handle import EngineError
 from scheduler_service.engine import WorkerState
 from scheduler_service.membership import Membership, parse_worker_spec
 from scheduler_service.options import SchedulerOptions
@@ -100,8 +102,8 @@ def prompts(n: int) -> dict[str, list[int]]:
 
 @pytest.fixture
 def fast_health(monkeypatch):
-    monkeypatch.setattr(cluster_module, "HEALTH_INTERVAL_S", 0.1)
-    monkeypatch.setattr(cluster_module, "HEALTH_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(watchdog, "HEALTH_INTERVAL_S", 0.1)
+    monkeypatch.setattr(watchdog, "HEALTH_TIMEOUT_S", 1.0)
 
 
 def test_requests_spread_over_workers_by_headroom():
@@ -243,7 +245,7 @@ def test_a_hung_worker_leaves(monkeypatch, fast_health, is_health_failing, why):
     """Like SIGSTOP (no result, no error, health checks fail), or a wedged compute thread (health still
     SERVING, caught by the step timeout)."""
     if not is_health_failing:
-        monkeypatch.setattr(cluster_module, "STEP_TIMEOUT_S", 0.5)
+        monkeypatch.setattr(watchdog, "STEP_TIMEOUT_S", 0.5)
     workers = [SimWorkerServer(step_time_s=0.01) for _ in range(2)]
     cluster = make_cluster([w.address for w in workers])
     try:

@@ -1,0 +1,51 @@
+"""What the client API holds of a request in the cluster: its output stream, and the errors it can end with."""
+
+from dataclasses import dataclass
+import queue
+from typing import TYPE_CHECKING
+
+import grpc
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.request import Request, RequestOutput
+
+if TYPE_CHECKING:
+    from scheduler_service.engine import WorkerEngine
+
+
+class EngineError(RuntimeError):
+    """A request cannot complete: carries the gRPC status the client gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the API layer needs to know of the model the workers serve (from the first worker)."""
+
+    model_id: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    proposer: str
+    config: SchedulerConfig   # the first worker's scheduler config: the API's limits
+
+
+class RequestHandle:
+    """The outputs of one request, in order; the last has a finish_reason (or is an EngineError)."""
+
+    def __init__(self, request: Request, client_deadline: float | None):
+        self.request = request
+        self.request_id = request.request_id
+        self.client_deadline = client_deadline   # time.monotonic() deadline, or None
+        self.engine: WorkerEngine | None = None  # None while waiting for a worker
+        self.wait_deadline: float | None = None
+        self.outputs: queue.Queue = queue.Queue()
+        self.is_done = False
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        item = self.outputs.get(timeout=timeout)
+        if isinstance(item, Exception):
+            raise item
+        return item
