@@ -68,15 +68,13 @@ class Cluster:
     """See the module docstring."""
 
     def __init__(self, options: SchedulerOptions, membership: Membership, tokenizer: ChatTokenizer | None,
-                 on_serving_changed: Callable[[bool], None] = lambda is_serving: None,
-                 clock: Callable[[], float] = time.monotonic):
+                 on_serving_changed: Callable[[bool], None] = lambda is_serving: None):
         self.options = options
         self.tokenizer = tokenizer
         self.lock = threading.RLock()
         self.facts: ModelFacts | None = None
         self._membership = membership
         self._on_serving_changed = on_serving_changed
-        self._clock = clock
         self._engines: dict[str, WorkerEngine] = {}
         self._retired: list[WorkerEngine] = []
         self._handles: dict[str, RequestHandle] = {}
@@ -166,7 +164,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ called by engines (lock held)
 
-    def config_for(self, address: str, info) -> SchedulerConfig:
+    def config_for(self, info) -> SchedulerConfig:
         """The scheduler config for a joining worker; ValueError when it serves another model."""
         config = scheduler_config(self.options, info)
         with self.lock:
@@ -258,7 +256,7 @@ class Cluster:
         if error is not None:
             raise error
         wait_s = self.options.worker_wait_timeout_s
-        handle.wait_deadline = min(self._clock() + wait_s, handle.client_deadline or float("inf"))
+        handle.wait_deadline = min(time.monotonic() + wait_s, handle.client_deadline or float("inf"))
         self._waiting.append(handle)
         logger.info("no worker serves: %s waits (at most %.0f s)", request.request_id, wait_s)
 
@@ -276,22 +274,23 @@ class Cluster:
         handle.outputs.put(EngineError(code, message))
 
     def _serving_changed(self) -> None:
-        is_serving = bool(self._serving_engines())
+        num_serving = len(self._serving_engines())
+        is_serving = num_serving > 0
         if is_serving != self._was_serving:
             self._was_serving = is_serving
-            logger.info("%d of %d workers serve", len(self._serving_engines()), len(self._engines))
+            logger.info("%d of %d workers serve", num_serving, len(self._engines))
             self._on_serving_changed(is_serving)
 
     # ------------------------------------------------------------------ maintenance thread
 
     def _maintain(self) -> None:
-        next_refresh = self._clock() + self.options.worker_refresh_interval_s
+        next_refresh = time.monotonic() + self.options.worker_refresh_interval_s
         while True:
             with self.lock:
                 if self._changed.wait_for(lambda: self._is_stopping, MAINTENANCE_INTERVAL_S):
                     return
                 self._expire_waiting()
-            now = self._clock()
+            now = time.monotonic()
             if self._membership.has_dns and now >= next_refresh:
                 next_refresh = now + self.options.worker_refresh_interval_s
                 self._update_members(self._membership.addresses())  # DNS outside the lock
@@ -300,7 +299,7 @@ class Cluster:
             self._watchdog.tick(engines)
 
     def _expire_waiting(self) -> None:
-        now = self._clock()
+        now = time.monotonic()
         for handle in [h for h in self._waiting if h.wait_deadline <= now]:
             self._fail(handle, grpc.StatusCode.UNAVAILABLE,
                        f"no worker is available: the request waited {self.options.worker_wait_timeout_s:.0f} s "

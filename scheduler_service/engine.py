@@ -159,7 +159,7 @@ class WorkerEngine:
         """Describe + InitCache; True once the worker serves. False (after a pause) when it cannot now."""
         try:
             info = self.client.describe(self._cluster.options.block_size, timeout=DESCRIBE_TIMEOUT_S)
-            config = self._cluster.config_for(self.address, info)
+            config = self._cluster.config_for(info)
             self.client.init_cache(config.num_kv_blocks, config.block_size, timeout=INIT_CACHE_TIMEOUT_S)
         except grpc.RpcError as exc:
             log = logger.debug if exc.code() is grpc.StatusCode.UNAVAILABLE else logger.warning
