@@ -84,8 +84,8 @@ class Cluster:
         self._was_serving = False
         self._is_stopping = False
         self._changed = threading.Condition(self.lock)
-        self._watchdog = Watchdog()
-        self._stale_ids_by_address: dict[str, list[str]] = {}   # of retired engines: the worker may hold them
+        self._watchdog = Watchdog(options.worker_step_timeout_s)
+        self._session_by_address: dict[str, str] = {}   # a retired engine's last session on its worker
         self._thread = threading.Thread(target=self._maintain, name="cluster", daemon=True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -186,20 +186,23 @@ class Cluster:
             self._place_or_fail(handle)
         self._serving_changed()
 
-    def on_left(self, engine: WorkerEngine, requests: list[Request]) -> None:
-        """A worker left: its unfinished requests move to the others (or wait for one)."""
-        if self._engines.get(engine.address) is not engine:  # retired (no longer listed)
-            successor = self._engines.get(engine.address)
-            if successor is not None:  # listed again meanwhile: it must drop them
-                successor.add_stale_request_ids(engine.stale_request_ids)
-            else:
-                self._stale_ids_by_address[engine.address] = engine.stale_request_ids
+    def on_left(self, engine: WorkerEngine, requests: list[Request], internal_error: str | None = None) -> None:
+        """A worker left: its unfinished requests move to the others (or wait for one).
+
+        After an internal error in its engine loop they fail with INTERNAL instead (moving could repeat it).
+        """
+        if self._engines.get(engine.address) is not engine and engine.session_id:  # retired (no longer listed)
+            self._session_by_address[engine.address] = engine.session_id  # its successor may take it over
         for request in requests:
             handle = self._handles.get(request.request_id)
             if handle is None:
                 continue
             handle.engine = None
-            if self._is_stopping:
+            if internal_error is not None:
+                self._fail(handle, grpc.StatusCode.INTERNAL,
+                           f"internal error in the scheduler while running the request ({internal_error}); "
+                           "it is logged with a traceback")
+            elif self._is_stopping:
                 self._fail(handle, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
             elif request.num_moves > MAX_MOVES_PER_REQUEST:
                 self._fail(handle, grpc.StatusCode.INTERNAL,
@@ -312,8 +315,8 @@ class Cluster:
             for address in addresses:
                 if address not in self._engines:
                     logger.info("worker %s is listed: joining it", address)
-                    stale_ids = self._stale_ids_by_address.pop(address, None)
-                    self._engines[address] = engine = WorkerEngine(address, self, stale_ids)
+                    previous_session_id = self._session_by_address.pop(address, None)
+                    self._engines[address] = engine = WorkerEngine(address, self, previous_session_id)
                     engine.start()
             gone = [e for a, e in self._engines.items() if a not in addresses]
             for engine in gone:

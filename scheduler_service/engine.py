@@ -3,12 +3,17 @@
 A `WorkerEngine` owns one worker's scheduler (its KV pool, queues and
 speculation state) and a thread that runs
 
-    join:  Describe -> InitCache (retried while the worker is not up)
+    join:  Describe -> InitCache (retried while the worker is not up); each
+           join is a new session on the worker, which drops every request
+           it held, so nothing of an earlier session can leak into this one
     serve: schedule -> send -> receive -> update, one (sync) or two (async)
            steps in flight (see pipeline.py)
-    leave: when the step stream fails, the health check fails or the worker
-           is no longer listed; its unfinished requests go back to the
-           cluster, which moves them to other workers by recompute
+    leave: when the step stream fails, the health check fails, a step takes
+           longer than the step timeout or the worker is no longer listed;
+           its unfinished requests go back to the cluster, which moves them
+           to other workers by recompute. An unexpected error in this loop
+           (a bug) fails the requests it ran with INTERNAL instead: moving
+           them could repeat it.
 
 and then joins again (a worker restarted at the same address comes back),
 unless it was stopped. Everything that touches the scheduler holds the
@@ -67,7 +72,7 @@ class WorkerSnapshot:
 class WorkerEngine:
     """Drives one worker on a thread of its own; see the module docstring."""
 
-    def __init__(self, address: str, cluster: "Cluster", stale_request_ids: list[str] | None = None):
+    def __init__(self, address: str, cluster: "Cluster", previous_session_id: str | None = None):
         self.address = address
         self.client = WorkerClient(address)
         self.state = WorkerState.JOINING
@@ -76,13 +81,14 @@ class WorkerEngine:
         self.stats = SchedulerStats()              # across every scheduler this worker had
         self.busy = BusyStats()
         self.num_failures = 0
+        self.num_engine_errors = 0                 # unexpected exceptions in the engine loop (bugs)
         self.last_error: str | None = None
         self.waiting_since: float | None = None    # monotonic time the loop began waiting for a step result
         self._cluster = cluster
         self._lock = cluster.lock
         self._wakeup = threading.Condition(cluster.lock)
         self._stream = None
-        self._stale_request_ids = list(stale_request_ids or [])  # the worker may still hold them
+        self.session_id = previous_session_id       # the last session on the worker (its stream may be open)
         self._leave_reason: str | None = None      # set to make the serve loop leave
         self._is_stopped = False
         self._thread = threading.Thread(target=self._run, name=f"engine {address}", daemon=True)
@@ -97,18 +103,6 @@ class WorkerEngine:
     def is_available(self) -> bool:
         """Serving and not about to leave: new requests may go here. Lock held."""
         return self.state is WorkerState.SERVING and self._leave_reason is None
-
-    @property
-    def stale_request_ids(self) -> list[str]:
-        """Ids the worker may still hold state for (kept by the cluster if this engine is retired)."""
-        return list(self._stale_request_ids)
-
-    def add_stale_request_ids(self, request_ids: list[str]) -> None:
-        """Ids a previous engine of this address left on the worker: it is told to drop them. Lock held."""
-        if self.scheduler is None:
-            self._stale_request_ids.extend(request_ids)
-        else:  # never drop a request this engine runs now (it was sent to the worker again since)
-            self.scheduler.drop_on_worker([r for r in request_ids if self.scheduler.get_request(r) is None])
 
     def wake(self) -> None:
         """Lets the loop schedule again (new requests, aborts). Lock held."""
@@ -142,7 +136,7 @@ class WorkerEngine:
     def _run(self) -> None:
         while not self._is_stopped:
             if self._join():
-                self._leave(self._serve())
+                self._leave(*self._serve())
                 self._sleep(REJOIN_DELAY_S)
         self.client.close()
 
@@ -160,7 +154,9 @@ class WorkerEngine:
         try:
             info = self.client.describe(self._cluster.options.block_size, timeout=DESCRIBE_TIMEOUT_S)
             config = self._cluster.config_for(info)
-            self.client.init_cache(config.num_kv_blocks, config.block_size, timeout=INIT_CACHE_TIMEOUT_S)
+            self.session_id = self.client.init_cache(config.num_kv_blocks, config.block_size, self.session_id,
+                                                     self._cluster.options.take_over_workers,
+                                                     timeout=INIT_CACHE_TIMEOUT_S)
         except grpc.RpcError as exc:
             log = logger.debug if exc.code() is grpc.StatusCode.UNAVAILABLE else logger.warning
             log("worker %s is not available: %s: %s", self.address, exc.code().name, exc.details())
@@ -172,15 +168,13 @@ class WorkerEngine:
             self.last_error = f"cannot join: {exc}"
             self._sleep(10 * JOIN_RETRY_S)
             return False
-        stream = self.client.open_stream()
+        stream = self.client.open_stream(self.session_id)
         with self._lock:
             if self._is_stopped:
                 stream.close()
                 return False
             self.config = config
             self.scheduler = Scheduler(config, self._cluster.tokenizer, self.stats)
-            self.scheduler.drop_on_worker(self._stale_request_ids)
-            self._stale_request_ids = []
             self._stream, self._leave_reason = stream, None
             self.state = WorkerState.SERVING
             logger.info("worker %s serves: %d KV blocks of %d tokens, k=%d, %s scheduling", self.address,
@@ -188,8 +182,8 @@ class WorkerEngine:
             self._cluster.on_serving(self)
         return True
 
-    def _serve(self) -> str:
-        """Runs steps until the worker must leave; returns why."""
+    def _serve(self) -> tuple[str, bool]:
+        """Runs steps until the worker must leave; returns why, and whether it was an internal error."""
         pipeline = StepPipeline(self.scheduler, self.busy)
         stream = self._stream
         try:
@@ -197,7 +191,7 @@ class WorkerEngine:
                 with self._lock:
                     while True:
                         if self._leave_reason is not None:
-                            return self._leave_reason
+                            return self._leave_reason, False
                         pipeline.send_ready(stream.send)
                         if pipeline.num_in_flight:
                             break
@@ -208,23 +202,24 @@ class WorkerEngine:
                     self.waiting_since = None
                     self._cluster.dispatch(pipeline.apply(result))
         except grpc.RpcError as exc:
-            return self._leave_reason or f"its step stream failed: {exc.code().name}: {exc.details()}"
+            return self._leave_reason or f"its step stream failed: {exc.code().name}: {exc.details()}", False
         except StopIteration:
-            return self._leave_reason or "it ended its step stream"
+            return self._leave_reason or "it ended its step stream", False
         except ValueError as exc:  # the scheduler rejected a result: the worker broke the protocol
-            return f"it sent an invalid step result: {exc}"
-        except Exception as exc:  # noqa: BLE001 - a bug must not strand the requests: leave, they move
+            return f"it sent an invalid step result: {exc}", False
+        except Exception as exc:  # noqa: BLE001 - a bug must not strand the requests: they fail, we rejoin
             logger.exception("worker %s: the engine loop failed", self.address)
-            return f"the engine loop failed: {exc!r}"
+            with self._lock:
+                self.num_engine_errors += 1
+            return f"the engine loop failed: {exc!r}", True
         finally:
             self.waiting_since = None
             stream.close()
 
-    def _leave(self, reason: str) -> None:
+    def _leave(self, reason: str, is_internal_error: bool) -> None:
         with self._lock:
             self.state = WorkerState.GONE
             self._stream = None
-            self._stale_request_ids = self.scheduler.worker_request_ids()
             requests = self.scheduler.take_live_requests()
             self.scheduler = None
             if not self._is_stopped:
@@ -232,7 +227,7 @@ class WorkerEngine:
                 self.last_error = reason
             log = logger.info if self._is_stopped else logger.warning
             log("worker %s left: %s; %d unfinished requests handed back", self.address, reason, len(requests))
-            self._cluster.on_left(self, requests)
+            self._cluster.on_left(self, requests, reason if is_internal_error else None)
 
     def _sleep(self, seconds: float) -> None:
         with self._lock:

@@ -31,6 +31,21 @@ def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None
                    help="how often dns:/// worker names are resolved again (default: %(default)s)")
     p.add_argument("--worker-wait-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long a request waits while no worker serves, then UNAVAILABLE (default: %(default)s)")
+    p.add_argument("--worker-step-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="a worker whose step has no result for this long is treated as failed; its requests move "
+                        "(default: %(default)s)")
+    p.add_argument("--take-over-workers", action="store_true",
+                   help="replace another scheduler's session on the workers (when replacing a scheduler whose "
+                        "connections are still open); without it a worker another scheduler uses is not joined")
+    p.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
+                   help="queued requests (not yet running) beyond which new ones get RESOURCE_EXHAUSTED "
+                        "(default: %(default)s)")
+    p.add_argument("--max-open-streams", type=int, default=512, metavar="N",
+                   help="client calls in progress beyond which new ones get RESOURCE_EXHAUSTED "
+                        "(default: %(default)s)")
+    p.add_argument("--shutdown-grace-period", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM: how long running requests may finish before they are aborted "
+                        "(default: %(default)s)")
 
 
 def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses: list[str]) -> SchedulerOptions:
@@ -41,4 +56,7 @@ def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses
                             max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
                             speculative_disable_queue_size=args.speculative_disable_queue_size,
                             scheduling=args.scheduling, worker_refresh_interval_s=args.worker_refresh_interval,
-                            worker_wait_timeout_s=args.worker_wait_timeout)
+                            worker_wait_timeout_s=args.worker_wait_timeout,
+                            worker_step_timeout_s=args.worker_step_timeout, take_over_workers=args.take_over_workers,
+                            max_waiting_requests=args.max_waiting_requests, max_open_streams=args.max_open_streams,
+                            shutdown_grace_period_s=args.shutdown_grace_period)

@@ -26,6 +26,11 @@ class SchedulerOptions:
     worker_refresh_interval_s: float = 10.0
     worker_wait_timeout_s: float = 60.0
     first_worker_timeout_s: float = 600.0   # the process exits when no worker answers in time
+    worker_step_timeout_s: float = 120.0    # a step without a result for this long: the worker hangs, it leaves
+    take_over_workers: bool = False         # replace another scheduler's session on a worker
+    max_waiting_requests: int = 1024        # queued (not running) requests beyond which new ones are refused
+    max_open_streams: int = 512             # client calls in progress (streams) beyond which new ones are refused
+    shutdown_grace_period_s: float = 30.0   # SIGTERM: how long running requests may finish
 
     def __post_init__(self) -> None:
         if not self.worker_addresses:
@@ -34,6 +39,14 @@ class SchedulerOptions:
             raise ValueError(f"--worker-refresh-interval must be > 0, got {self.worker_refresh_interval_s}")
         if self.worker_wait_timeout_s < 0:
             raise ValueError(f"--worker-wait-timeout must be >= 0, got {self.worker_wait_timeout_s}")
+        if self.worker_step_timeout_s <= 0:
+            raise ValueError(f"--worker-step-timeout must be > 0, got {self.worker_step_timeout_s}")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if self.max_open_streams < 1:
+            raise ValueError(f"--max-open-streams must be >= 1, got {self.max_open_streams}")
+        if self.shutdown_grace_period_s < 0:
+            raise ValueError(f"--shutdown-grace-period must be >= 0, got {self.shutdown_grace_period_s}")
 
 
 def scheduler_config(opts: SchedulerOptions, info) -> SchedulerConfig:

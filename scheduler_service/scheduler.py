@@ -95,16 +95,6 @@ class Scheduler:
         """A request whose state is still held (running, waiting, or finished with a step in flight)."""
         return self._requests.get(request_id)
 
-    def worker_request_ids(self) -> list[str]:
-        """Ids whose state the worker may hold: every request not released yet, and those it is told to drop
-        by a step not sent or not answered yet (a worker that failed may never have run that step)."""
-        in_flight = [request_id for step in self._in_flight for request_id in step.dropped_request_ids]
-        return [*self._requests, *in_flight, *self._worker_drop_ids]
-
-    def drop_on_worker(self, request_ids: list[str]) -> None:
-        """Tells the worker, with the next step, to forget these requests (after a failed stream)."""
-        self._worker_drop_ids.extend(request_ids)
-
     def take_live_requests(self) -> list[Request]:
         """Empties the scheduler after its worker left; returns the unfinished requests, reset for a move.
 

@@ -20,25 +20,25 @@ logger = logging.getLogger(__name__)
 HEALTH_INTERVAL_S = 2.0
 HEALTH_TIMEOUT_S = 5.0
 NUM_HEALTH_FAILURES_TO_LEAVE = 2
-# Generous: a step that prefills a long prompt on a CPU takes seconds.
-STEP_TIMEOUT_S = 120.0
 
 
 class Watchdog:
     """Checks serving workers; `tick` is called often from one thread and never blocks."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_timeout_s: float) -> None:
+        # Generous by default (--worker-step-timeout): a step that prefills a long prompt on a CPU takes seconds.
+        self.step_timeout_s = step_timeout_s
         self._checks: dict[str, tuple[grpc.Future, int]] = {}  # address -> (check in flight, failures in a row)
         self._next_round = 0.0
 
     def tick(self, engines: list[WorkerEngine]) -> None:
-        """Makes a worker whose step takes too long leave; every HEALTH_INTERVAL_S, collects the last round of
+        """Makes a worker whose step takes longer than the step timeout leave; every HEALTH_INTERVAL_S, collects the last round of
         health checks (a worker whose checks failed NUM_HEALTH_FAILURES_TO_LEAVE times in a row leaves) and
         starts the next."""
         now = time.monotonic()
         for engine in engines:
             waiting_since = engine.waiting_since
-            if waiting_since is not None and now - waiting_since > STEP_TIMEOUT_S:
+            if waiting_since is not None and now - waiting_since > self.step_timeout_s:
                 engine.leave(f"no step result for {now - waiting_since:.0f} s", stop=False)
         if now < self._next_round:
             return

@@ -11,14 +11,16 @@ from specdec.v1 import worker_pb2, worker_pb2_grpc
 
 _CLOSE = object()
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+SESSION_METADATA_KEY = "specdec-session-id"   # the step stream's session (worker.proto, ExecuteModel)
 
 
 class StepStream:
     """One ExecuteModel stream. `send` may run ahead of `recv` (two steps in flight)."""
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub):
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, session_id: str):
         self._outbox: queue.Queue = queue.Queue()
-        self._responses = stub.ExecuteModel(iter(self._outbox.get, _CLOSE))
+        self._responses = stub.ExecuteModel(iter(self._outbox.get, _CLOSE),
+                                            metadata=[(SESSION_METADATA_KEY, session_id)])
 
     def send(self, request: step.StepRequest) -> None:
         self._outbox.put(step_request_to_proto(request))
@@ -28,8 +30,15 @@ class StepStream:
         return step_result_from_proto(next(self._responses))
 
     def close(self) -> None:
+        """Gives up on the stream at once (steps in flight are dropped)."""
         self._outbox.put(_CLOSE)
         self._responses.cancel()
+
+    def finish(self) -> None:
+        """Ends the stream gracefully: returns once the worker has ended it (its results are discarded)."""
+        self._outbox.put(_CLOSE)
+        for _ in self._responses:
+            pass
 
 
 class WorkerClient:
@@ -45,22 +54,28 @@ class WorkerClient:
     def describe(self, block_size: int, timeout: float | None = None) -> worker_pb2.WorkerInfo:
         return self.stub.Describe(worker_pb2.DescribeRequest(block_size=block_size), timeout=timeout)
 
-    def init_cache(self, num_blocks: int, block_size: int, timeout: float | None = None) -> int:
-        reply = self.stub.InitCache(worker_pb2.InitCacheRequest(num_blocks=num_blocks, block_size=block_size),
-                                    timeout=timeout)
-        return reply.kv_cache_bytes
+    def init_cache(self, num_blocks: int, block_size: int, previous_session_id: str | None = None,
+                   take_over: bool = False, timeout: float | None = None) -> str:
+        """Starts a session (the worker drops every request it held); returns its id."""
+        reply = self.stub.InitCache(worker_pb2.InitCacheRequest(
+            num_blocks=num_blocks, block_size=block_size, previous_session_id=previous_session_id or "",
+            take_over=take_over), timeout=timeout)
+        return reply.session_id
 
-    def open_stream(self) -> StepStream:
-        return StepStream(self.stub)
+    def open_stream(self, session_id: str) -> StepStream:
+        return StepStream(self.stub, session_id)
 
-    def execute(self, request: step.StepRequest) -> step.StepResult:
+    def execute(self, request: step.StepRequest, session_id: str) -> step.StepResult:
         """One step on a fresh stream (simple, for tests and tools)."""
-        stream = self.open_stream()
+        stream = self.open_stream(session_id)
         try:
             stream.send(request)
-            return stream.recv()
-        finally:
+            result = stream.recv()
+        except BaseException:
             stream.close()
+            raise
+        stream.finish()  # the worker has closed the stream: the session may open the next one
+        return result
 
     def check_health(self, timeout: float) -> grpc.Future:
         """A gRPC health check of the Worker service, as a future (its result is the serving status)."""

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from specdec.convert import step_request_from_proto, step_result_to_proto
 from specdec.step import SequenceOutput, StepRequest, StepResult
 from specdec.v1 import worker_pb2, worker_pb2_grpc
+from worker_service.session import SessionError, SessionGate, session_id_of
 
 VOCAB_SIZE = 50
 PIECES = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMN"  # one character per token id
@@ -56,14 +57,9 @@ class _WorkerState:
 class FakeWorker:
     """Deterministic worker: the true next token is next_token(last); drafts are right `num_accepted` times."""
 
-    def __init__(self, block_size: int, num_accepted=lambda step_id, request_id: 1_000, is_strict: bool = True,
-                 is_checking_kv: bool = True):
+    def __init__(self, block_size: int, num_accepted=lambda step_id, request_id: 1_000, is_checking_kv: bool = True):
         self.block_size = block_size
         self.is_checking_kv = is_checking_kv  # off in benchmarks: the check reads every computed position
-        # Strict: dropping an unknown request is a scheduler bug. A worker serving a scheduler that
-        # rejoins it is told to drop what it may still hold from before (like the real worker, it ignores
-        # ids it does not hold).
-        self.is_strict = is_strict
         self.num_accepted = num_accepted
         self.states: dict[str, _WorkerState] = {}
         self.kv: dict[tuple[int, int], tuple[str, int]] = {}  # (block id, offset) -> (request id, token)
@@ -71,8 +67,7 @@ class FakeWorker:
 
     def execute(self, step: StepRequest) -> StepResult:
         for request_id in step.finished_request_ids:
-            if self.is_strict or request_id in self.states:
-                del self.states[request_id]  # KeyError: told to drop a request it does not hold
+            del self.states[request_id]  # KeyError: told to drop a request it does not hold (a scheduler bug)
         scheduled = []
         for new in step.new_requests:
             assert new.request_id not in self.states, "a NewRequest for a request the worker holds"
@@ -140,9 +135,10 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.num_speculative_tokens = num_speculative_tokens
         self.num_accepted = num_accepted
         self.worker: FakeWorker | None = None
-        self.num_blocks_initialised = 0
+        self.sessions = SessionGate()   # the real worker's: one scheduler session at a time
         self.num_steps = 0
         self.is_frozen = threading.Event()  # set: steps hang and health says NOT_SERVING
+        self.lock = threading.Lock()
 
     def Describe(self, request, context):
         if self.is_frozen.is_set():
@@ -157,23 +153,41 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.is_frozen.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "frozen")
         assert request.block_size == self.block_size, "the test's block size differs from the scheduler's"
-        if self.worker is None or request.num_blocks != self.num_blocks_initialised:
-            # Like the real worker: the same shape again keeps what it holds (the scheduler tells it what to drop).
-            self.worker = FakeWorker(self.block_size, self.num_accepted, is_strict=False,
-                                     is_checking_kv=self.is_checking_kv)
-            self.num_blocks_initialised = request.num_blocks
+        with self.lock:  # like the real worker's compute thread: no step runs while a session starts
+            try:
+                session_id = self.sessions.begin(request.previous_session_id, request.take_over)
+            except SessionError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            # Like the real worker: a new session holds no request.
+            self.worker = FakeWorker(self.block_size, self.num_accepted, is_checking_kv=self.is_checking_kv)
         for name in ("", "specdec.v1.Worker"):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        return worker_pb2.InitCacheResponse(kv_cache_bytes=1024 * request.num_blocks)
+        return worker_pb2.InitCacheResponse(kv_cache_bytes=1024 * request.num_blocks, session_id=session_id)
 
     def ExecuteModel(self, request_iterator, context):
+        session_id = session_id_of(context.invocation_metadata())
+        try:
+            self.sessions.open_stream(session_id)
+        except SessionError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        try:
+            yield from self._execute_steps(session_id, request_iterator, context)
+        finally:
+            self.sessions.close_stream(session_id)
+
+    def _execute_steps(self, session_id: str, request_iterator, context):
         for request in request_iterator:
             start = time.perf_counter()
             while self.is_frozen.is_set() and context.is_active():
                 time.sleep(0.05)
             if not context.is_active():
                 return  # the scheduler gave up on this stream: its steps must not run any more
-            result = self.worker.execute(step_request_from_proto(request))
+            with self.lock:
+                try:
+                    self.sessions.check_current(session_id)
+                except SessionError as exc:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                result = self.worker.execute(step_request_from_proto(request))
             self.num_steps += 1
             time.sleep(max(0.0, self.step_time_s - (time.perf_counter() - start)))
             result.stats.total_ms = (time.perf_counter() - start) * 1e3

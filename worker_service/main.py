@@ -14,6 +14,8 @@ from worker_service.worker import Worker
 
 logger = logging.getLogger(__name__)
 
+SHUTDOWN_STEP_WAIT_S = 60.0   # the longest a step (a long prefill on a CPU) may take to finish on SIGTERM
+
 
 def build_worker(config: WorkerConfig) -> Worker:
     """Loads the target (and draft) model and wraps them in a Worker."""
@@ -43,7 +45,13 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
         print("worker model loaded", flush=True)
     while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
         pass
-    logger.info("shutting down")
-    server.stop(grace=5).wait()
+    # Finish the step in flight and end the step stream: the scheduler moves the requests elsewhere.
+    logger.info("shutting down: finishing the step in flight")
+    servicer.begin_shutdown()  # no step starts from now on
+    try:
+        servicer.compute.submit(lambda: None).result(timeout=SHUTDOWN_STEP_WAIT_S)  # the step in flight is done
+    except TimeoutError:
+        logger.warning("the step in flight did not finish within %.0f s", SHUTDOWN_STEP_WAIT_S)
+    server.stop(grace=1).wait()  # its result goes out; the scheduler then moves the session's requests
     servicer.close()
     return 0

@@ -66,6 +66,10 @@ class Worker:
         runners = [r for r in (self.target, self.draft) if r is not None]
         return sum(r.kv_spec.bytes_per_block(block_size) for r in runners)
 
+    def drop_requests(self) -> None:
+        """Forgets every request (a new scheduler session starts)."""
+        self.requests.clear()
+
     def init_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocates the target's and the draft's caches (same block ids); drops every request."""
         if num_blocks <= 0 or block_size <= 0:

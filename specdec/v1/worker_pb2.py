@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\"%\n\x0f\x44\x65scribeRequest\x12\x12\n\nblock_size\x18\x01 \x01(\r\"\x86\x02\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x1a\n\x12kv_bytes_per_block\x18\x04 \x01(\x04\x12\x1b\n\x13num_blocks_capacity\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x10\n\x08proposer\x18\x08 \x01(\t\x12\"\n\x1amax_num_speculative_tokens\x18\t \x01(\x05\x12\x16\n\x0e\x64raft_model_id\x18\n \x01(\t\x12\x0e\n\x06scorer\x18\x0b \x01(\t\":\n\x10InitCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\"+\n\x11InitCacheResponse\x12\x16\n\x0ekv_cache_bytes\x18\x01 \x01(\x04\"r\n\x0fRequestSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x42\x07\n\x05_seed\"\xc8\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.RequestSampling\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x16\n\x0enum_new_tokens\x18\x06 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\x05\"\xab\x01\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\x12\x17\n\x0fnum_blocks_kept\x18\x03 \x01(\x05\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\x05\x12#\n\x16num_speculative_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_num_speculative_tokens\"\xdf\x01\n\x13\x45xecuteModelRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x16.specdec.v1.NewRequest\x12\x32\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x19.specdec.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12\x1b\n\x13num_lookahead_slots\x18\x05 \x01(\r\x12\x1a\n\x12running_queue_size\x18\x06 \x01(\r\"\x80\x01\n\x0eSequenceOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x05\"t\n\tStepStats\x12\x12\n\npropose_ms\x18\x01 \x01(\x01\x12\x10\n\x08score_ms\x18\x02 \x01(\x01\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x1c\n\x14num_speculating_seqs\x18\x05 \x01(\x05\"z\n\x14\x45xecuteModelResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x07outputs\x18\x02 \x03(\x0b\x32\x1a.specdec.v1.SequenceOutput\x12$\n\x05stats\x18\x03 \x01(\x0b\x32\x15.specdec.v1.StepStats2\xea\x01\n\x06Worker\x12?\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x16.specdec.v1.WorkerInfo\x12H\n\tInitCache\x12\x1c.specdec.v1.InitCacheRequest\x1a\x1d.specdec.v1.InitCacheResponse\x12U\n\x0c\x45xecuteModel\x12\x1f.specdec.v1.ExecuteModelRequest\x1a .specdec.v1.ExecuteModelResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\"%\n\x0f\x44\x65scribeRequest\x12\x12\n\nblock_size\x18\x01 \x01(\r\"\x86\x02\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x1a\n\x12kv_bytes_per_block\x18\x04 \x01(\x04\x12\x1b\n\x13num_blocks_capacity\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x10\n\x08proposer\x18\x08 \x01(\t\x12\"\n\x1amax_num_speculative_tokens\x18\t \x01(\x05\x12\x16\n\x0e\x64raft_model_id\x18\n \x01(\t\x12\x0e\n\x06scorer\x18\x0b \x01(\t\"j\n\x10InitCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x1b\n\x13previous_session_id\x18\x03 \x01(\t\x12\x11\n\ttake_over\x18\x04 \x01(\x08\"?\n\x11InitCacheResponse\x12\x16\n\x0ekv_cache_bytes\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\"r\n\x0fRequestSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x42\x07\n\x05_seed\"\xc8\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.RequestSampling\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x16\n\x0enum_new_tokens\x18\x06 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\x05\"\xab\x01\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\x12\x17\n\x0fnum_blocks_kept\x18\x03 \x01(\x05\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\x05\x12#\n\x16num_speculative_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_num_speculative_tokens\"\xdf\x01\n\x13\x45xecuteModelRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x16.specdec.v1.NewRequest\x12\x32\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x19.specdec.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12\x1b\n\x13num_lookahead_slots\x18\x05 \x01(\r\x12\x1a\n\x12running_queue_size\x18\x06 \x01(\r\"\x80\x01\n\x0eSequenceOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x05\"t\n\tStepStats\x12\x12\n\npropose_ms\x18\x01 \x01(\x01\x12\x10\n\x08score_ms\x18\x02 \x01(\x01\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x1c\n\x14num_speculating_seqs\x18\x05 \x01(\x05\"z\n\x14\x45xecuteModelResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x07outputs\x18\x02 \x03(\x0b\x32\x1a.specdec.v1.SequenceOutput\x12$\n\x05stats\x18\x03 \x01(\x0b\x32\x15.specdec.v1.StepStats2\xea\x01\n\x06Worker\x12?\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x16.specdec.v1.WorkerInfo\x12H\n\tInitCache\x12\x1c.specdec.v1.InitCacheRequest\x1a\x1d.specdec.v1.InitCacheResponse\x12U\n\x0c\x45xecuteModel\x12\x1f.specdec.v1.ExecuteModelRequest\x1a .specdec.v1.ExecuteModelResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERINFO']._serialized_start=79
   _globals['_WORKERINFO']._serialized_end=341
   _globals['_INITCACHEREQUEST']._serialized_start=343
-  _globals['_INITCACHEREQUEST']._serialized_end=401
-  _globals['_INITCACHERESPONSE']._serialized_start=403
-  _globals['_INITCACHERESPONSE']._serialized_end=446
-  _globals['_REQUESTSAMPLING']._serialized_start=448
-  _globals['_REQUESTSAMPLING']._serialized_end=562
-  _globals['_NEWREQUEST']._serialized_start=565
-  _globals['_NEWREQUEST']._serialized_end=765
-  _globals['_CACHEDREQUEST']._serialized_start=768
-  _globals['_CACHEDREQUEST']._serialized_end=939
-  _globals['_EXECUTEMODELREQUEST']._serialized_start=942
-  _globals['_EXECUTEMODELREQUEST']._serialized_end=1165
-  _globals['_SEQUENCEOUTPUT']._serialized_start=1168
-  _globals['_SEQUENCEOUTPUT']._serialized_end=1296
-  _globals['_STEPSTATS']._serialized_start=1298
-  _globals['_STEPSTATS']._serialized_end=1414
-  _globals['_EXECUTEMODELRESPONSE']._serialized_start=1416
-  _globals['_EXECUTEMODELRESPONSE']._serialized_end=1538
-  _globals['_WORKER']._serialized_start=1541
-  _globals['_WORKER']._serialized_end=1775
+  _globals['_INITCACHEREQUEST']._serialized_end=449
+  _globals['_INITCACHERESPONSE']._serialized_start=451
+  _globals['_INITCACHERESPONSE']._serialized_end=514
+  _globals['_REQUESTSAMPLING']._serialized_start=516
+  _globals['_REQUESTSAMPLING']._serialized_end=630
+  _globals['_NEWREQUEST']._serialized_start=633
+  _globals['_NEWREQUEST']._serialized_end=833
+  _globals['_CACHEDREQUEST']._serialized_start=836
+  _globals['_CACHEDREQUEST']._serialized_end=1007
+  _globals['_EXECUTEMODELREQUEST']._serialized_start=1010
+  _globals['_EXECUTEMODELREQUEST']._serialized_end=1233
+  _globals['_SEQUENCEOUTPUT']._serialized_start=1236
+  _globals['_SEQUENCEOUTPUT']._serialized_end=1364
+  _globals['_STEPSTATS']._serialized_start=1366
+  _globals['_STEPSTATS']._serialized_end=1482
+  _globals['_EXECUTEMODELRESPONSE']._serialized_start=1484
+  _globals['_EXECUTEMODELRESPONSE']._serialized_end=1606
+  _globals['_WORKER']._serialized_start=1609
+  _globals['_WORKER']._serialized_end=1843
 # @@protoc_insertion_point(module_scope)

@@ -39,18 +39,24 @@ class WorkerInfo(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., num_blocks_capacity: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., proposer: _Optional[str] = ..., max_num_speculative_tokens: _Optional[int] = ..., draft_model_id: _Optional[str] = ..., scorer: _Optional[str] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
-    __slots__ = ("num_blocks", "block_size")
+    __slots__ = ("num_blocks", "block_size", "previous_session_id", "take_over")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TAKE_OVER_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    previous_session_id: str
+    take_over: bool
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., previous_session_id: _Optional[str] = ..., take_over: _Optional[bool] = ...) -> None: ...
 
 class InitCacheResponse(_message.Message):
-    __slots__ = ("kv_cache_bytes",)
+    __slots__ = ("kv_cache_bytes", "session_id")
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     kv_cache_bytes: int
-    def __init__(self, kv_cache_bytes: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, kv_cache_bytes: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class RequestSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs")

@@ -66,17 +66,23 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def InitCache(self, request, context):
-        """Allocates the paged KV cache. Must precede ExecuteModel; calling it again
-        with the same shape is a no-op, with another shape it reallocates (and
-        drops every cached request).
+        """Starts a scheduler session: allocates the paged KV cache (a new shape
+        reallocates it), drops every request the worker holds and returns a new
+        session id. A worker serves one session at a time: while another
+        session's step stream is open this fails with FAILED_PRECONDITION, unless
+        it is the caller's own previous session or take_over is set.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ExecuteModel(self, request_iterator, context):
-        """One response per request, in order. Two steps may be in flight: the
-        worker builds each step's inputs from its own per-request state.
+        """The session's step stream; its metadata must carry the session id as
+        `specdec-session-id`. One response per request, in order. Two steps may
+        be in flight: the worker builds each step's inputs from its own
+        per-request state. A stale session id, or a second stream of the
+        session, gets FAILED_PRECONDITION; a stream whose session is replaced
+        ends with FAILED_PRECONDITION at its next step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -244,10 +244,8 @@ def test_discovery_adds_and_removes_workers_and_removed_workers_requests_move():
 def test_a_hung_worker_leaves(monkeypatch, fast_health, is_health_failing, why):
     """Like SIGSTOP (no result, no error, health checks fail), or a wedged compute thread (health still
     SERVING, caught by the step timeout)."""
-    if not is_health_failing:
-        monkeypatch.setattr(watchdog, "STEP_TIMEOUT_S", 0.5)
     workers = [SimWorkerServer(step_time_s=0.01) for _ in range(2)]
-    cluster = make_cluster([w.address for w in workers])
+    cluster = make_cluster([w.address for w in workers], worker_step_timeout_s=120.0 if is_health_failing else 0.5)
     try:
         wait_until(lambda: len(serving(cluster)) == 2, what="both workers to serve")
         streams = Streams(cluster, prompts(6), max_tokens=40)

@@ -27,14 +27,28 @@ def tiny_worker(tiny_pair):
         address = proc.address()
         proc.wait_for("model loaded")
         assert health_status(address) == health_pb2.HealthCheckResponse.NOT_SERVING  # no cache yet
-        client = WorkerClient(address)
-        client.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+        client = SessionClient(address)
+        client.new_session()
         yield proc, client
         client.close()
 
 
-def stream_driver(client: WorkerClient, num_lookahead_slots: int = 0) -> Driver:
-    stream = client.open_stream()
+class SessionClient(WorkerClient):
+    """A WorkerClient that remembers its session (a test starts a new one whenever it needs a clean worker)."""
+
+    session_id: str | None = None
+
+    def new_session(self, take_over: bool = False) -> str:
+        self.session_id = self.init_cache(NUM_BLOCKS, BLOCK_SIZE, self.session_id, take_over)
+        return self.session_id
+
+    def execute(self, request: step.StepRequest) -> step.StepResult:
+        return super().execute(request, self.session_id)
+
+
+def stream_driver(client: SessionClient, num_lookahead_slots: int = 0) -> Driver:
+    """A driver on a new session (the previous one's stream, left open, is given up)."""
+    stream = client.open_stream(client.new_session())
 
     def execute(request):
         stream.send(request)
@@ -84,7 +98,7 @@ def test_seeded_sampling_reproducible(tiny_worker):
     assert first != other   # and the seed matters
 
 
-def expect_invalid(client: WorkerClient, request: step.StepRequest, fragment: str) -> None:
+def expect_invalid(client: SessionClient, request: step.StepRequest, fragment: str) -> None:
     with pytest.raises(grpc.RpcError) as info:
         client.execute(request)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -93,6 +107,7 @@ def expect_invalid(client: WorkerClient, request: step.StepRequest, fragment: st
 
 def test_bad_requests_get_invalid_argument_and_worker_keeps_serving(tiny_worker):
     _, client = tiny_worker
+    client.new_session()
     greedy = step.RequestSampling(temperature=0.0)
     expect_invalid(client, step.StepRequest(1, cached_requests=[step.CachedRequest("nope", [], 0, 1)]),
                    "unknown request id 'nope'")
@@ -106,9 +121,51 @@ def test_bad_requests_get_invalid_argument_and_worker_keeps_serving(tiny_worker)
     expect_invalid(client, step.StepRequest(5, cached_requests=[step.CachedRequest("look", [], 1, 1)],
                                             num_lookahead_slots=3), "shorter than the 18 positions")
     # Still serving, and the rejected steps left no state behind.
-    assert stream_driver(client).generate([[5, 6, 7]], 4, prefix="after")[0]
     expect_invalid(client, step.StepRequest(6, cached_requests=[step.CachedRequest("short", [], 0, 1)]),
                    "unknown request id 'short'")
+    assert stream_driver(client).generate([[5, 6, 7]], 4, prefix="after")[0]
+
+
+def expect_session_refused(stream_or_call, fragment: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stream_or_call()
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value
+    assert fragment in info.value.details()
+
+
+def test_one_scheduler_session_at_a_time(tiny_worker):
+    """A second scheduler (or a rogue client) cannot start a session, open a step stream, or run steps in the
+    live session; the live session's requests go on untouched; an explicit take-over ends the old session."""
+    _, client = tiny_worker
+    greedy = step.RequestSampling(temperature=0.0)
+    session_id = client.new_session()
+    live = client.open_stream(session_id)
+    live.send(step.StepRequest(1, new_requests=[step.NewRequest("a", [5, 6, 7], 3, greedy, [0], 3)]))
+    first = live.recv().outputs[0].token_ids
+    other = WorkerClient(client.address)
+    try:
+        expect_session_refused(lambda: other.init_cache(NUM_BLOCKS, BLOCK_SIZE), "another scheduler")
+        expect_session_refused(lambda: other.execute(step.StepRequest(9), session_id), "already open")
+        expect_session_refused(lambda: other.execute(step.StepRequest(9), "0" * 32), "stale session")
+        expect_session_refused(lambda: other.execute(step.StepRequest(9), None), "no session")
+        # The live session still holds "a" and decodes it as if nothing happened.
+        live.send(step.StepRequest(2, cached_requests=[step.CachedRequest("a", [], 1, 1)]))
+        second = live.recv().outputs[0].token_ids
+        reference = stream_driver(client).generate([[5, 6, 7]], 2, prefix="ref")[0]  # a new session (own)
+        assert first + second == reference
+        # The first session was replaced by the driver's: its next step is refused.
+        live.send(step.StepRequest(3, cached_requests=[step.CachedRequest("a", [], 1, 1)]))
+        expect_session_refused(live.recv, "replaced")
+        # A scheduler taking over explicitly gets a session; the one it replaced loses its stream.
+        held = client.open_stream(client.session_id)
+        held.send(step.StepRequest(4))
+        held.recv()
+        other_session = other.init_cache(NUM_BLOCKS, BLOCK_SIZE, take_over=True)
+        held.send(step.StepRequest(5))
+        expect_session_refused(held.recv, "replaced")
+        assert other.execute(step.StepRequest(6), other_session).outputs == []
+    finally:
+        other.close()
 
 
 def test_sigterm_exits_cleanly(tiny_pair):
