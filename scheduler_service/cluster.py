@@ -81,8 +81,10 @@ class Cluster:
         self._waiting: deque[RequestHandle] = deque()   # for a worker to serve
         self._num_requests = 0
         self._num_moved_requests = 0
+        self.num_maintenance_errors = 0
         self._was_serving = False
         self._is_stopping = False
+        self._stop_reason = ""
         self._changed = threading.Condition(self.lock)
         self._watchdog = Watchdog(options.worker_step_timeout_s)
         self._session_by_address: dict[str, str] = {}   # a retired engine's last session on its worker
@@ -94,10 +96,11 @@ class Cluster:
         self._update_members(self._membership.addresses())
         self._thread.start()
 
-    def stop(self) -> None:
-        """Fails the requests still running (UNAVAILABLE) and stops every engine."""
+    def stop(self, reason: str = "the scheduler is shutting down") -> None:
+        """Fails the requests still running (UNAVAILABLE, with `reason`) and stops every engine."""
         with self.lock:
             self._is_stopping = True
+            self._stop_reason = reason
             engines = [*self._engines.values()]
             self._changed.notify_all()
         for engine in engines:
@@ -106,7 +109,7 @@ class Cluster:
             engine.join_thread(timeout=10)
         with self.lock:
             for handle in [*self._waiting]:
-                self._fail(handle, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+                self._fail(handle, grpc.StatusCode.UNAVAILABLE, reason)
 
     def wait_for_facts(self, timeout_s: float) -> ModelFacts:
         """Blocks until a worker has described its model; raises TimeoutError."""
@@ -128,6 +131,11 @@ class Cluster:
                 raise EngineError(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
             if request.request_id in self._handles:
                 raise KeyError(f"request id {request.request_id!r} is already running")
+            num_queued = self._num_queued()
+            if num_queued >= self.options.max_waiting_requests:
+                raise EngineError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"the server is overloaded: {num_queued} requests are queued "
+                                  f"(--max-waiting-requests {self.options.max_waiting_requests}); retry later")
             config = self.facts.config
             request.check_limits(config.max_model_len, self._largest_pool_tokens())
             handle = RequestHandle(request, client_deadline)
@@ -152,6 +160,12 @@ class Cluster:
             del self._handles[request_id]
             handle.outputs.put(handle.request.make_output([], ""))  # finish_reason "abort", usage so far
             return True
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests accepted and not finished (queued, running or waiting for a worker)."""
+        with self.lock:
+            return len(self._handles)
 
     def snapshot(self) -> ClusterSnapshot:
         with self.lock:
@@ -203,7 +217,7 @@ class Cluster:
                            f"internal error in the scheduler while running the request ({internal_error}); "
                            "it is logged with a traceback")
             elif self._is_stopping:
-                self._fail(handle, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+                self._fail(handle, grpc.StatusCode.UNAVAILABLE, self._stop_reason)
             elif request.num_moves > MAX_MOVES_PER_REQUEST:
                 self._fail(handle, grpc.StatusCode.INTERNAL,
                            f"the request moved {MAX_MOVES_PER_REQUEST} times: every worker that ran it failed")
@@ -232,6 +246,11 @@ class Cluster:
         """Each worker's state and last error, for messages that say why nothing serves."""
         return "; ".join(f"{e.address}: {e.state.value}" + (f" ({e.last_error})" if e.last_error else "")
                          for e in self._engines.values()) or "none listed"
+
+    def _num_queued(self) -> int:
+        """Requests not running yet: in the workers' queues, and waiting for a worker."""
+        return len(self._waiting) + sum(len(e.scheduler.waiting) for e in self._engines.values()
+                                        if e.scheduler is not None)
 
     def _largest_pool_tokens(self) -> int:
         configs = [e.config for e in self._engines.values() if e.config is not None] or [self.facts.config]
@@ -292,14 +311,24 @@ class Cluster:
             with self.lock:
                 if self._changed.wait_for(lambda: self._is_stopping, MAINTENANCE_INTERVAL_S):
                     return
-                self._expire_waiting()
-            now = time.monotonic()
-            if self._membership.has_dns and now >= next_refresh:
-                next_refresh = now + self.options.worker_refresh_interval_s
-                self._update_members(self._membership.addresses())  # DNS outside the lock
-            with self.lock:
-                engines = self._serving_engines()
-            self._watchdog.tick(engines)
+            try:
+                next_refresh = self._maintain_once(next_refresh)
+            except Exception:  # noqa: BLE001 - a bug must not stop waiting expiry and hang detection for good
+                logger.exception("cluster maintenance failed; it goes on")
+                self.num_maintenance_errors += 1
+
+    def _maintain_once(self, next_refresh: float) -> float:
+        """Expires waiting requests, refreshes DNS when due, runs the watchdog; returns the next refresh time."""
+        with self.lock:
+            self._expire_waiting()
+        now = time.monotonic()
+        if self._membership.has_dns and now >= next_refresh:
+            next_refresh = now + self.options.worker_refresh_interval_s
+            self._update_members(self._membership.addresses())  # DNS outside the lock
+        with self.lock:
+            engines = self._serving_engines()
+        self._watchdog.tick(engines)
+        return next_refresh
 
     def _expire_waiting(self) -> None:
         now = time.monotonic()

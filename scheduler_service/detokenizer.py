@@ -4,6 +4,11 @@ Text is streamed only once it is stable: a token sequence that ends inside a
 multi-byte UTF-8 character decodes to a trailing U+FFFD, so those tokens wait
 for the rest of the character. Text that could be the beginning of a stop
 string is held back, so a client never sees part of a stop string.
+
+Stop strings are matched incrementally (one Knuth-Morris-Pratt automaton per
+stop string, fed each new character once): the work per token is linear in
+the new text times the number of stop strings, never in the output length or
+a stop string's length squared.
 """
 
 from typing import Protocol, Sequence
@@ -21,6 +26,40 @@ class Tokenizer(Protocol):
         """The text of `ids`; an incomplete UTF-8 character at the end decodes to U+FFFD."""
 
 
+class StopStringMatcher:
+    """Knuth-Morris-Pratt over a stream of characters for one stop string.
+
+    Invariant: `state` is the length of the longest prefix of the stop string
+    that is a suffix of the characters fed so far (shorter than the string).
+    """
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.state = 0
+        # failure[i]: the longest proper prefix of stop[:i + 1] that is also its suffix.
+        self._failure = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self._failure[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self._failure[i] = k
+
+    def feed(self, char: str) -> bool:
+        """Advances by one character; True when it completes the stop string."""
+        k, stop = self.state, self.stop
+        while k and stop[k] != char:
+            k = self._failure[k - 1]
+        if stop[k] == char:
+            k += 1
+        if k == len(stop):
+            self.state = self._failure[k - 1]
+            return True
+        self.state = k
+        return False
+
+
 class IncrementalDetokenizer:
     """Turns one request's output tokens into text deltas, cutting at the first stop string."""
 
@@ -29,8 +68,7 @@ class IncrementalDetokenizer:
         if any(not s for s in stop_strings):
             raise ValueError("stop strings must not be empty")
         self._tokenizer = tokenizer
-        self._stop_strings = tuple(stop_strings)
-        self._max_stop_len = max((len(s) for s in self._stop_strings), default=0)
+        self._matchers = [StopStringMatcher(s) for s in stop_strings]
         self._skip_special_tokens = skip_special_tokens
         # Invariant: token_ids[prefix_offset:read_offset] decodes to text already
         # appended; token_ids[read_offset:] is not decoded into text yet.
@@ -79,24 +117,15 @@ class IncrementalDetokenizer:
 
     def _advance(self, delta: str) -> None:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
-        # A stop string may begin in earlier text and end in this delta.
-        search_start = max(0, len(self._text) - self._max_stop_len + 1)
+        start = len(self._text)
         self._text += delta
-        stop_index = self._find_stop_string(search_start)
-        if stop_index is not None:
-            self._text = self._text[:stop_index]
+        # A stop string may begin in earlier text and end in this delta; the earliest start wins.
+        stop_starts = [start + offset + 1 - len(m.stop) for offset, char in enumerate(delta)
+                       for m in self._matchers if m.feed(char)]
+        if stop_starts:
+            self._text = self._text[:min(stop_starts)]
             self.is_stopped = True
-
-    def _find_stop_string(self, start: int) -> int | None:
-        indices = [i for s in self._stop_strings if (i := self._text.find(s, start)) != -1]
-        return min(indices, default=None)
 
     def _num_chars_held_back(self) -> int:
         """Length of the longest text suffix that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self._stop_strings:
-            for length in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
+        return max((m.state for m in self._matchers), default=0)

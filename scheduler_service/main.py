@@ -1,13 +1,19 @@
-"""The scheduler process: join the workers, serve the client API until SIGTERM."""
+"""The scheduler process: join the workers, serve the client API until SIGTERM, then drain.
+
+Drain: health turns NOT_SERVING at once (load balancers stop sending), new
+calls get UNAVAILABLE, running requests may finish for the shutdown grace
+period; what is left then ends with UNAVAILABLE, and the process exits 0.
+"""
 
 import logging
 import signal
 import threading
+import time
 
 from scheduler_service.cluster import Cluster
 from scheduler_service.membership import Membership, parse_worker_spec
 from scheduler_service.options import SchedulerOptions
-from scheduler_service.server import create_server, set_serving
+from scheduler_service.server import create_server
 from scheduler_service.tokenizer import ChatTokenizer
 
 logger = logging.getLogger(__name__)
@@ -21,12 +27,12 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     stop = stop or threading.Event()
     membership = Membership([parse_worker_spec(a) for a in opts.worker_addresses])
     tokenizer = ChatTokenizer(opts.model_dir)
-    server, servicer, health_servicer, port = create_server(opts.host, opts.port)
+    server, servicer, port = create_server(opts.host, opts.port, opts.max_open_streams)
     print(f"scheduler listening on {opts.host}:{port}", flush=True)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-    cluster = Cluster(opts, membership, tokenizer, lambda is_serving: set_serving(health_servicer, is_serving))
+    cluster = Cluster(opts, membership, tokenizer, servicer.set_serving)
     cluster.start()
     try:
         facts = cluster.wait_for_facts(opts.first_worker_timeout_s)
@@ -40,6 +46,21 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     print("scheduler ready", flush=True)
     while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
         pass
-    server.stop(grace=5).wait()
-    cluster.stop()
+    drain(servicer, cluster, opts.shutdown_grace_period_s)
+    server.stop(grace=2).wait()  # the last messages (aborts included) go out
     return 0
+
+
+def drain(servicer, cluster: Cluster, grace_period_s: float) -> None:
+    """Stops taking requests, lets the running ones finish for up to the grace period, then aborts the rest."""
+    servicer.begin_drain()
+    num_live = cluster.num_live_requests
+    logger.info("shutting down: %d requests running; they may finish for %.0f s", num_live, grace_period_s)
+    deadline = time.monotonic() + grace_period_s
+    while cluster.num_live_requests and time.monotonic() < deadline:
+        time.sleep(0.1)
+    num_left = cluster.num_live_requests
+    if num_left:
+        logger.warning("shutdown grace period over: %d requests aborted", num_left)
+    cluster.stop(f"the scheduler shut down: the request did not finish within the shutdown grace period "
+                 f"({grace_period_s:.0f} s)")

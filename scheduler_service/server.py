@@ -2,6 +2,7 @@
 
 from concurrent import futures
 import logging
+import threading
 import time
 
 import grpc
@@ -52,29 +53,62 @@ def _workers(snap: ClusterSnapshot) -> list[pb.WorkerStatus]:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """Validates client requests, hands them to the cluster and streams the outputs back."""
+    """Validates client requests, hands them to the cluster and streams the outputs back.
 
-    def __init__(self):
+    At most `max_open_streams` Generate/Complete calls run at once (each holds a server thread while it
+    streams); beyond that a call gets RESOURCE_EXHAUSTED at once, so the threads reserved for health checks,
+    GetServerInfo and Abort are never starved. While draining (SIGTERM) new calls get UNAVAILABLE.
+    """
+
+    def __init__(self, health_servicer: health.HealthServicer, max_open_streams: int):
         self.cluster: Cluster | None = None
         self.tokenizer: ChatTokenizer | None = None
+        self.health = health_servicer
+        self.max_open_streams = max_open_streams
+        self._open_streams = threading.BoundedSemaphore(max_open_streams)
+        self.is_draining = False
 
     def attach(self, cluster: Cluster, tokenizer: ChatTokenizer) -> None:
         """Called once a worker has described the model."""
         self.cluster, self.tokenizer = cluster, tokenizer
+
+    def set_serving(self, is_serving: bool) -> None:
+        """Health of the client API: SERVING while at least one worker serves, and never again once draining."""
+        serving = is_serving and not self.is_draining
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in (SERVICE_NAME, ""):
+            self.health.set(name, status)
+
+    def begin_drain(self) -> None:
+        """NOT_SERVING at once; new calls get UNAVAILABLE; calls in progress go on."""
+        self.is_draining = True
+        self.set_serving(False)
 
     def _require_cluster(self, context) -> Cluster:
         if self.cluster is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting: no worker has answered yet")
         return self.cluster
 
+    def _admit(self, context) -> None:
+        """Takes an open-stream slot for the call (given back when it ends); aborts when none is free."""
+        if self.is_draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down: retry on another replica")
+        if not self._open_streams.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"too many calls in progress ({self.max_open_streams}, --max-open-streams): retry later")
+        if not context.add_callback(self._open_streams.release):  # the call already ended
+            self._open_streams.release()
+
     def _outputs(self, request, context):
         """Submits the request and yields its RequestOutputs; aborts the call with the right status."""
+        self._admit(context)
         cluster = self._require_cluster(context)
         facts = cluster.facts
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         try:
-            req = build_request(request, self.tokenizer, facts.vocab_size, list(facts.eos_token_ids))
+            req = build_request(request, self.tokenizer, facts.vocab_size, list(facts.eos_token_ids),
+                                facts.config.max_model_len)
             handle = cluster.submit(req, deadline)
         except EngineError as exc:
             context.abort(exc.code, str(exc))
@@ -141,14 +175,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             workers=_workers(snap))
 
 
-def create_server(host: str, port: int, max_workers: int = 64):
-    """A started server (health NOT_SERVING until a worker serves); returns (server, servicer, health, bound port)."""
+# Server threads beyond the streaming calls' bound: health checks, GetServerInfo, Abort, reflection.
+NUM_RESERVED_THREADS = 16
+
+
+def create_server(host: str, port: int, max_open_streams: int = 512):
+    """A started server (health NOT_SERVING until a worker serves); returns (server, servicer, bound port)."""
     # so_reuseport off: a port another server holds must fail to bind, not be shared.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=[("grpc.so_reuseport", 0)])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_open_streams + NUM_RESERVED_THREADS),
+                         options=[("grpc.so_reuseport", 0)])
     health_servicer = health.HealthServicer()
-    for name in (SERVICE_NAME, ""):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    servicer = GenerationServicer()
+    servicer = GenerationServicer(health_servicer, max_open_streams)
+    servicer.set_serving(False)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -160,11 +198,4 @@ def create_server(host: str, port: int, max_workers: int = 64):
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (address in use?)")
     server.start()
-    return server, servicer, health_servicer, bound
-
-
-def set_serving(health_servicer: health.HealthServicer, is_serving: bool = True) -> None:
-    """Health of the client API: SERVING while at least one worker serves."""
-    status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in (SERVICE_NAME, ""):
-        health_servicer.set(name, status)
+    return server, servicer, bound

@@ -84,3 +84,60 @@ def test_hugging_face_byte_level_bpe_round_trips():
 def test_empty_stop_string_is_rejected():
     with pytest.raises(ValueError):
         IncrementalDetokenizer(ByteTokenizer(), [], stop_strings=[""])
+
+
+class CharTokenizer:
+    """Token i is the character "ab"[i]: a small alphabet makes stop strings overlap a lot."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join("ab"[i] for i in ids)
+
+
+def naive_stream(text: str, stops: list[str]) -> tuple[str, list[str]]:
+    """The definition: cut at the earliest stop string; hold back the longest suffix that begins a stop string."""
+    deltas, emitted = [], 0
+    for end in range(1, len(text) + 1):
+        seen = text[:end]
+        starts = [i for stop in stops if (i := seen.find(stop)) != -1]
+        if starts:
+            deltas.append(seen[emitted:min(starts)])
+            return seen[:min(starts)], deltas
+        held = max((n for stop in stops for n in range(1, len(stop)) if seen.endswith(stop[:n])), default=0)
+        deltas.append(seen[emitted:end - held])
+        emitted = end - held
+    return text, deltas
+
+
+def test_stop_strings_match_the_definition_on_random_text():
+    """The incremental matcher (KMP per stop string) agrees with the brute-force definition, overlaps included."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(1, 40)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        detokenizer = IncrementalDetokenizer(CharTokenizer(), prompt_token_ids=[], stop_strings=stops)
+        deltas = stream(detokenizer, ["ab".index(c) for c in text])
+        want_text, want_deltas = naive_stream(text, stops)
+        assert (detokenizer.output_text, deltas) == (want_text, want_deltas), (text, stops)
+
+
+def test_each_character_is_matched_once_per_stop_string(monkeypatch):
+    """16 stop strings of 1,000 characters that keep almost matching: every character is fed once to each
+    stop string's automaton (the old hold-back search rescanned ~len(stop)^2 characters per token)."""
+    from scheduler_service import detokenizer as module
+
+    num_fed = 0
+    feed = module.StopStringMatcher.feed
+
+    def counting_feed(self, char):
+        nonlocal num_fed
+        num_fed += 1
+        return feed(self, char)
+
+    monkeypatch.setattr(module.StopStringMatcher, "feed", counting_feed)
+    stops = ["a" * 999 + "b"] * 16
+    detokenizer = IncrementalDetokenizer(CharTokenizer(), prompt_token_ids=[], stop_strings=stops)
+    deltas = stream(detokenizer, [0] * 3000)
+    assert deltas[-1] == "a" and detokenizer.next_text_delta() == ""  # 999 "a" held back, one released per token
+    assert num_fed == 3000 * 16
