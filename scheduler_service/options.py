@@ -1,8 +1,9 @@
 """The scheduler's options (from flags) and the per-worker scheduler config built from a worker's facts."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler_service.config import SchedulerConfig
+from specdec.security import TlsFiles
 
 MAX_DEFAULT_KV_BLOCKS = 4096
 
@@ -26,6 +27,12 @@ class SchedulerOptions:
     worker_refresh_interval_s: float = 10.0
     worker_wait_timeout_s: float = 60.0
     first_worker_timeout_s: float = 600.0   # the process exits when no worker answers in time
+    # Security (README "Security"): TLS on the client port; TLS towards the workers (the scheduler's client
+    # certificate, the CA of the workers' certificates, the name they carry); accepted API keys (none: open).
+    client_tls: TlsFiles = TlsFiles()
+    worker_tls: TlsFiles = TlsFiles(flag_prefix="--worker-ssl-", is_server=False)
+    worker_server_name: str | None = None
+    api_keys: frozenset[str] = field(default=frozenset(), repr=False)   # secrets: never in a repr or a log
 
     def __post_init__(self) -> None:
         if not self.worker_addresses:
@@ -34,6 +41,8 @@ class SchedulerOptions:
             raise ValueError(f"--worker-refresh-interval must be > 0, got {self.worker_refresh_interval_s}")
         if self.worker_wait_timeout_s < 0:
             raise ValueError(f"--worker-wait-timeout must be >= 0, got {self.worker_wait_timeout_s}")
+        if self.worker_server_name and not self.worker_tls.is_enabled:
+            raise ValueError("--worker-ssl-server-name needs TLS to the workers (--worker-ssl-ca-certs, ...)")
 
 
 def scheduler_config(opts: SchedulerOptions, info) -> SchedulerConfig:

@@ -141,10 +141,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             workers=_workers(snap))
 
 
-def create_server(host: str, port: int, max_workers: int = 64):
-    """A started server (health NOT_SERVING until a worker serves); returns (server, servicer, health, bound port)."""
+def create_server(host: str, port: int, max_workers: int = 64, credentials: grpc.ServerCredentials | None = None,
+                  interceptors=()):
+    """A started server (health NOT_SERVING until a worker serves); returns (server, servicer, health, bound port).
+
+    credentials: a TLS port (specdec.security.server_credentials), else plaintext; interceptors: e.g. the
+    API-key check (auth.py).
+    """
     # so_reuseport off: a port another server holds must fail to bind, not be shared.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=[("grpc.so_reuseport", 0)])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=[("grpc.so_reuseport", 0)],
+                         interceptors=list(interceptors))
     health_servicer = health.HealthServicer()
     for name in (SERVICE_NAME, ""):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -154,7 +160,8 @@ def create_server(host: str, port: int, max_workers: int = 64):
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {host}:{port}: {exc}") from exc
     if bound == 0:

@@ -6,6 +6,7 @@ import threading
 
 import torch
 
+from specdec.security import TlsFiles, server_credentials
 from worker_service.config import WorkerConfig
 from worker_service.model_loader import load_model
 from worker_service.model_runner import ModelRunner
@@ -26,9 +27,15 @@ def build_worker(config: WorkerConfig) -> Worker:
     return Worker(config, target, draft)
 
 
-def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = True) -> int:
-    """Serves until SIGTERM/SIGINT. Prints `worker listening on HOST:PORT` once bound."""
-    server, servicer, bound_port = create_server(host, port)
+def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = True, tls: TlsFiles = TlsFiles()) -> int:
+    """Serves until SIGTERM/SIGINT. Prints `worker listening on HOST:PORT` once bound.
+
+    tls: the port's certificate (with a CA: only clients with a certificate it signed get in); default plaintext.
+    """
+    credentials = server_credentials(tls)
+    server, servicer, bound_port = create_server(host, port, credentials=credentials)
+    if credentials is not None:
+        logger.info("TLS on %s:%d%s", host, bound_port, "; client certificates required" if tls.ca_certs else "")
     print(f"worker listening on {host}:{bound_port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -106,8 +106,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield step_result_to_proto(result)
 
 
-def create_server(host: str, port: int, max_workers: int = 8) -> tuple[grpc.Server, WorkerServicer, int]:
-    """A started server with the Worker, health and reflection services; returns the bound port."""
+def create_server(host: str, port: int, max_workers: int = 8, credentials: grpc.ServerCredentials | None = None,
+                  ) -> tuple[grpc.Server, WorkerServicer, int]:
+    """A started server with the Worker, health and reflection services; returns the bound port.
+
+    credentials: a TLS port (specdec.security.server_credentials; with a CA, clients need a certificate),
+    else plaintext.
+    """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20)])
@@ -119,7 +124,8 @@ def create_server(host: str, port: int, max_workers: int = 8) -> tuple[grpc.Serv
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (address in use?)")
     server.start()
