@@ -14,6 +14,7 @@ CLI prints as one line.
 import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
+import functools
 import os
 
 import grpc
@@ -80,8 +81,13 @@ def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
+@functools.cache
 def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials | None:
-    """Credentials for grpc.secure_channel, or None for an insecure channel."""
+    """Credentials for grpc.secure_channel, or None for an insecure channel.
+
+    Read once per TlsFiles: every worker channel of a scheduler shares them (a file that became unreadable
+    later cannot stop a worker from joining; rotating certificates needs a restart).
+    """
     if not tls.is_enabled:
         return None
     p = tls.flag_prefix

@@ -47,9 +47,9 @@ def _kubernetes_validate(*paths: pathlib.Path) -> subprocess.CompletedProcess:
                            *map(str, paths)], capture_output=True, text=True, timeout=60)
 
 
-def _k8s_docs(name: str, directory: pathlib.Path = K8S) -> dict[str, dict]:
+def _k8s_docs(name: str) -> dict[str, dict]:
     """The manifest's documents by kind."""
-    docs = [d for d in yaml.safe_load_all((directory / name).read_text()) if d]
+    docs = [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
     return {d["kind"]: d for d in docs}
 
 

@@ -6,7 +6,6 @@ merged by name, `null` deletes a field, other lists are replaced).
 """
 
 import json
-import pathlib
 import re
 import subprocess
 import sys
@@ -20,8 +19,8 @@ import yaml
 from specdec import security
 from specdec.cli import build_parser
 from tests.certs import TestCA
-from tests.test_deploy import (ANSWERS, HEALTHCHECK, K8S, K8S_MANIFESTS, _container, _docker_compose, _expand_env,
-                               _k8s_docs, _kubernetes_validate)
+from tests.test_deploy import (ANSWERS, HEALTHCHECK, K8S, K8S_MANIFESTS, ROOT, _container, _docker_compose,
+                               _expand_env, _k8s_docs, _kubernetes_validate)
 
 TLS_OVERLAY = K8S / "tls"
 HEALTHCHECK_FLAGS = ("--ca-file", "--cert-file", "--key-file")
@@ -95,8 +94,7 @@ def test_compose_tls_override_is_valid_and_mounts_every_file_it_names():
             assert path in mounted, (name, path)
         assert "--ca-file" in service["healthcheck"]["test"]
     assert "--cert-file" in services["worker"]["healthcheck"]["test"]  # its port requires a client certificate
-    assert all(secret["file"].startswith(str(pathlib.Path.cwd())) or secret["file"].startswith("/")
-               for secret in config["secrets"].values())
+    assert all(secret["file"].startswith(str(ROOT / "certs")) for secret in config["secrets"].values())
     # The default setup stays plaintext and open.
     plain = json.loads(_docker_compose("config", "--format", "json").stdout)["services"]
     assert not any("--ssl" in " ".join(s["command"]) or s.get("secrets") for s in plain.values())

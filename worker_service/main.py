@@ -4,9 +4,9 @@ import logging
 import signal
 import threading
 
+import grpc
 import torch
 
-from specdec.security import TlsFiles, server_credentials
 from worker_service.config import WorkerConfig
 from worker_service.model_loader import load_model
 from worker_service.model_runner import ModelRunner
@@ -27,15 +27,15 @@ def build_worker(config: WorkerConfig) -> Worker:
     return Worker(config, target, draft)
 
 
-def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = True, tls: TlsFiles = TlsFiles()) -> int:
+def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = True,
+               credentials: grpc.ServerCredentials | None = None) -> int:
     """Serves until SIGTERM/SIGINT. Prints `worker listening on HOST:PORT` once bound.
 
-    tls: the port's certificate (with a CA: only clients with a certificate it signed get in); default plaintext.
+    credentials: TLS on the port (specdec.security.server_credentials; with a CA only clients with a
+    certificate it signed get in); None: plaintext.
     """
-    credentials = server_credentials(tls)
     server, servicer, bound_port = create_server(host, port, credentials=credentials)
-    if credentials is not None:
-        logger.info("TLS on %s:%d%s", host, bound_port, "; client certificates required" if tls.ca_certs else "")
+    logger.info("%s on %s:%d", "plaintext" if credentials is None else "TLS", host, bound_port)
     print(f"worker listening on {host}:{bound_port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -36,9 +36,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker_service.model_loader import ModelLoadError
 
     try:
-        tls = security.server_tls_from_args(args)
+        credentials = security.server_credentials(security.server_tls_from_args(args))  # before the model
         config = worker_flags.config_from_args(args, str(models.resolve_model(args.model)), args.num_threads)
-        return run_worker(config, args.host, args.port, tls=tls)
+        return run_worker(config, args.host, args.port, credentials=credentials)
     except (ModelLoadError, ValueError, OSError, RuntimeError) as exc:
         print(f"specdec worker: error: {exc}", file=sys.stderr)
         return 1

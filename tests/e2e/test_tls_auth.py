@@ -26,9 +26,9 @@ from specdec.security import TlsFiles
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from tests.certs import TestCA
-from tests.e2e.client import greedy_request, stream
+from tests.e2e.client import greedy_request
 from tests.processes import running
-from tests.sim_worker import SimWorkerServer, PieceTokenizer, reference_output
+from tests.sim_worker import PieceTokenizer, SimWorkerServer, reference_output
 
 KEY = "sk-test-7f3a9c1e5b2d4a60"          # the valid key; must never show up in logs or messages
 OTHER_KEY = "sk-also-valid-0b8e2f"        # a second valid key (from the environment)
@@ -292,3 +292,20 @@ def test_specdec_generate_with_a_ca_and_a_key_against_serve_with_tls_and_keys(pk
 def _base_env() -> dict:
     """The environment without a key of its own (the test's SPECDEC_API_KEY, if any, is dropped)."""
     return {k: v for k, v in os.environ.items() if k != security.API_KEY_ENV}
+
+
+def test_specdec_worker_with_mutual_tls_admits_only_certified_clients(pki, tiny_pair):
+    args = ["worker", "--port", "0", "--model", str(tiny_pair.target_path), "--num-threads", "1",
+            "--ssl-certfile", pki["server"].certfile, "--ssl-keyfile", pki["server"].keyfile,
+            "--ssl-ca-certs", pki["ca"]]
+    with running(args) as process:
+        address = process.address(who="worker ")
+        process.wait_for("worker model loaded")
+        rogue = WorkerClient(address, _client_credentials(pki))  # TLS, no certificate
+        with pytest.raises(grpc.RpcError) as exc:
+            rogue.describe(4, timeout=RPC_TIMEOUT_S)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        rogue.close()
+        client = WorkerClient(address, security.channel_credentials(_worker_tls(pki)))
+        assert client.describe(4, timeout=RPC_TIMEOUT_S).vocab_size > 0
+        client.close()
