@@ -33,6 +33,7 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.pipeline import BusyStats, StepPipeline
 from scheduler_service.scheduler import Scheduler, SchedulerStats
 from scheduler_service.worker_client import WorkerClient
+from specdec.security import channel_credentials
 
 if TYPE_CHECKING:
     from scheduler_service.cluster import Cluster
@@ -74,7 +75,8 @@ class WorkerEngine:
 
     def __init__(self, address: str, cluster: "Cluster", previous_session_id: str | None = None):
         self.address = address
-        self.client = WorkerClient(address)
+        opts = cluster.options
+        self.client = WorkerClient(address, channel_credentials(opts.worker_tls), opts.worker_server_name)
         self.state = WorkerState.JOINING
         self.scheduler: Scheduler | None = None   # while SERVING
         self.config: SchedulerConfig | None = None

@@ -4,6 +4,7 @@ import argparse
 
 from scheduler_service.config import SCHEDULING_MODES
 from scheduler_service.options import SchedulerOptions
+from specdec import security
 
 
 def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None:
@@ -48,8 +49,37 @@ def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None
                         "(default: %(default)s)")
 
 
+def add_security_flags(p: argparse.ArgumentParser, with_worker_flags: bool = True) -> None:
+    """Adds TLS for the client port, the API-key file and (with_worker_flags) TLS towards the workers."""
+    security.add_server_tls_flags(p, "the client API port")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help=f"accepted API keys, one per line (# comments); ${security.API_KEY_ENV} adds one. "
+                        "Clients send 'authorization: Bearer <key>'. Default: no key needed")
+    if not with_worker_flags:
+        return
+    p.add_argument("--worker-ssl-certfile", default=None, metavar="PEM",
+                   help="the scheduler's client certificate towards the workers (with --worker-ssl-keyfile)")
+    p.add_argument("--worker-ssl-keyfile", default=None, metavar="PEM", help="private key of --worker-ssl-certfile")
+    p.add_argument("--worker-ssl-ca-certs", default=None, metavar="PEM",
+                   help="CA that signed the workers' certificates (default: plaintext to the workers)")
+    p.add_argument("--worker-ssl-server-name", default=None, metavar="NAME",
+                   help="the name the workers' certificates must carry, when the scheduler reaches them by IP "
+                        "(dns:/// names resolve to pod IPs); default: the host of each worker address")
+
+
+def _security_options(args: argparse.Namespace) -> dict:
+    """The security fields of SchedulerOptions; reads the API-key file and $SPECDEC_API_KEY."""
+    options = dict(client_tls=security.server_tls_from_args(args),
+                   api_keys=security.load_api_keys(args.api_key_file))
+    if hasattr(args, "worker_ssl_ca_certs"):  # `specdec serve` keeps its loopback workers plaintext
+        options.update(worker_tls=security.TlsFiles(args.worker_ssl_certfile, args.worker_ssl_keyfile,
+                                                    args.worker_ssl_ca_certs, "--worker-ssl-", is_server=False),
+                       worker_server_name=args.worker_ssl_server_name)
+    return options
+
+
 def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses: list[str]) -> SchedulerOptions:
-    """The SchedulerOptions of parsed flags; raises ValueError for bad values."""
+    """The SchedulerOptions of parsed flags; raises ValueError for bad values or an unreadable key file."""
     return SchedulerOptions(model_dir=model_dir, worker_addresses=tuple(worker_addresses), host=args.host,
                             port=args.port, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -59,4 +89,4 @@ def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses
                             worker_wait_timeout_s=args.worker_wait_timeout,
                             worker_step_timeout_s=args.worker_step_timeout, take_over_workers=args.take_over_workers,
                             max_waiting_requests=args.max_waiting_requests, max_open_streams=args.max_open_streams,
-                            shutdown_grace_period_s=args.shutdown_grace_period)
+                            shutdown_grace_period_s=args.shutdown_grace_period, **_security_options(args))

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+from scheduler_service.auth import security_hooks
 from scheduler_service.cluster import Cluster
 from scheduler_service.membership import Membership, parse_worker_spec
 from scheduler_service.options import SchedulerOptions
@@ -27,7 +28,7 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     stop = stop or threading.Event()
     membership = Membership([parse_worker_spec(a) for a in opts.worker_addresses])
     tokenizer = ChatTokenizer(opts.model_dir)
-    server, servicer, port = create_server(opts.host, opts.port, opts.max_open_streams)
+    server, servicer, port = create_server(opts.host, opts.port, opts.max_open_streams, **security_hooks(opts))
     print(f"scheduler listening on {opts.host}:{port}", flush=True)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,8 +1,9 @@
 """The scheduler's options (from flags) and the per-worker scheduler config built from a worker's facts."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler_service.config import SchedulerConfig
+from specdec.security import TlsFiles
 
 MAX_DEFAULT_KV_BLOCKS = 4096
 
@@ -31,6 +32,12 @@ class SchedulerOptions:
     max_waiting_requests: int = 1024        # queued (not running) requests beyond which new ones are refused
     max_open_streams: int = 512             # client calls in progress (streams) beyond which new ones are refused
     shutdown_grace_period_s: float = 30.0   # SIGTERM: how long running requests may finish
+    # Security (README "Security"): TLS on the client port; TLS towards the workers (the scheduler's client
+    # certificate, the CA of the workers' certificates, the name they carry); accepted API keys (none: open).
+    client_tls: TlsFiles = TlsFiles()
+    worker_tls: TlsFiles = TlsFiles(flag_prefix="--worker-ssl-", is_server=False)
+    worker_server_name: str | None = None
+    api_keys: frozenset[str] = field(default=frozenset(), repr=False)   # secrets: never in a repr or a log
 
     def __post_init__(self) -> None:
         if not self.worker_addresses:
@@ -47,6 +54,8 @@ class SchedulerOptions:
             raise ValueError(f"--max-open-streams must be >= 1, got {self.max_open_streams}")
         if self.shutdown_grace_period_s < 0:
             raise ValueError(f"--shutdown-grace-period must be >= 0, got {self.shutdown_grace_period_s}")
+        if self.worker_server_name and not self.worker_tls.is_enabled:
+            raise ValueError("--worker-ssl-server-name needs TLS to the workers (--worker-ssl-ca-certs, ...)")
 
 
 def scheduler_config(opts: SchedulerOptions, info) -> SchedulerConfig:

@@ -179,11 +179,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 NUM_RESERVED_THREADS = 16
 
 
-def create_server(host: str, port: int, max_open_streams: int = 512):
-    """A started server (health NOT_SERVING until a worker serves); returns (server, servicer, bound port)."""
+def create_server(host: str, port: int, max_open_streams: int = 512,
+                  credentials: grpc.ServerCredentials | None = None, interceptors=()):
+    """A started server (health NOT_SERVING until a worker serves); returns (server, servicer, bound port).
+
+    credentials: a TLS port (specdec.security.server_credentials), else plaintext; interceptors: e.g. the
+    API-key check (auth.py).
+    """
     # so_reuseport off: a port another server holds must fail to bind, not be shared.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_open_streams + NUM_RESERVED_THREADS),
-                         options=[("grpc.so_reuseport", 0)])
+                         options=[("grpc.so_reuseport", 0)], interceptors=list(interceptors))
     health_servicer = health.HealthServicer()
     servicer = GenerationServicer(health_servicer, max_open_streams)
     servicer.set_serving(False)
@@ -192,7 +197,8 @@ def create_server(host: str, port: int, max_open_streams: int = 512):
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {host}:{port}: {exc}") from exc
     if bound == 0:

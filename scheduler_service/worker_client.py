@@ -7,6 +7,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import step
 from specdec.convert import step_request_to_proto, step_result_from_proto
+from specdec.security import channel_options
 from specdec.v1 import worker_pb2, worker_pb2_grpc
 
 _CLOSE = object()
@@ -42,12 +43,21 @@ class StepStream:
 
 
 class WorkerClient:
-    """Talks to one worker at `address` (host:port)."""
+    """Talks to one worker at `address` (host:port).
 
-    def __init__(self, address: str):
+    credentials: TLS (specdec.security.channel_credentials), else plaintext; server_name: the name the
+    worker's certificate must carry when it differs from the address (grpc.ssl_target_name_override).
+    """
+
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None,
+                 server_name: str | None = None):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
-                                                              ("grpc.max_send_message_length", 64 << 20)])
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                   *channel_options(server_name)]
+        if credentials is None:
+            self.channel = grpc.insecure_channel(address, options=options)
+        else:
+            self.channel = grpc.secure_channel(address, credentials, options=options)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 

@@ -210,18 +210,21 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 class SimWorkerServer:
-    """A SimWorkerServicer on 127.0.0.1 (port 0, or a given port to come back at the same address)."""
+    """A SimWorkerServicer on 127.0.0.1 (port 0, or a given port to come back at the same address); TLS with
+    `credentials`."""
 
     def __init__(self, block_size: int = 4, num_blocks: int = 256, step_time_s: float = 0.0,
                  num_speculative_tokens: int = 3, num_accepted=lambda step_id, request_id: 1_000, port: int = 0,
-                 is_checking_kv: bool = True, model_id: str = "sim"):
+                 is_checking_kv: bool = True, model_id: str = "sim", credentials: grpc.ServerCredentials | None = None):
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)])
         health_servicer = health.HealthServicer()
         self.servicer = SimWorkerServicer(health_servicer, block_size, num_blocks, step_time_s,
                                           num_speculative_tokens, num_accepted, is_checking_kv, model_id)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
-        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        address = f"127.0.0.1:{port}"
+        self.port = (self.server.add_secure_port(address, credentials) if credentials
+                     else self.server.add_insecure_port(address))
         assert self.port, f"cannot listen on 127.0.0.1:{port}"
         self.address = f"127.0.0.1:{self.port}"
         self.server.start()

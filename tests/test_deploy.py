@@ -23,7 +23,7 @@ from specdec.cli import build_parser
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEALTHCHECK = ROOT / "deploy" / "healthcheck.py"
 K8S = ROOT / "deploy" / "k8s"
-K8S_MANIFESTS = sorted(K8S.glob("*.yaml"))
+K8S_MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 # The newest Kubernetes version whose schemas kubernetes-validate==1.37.0 bundles.
 KUBERNETES_VERSION = "1.37.0"
 ANSWERS = "--allow-not-serving"  # healthcheck.py: alive if it answers, SERVING or not
@@ -36,8 +36,9 @@ def _venv_tool(name: str) -> str:
     return str(binary)
 
 
-def _docker_compose(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([_venv_tool("docker-compose"), "-f", str(ROOT / "compose.yaml"), *args], cwd=ROOT,
+def _docker_compose(*args: str, files=("compose.yaml",)) -> subprocess.CompletedProcess:
+    file_args = [arg for name in files for arg in ("-f", str(ROOT / name))]
+    return subprocess.run([_venv_tool("docker-compose"), *file_args, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
 
 

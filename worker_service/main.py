@@ -4,6 +4,7 @@ import logging
 import signal
 import threading
 
+import grpc
 import torch
 
 from worker_service.config import WorkerConfig
@@ -28,9 +29,15 @@ def build_worker(config: WorkerConfig) -> Worker:
     return Worker(config, target, draft)
 
 
-def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = True) -> int:
-    """Serves until SIGTERM/SIGINT. Prints `worker listening on HOST:PORT` once bound."""
-    server, servicer, bound_port = create_server(host, port)
+def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = True,
+               credentials: grpc.ServerCredentials | None = None) -> int:
+    """Serves until SIGTERM/SIGINT. Prints `worker listening on HOST:PORT` once bound.
+
+    credentials: TLS on the port (specdec.security.server_credentials; with a CA only clients with a
+    certificate it signed get in); None: plaintext.
+    """
+    server, servicer, bound_port = create_server(host, port, credentials=credentials)
+    logger.info("%s on %s:%d", "plaintext" if credentials is None else "TLS", host, bound_port)
     print(f"worker listening on {host}:{bound_port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -157,11 +157,13 @@ KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeou
                      ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 
-def create_server(host: str, port: int, max_workers: int = 16) -> tuple[grpc.Server, WorkerServicer, int]:
+def create_server(host: str, port: int, max_workers: int = 16, credentials: grpc.ServerCredentials | None = None,
+                  ) -> tuple[grpc.Server, WorkerServicer, int]:
     """A started server with the Worker, health and reflection services; returns the bound port.
 
     Only one step stream at a time holds a thread for long (one session, one stream); any other gets
-    FAILED_PRECONDITION at once, so the pool stays free for health checks.
+    FAILED_PRECONDITION at once, so the pool stays free for health checks. credentials: a TLS port
+    (specdec.security.server_credentials; with a CA, clients need a certificate), else plaintext.
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20),
@@ -174,7 +176,8 @@ def create_server(host: str, port: int, max_workers: int = 16) -> tuple[grpc.Ser
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (address in use?)")
     server.start()

@@ -10,6 +10,7 @@ import os
 import sys
 
 from scheduler_service import flags as scheduler_flags
+from specdec import security
 from worker_service import flags as worker_flags
 from worker_service import models
 
@@ -35,8 +36,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker_service.model_loader import ModelLoadError
 
     try:
+        credentials = security.server_credentials(security.server_tls_from_args(args))  # before the model
         config = worker_flags.config_from_args(args, str(models.resolve_model(args.model)), args.num_threads)
-        return run_worker(config, args.host, args.port)
+        return run_worker(config, args.host, args.port, credentials=credentials)
     except (ModelLoadError, ValueError, OSError, RuntimeError) as exc:
         print(f"specdec worker: error: {exc}", file=sys.stderr)
         return 1
@@ -75,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flag(worker, "checkpoint directory or .gguf file")
     worker_flags.add_flags(worker)
     worker.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    security.add_server_tls_flags(worker, "the worker port")
     worker.set_defaults(func=cmd_worker)
 
     scheduler = sub.add_parser("scheduler", help="run the scheduler (client API) for running workers")
@@ -85,9 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="a worker, or every address a DNS name resolves to (repeatable)")
     _add_model_flag(scheduler, "the workers' model, for its tokenizer")
     scheduler_flags.add_flags(scheduler)
+    scheduler_flags.add_security_flags(scheduler)
     scheduler.set_defaults(func=cmd_scheduler)
 
-    serve = sub.add_parser("serve", help="start workers and the scheduler on loopback")
+    serve = sub.add_parser("serve", help="start workers and the scheduler on loopback",
+                           description="Starts worker processes and the scheduler. The workers listen on "
+                                       "127.0.0.1 in plaintext; --ssl-* and --api-key-file protect the client port.")
     serve.add_argument("--host", default="127.0.0.1", help="client API host (default: %(default)s)")
     serve.add_argument("--port", type=int, default=50051, help="client API port; 0: any (default: %(default)s)")
     _add_model_flag(serve, "checkpoint directory or .gguf file")
@@ -97,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-threads", type=int, default=None,
                        help="torch threads per worker (default: the cores / --num-workers)")
     scheduler_flags.add_flags(serve, with_model_flags=False)
+    scheduler_flags.add_security_flags(serve, with_worker_flags=False)  # its loopback workers stay plaintext
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream a completion from a running server")
@@ -110,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="reproducible sampling")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--no-speculation", action="store_true", help="decode this request without drafts")
+    gen.add_argument("--ca-file", default=None, metavar="PEM",
+                     help="CA of the server's certificate: connect with TLS (default: plaintext)")
+    gen.add_argument("--cert-file", default=None, metavar="PEM", help="client certificate, for mutual TLS")
+    gen.add_argument("--key-file", default=None, metavar="PEM", help="private key of --cert-file")
+    gen.add_argument("--server-name", default=None, metavar="NAME",
+                     help="the name the server's certificate must carry (default: the host of --address)")
+    gen.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help=f"file with the API key (its first key); default: ${security.API_KEY_ENV}, if set")
     gen.set_defaults(func=cmd_generate)
     return parser
 

@@ -5,6 +5,7 @@ import sys
 
 import grpc
 
+from specdec import security
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 
@@ -22,11 +23,30 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     return request
 
 
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """TLS when any of --ca-file/--cert-file/--key-file is given (ValueError for a bad combination)."""
+    if not (args.ca_file or args.cert_file or args.key_file):
+        return grpc.insecure_channel(args.address)
+    if bool(args.cert_file) != bool(args.key_file):
+        raise ValueError("--cert-file and --key-file go together: give both or neither")
+    credentials = grpc.ssl_channel_credentials(root_certificates=security.read_file(args.ca_file, "--ca-file"),
+                                               private_key=security.read_file(args.key_file, "--key-file"),
+                                               certificate_chain=security.read_file(args.cert_file, "--cert-file"))
+    return grpc.secure_channel(args.address, credentials, options=security.channel_options(args.server_name))
+
+
 def generate(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.address) as channel:
+    try:
+        channel = open_channel(args)
+        api_key = security.load_client_api_key(args.api_key_file)
+    except ValueError as exc:
+        print(f"specdec generate: error: {exc}", file=sys.stderr)
+        return 1
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+    with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
-            for response in stub.Generate(build_request(args)):
+            for response in stub.Generate(build_request(args), metadata=metadata):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 if response.finish_reason:
