@@ -31,6 +31,8 @@ def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None
                    help="how often dns:/// worker names are resolved again (default: %(default)s)")
     p.add_argument("--worker-wait-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long a request waits while no worker serves, then UNAVAILABLE (default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve the scheduler's Prometheus metrics at http://HOST:PORT/metrics; 0: off (default)")
 
 
 def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses: list[str]) -> SchedulerOptions:
@@ -41,4 +43,4 @@ def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses
                             max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
                             speculative_disable_queue_size=args.speculative_disable_queue_size,
                             scheduling=args.scheduling, worker_refresh_interval_s=args.worker_refresh_interval,
-                            worker_wait_timeout_s=args.worker_wait_timeout)
+                            worker_wait_timeout_s=args.worker_wait_timeout, metrics_port=args.metrics_port)

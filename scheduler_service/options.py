@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from scheduler_service.config import SchedulerConfig
+from specdec.metrics_server import check_metrics_port
 
 MAX_DEFAULT_KV_BLOCKS = 4096
 
@@ -26,6 +27,7 @@ class SchedulerOptions:
     worker_refresh_interval_s: float = 10.0
     worker_wait_timeout_s: float = 60.0
     first_worker_timeout_s: float = 600.0   # the process exits when no worker answers in time
+    metrics_port: int = 0                   # Prometheus /metrics on host:metrics_port; 0: off
 
     def __post_init__(self) -> None:
         if not self.worker_addresses:
@@ -34,6 +36,7 @@ class SchedulerOptions:
             raise ValueError(f"--worker-refresh-interval must be > 0, got {self.worker_refresh_interval_s}")
         if self.worker_wait_timeout_s < 0:
             raise ValueError(f"--worker-wait-timeout must be >= 0, got {self.worker_wait_timeout_s}")
+        check_metrics_port(self.metrics_port)
 
 
 def scheduler_config(opts: SchedulerOptions, info) -> SchedulerConfig:

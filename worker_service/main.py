@@ -6,6 +6,7 @@ import threading
 
 import torch
 
+from specdec.metrics_server import start_metrics_server
 from worker_service.config import WorkerConfig
 from worker_service.model_loader import load_model
 from worker_service.model_runner import ModelRunner
@@ -26,9 +27,18 @@ def build_worker(config: WorkerConfig) -> Worker:
     return Worker(config, target, draft)
 
 
-def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = True) -> int:
-    """Serves until SIGTERM/SIGINT. Prints `worker listening on HOST:PORT` once bound."""
+def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = True, metrics_port: int = 0) -> int:
+    """Serves until SIGTERM/SIGINT. Prints `worker listening on HOST:PORT` once bound.
+
+    metrics_port: Prometheus metrics at http://HOST:PORT/metrics (0: off).
+    """
     server, servicer, bound_port = create_server(host, port)
+    try:
+        metrics_server = start_metrics_server(servicer.metrics.registry, host, metrics_port, "worker") \
+            if metrics_port else None
+    except OSError:
+        server.stop(grace=None)
+        raise
     print(f"worker listening on {host}:{bound_port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -46,4 +56,6 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
     logger.info("shutting down")
     server.stop(grace=5).wait()
     servicer.close()
+    if metrics_server is not None:
+        metrics_server.shutdown()
     return 0
