@@ -59,8 +59,8 @@ METRICS = (
     _info("worker_serving", "gauge", "1 while the worker serves, 0 while it joins or after it left.", "worker"),
     _info("prompt_tokens_total", "counter", "Prompt tokens of requests that emitted their first token."),
     _info("generation_tokens_total", "counter", "Output tokens delivered to clients."),
-    _info("request_success_total", "counter", "Finished requests by finish reason (abort: cancelled, or failed).",
-          "finished_reason"),
+    _info("request_success_total", "counter", "Finished requests by finish reason: stop, length, abort (cancelled, "
+          "or failed: no worker, moved too often).", "finished_reason"),
     _info("time_to_first_token_seconds", "histogram", "From arrival to the first output token."),
     _info("inter_token_latency_seconds", "histogram",
           "Between output tokens: each later output's gap divided over the tokens it carries, once per token."),
@@ -69,7 +69,8 @@ METRICS = (
     _info("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed."),
     _info("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
     _info("spec_decode_num_accepted_tokens_per_pos_total", "counter",
-          "Sequence-steps that accepted the draft at this position (0-based); sums to the accepted total.",
+          "Sequence-steps that accepted the draft at this position (0..K-1); a step that accepted n drafts counts "
+          "at 0..n-1, so the positions sum to the accepted total.",
           "position"),
     _info("num_steps_speculation_disabled_total", "counter", "Steps run without drafts because of the queue size."),
     _info("num_preemptions_total", "counter", "Requests preempted (recomputed later) for lack of KV blocks."),
