@@ -31,7 +31,7 @@ def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None
                    help="how often dns:/// worker names are resolved again (default: %(default)s)")
     p.add_argument("--worker-wait-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long a request waits while no worker serves, then UNAVAILABLE (default: %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=0,
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="serve the scheduler's Prometheus metrics at http://HOST:PORT/metrics; 0: off (default)")
 
 

@@ -34,8 +34,8 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
     """
     server, servicer, bound_port = create_server(host, port)
     try:
-        metrics_server = start_metrics_server(servicer.metrics.registry, host, metrics_port, "worker") \
-            if metrics_port else None
+        metrics_server = (start_metrics_server(servicer.metrics.registry, host, metrics_port, "worker")
+                          if metrics_port else None)
     except OSError:
         server.stop(grace=None)
         raise

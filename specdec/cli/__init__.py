@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flag(worker, "checkpoint directory or .gguf file")
     worker_flags.add_flags(worker)
     worker.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
-    worker.add_argument("--metrics-port", type=int, default=0,
+    worker.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                         help="serve Prometheus metrics at http://HOST:PORT/metrics; 0: off (default)")
     worker.set_defaults(func=cmd_worker)
 

@@ -10,9 +10,13 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
+from scheduler_service import flags as scheduler_flags
 from scheduler_service.metrics import METRICS, cluster_registry
+from scheduler_service.options import SchedulerOptions
 from scheduler_service.request import Request
 from scheduler_service.scheduler import SchedulerStats
+from specdec.cli import build_parser
+from specdec.cli.serve import serve
 from specdec.metrics_server import start_metrics_server
 from tests.scheduler.test_cluster import (Streams, make_cluster, partial_acceptance, prompts, serving, wait_idle,
                                           wait_until)
@@ -185,3 +189,16 @@ def test_metrics_port_in_use_is_an_error(metrics_cluster):
     with pytest.raises(OSError):
         start_metrics_server(cluster_registry(cluster), "127.0.0.1", port, "scheduler")
     assert Scrape(port).value("specdec:num_requests_running") == 0
+
+
+@pytest.mark.parametrize("port", [-1, 65536])
+def test_metrics_port_out_of_range_is_rejected(port):
+    with pytest.raises(ValueError, match="--metrics-port"):
+        SchedulerOptions(model_dir="", worker_addresses=("127.0.0.1:1",), metrics_port=port)
+
+
+def test_serve_forwards_a_metrics_port_per_worker_and_rejects_a_range_past_65535(capsys):
+    args = build_parser().parse_args(["serve", "--metrics-port", "9090", "--worker-metrics-port", "65535",
+                                      "--num-workers", "2"])
+    assert scheduler_flags.options_from_args(args, "", ["127.0.0.1:1"]).metrics_port == 9090
+    assert serve(args) == 2 and "--worker-metrics-port" in capsys.readouterr().err
