@@ -33,6 +33,7 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine import WorkerEngine, WorkerSnapshot, WorkerState
 from scheduler_service.handle import EngineError, ModelFacts, RequestHandle
 from scheduler_service.membership import Membership
+from scheduler_service.metrics import RequestMetrics
 from scheduler_service.options import SchedulerOptions, scheduler_config
 from scheduler_service.pipeline import BusyStats
 from scheduler_service.request import Request, RequestOutput, RequestStatus
@@ -55,6 +56,7 @@ class ClusterSnapshot:
     stats: SchedulerStats          # summed over every worker, those gone included
     busy: BusyStats
     num_worker_failures: int
+    num_engine_errors: int
     num_requests: int              # accepted by the API (a moved request counts once)
     num_moved_requests: int
     num_waiting_for_worker: int
@@ -82,6 +84,7 @@ class Cluster:
         self._num_requests = 0
         self._num_moved_requests = 0
         self.num_maintenance_errors = 0
+        self.request_metrics = RequestMetrics()  # exported by metrics.cluster_registry
         self._was_serving = False
         self._is_stopping = False
         self._stop_reason = ""
@@ -158,7 +161,9 @@ class Cluster:
                 self._waiting.remove(handle)
                 handle.request.status = RequestStatus.FINISHED_ABORTED
             del self._handles[request_id]
-            handle.outputs.put(handle.request.make_output([], ""))  # finish_reason "abort", usage so far
+            output = handle.request.make_output([], "")  # finish_reason "abort", usage so far
+            self.request_metrics.on_output(handle, output)
+            handle.outputs.put(output)
             return True
 
     @property
@@ -172,8 +177,9 @@ class Cluster:
             engines = [*self._engines.values(), *self._retired]
             return ClusterSnapshot(
                 workers=tuple(e.snapshot() for e in self._engines.values()),
-                stats=_sum([e.stats for e in engines], SchedulerStats), busy=_sum([e.busy for e in engines], BusyStats),
-                num_worker_failures=sum(e.num_failures for e in engines), num_requests=self._num_requests,
+                stats=SchedulerStats.total([e.stats for e in engines]), busy=_sum([e.busy for e in engines], BusyStats),
+                num_worker_failures=sum(e.num_failures for e in engines),
+                num_engine_errors=sum(e.num_engine_errors for e in engines), num_requests=self._num_requests,
                 num_moved_requests=self._num_moved_requests, num_waiting_for_worker=len(self._waiting))
 
     # ------------------------------------------------------------------ called by engines (lock held)
@@ -232,6 +238,7 @@ class Cluster:
             handle = self._handles.get(output.request_id)
             if handle is None:
                 continue
+            self.request_metrics.on_output(handle, output)
             handle.outputs.put(output)
             if output.finish_reason is not None:
                 handle.is_done = True
@@ -293,6 +300,7 @@ class Cluster:
             self._waiting.remove(handle)
         self._handles.pop(handle.request_id, None)
         handle.request.status = RequestStatus.FINISHED_ABORTED
+        self.request_metrics.on_failed(handle)
         handle.outputs.put(EngineError(code, message))
 
     def _serving_changed(self) -> None:

@@ -63,6 +63,7 @@ class WorkerSnapshot:
     stats: SchedulerStats
     busy: BusyStats
     num_failures: int
+    num_engine_errors: int           # unexpected exceptions the engine caught
     last_error: str | None           # why it last failed to join or left, for operators
     num_running: int
     num_waiting: int
@@ -125,7 +126,8 @@ class WorkerEngine:
         s = self.scheduler
         return WorkerSnapshot(
             address=self.address, state=self.state, config=self.config, stats=replace(self.stats),
-            busy=replace(self.busy), num_failures=self.num_failures, last_error=self.last_error,
+            busy=replace(self.busy), num_failures=self.num_failures,
+            num_engine_errors=self.num_engine_errors, last_error=self.last_error,
             num_running=len(s.running) if s else 0, num_waiting=len(s.waiting) if s else 0,
             num_free_blocks=s.num_free_blocks if s else 0,
             num_total_blocks=self.config.num_kv_blocks if s and self.config else 0)

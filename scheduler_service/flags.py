@@ -47,6 +47,8 @@ def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None
     p.add_argument("--shutdown-grace-period", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM: how long running requests may finish before they are aborted "
                         "(default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve the scheduler's Prometheus metrics at http://HOST:PORT/metrics; 0: off (default)")
 
 
 def add_security_flags(p: argparse.ArgumentParser, with_worker_flags: bool = True) -> None:
@@ -89,4 +91,5 @@ def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses
                             worker_wait_timeout_s=args.worker_wait_timeout,
                             worker_step_timeout_s=args.worker_step_timeout, take_over_workers=args.take_over_workers,
                             max_waiting_requests=args.max_waiting_requests, max_open_streams=args.max_open_streams,
-                            shutdown_grace_period_s=args.shutdown_grace_period, **_security_options(args))
+                            shutdown_grace_period_s=args.shutdown_grace_period, metrics_port=args.metrics_port,
+                            **_security_options(args))

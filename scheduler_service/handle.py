@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 import queue
+import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -43,6 +44,8 @@ class RequestHandle:
         self.wait_deadline: float | None = None
         self.outputs: queue.Queue = queue.Queue()
         self.is_done = False
+        self.arrival_s = time.monotonic()        # request-latency metrics (metrics.RequestMetrics)
+        self.last_token_s: float | None = None   # when the last output with tokens was handed over
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         item = self.outputs.get(timeout=timeout)

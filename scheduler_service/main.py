@@ -13,9 +13,11 @@ import time
 from scheduler_service.auth import security_hooks
 from scheduler_service.cluster import Cluster
 from scheduler_service.membership import Membership, parse_worker_spec
+from scheduler_service.metrics import cluster_registry
 from scheduler_service.options import SchedulerOptions
 from scheduler_service.server import create_server
 from scheduler_service.tokenizer import ChatTokenizer
+from specdec.metrics_server import start_metrics_server
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +36,19 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     cluster = Cluster(opts, membership, tokenizer, servicer.set_serving)
+    try:
+        metrics_server = (start_metrics_server(cluster_registry(cluster), opts.host, opts.metrics_port, "scheduler")
+                          if opts.metrics_port else None)
+    except OSError:
+        server.stop(grace=None)
+        raise
     cluster.start()
     try:
         facts = cluster.wait_for_facts(opts.first_worker_timeout_s)
     except TimeoutError:
         server.stop(grace=None)
         cluster.stop()
+        _stop_metrics(metrics_server)
         raise
     servicer.attach(cluster, tokenizer)
     logger.info("serving %s from %s; %s scheduling", facts.model_id, ", ".join(opts.worker_addresses),
@@ -49,7 +58,13 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
         pass
     drain(servicer, cluster, opts.shutdown_grace_period_s)
     server.stop(grace=2).wait()  # the last messages (aborts included) go out
+    _stop_metrics(metrics_server)
     return 0
+
+
+def _stop_metrics(metrics_server) -> None:
+    if metrics_server is not None:
+        metrics_server.shutdown()
 
 
 def drain(servicer, cluster: Cluster, grace_period_s: float) -> None:

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from scheduler_service.config import SchedulerConfig
 from specdec.security import TlsFiles
+from specdec.metrics_server import check_metrics_port
 
 MAX_DEFAULT_KV_BLOCKS = 4096
 
@@ -38,6 +39,7 @@ class SchedulerOptions:
     worker_tls: TlsFiles = TlsFiles(flag_prefix="--worker-ssl-", is_server=False)
     worker_server_name: str | None = None
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)   # secrets: never in a repr or a log
+    metrics_port: int = 0                   # Prometheus /metrics on host:metrics_port; 0: off
 
     def __post_init__(self) -> None:
         if not self.worker_addresses:
@@ -56,6 +58,7 @@ class SchedulerOptions:
             raise ValueError(f"--shutdown-grace-period must be >= 0, got {self.shutdown_grace_period_s}")
         if self.worker_server_name and not self.worker_tls.is_enabled:
             raise ValueError("--worker-ssl-server-name needs TLS to the workers (--worker-ssl-ca-certs, ...)")
+        check_metrics_port(self.metrics_port)
 
 
 def scheduler_config(opts: SchedulerOptions, info) -> SchedulerConfig:

@@ -14,7 +14,8 @@ may write are never freed before its result has been applied.
 
 from bisect import insort
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from itertools import zip_longest
 import logging
 
 from scheduler_service.block_manager import BlockManager
@@ -34,11 +35,36 @@ class SchedulerStats:
     num_requests: int = 0
     num_steps: int = 0
     num_steps_speculation_disabled: int = 0  # steps auto-disabled by the running-queue size
+    num_drafts: int = 0                      # (request, step) pairs with at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # [i]: (request, step) pairs that accepted draft position i; a pair that accepted n drafts counts at
+    # 0..n-1 (accepted drafts are a prefix), so the sum is num_accepted_tokens. A tuple: snapshots share it.
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    num_prompt_tokens: int = 0               # prompts of requests that emitted their first token
     num_emitted_tokens: int = 0              # tokens delivered to clients
     num_sequence_steps: int = 0              # (request, step) pairs that delivered tokens
     num_preemptions: int = 0
+
+    @classmethod
+    def total(cls, stats: list["SchedulerStats"]) -> "SchedulerStats":
+        """The sum of several workers' counters (per-position counts element-wise)."""
+        per_pos = tuple(map(sum, zip_longest(*(s.num_accepted_tokens_per_pos for s in stats), fillvalue=0)))
+        return cls(**{f.name: sum(getattr(s, f.name) for s in stats) for f in fields(cls)
+                      if f.name != "num_accepted_tokens_per_pos"}, num_accepted_tokens_per_pos=per_pos)
+
+    def count_speculation(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Adds one (request, step) pair's drafts and accepted drafts."""
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        if num_draft_tokens > 0:
+            self.num_drafts += 1
+        if num_accepted_tokens > 0:
+            per_pos = list(self.num_accepted_tokens_per_pos)
+            per_pos += [0] * (num_accepted_tokens - len(per_pos))
+            for position in range(num_accepted_tokens):
+                per_pos[position] += 1
+            self.num_accepted_tokens_per_pos = tuple(per_pos)
 
 
 @dataclass
@@ -308,10 +334,11 @@ class Scheduler:
                       output: SequenceOutput | None) -> RequestOutput | None:
         new_token_ids, status = request.apply_step_output(scheduled, output, self.config.max_model_len)
         if output is not None:
-            self.stats.num_draft_tokens += output.num_draft_tokens
-            self.stats.num_accepted_tokens += output.num_accepted_tokens
+            self.stats.count_speculation(output.num_draft_tokens, output.num_accepted_tokens)
         if not new_token_ids:
             return None  # a prefill chunk short of the prompt's end
+        if request.num_output_tokens == len(new_token_ids):  # its first tokens: the prompt is processed
+            self.stats.num_prompt_tokens += request.num_prompt_tokens
         text = request.detokenizer.next_text_delta(status is not None) if request.detokenizer is not None else ""
         if status is not None:
             self._finish(request, status)

@@ -7,6 +7,7 @@ import threading
 import grpc
 import torch
 
+from specdec.metrics_server import start_metrics_server
 from worker_service.config import WorkerConfig
 from worker_service.model_loader import load_model
 from worker_service.model_runner import ModelRunner
@@ -30,14 +31,21 @@ def build_worker(config: WorkerConfig) -> Worker:
 
 
 def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = True,
-               credentials: grpc.ServerCredentials | None = None) -> int:
+               credentials: grpc.ServerCredentials | None = None, metrics_port: int = 0) -> int:
     """Serves until SIGTERM/SIGINT. Prints `worker listening on HOST:PORT` once bound.
 
     credentials: TLS on the port (specdec.security.server_credentials; with a CA only clients with a
-    certificate it signed get in); None: plaintext.
+    certificate it signed get in); None: plaintext. metrics_port: Prometheus metrics at
+    http://HOST:PORT/metrics (0: off).
     """
     server, servicer, bound_port = create_server(host, port, credentials=credentials)
     logger.info("%s on %s:%d", "plaintext" if credentials is None else "TLS", host, bound_port)
+    try:
+        metrics_server = (start_metrics_server(servicer.metrics.registry, host, metrics_port, "worker")
+                          if metrics_port else None)
+    except OSError:
+        server.stop(grace=None)
+        raise
     print(f"worker listening on {host}:{bound_port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -61,4 +69,6 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
         logger.warning("the step in flight did not finish within %.0f s", SHUTDOWN_STEP_WAIT_S)
     server.stop(grace=1).wait()  # its result goes out; the scheduler then moves the session's requests
     servicer.close()
+    if metrics_server is not None:
+        metrics_server.shutdown()
     return 0

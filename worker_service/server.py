@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec.convert import step_request_from_proto, step_result_to_proto
 from specdec.v1 import worker_pb2, worker_pb2_grpc
+from worker_service.metrics import WorkerMetrics
 from worker_service.request_state import InvalidStepError
 from worker_service.session import SessionError, SessionGate, session_id_of
 from worker_service.worker import Worker
@@ -37,6 +38,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.worker: Worker | None = None
         self.model_id = ""
         self.health = health_servicer
+        self.metrics = WorkerMetrics()   # served by run_worker with --metrics-port
         self.compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.sessions = SessionGate()
         self.is_stopping = False   # SIGTERM: finish the step in flight, then end the step stream
@@ -148,6 +150,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except SessionError as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            self.metrics.observe_step(result)
             yield step_result_to_proto(result)
 
 

@@ -11,6 +11,7 @@ import sys
 
 from scheduler_service import flags as scheduler_flags
 from specdec import security
+from specdec.metrics_server import check_metrics_port
 from worker_service import flags as worker_flags
 from worker_service import models
 
@@ -38,7 +39,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     try:
         credentials = security.server_credentials(security.server_tls_from_args(args))  # before the model
         config = worker_flags.config_from_args(args, str(models.resolve_model(args.model)), args.num_threads)
-        return run_worker(config, args.host, args.port, credentials=credentials)
+        check_metrics_port(args.metrics_port)
+        return run_worker(config, args.host, args.port, credentials=credentials, metrics_port=args.metrics_port)
     except (ModelLoadError, ValueError, OSError, RuntimeError) as exc:
         print(f"specdec worker: error: {exc}", file=sys.stderr)
         return 1
@@ -78,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker_flags.add_flags(worker)
     worker.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     security.add_server_tls_flags(worker, "the worker port")
+    worker.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics; 0: off (default)")
     worker.set_defaults(func=cmd_worker)
 
     scheduler = sub.add_parser("scheduler", help="run the scheduler (client API) for running workers")
@@ -102,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="worker processes; the CPU cores are split between them (default: %(default)s)")
     serve.add_argument("--num-threads", type=int, default=None,
                        help="torch threads per worker (default: the cores / --num-workers)")
+    serve.add_argument("--worker-metrics-port", type=int, default=0, metavar="BASE",
+                       help="worker i serves Prometheus metrics on port BASE + i; 0: off (default)")
     scheduler_flags.add_flags(serve, with_model_flags=False)
     scheduler_flags.add_security_flags(serve, with_worker_flags=False)  # its loopback workers stay plaintext
     serve.set_defaults(func=cmd_serve)

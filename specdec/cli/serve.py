@@ -103,6 +103,10 @@ def serve(args: argparse.Namespace) -> int:
     if args.num_workers < 1:
         print(f"specdec serve: error: --num-workers must be >= 1, got {args.num_workers}", file=sys.stderr)
         return 2
+    if args.worker_metrics_port and not 0 < args.worker_metrics_port <= 65536 - args.num_workers:
+        print(f"specdec serve: error: --worker-metrics-port {args.worker_metrics_port} + {args.num_workers} workers "
+              "is not a port range in 1..65535 (0: off)", file=sys.stderr)
+        return 2
     workers: list[WorkerProcess] = []
     stop = threading.Event()
     fatal: list[str] = []
@@ -115,7 +119,8 @@ def serve(args: argparse.Namespace) -> int:
         model_dir = str(models.resolve_model(args.model))
         argv = _worker_argv(args, model_dir)
         for index in range(args.num_workers):
-            workers.append(WorkerProcess(index, argv))
+            metrics_port = args.worker_metrics_port + index if args.worker_metrics_port else 0
+            workers.append(WorkerProcess(index, [*argv, "--metrics-port", str(metrics_port)]))
             workers[-1].start()
         for worker in workers:
             threading.Thread(target=worker.supervise, args=(on_fatal,), daemon=True).start()

@@ -1,0 +1,44 @@
+"""`specdec serve --metrics-port P --worker-metrics-port Q`: both endpoints, scraped over HTTP, with the tiny pair."""
+
+import socket
+
+from specdec.v1 import generation_pb2 as pb
+from tests.e2e.client import greedy_request, serve, stream_all
+from tests.scheduler.test_metrics import Scrape
+from worker_service.metrics import METRICS as WORKER_METRICS
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40] * 12, [10, 11, 12, 10, 11, 12, 10]]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_scheduler_and_worker_metrics_ports(tiny_pair):
+    scheduler_port, worker_port = free_port(), free_port()
+    args = ["--model", str(tiny_pair.target_path), "--block-size", "4", "--num-threads", "1", "--proposer", "ngram",
+            "--num-speculative-tokens", "3", "--metrics-port", str(scheduler_port),
+            "--worker-metrics-port", str(worker_port)]
+    with serve(args) as server:
+        results = stream_all(server.stub, [greedy_request(p, 24) for p in PROMPTS])
+        info = server.wait_idle()
+        scheduler, worker = Scrape(scheduler_port), Scrape(worker_port)
+    assert all(last.finish_reason == pb.FINISH_REASON_LENGTH for _, last in results)
+    assert scheduler.value("specdec:generation_tokens_total") == sum(len(tokens) for tokens, _ in results)
+    assert scheduler.value("specdec:request_success_total", finished_reason="length") == len(PROMPTS)
+    drafted = scheduler.value("specdec:spec_decode_num_draft_tokens_total")
+    assert drafted == info.counters.num_drafted_tokens > 0  # repetitive prompts: n-gram drafts
+    per_pos = scheduler.by_label("specdec:spec_decode_num_accepted_tokens_per_pos_total", "position")
+    assert sum(per_pos.values()) == scheduler.value("specdec:spec_decode_num_accepted_tokens_total")
+    assert scheduler.value("specdec:kv_cache_usage_perc") == 0.0
+
+    # The worker's step histograms: one observation per step, and the phases fit in the whole step.
+    num_steps = worker.value("specdec:worker_steps_total")
+    assert num_steps == info.counters.num_steps > 0
+    for phase in ("", "_propose", "_score", "_verify"):
+        assert worker.value(f"specdec:worker_step{phase}_seconds_count") == num_steps
+    assert 0 < worker.value("specdec:worker_step_score_seconds_sum") <= worker.value("specdec:worker_step_seconds_sum")
+    assert worker.value("specdec:worker_speculating_seqs_total") > 0
+    assert worker.exposed_names() == {name for name, _, _ in WORKER_METRICS}
