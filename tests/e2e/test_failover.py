@@ -6,6 +6,7 @@ position), a request's tokens do not depend on the batch, on preemption or on
 moving to another worker.
 """
 
+import signal
 import threading
 import time
 
@@ -67,11 +68,19 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "the condition") ->
         time.sleep(0.05)
 
 
-def test_sigkill_a_worker_mid_stream_then_restart_it(tiny_pair, reference):
+STEP_TIMEOUT_S = 3.0
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP", "SIGTERM"])
+def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, reference, how):
+    """Killed (its stream fails), stopped (no step result: the step timeout finds it) or terminated (it finishes
+    its step in flight and leaves): its requests move and every stream completes exactly; then a worker
+    restarted at the same address takes work again."""
     workers = [start_worker(tiny_pair) for _ in range(2)]
     addresses = [w.address() for w in workers]
     try:
         with running(["scheduler", "--port", "0", "--model", str(tiny_pair.target_path), "--block-size", "4",
+                      "--worker-step-timeout", str(STEP_TIMEOUT_S),
                       "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
             channel = grpc.insecure_channel(scheduler.address(who="scheduler "))
             stub = generation_pb2_grpc.GenerationStub(channel)
@@ -98,7 +107,12 @@ def test_sigkill_a_worker_mid_stream_then_restart_it(tiny_pair, reference):
             wait_until(lambda: all(sum(map(len, c)) >= 4 for c in chunks), what="every stream to begin")
             before = {a: worker_status(stub, a) for a in addresses}
             assert all(s.num_running > 0 for s in before.values()), before  # spread over both workers
-            workers[0].proc.kill()  # SIGKILL, mid-stream
+            failed_at = time.monotonic()
+            workers[0].proc.send_signal(getattr(signal, how))  # mid-stream
+            wait_until(lambda: worker_status(stub, addresses[0]).state != "serving", what="the worker to leave")
+            if how == "SIGSTOP":  # declared failed by the step timeout (health checks would take longer)
+                assert time.monotonic() - failed_at < STEP_TIMEOUT_S + 2.0
+                assert "no step result" in worker_status(stub, addresses[0]).last_error
             for thread in threads:
                 thread.join(120)
 
@@ -113,6 +127,8 @@ def test_sigkill_a_worker_mid_stream_then_restart_it(tiny_pair, reference):
             assert worker_status(stub, addresses[0]).state != "serving"
 
             port = int(addresses[0].rsplit(":", 1)[1])
+            workers[0].proc.kill()  # a stopped process too (SIGKILL works on it)
+            assert workers[0].proc.wait(60) == (0 if how == "SIGTERM" else -9)  # SIGTERM: a clean exit
             workers[0] = start_worker(tiny_pair, port)  # a restarted pod: same address
             wait_until(lambda: worker_status(stub, addresses[0]).state == "serving", what="the worker to rejoin")
             placed_before = worker_status(stub, addresses[0]).counters.num_requests

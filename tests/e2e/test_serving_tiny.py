@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec.v1 import generation_pb2 as pb
-from tests.e2e.client import greedy_request, serve, stream, stream_all
+from tests.e2e.client import Server, greedy_request, serve, stream, stream_all
 from worker_service.model_loader import load_model
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [40] * 12, [10, 11, 12, 10, 11], list(range(3, 23)), [100, 101, 102],
@@ -162,11 +162,22 @@ def test_port_taken_exits_nonzero(tiny_pair, plain_server):
         proc.wait_for("error: cannot listen")
 
 
-def test_serve_stops_cleanly_on_sigterm(tiny_pair):
+def test_sigterm_drains_running_requests_then_exits_cleanly(tiny_pair):
+    """SIGTERM with requests running: they finish (within the grace period), new ones are refused, exit 0."""
     from tests.processes import running
 
-    with running(["serve", "--port", "0", *tiny_args(tiny_pair)]) as proc:
-        proc.wait_for("scheduler ready", timeout=120)
+    with running(["serve", "--port", "0", *tiny_args(tiny_pair, "--shutdown-grace-period", "60")]) as proc:
+        server = Server(proc)
         worker_lines = len([line for line in proc.lines if line.startswith("[worker ")])
-        assert proc.stop() == 0
+        calls = [server.stub.Generate(greedy_request(p, 40), timeout=120) for p in PROMPTS[:4]]
+        for call in calls:
+            next(call)  # every request runs
+        proc.proc.terminate()
+        proc.wait_for("shutting down: 4 requests running")
+        with pytest.raises(grpc.RpcError) as refused:
+            server.stub.Complete(greedy_request([5], 4), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert [[r.finish_reason for r in call][-1] for call in calls] == [pb.FINISH_REASON_LENGTH] * 4
+        assert proc.proc.wait(60) == 0
+        server.channel.close()
         assert worker_lines > 0  # the worker ran as its own process, its output relayed

@@ -17,19 +17,23 @@ def stub(tiny_pair):
     """A real Worker service on 127.0.0.1 (port 0), serving the tiny target in this process."""
     server, servicer, port = create_server("127.0.0.1", 0)
     worker = Worker(WorkerConfig(model=str(tiny_pair.target_path)), ModelRunner(load_model(tiny_pair.target_path)))
-    worker.init_cache(64, 4)
     servicer.set_worker(worker, "tiny")
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield worker_pb2_grpc.WorkerStub(channel)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        session_id = stub.InitCache(pb.InitCacheRequest(num_blocks=64, block_size=4)).session_id
+        yield stub, session_id
     server.stop(None)
     servicer.close()
 
 
-def one_step(stub, request_id: str, sampling: pb.RequestSampling) -> pb.ExecuteModelResponse:
+def one_step(stub_and_session, request_id: str, sampling: pb.RequestSampling) -> pb.ExecuteModelResponse:
+    """One step on a stream of its own; returns once the worker has ended the stream."""
+    stub, session_id = stub_and_session
     new = pb.NewRequest(request_id=request_id, token_ids=[5, 6, 7], num_prompt_tokens=3, sampling=sampling,
                         block_ids=[0, 1], num_new_tokens=3)
     step = pb.ExecuteModelRequest(step_id=1, new_requests=[new], finished_request_ids=[request_id])
-    return next(stub.ExecuteModel(iter([step])))
+    responses = list(stub.ExecuteModel(iter([step]), metadata=[("specdec-session-id", session_id)]))
+    return responses[0]
 
 
 @pytest.mark.parametrize(
