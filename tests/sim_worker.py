@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from specdec.convert import step_request_from_proto, step_result_to_proto
 from specdec.step import SequenceOutput, StepRequest, StepResult
 from specdec.v1 import worker_pb2, worker_pb2_grpc
-from worker_service.session import SessionError, SessionGate, session_id_of
+from worker_service.session import SessionError, SessionGate, session_stream
 
 VOCAB_SIZE = 50
 PIECES = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMN"  # one character per token id
@@ -165,15 +165,8 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.InitCacheResponse(kv_cache_bytes=1024 * request.num_blocks, session_id=session_id)
 
     def ExecuteModel(self, request_iterator, context):
-        session_id = session_id_of(context.invocation_metadata())
-        try:
-            self.sessions.open_stream(session_id)
-        except SessionError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        try:
-            yield from self._execute_steps(session_id, request_iterator, context)
-        finally:
-            self.sessions.close_stream(session_id)
+        yield from session_stream(self.sessions, context,
+                                  lambda session_id: self._execute_steps(session_id, request_iterator, context))
 
     def _execute_steps(self, session_id: str, request_iterator, context):
         for request in request_iterator:

@@ -23,7 +23,7 @@ from specdec.convert import step_request_from_proto, step_result_to_proto
 from specdec.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.metrics import WorkerMetrics
 from worker_service.request_state import InvalidStepError
-from worker_service.session import SessionError, SessionGate, session_id_of
+from worker_service.session import SessionError, SessionGate, session_stream
 from worker_service.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -117,15 +117,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def ExecuteModel(self, request_iterator, context):
         """Executes the session's steps in order; one response per request."""
         worker = self._require_worker(context)
-        session_id = session_id_of(context.invocation_metadata())
-        try:
-            self.sessions.open_stream(session_id)
-        except SessionError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        try:
-            yield from self._execute_steps(worker, session_id, request_iterator, context)
-        finally:
-            self.sessions.close_stream(session_id)
+        yield from session_stream(self.sessions, context,
+                                  lambda session_id: self._execute_steps(worker, session_id, request_iterator, context))
 
     def _execute_steps(self, worker: Worker, session_id: str, request_iterator, context):
         def execute(step_request):  # on the compute thread, after every step queued before it

@@ -19,6 +19,9 @@ Rules (all checked under one lock):
 
 import secrets
 import threading
+from typing import Callable, Iterator
+
+import grpc
 
 SESSION_METADATA_KEY = "specdec-session-id"
 
@@ -74,3 +77,18 @@ class SessionGate:
 def session_id_of(metadata) -> str | None:
     """The session id in a call's invocation metadata."""
     return next((value for key, value in metadata if key == SESSION_METADATA_KEY), None)
+
+
+def session_stream(gate: SessionGate, context: grpc.ServicerContext,
+                   run_steps: Callable[[str], Iterator]) -> Iterator:
+    """ExecuteModel's body: admits the call as its session's one step stream (FAILED_PRECONDITION otherwise),
+    yields from run_steps(session_id), and closes the stream however it ends."""
+    session_id = session_id_of(context.invocation_metadata())
+    try:
+        gate.open_stream(session_id)
+    except SessionError as exc:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    try:
+        yield from run_steps(session_id)
+    finally:
+        gate.close_stream(session_id)

@@ -48,6 +48,13 @@ class Api:
             assert time.monotonic() < deadline, f"blocks still held: {info}"
             time.sleep(0.02)
 
+    def wait_live(self, num_requests: int, timeout: float = 60.0) -> None:
+        """Waits until the cluster holds `num_requests` accepted, unfinished requests."""
+        deadline = time.monotonic() + timeout
+        while self.cluster.num_live_requests < num_requests:
+            assert time.monotonic() < deadline, f"{self.cluster.num_live_requests} of {num_requests} requests live"
+            time.sleep(0.02)
+
     def complete_ok(self, prompt: list[int], max_tokens: int = 6) -> None:
         reply = self.stub.Complete(greedy_request(prompt, max_tokens), timeout=30)
         assert list(reply.token_ids) == reference_output(prompt, max_tokens)
@@ -192,10 +199,7 @@ def test_200_streams_opened_and_dropped_at_once(tiny_pair):
     (--max-open-streams 200); dropping all 200 at once frees every block."""
     with scheduler(tiny_pair, step_time_s=0.01, max_open_streams=200) as server:
         calls = [server.stub.Generate(greedy_request([i % 40 + 1, 5], 3000), timeout=120) for i in range(200)]
-        deadline = time.monotonic() + 60
-        while server.cluster.num_live_requests < 200:
-            assert time.monotonic() < deadline, f"{server.cluster.num_live_requests} of 200 streams open"
-            time.sleep(0.05)
+        server.wait_live(200)
         start = time.monotonic()
         assert server.health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
             health_pb2.HealthCheckResponse.SERVING
@@ -215,10 +219,7 @@ def test_200_streams_opened_and_dropped_at_once(tiny_pair):
 def test_the_waiting_queue_is_bounded(tiny_pair):
     with scheduler(tiny_pair, step_time_s=0.01, max_num_seqs=1, max_waiting_requests=2) as server:
         calls = [server.stub.Generate(greedy_request([i + 1, 5], 3000), timeout=60) for i in range(3)]
-        deadline = time.monotonic() + 20
-        while server.cluster.num_live_requests < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        server.wait_live(3)
         with pytest.raises(grpc.RpcError) as info:
             server.stub.Complete(greedy_request([9], 4), timeout=10)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

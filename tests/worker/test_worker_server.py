@@ -197,9 +197,8 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2_path):
             out = reference.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)
         want.append(out[0, len(p):].tolist())
     with running(["worker", "--port", "0", "--model", str(smollm2_path)]) as proc:
-        client = WorkerClient(proc.address())
+        client = SessionClient(proc.address())
         proc.wait_for("model loaded")
-        client.init_cache(NUM_BLOCKS, BLOCK_SIZE)
         got = stream_driver(client).generate(prompts, 32)
         got_ngram = stream_driver(client, num_lookahead_slots=3).generate(prompts, 32, prefix="ng",
                                                                            num_speculative_tokens=3)
