@@ -14,6 +14,7 @@ import sys
 import threading
 
 from scheduler_service import flags as scheduler_flags
+from specdec import security
 from worker_service import flags as worker_flags
 from worker_service import models
 
@@ -117,6 +118,9 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         model_dir = str(models.resolve_model(args.model))
+        # Every scheduler flag is checked, and the key and TLS files read, before any worker starts.
+        options = scheduler_flags.options_from_args(args, model_dir, ["127.0.0.1:0"])
+        security.server_credentials(options.client_tls)
         argv = _worker_argv(args, model_dir)
         for index in range(args.num_workers):
             metrics_port = args.worker_metrics_port + index if args.worker_metrics_port else 0

@@ -255,6 +255,18 @@ def test_an_unreadable_credential_file_is_one_line_naming_the_flag(tmp_path, pki
         f"specdec scheduler: error: --api-key-file {missing}: cannot read: No such file or directory"]
 
 
+@pytest.mark.parametrize("flag", ["--api-key-file", "--ssl-certfile"])
+def test_serve_checks_credential_files_before_starting_workers(tmp_path, tiny_pair, pki, flag):
+    missing = str(tmp_path / "missing.pem")
+    extra = ["--ssl-keyfile", pki["server"].keyfile] if flag == "--ssl-certfile" else []
+    result = subprocess.run([sys.executable, "-m", "specdec", "serve", "--port", "0", "--model",
+                             str(tiny_pair.target_path), flag, missing, *extra],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"specdec serve: error: {flag} {missing}: cannot read: No such file or directory"]  # no worker started
+
+
 # --- The CLI, end to end ----------------------------------------------------------------------------------
 
 def test_specdec_generate_with_a_ca_and_a_key_against_serve_with_tls_and_keys(pki, tiny_pair, tmp_path):
