@@ -7,6 +7,7 @@ others); a worker that fails before loading its model stops the server.
 """
 
 import argparse
+from dataclasses import replace
 import logging
 import os
 import subprocess
@@ -118,7 +119,8 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         model_dir = str(models.resolve_model(args.model))
-        # Every scheduler flag is checked, and the key and TLS files read, before any worker starts.
+        # Every scheduler flag is checked, and the key and TLS files read, before any worker starts (the
+        # workers' addresses are known once they listen).
         options = scheduler_flags.options_from_args(args, model_dir, ["127.0.0.1:0"])
         security.server_credentials(options.client_tls)
         argv = _worker_argv(args, model_dir)
@@ -128,7 +130,7 @@ def serve(args: argparse.Namespace) -> int:
             workers[-1].start()
         for worker in workers:
             threading.Thread(target=worker.supervise, args=(on_fatal,), daemon=True).start()
-        code = run_scheduler(scheduler_flags.options_from_args(args, model_dir, [w.address for w in workers]), stop)
+        code = run_scheduler(replace(options, worker_addresses=tuple(w.address for w in workers)), stop)
     except Exception as exc:  # noqa: BLE001 - the CLI edge: one clear line, non-zero exit
         print(f"specdec serve: error: {exc}", file=sys.stderr)
         code = 1

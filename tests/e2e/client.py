@@ -5,6 +5,7 @@ import contextlib
 import time
 
 import grpc
+import pytest
 
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
@@ -43,6 +44,15 @@ def serve(args: list[str]):
             yield server
         finally:
             server.channel.close()
+
+
+def expect_status(call, code: grpc.StatusCode, fragment: str) -> grpc.RpcError:
+    """Runs call(), which must fail with `code` and a message containing `fragment`; returns the error."""
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == code, info.value.details()
+    assert fragment in info.value.details()
+    return info.value
 
 
 def greedy_request(prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True, **kwargs) -> pb.GenerateRequest:

@@ -24,7 +24,7 @@ from scheduler_service.server import create_server
 from scheduler_service.tokenizer import ChatTokenizer
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
-from tests.e2e.client import greedy_request
+from tests.e2e.client import expect_status, greedy_request
 from tests.sim_worker import SimWorkerServer, reference_output
 
 MAX_MODEL_LEN = 4096  # the simulated worker's
@@ -158,10 +158,7 @@ def test_bad_input_gets_a_clear_status_and_the_server_keeps_serving(api_server, 
     request, code, fragment = BAD_GENERATE_REQUESTS[name]
     for call in (lambda: list(api_server.stub.Generate(request, timeout=30)),
                  lambda: api_server.stub.Complete(request, timeout=30)):
-        with pytest.raises(grpc.RpcError) as info:
-            call()
-        assert info.value.code() == code, info.value.details()
-        assert fragment in info.value.details()
+        expect_status(call, code, fragment)
     api_server.complete_ok([7, 8, 9])
     api_server.wait_all_free()
 
@@ -172,23 +169,19 @@ def test_duplicate_ids_and_aborts(api_server):
     stub = api_server.stub
     running = stub.Generate(greedy_request([5, 6], 3000, request_id="dup"), timeout=60)
     next(running)
-    with pytest.raises(grpc.RpcError) as info:
-        stub.Complete(greedy_request([5, 6], 4, request_id="dup"), timeout=30)
-    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS and "dup" in info.value.details()
+    expect_status(lambda: stub.Complete(greedy_request([5, 6], 4, request_id="dup"), timeout=30),
+                  grpc.StatusCode.ALREADY_EXISTS, "dup")
     stub.Abort(pb.AbortRequest(request_id="dup"))
     for abort in ("dup", "never-seen"):
-        with pytest.raises(grpc.RpcError) as info:
-            stub.Abort(pb.AbortRequest(request_id=abort))
-        assert info.value.code() == grpc.StatusCode.NOT_FOUND and abort in info.value.details()
+        expect_status(lambda: stub.Abort(pb.AbortRequest(request_id=abort)), grpc.StatusCode.NOT_FOUND, abort)
     assert [r.finish_reason for r in running][-1] == pb.FINISH_REASON_ABORT
     api_server.complete_ok([5, 6])
     api_server.wait_all_free()
 
 
 def test_a_passed_deadline_aborts_the_request_and_frees_its_blocks(api_server):
-    with pytest.raises(grpc.RpcError) as info:
-        list(api_server.stub.Generate(greedy_request([5, 6], 3000), timeout=0.5))
-    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    expect_status(lambda: list(api_server.stub.Generate(greedy_request([5, 6], 3000), timeout=0.5)),
+                  grpc.StatusCode.DEADLINE_EXCEEDED, "")
     ended = time.monotonic()
     api_server.wait_all_free(timeout=1.0)
     assert time.monotonic() - ended < 1.0
@@ -206,10 +199,8 @@ def test_200_streams_opened_and_dropped_at_once(tiny_pair):
         info = server.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=1.0)
         assert time.monotonic() - start < 1.0
         assert info.num_running + info.num_waiting == 200
-        with pytest.raises(grpc.RpcError) as refused:
-            server.stub.Complete(greedy_request([5], 4), timeout=10)
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "--max-open-streams" in refused.value.details()
+        expect_status(lambda: server.stub.Complete(greedy_request([5], 4), timeout=10),
+                      grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-open-streams")
         for call in calls:
             call.cancel()
         server.wait_all_free(timeout=10)
@@ -220,10 +211,8 @@ def test_the_waiting_queue_is_bounded(tiny_pair):
     with scheduler(tiny_pair, step_time_s=0.01, max_num_seqs=1, max_waiting_requests=2) as server:
         calls = [server.stub.Generate(greedy_request([i + 1, 5], 3000), timeout=60) for i in range(3)]
         server.wait_live(3)
-        with pytest.raises(grpc.RpcError) as info:
-            server.stub.Complete(greedy_request([9], 4), timeout=10)
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "2 requests are queued (--max-waiting-requests 2)" in info.value.details()
+        expect_status(lambda: server.stub.Complete(greedy_request([9], 4), timeout=10),
+                      grpc.StatusCode.RESOURCE_EXHAUSTED, "2 requests are queued (--max-waiting-requests 2)")
         for call in calls:
             call.cancel()
         server.wait_all_free()
@@ -242,10 +231,9 @@ def test_an_internal_error_fails_the_requests_with_internal_and_the_engine_goes_
 
     monkeypatch.setattr(StepPipeline, "apply", failing_apply)
     with scheduler(tiny_pair, step_time_s=0.01) as server:
-        with pytest.raises(grpc.RpcError) as info:
-            list(server.stub.Generate(greedy_request([5, 6], 200), timeout=30))
-        assert info.value.code() == grpc.StatusCode.INTERNAL
-        assert "internal error in the scheduler" in info.value.details() and "injected" in info.value.details()
+        error = expect_status(lambda: list(server.stub.Generate(greedy_request([5, 6], 200), timeout=30)),
+                              grpc.StatusCode.INTERNAL, "internal error in the scheduler")
+        assert "injected" in error.details()
         deadline = time.monotonic() + 20
         while True:  # the engine rejoins its worker with a new session and serves again
             try:
@@ -287,13 +275,9 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(tiny_pair):
         while server.health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        with pytest.raises(grpc.RpcError) as refused:
-            server.stub.Complete(greedy_request([5], 4), timeout=10)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
+        expect_status(lambda: server.stub.Complete(greedy_request([5], 4), timeout=10), grpc.StatusCode.UNAVAILABLE,
+                      "shutting down")
         assert [r.finish_reason for r in short][-1] == pb.FINISH_REASON_LENGTH  # finished within the grace period
-        with pytest.raises(grpc.RpcError) as aborted:
-            list(long)
-        assert aborted.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "shutdown grace period (2 s)" in aborted.value.details()
+        expect_status(lambda: list(long), grpc.StatusCode.UNAVAILABLE, "shutdown grace period (2 s)")
         drainer.join(10)
 

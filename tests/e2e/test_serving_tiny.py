@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec.v1 import generation_pb2 as pb
-from tests.e2e.client import Server, greedy_request, serve, stream, stream_all
+from tests.e2e.client import Server, expect_status, greedy_request, serve, stream, stream_all
 from worker_service.model_loader import load_model
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [40] * 12, [10, 11, 12, 10, 11], list(range(3, 23)), [100, 101, 102],
@@ -80,13 +80,6 @@ def test_auto_disable_then_resume(tiny_pair, reference):
 def plain_server(tiny_pair):
     with serve(tiny_args(tiny_pair, "--max-model-len", "64", "--num-kv-blocks", "64")) as server:
         yield server
-
-
-def expect_status(call, code, fragment):
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    assert info.value.code() == code, info.value.details()
-    assert fragment in info.value.details()
 
 
 def test_bad_client_input(plain_server):
@@ -174,9 +167,7 @@ def test_sigterm_drains_running_requests_then_exits_cleanly(tiny_pair):
             next(call)  # every request runs
         proc.proc.terminate()
         proc.wait_for("shutting down: 4 requests running")
-        with pytest.raises(grpc.RpcError) as refused:
-            server.stub.Complete(greedy_request([5], 4), timeout=10)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        expect_status(lambda: server.stub.Complete(greedy_request([5], 4), timeout=10), grpc.StatusCode.UNAVAILABLE, "")
         assert [[r.finish_reason for r in call][-1] for call in calls] == [pb.FINISH_REASON_LENGTH] * 4
         assert proc.proc.wait(60) == 0
         server.channel.close()

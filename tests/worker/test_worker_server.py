@@ -7,6 +7,7 @@ import torch
 
 from specdec import step
 from scheduler_service.worker_client import WorkerClient
+from tests.e2e.client import expect_status
 from tests.processes import running
 from tests.worker.driver import Driver
 from worker_service.model_loader import load_model, load_tokenizer
@@ -99,10 +100,7 @@ def test_seeded_sampling_reproducible(tiny_worker):
 
 
 def expect_invalid(client: SessionClient, request: step.StepRequest, fragment: str) -> None:
-    with pytest.raises(grpc.RpcError) as info:
-        client.execute(request)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert fragment in info.value.details()
+    expect_status(lambda: client.execute(request), grpc.StatusCode.INVALID_ARGUMENT, fragment)
 
 
 def test_bad_requests_get_invalid_argument_and_worker_keeps_serving(tiny_worker):
@@ -127,10 +125,7 @@ def test_bad_requests_get_invalid_argument_and_worker_keeps_serving(tiny_worker)
 
 
 def expect_session_refused(stream_or_call, fragment: str) -> None:
-    with pytest.raises(grpc.RpcError) as info:
-        stream_or_call()
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value
-    assert fragment in info.value.details()
+    expect_status(stream_or_call, grpc.StatusCode.FAILED_PRECONDITION, fragment)
 
 
 def test_one_scheduler_session_at_a_time(tiny_worker):
