@@ -83,7 +83,7 @@ class Cluster:
         self._waiting: deque[RequestHandle] = deque()   # for a worker to serve
         self._num_requests = 0
         self._num_moved_requests = 0
-        self.num_maintenance_errors = 0
+        self._num_maintenance_errors = 0
         self.request_metrics = RequestMetrics()  # exported by metrics.cluster_registry
         self._was_serving = False
         self._is_stopping = False
@@ -179,7 +179,8 @@ class Cluster:
                 workers=tuple(e.snapshot() for e in self._engines.values()),
                 stats=SchedulerStats.total([e.stats for e in engines]), busy=_sum([e.busy for e in engines], BusyStats),
                 num_worker_failures=sum(e.num_failures for e in engines),
-                num_engine_errors=sum(e.num_engine_errors for e in engines), num_requests=self._num_requests,
+                num_engine_errors=sum(e.num_engine_errors for e in engines) + self._num_maintenance_errors,
+                num_requests=self._num_requests,
                 num_moved_requests=self._num_moved_requests, num_waiting_for_worker=len(self._waiting))
 
     # ------------------------------------------------------------------ called by engines (lock held)
@@ -323,7 +324,7 @@ class Cluster:
                 next_refresh = self._maintain_once(next_refresh)
             except Exception:  # noqa: BLE001 - a bug must not stop waiting expiry and hang detection for good
                 logger.exception("cluster maintenance failed; it goes on")
-                self.num_maintenance_errors += 1
+                self._num_maintenance_errors += 1
 
     def _maintain_once(self, next_refresh: float) -> float:
         """Expires waiting requests, refreshes DNS when due, runs the watchdog; returns the next refresh time."""

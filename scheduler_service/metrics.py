@@ -76,7 +76,7 @@ METRICS = (
     _info("num_preemptions_total", "counter", "Requests preempted (recomputed later) for lack of KV blocks."),
     _info("worker_failures_total", "counter", "Times a worker left by failing (crash, hang, broken stream)."),
     _info("moved_requests_total", "counter", "Requests moved to another worker after theirs left."),
-    _info("engine_errors_total", "counter", "Unexpected exceptions the worker engines caught."),
+    _info("engine_errors_total", "counter", "Unexpected exceptions the worker engines and the cluster's maintenance caught."),
 )
 _BY_NAME = {m.name: m for m in METRICS}
 

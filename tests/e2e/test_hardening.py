@@ -281,3 +281,32 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(tiny_pair):
         expect_status(lambda: list(long), grpc.StatusCode.UNAVAILABLE, "shutdown grace period (2 s)")
         drainer.join(10)
 
+
+
+def test_an_error_in_cluster_maintenance_is_counted_and_maintenance_goes_on(tiny_pair, monkeypatch):
+    """The watchdog raising once: counted as an engine error; waiting requests still expire afterwards."""
+    from scheduler_service.watchdog import Watchdog
+
+    tick = Watchdog.tick
+    calls = {"n": 0}
+
+    def failing_tick(self, engines):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return tick(self, engines)
+
+    monkeypatch.setattr(Watchdog, "tick", failing_tick)
+    with scheduler(tiny_pair, step_time_s=0.01, worker_wait_timeout_s=0.5) as server:
+        deadline = time.monotonic() + 5
+        while server.cluster.snapshot().num_engine_errors == 0:  # the first maintenance round raised
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert server.cluster.snapshot().num_engine_errors == 1
+        server.workers[0].stop()  # no worker serves: a new request waits, then expires (maintenance runs)
+        deadline = time.monotonic() + 20
+        while server.cluster.snapshot().workers[0].state.value == "serving":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        expect_status(lambda: server.stub.Complete(greedy_request([5], 4), timeout=20), grpc.StatusCode.UNAVAILABLE,
+                      "no worker is available")
