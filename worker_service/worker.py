@@ -68,14 +68,20 @@ class Worker:
 
     def drop_requests(self) -> None:
         """Forgets every request (a new scheduler session starts)."""
-        self.requests.clear()
+        self._release(list(self.requests))
+
+    def _release(self, request_ids) -> None:
+        """Forgets these requests (unknown ids are ignored); the proposer sees their state first."""
+        dropped = [self.requests.pop(rid) for rid in request_ids if rid in self.requests]
+        if self.proposer is not None and dropped:
+            self.proposer.release(dropped)
 
     def init_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocates the target's and the draft's caches (same block ids); drops every request."""
         if num_blocks <= 0 or block_size <= 0:
             raise InvalidStepError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
         if (num_blocks, block_size) != (self.num_blocks, self.block_size):
-            self.requests.clear()
+            self.drop_requests()
             for runner in (self.target, self.draft):
                 if runner is not None:
                     runner.init_cache(num_blocks, block_size)
@@ -117,8 +123,8 @@ class Worker:
                 staged[rid].block_table, staged[rid].scheduled_new_tokens = table, num_new
                 staged[rid].num_speculative_tokens = k
             raise
-        staged.update({s.request_id: s for s in news})
-        self.requests = staged
+        self._release(finished)
+        self.requests.update({s.request_id: s for s in news})
         return scheduled
 
     def _num_drafts(self, state: RequestState, num_lookahead_slots: int) -> int:
@@ -146,7 +152,7 @@ class Worker:
         num_drafts = self._plan_drafts(scheduled, num_lookahead_slots)
         drafts, draft_probs = [[] for _ in scheduled], None
         if any(num_drafts):
-            proposal = self._propose(scheduled, num_drafts)
+            proposal = self.proposer.propose(scheduled, num_drafts)
             drafts, draft_probs = proposal.draft_token_ids, proposal.draft_probs
         t1 = time.perf_counter()
         chunks = [self._chunk(s, d) for s, d in zip(scheduled, drafts)]
@@ -165,11 +171,6 @@ class Worker:
         stats.num_speculating_seqs = sum(1 for d in drafts if d)
         return list(outputs.values())
 
-    def _propose(self, scheduled: list[RequestState], num_drafts: list[int]):
-        if isinstance(self.proposer, DraftProposer):
-            return self.proposer.propose(scheduled, num_drafts)
-        return self.proposer.propose([s.token_ids for s in scheduled], num_drafts)
-
     @staticmethod
     def _chunk(state: RequestState, drafts: list[int]) -> SequenceChunk:
         begin = state.num_computed_tokens
@@ -184,7 +185,7 @@ class Worker:
         num_tokens_before = state.num_tokens
         state.token_ids.extend(emitted)
         state.num_computed_tokens += num_accepted
-        if isinstance(self.proposer, DraftProposer):
+        if self.proposer is not None:
             self.proposer.after_verify(state, num_tokens_before, len(drafts), num_accepted)
         out.token_ids = emitted
         out.logprobs = result.logprobs[row] if state.return_logprobs else []

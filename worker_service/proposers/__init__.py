@@ -1,4 +1,11 @@
-"""Proposers: where the k draft tokens of a speculative step come from."""
+"""Proposers: where the draft tokens of a speculative step come from.
+
+Every proposer has the same three methods, so the worker treats them alike:
+`propose` (up to num_drafts[i] tokens for states[i], possibly fewer, never
+more), `after_verify` (what a proposer keeps once the step's drafts were
+checked) and `release` (the worker drops these requests: finished, preempted
+or a new session).
+"""
 
 from dataclasses import dataclass
 
@@ -10,4 +17,17 @@ class Proposal:
     """Draft tokens for a batch of sequences (any of 0..k per sequence)."""
 
     draft_token_ids: list[list[int]]
-    draft_probs: torch.Tensor | None = None  # [B, K, V] for model drafts; None for n-gram (one-hot) drafts
+    draft_probs: torch.Tensor | None = None  # [B, K, V] for model drafts; None for token-copy (one-hot) drafts
+
+
+class Proposer:
+    """Base class: the no-op hooks; subclasses implement `propose`."""
+
+    def propose(self, states: list, num_drafts: list[int]) -> Proposal:  # states: list[RequestState]
+        raise NotImplementedError
+
+    def after_verify(self, state, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
+        """Called after each sampling step of `state` (its emitted tokens are already appended)."""
+
+    def release(self, states: list) -> None:
+        """Called with the requests the worker drops, before their state is forgotten."""

@@ -17,12 +17,12 @@ import torch
 
 from worker_service.keyed_random import STREAM_DRAFT
 from worker_service.model_runner import ModelRunner, SequenceChunk
-from worker_service.proposers import Proposal
+from worker_service.proposers import Proposal, Proposer
 from worker_service.request_state import RequestState
 from worker_service.sampling import logits_to_probs, sample_from_probs, sampling_tensors
 
 
-class DraftProposer:
+class DraftProposer(Proposer):
     """Proposes with a draft ModelRunner; requests keep `num_draft_computed_tokens` up to date."""
 
     def __init__(self, runner: ModelRunner):
@@ -62,8 +62,7 @@ class DraftProposer:
         start = state.num_tokens + len(drafts) - 1
         return SequenceChunk([drafts[-1]], start, state.block_table)
 
-    @staticmethod
-    def after_verify(state: RequestState, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
+    def after_verify(self, state: RequestState, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         """Keeps the draft KV that is still valid after `num_accepted` of `num_drafts` drafts were accepted."""
         if num_drafts > 0:
             state.num_draft_computed_tokens = num_tokens_before + min(num_accepted, num_drafts - 1)

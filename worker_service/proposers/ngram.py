@@ -3,7 +3,7 @@
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from worker_service.proposers import Proposal
+from worker_service.proposers import Proposal, Proposer
 
 
 def propose_ngram(token_ids: list[int] | np.ndarray, ngram_min: int, ngram_max: int, num_drafts: int) -> list[int]:
@@ -26,12 +26,13 @@ def propose_ngram(token_ids: list[int] | np.ndarray, ngram_min: int, ngram_max: 
     return []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup over prompt + generated tokens; no model."""
 
     def __init__(self, ngram_min: int, ngram_max: int):
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
 
-    def propose(self, token_ids: list[list[int]], num_drafts: list[int]) -> Proposal:
-        return Proposal([propose_ngram(t, self.ngram_min, self.ngram_max, k) for t, k in zip(token_ids, num_drafts)])
+    def propose(self, states, num_drafts: list[int]) -> Proposal:
+        return Proposal([propose_ngram(s.token_ids, self.ngram_min, self.ngram_max, k)
+                         for s, k in zip(states, num_drafts)])
