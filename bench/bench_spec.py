@@ -64,7 +64,7 @@ class Run:
 
 
 def run_ours(worker: Worker, k: int, prompt: list[int], new_tokens: int) -> Run:
-    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS, num_lookahead_slots=k)
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
     start = time.perf_counter()
     token_ids = driver.generate([prompt], new_tokens, num_speculative_tokens=k)[0]
     seconds = time.perf_counter() - start

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 SCHEDULING_MODES = ("sync", "async")
+SPECULATION_POLICIES = ("goodput", "fixed")  # policy.py: how each sequence's k is chosen
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     num_speculative_tokens: int = 0                   # server k; 0 = no speculation
     speculative_disable_queue_size: int | None = None  # None = never auto-disable
+    speculation_policy: str = "goodput"
     scheduling: str = "sync"
 
     def __post_init__(self) -> None:
@@ -34,6 +36,9 @@ class SchedulerConfig:
         if self.speculative_disable_queue_size is not None and self.speculative_disable_queue_size < 1:
             raise ValueError("speculative_disable_queue_size must be >= 1 or None (never disable), "
                              f"got {self.speculative_disable_queue_size}")
+        if self.speculation_policy not in SPECULATION_POLICIES:
+            raise ValueError(f"speculation_policy must be one of {SPECULATION_POLICIES}, "
+                             f"got {self.speculation_policy!r}")
         if self.scheduling not in SCHEDULING_MODES:
             raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, got {self.scheduling!r}")
 

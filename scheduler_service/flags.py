@@ -2,7 +2,7 @@
 
 import argparse
 
-from scheduler_service.config import SCHEDULING_MODES
+from scheduler_service.config import SCHEDULING_MODES, SPECULATION_POLICIES
 from scheduler_service.options import SchedulerOptions
 from specdec import security
 
@@ -26,6 +26,9 @@ def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None
                    help="most tokens per step, prefill chunks included (default: %(default)s)")
     p.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
                    help="no speculation in a step when more than N requests run on its worker (default: never)")
+    p.add_argument("--speculation-policy", choices=SPECULATION_POLICIES, default="goodput",
+                   help="goodput: each sequence's k maximises expected tokens per second of the step (measured step "
+                        "times, acceptance by draft position); fixed: always the full k (default: %(default)s)")
     p.add_argument("--scheduling", choices=SCHEDULING_MODES, default="async",
                    help="async: step N+1 is scheduled while the worker runs step N (default: %(default)s)")
     p.add_argument("--worker-refresh-interval", type=float, default=10.0, metavar="SECONDS",
@@ -87,6 +90,7 @@ def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
                             speculative_disable_queue_size=args.speculative_disable_queue_size,
+                            speculation_policy=args.speculation_policy,
                             scheduling=args.scheduling, worker_refresh_interval_s=args.worker_refresh_interval,
                             worker_wait_timeout_s=args.worker_wait_timeout,
                             worker_step_timeout_s=args.worker_step_timeout, take_over_workers=args.take_over_workers,

@@ -24,6 +24,7 @@ class SchedulerOptions:
     max_model_len: int | None = None
     num_speculative_tokens: int | None = None
     speculative_disable_queue_size: int | None = None
+    speculation_policy: str = "goodput"
     scheduling: str = "async"
     worker_refresh_interval_s: float = 10.0
     worker_wait_timeout_s: float = 60.0
@@ -72,4 +73,5 @@ def scheduler_config(opts: SchedulerOptions, info) -> SchedulerConfig:
                            max_num_batched_tokens=opts.max_num_batched_tokens, max_model_len=max_model_len,
                            num_speculative_tokens=k if info.proposer != "none" else 0,
                            speculative_disable_queue_size=opts.speculative_disable_queue_size,
+                           speculation_policy=opts.speculation_policy,
                            scheduling=opts.scheduling)

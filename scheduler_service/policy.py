@@ -1,31 +1,63 @@
-"""Speculation policy: how many lookahead slots a step gets, and each request's k cap."""
+"""Speculation policy: the one owner of each sequence's draft length k, step by step.
 
+Each step the scheduler asks `plan_step` for the k of every decoding sequence;
+it reserves exactly that many lookahead slots and sends the same k to the
+worker, which may propose fewer (no match, the end of the model length) but
+never more. Two policies (SPECULATION_POLICIES in config.py):
+
+- "goodput" (default): the k per sequence that maximises expected emitted
+  tokens per second of the step (goodput.py: objective, cost model, estimator).
+  A sequence left at k = 0 is probed with one draft every `probe_interval`
+  steps, so speculation comes back when the text turns repetitive.
+- "fixed": every decoding sequence gets its full cap.
+
+Both keep the seed design's hard limit: with more than
+`speculative_disable_queue_size` running requests every k is 0 (the worker
+then runs a plain step), and speculation resumes once the load falls.
+"""
+
+from dataclasses import dataclass
+
+from scheduler_service.goodput import (WORKER_DECAY, AcceptanceEstimate, Candidate, StepCostModel,
+                                       choose_num_drafts, INITIAL_ACCEPTANCE)
 from scheduler_service.request import Request
+
+DEFAULT_PROBE_INTERVAL = 16
+
+
+@dataclass
+class StepShape:
+    """What a step ran, for the cost model: query rows, sequences, and sum over rows of their context."""
+
+    num_rows: int = 0
+    num_seqs: int = 0
+    num_attended: int = 0
+
+    def add(self, num_rows: int, num_context_tokens: int) -> None:
+        self.num_rows += num_rows
+        self.num_seqs += 1
+        # each row attends to the context before the chunk plus the rows before it (about half of the chunk)
+        self.num_attended += num_rows * (num_context_tokens + num_rows // 2)
 
 
 class SpeculationPolicy:
-    """Decides the speculation length per step and per request.
+    """Decides every sequence's k for every step, and learns from what the steps returned."""
 
-    Auto-disable: when more than `speculative_disable_queue_size` requests run,
-    a step gets no lookahead slots (k = 0, no proposer), because at high batch
-    sizes verifying drafts costs more than it saves. It is decided per step, so
-    speculation resumes once the load falls.
-    """
-
-    def __init__(self, num_speculative_tokens: int, speculative_disable_queue_size: int | None) -> None:
+    def __init__(self, num_speculative_tokens: int, speculative_disable_queue_size: int | None,
+                 policy: str = "goodput", probe_interval: int = DEFAULT_PROBE_INTERVAL) -> None:
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.num_speculative_tokens = num_speculative_tokens
         self.speculative_disable_queue_size = speculative_disable_queue_size
+        self.is_goodput = policy == "goodput"
+        self.probe_interval = probe_interval
+        self.cost_model = StepCostModel()
+        self.worker_acceptance = AcceptanceEstimate(decay=WORKER_DECAY)  # the prior of every sequence
 
     def is_disabled_for_step(self, num_running: int) -> bool:
         """Whether the running-queue size switches speculation off for a step."""
         limit = self.speculative_disable_queue_size
         return limit is not None and num_running > limit
-
-    def num_lookahead_slots_for_step(self, num_running: int) -> int:
-        """The step's k: the server's k, or 0 when auto-disabled."""
-        return 0 if self.is_disabled_for_step(num_running) else self.num_speculative_tokens
 
     def num_speculative_tokens_for(self, request: Request, max_model_len: int) -> int:
         """The request's k cap: min(server k, its override), or 0 when it opted out.
@@ -40,16 +72,48 @@ class SpeculationPolicy:
             k = min(k, request.num_speculative_tokens)
         return min(k, max(request.num_tokens_left(max_model_len) - 1, 0))
 
-    def speculation_for(self, request: Request, num_new_tokens: int, num_budget_tokens_left: int,
-                        num_lookahead_slots: int, max_model_len: int) -> tuple[int, int]:
-        """(lookahead slots to reserve, k cap for the worker) of a request in a step with k = num_lookahead_slots.
+    def plan_step(self, decodes: list[Request], other: StepShape, num_running: int,
+                  max_model_len: int) -> dict[str, int]:
+        """k per decoding request (request id -> k) for a step that also runs `other` (prefill chunks)."""
+        if self.is_disabled_for_step(num_running) or self.num_speculative_tokens == 0:
+            return {r.request_id: 0 for r in decodes}
+        caps = [self.num_speculative_tokens_for(r, max_model_len) for r in decodes]
+        cost = self.cost_model.coefficients() if self.is_goodput else None
+        if cost is None:  # "fixed", or the cost model has not seen enough steps yet
+            return {r.request_id: cap for r, cap in zip(decodes, caps)}
+        candidates = [self._candidate(r, cap) for r, cap in zip(decodes, caps)]
+        ks = choose_num_drafts(candidates, cost, other.num_rows, other.num_seqs, other.num_attended,
+                               num_base_tokens=len(decodes))
+        plan = {}
+        for request, cap, k in zip(decodes, caps, ks):
+            estimate = self._estimate(request)
+            if k == 0 and cap > 0 and estimate.num_steps_without_drafts >= self.probe_interval:
+                k = 1  # probe: acceptance may have come back
+            estimate.num_steps_without_drafts = 0 if k > 0 else estimate.num_steps_without_drafts + 1
+            plan[request.request_id] = k
+        return plan
 
-        Only a decode (exactly one pending token) speculates. Its lookahead slots
-        count against the step's token budget, of which `num_budget_tokens_left`
-        remain after its new tokens.
-        """
-        k_cap = self.num_speculative_tokens_for(request, max_model_len)
-        if not num_new_tokens == request.num_pending_tokens == 1:
-            return 0, k_cap
-        k_cap = min(k_cap, num_budget_tokens_left)
-        return min(num_lookahead_slots, k_cap), k_cap
+    def _estimate(self, request: Request) -> AcceptanceEstimate:
+        if request.acceptance is None:
+            request.acceptance = AcceptanceEstimate()
+        return request.acceptance
+
+    def _candidate(self, request: Request, cap: int) -> Candidate:
+        estimate, prior = self._estimate(request), self.worker_acceptance
+        acceptance = tuple(estimate.acceptance(m, prior.acceptance(m, INITIAL_ACCEPTANCE)) for m in range(cap))
+        rate = estimate.proposal_rate(prior.proposal_rate(1.0))
+        return Candidate(cap, request.num_computed_tokens, rate, acceptance)
+
+    def observe_sequence(self, request: Request, num_requested: int, num_drafts: int, num_accepted: int) -> None:
+        """A sequence's step result: k requested, drafts proposed, drafts accepted."""
+        if num_requested > 0:
+            self._estimate(request).observe(num_requested, num_drafts, num_accepted)
+            self.worker_acceptance.observe(num_requested, num_drafts, num_accepted)
+
+    def observe_step(self, shape: StepShape, step_ms: float) -> float | None:
+        """A step's measured time; returns what the model predicted for it beforehand (None: no model yet)."""
+        if step_ms <= 0:  # a worker that does not measure (simulated workers)
+            return None
+        predicted = self.cost_model.predict_ms(shape.num_rows, shape.num_seqs, shape.num_attended)
+        self.cost_model.observe(shape.num_rows, shape.num_seqs, shape.num_attended, step_ms)
+        return predicted

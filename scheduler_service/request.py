@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 import enum
 
 from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.goodput import AcceptanceEstimate
 from specdec.step import RequestSampling, SequenceOutput
 
 
@@ -55,7 +56,7 @@ class Request:
     num_preemptions: int = 0
     num_moves: int = 0                             # times it resumed on another worker (bounded by the cluster)
     is_held_by_worker: bool = False
-    num_speculative_tokens_sent: int | None = None  # the k cap the worker holds
+    acceptance: AcceptanceEstimate | None = field(default=None, repr=False)  # the policy's, by draft position
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -141,10 +142,11 @@ class Request:
         num_computed_tokens is an upper bound of the worker's until corrected.
         """
         is_sampling = num_new_tokens == self.num_pending_tokens
+        num_context_tokens = self.num_computed_tokens
         self.num_computed_tokens += num_new_tokens + num_lookahead_slots
         if is_sampling:
             self.num_assumed_tokens += 1 + num_lookahead_slots
-        return ScheduledTokens(num_new_tokens, num_lookahead_slots, is_sampling)
+        return ScheduledTokens(num_new_tokens, num_lookahead_slots, is_sampling, num_context_tokens)
 
     def apply_step_output(self, scheduled: "ScheduledTokens", output: SequenceOutput | None,
                           max_model_len: int) -> tuple[list[int], RequestStatus | None]:
@@ -208,7 +210,6 @@ class Request:
         self.status = RequestStatus.PREEMPTED
         self.num_computed_tokens = 0
         self.is_held_by_worker = False
-        self.num_speculative_tokens_sent = None
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,7 @@ class ScheduledTokens:
     num_new_tokens: int
     num_lookahead_slots: int
     is_sampling: bool  # computes every known token, so the worker emits 1..1+num_lookahead_slots tokens
+    num_context_tokens: int = 0  # KV positions before the chunk (as assumed when scheduled)
 
     def can_emit(self, num_emitted: int) -> bool:
         """Whether a worker may emit `num_emitted` tokens for this part (validates results)."""

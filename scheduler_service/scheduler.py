@@ -21,7 +21,7 @@ import logging
 from scheduler_service.block_manager import BlockManager
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.detokenizer import IncrementalDetokenizer, Tokenizer
-from scheduler_service.policy import SpeculationPolicy
+from scheduler_service.policy import SpeculationPolicy, StepShape
 from scheduler_service.request import Request, RequestOutput, RequestStatus, ScheduledTokens
 from specdec.step import CachedRequest, NewRequest, SequenceOutput, StepRequest, StepResult
 
@@ -35,6 +35,8 @@ class SchedulerStats:
     num_requests: int = 0
     num_steps: int = 0
     num_steps_speculation_disabled: int = 0  # steps auto-disabled by the running-queue size
+    # [k]: decoding (request, step) pairs the policy gave k drafts. A tuple, like the one below.
+    num_sequence_steps_by_k: tuple[int, ...] = ()
     num_drafts: int = 0                      # (request, step) pairs with at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -45,13 +47,36 @@ class SchedulerStats:
     num_emitted_tokens: int = 0              # tokens delivered to clients
     num_sequence_steps: int = 0              # (request, step) pairs that delivered tokens
     num_preemptions: int = 0
+    # The cost model's step-time prediction (made before the step's time was known) against the measured
+    # time, over the steps it predicted.
+    num_predicted_steps: int = 0
+    predicted_step_s: float = 0.0
+    measured_step_s: float = 0.0
+    step_time_abs_error_s: float = 0.0
 
     @classmethod
     def total(cls, stats: list["SchedulerStats"]) -> "SchedulerStats":
-        """The sum of several workers' counters (per-position counts element-wise)."""
-        per_pos = tuple(map(sum, zip_longest(*(s.num_accepted_tokens_per_pos for s in stats), fillvalue=0)))
-        return cls(**{f.name: sum(getattr(s, f.name) for s in stats) for f in fields(cls)
-                      if f.name != "num_accepted_tokens_per_pos"}, num_accepted_tokens_per_pos=per_pos)
+        """The sum of several workers' counters (the tuples of counts element-wise)."""
+        def add(values):
+            if isinstance(values[0], tuple):
+                return tuple(map(sum, zip_longest(*values, fillvalue=0)))
+            return sum(values)
+        if not stats:
+            return cls()
+        return cls(**{f.name: add([getattr(s, f.name) for s in stats]) for f in fields(cls)})
+
+    def count_k(self, k: int) -> None:
+        """Adds one decoding (request, step) pair that the policy gave k drafts."""
+        by_k = list(self.num_sequence_steps_by_k)
+        by_k += [0] * (k + 1 - len(by_k))
+        by_k[k] += 1
+        self.num_sequence_steps_by_k = tuple(by_k)
+
+    def count_prediction(self, predicted_ms: float, measured_ms: float) -> None:
+        self.num_predicted_steps += 1
+        self.predicted_step_s += predicted_ms / 1e3
+        self.measured_step_s += measured_ms / 1e3
+        self.step_time_abs_error_s += abs(predicted_ms - measured_ms) / 1e3
 
     def count_speculation(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """Adds one (request, step) pair's drafts and accepted drafts."""
@@ -78,6 +103,7 @@ class _Step:
     scheduled: dict[str, ScheduledTokens] = field(default_factory=dict)
     is_preempting: bool = False
     dropped_request_ids: list[str] = field(default_factory=list)  # sent as finished_request_ids
+    num_drafts: dict[str, int] = field(default_factory=dict)      # the policy's k per decoding request
 
 
 class Scheduler:
@@ -93,7 +119,8 @@ class Scheduler:
         self.config = config
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
-        self.policy = SpeculationPolicy(config.num_speculative_tokens, config.speculative_disable_queue_size)
+        self.policy = SpeculationPolicy(config.num_speculative_tokens, config.speculative_disable_queue_size,
+                                        config.speculation_policy)
         self.stats = stats if stats is not None else SchedulerStats()  # passed on: counters outlive a scheduler
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []         # sorted by arrival_index
@@ -194,16 +221,27 @@ class Scheduler:
         if len(self._in_flight) > max_in_flight:
             raise RuntimeError(f"{len(self._in_flight)} steps in flight ({self.config.scheduling} "
                                "scheduling); apply a result with update() first")
-        # The step's k is decided up front by how many requests may run in it.
-        num_running = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
-        num_lookahead_slots = self.policy.num_lookahead_slots_for_step(num_running)
         plan = _Step(self._next_step_id, num_tokens_left=self.config.max_num_batched_tokens)
-        self._schedule_running(plan, num_lookahead_slots)
+        plan.num_drafts = self._plan_num_drafts()
+        self._schedule_running(plan)
         if not plan.is_preempting:  # memory is short: admit nobody this step
-            self._schedule_waiting(plan, num_lookahead_slots)
+            self._schedule_waiting(plan)
         if not plan.scheduled:
             return None
-        return self._emit_step(plan, num_lookahead_slots)
+        return self._emit_step(plan)
+
+    def _plan_num_drafts(self) -> dict[str, int]:
+        """The policy's k for every running decode, decided up front for the whole step."""
+        decodes, other = [], StepShape()
+        for request in self.running:
+            if request.status is not RequestStatus.RUNNING or self._is_certain_to_finish(request):
+                continue
+            if request.num_pending_tokens == 1:
+                decodes.append(request)
+            else:
+                other.add(request.num_pending_tokens, request.num_computed_tokens)
+        num_running = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+        return self.policy.plan_step(decodes, other, num_running, self.config.max_model_len)
 
     def update(self, result: StepResult) -> list[RequestOutput]:
         """Applies the oldest in-flight step's result; returns what each live request produced.
@@ -216,6 +254,7 @@ class Scheduler:
         step = self._in_flight[0]
         outputs_by_id = self._check_result(step, result)
         self._in_flight.popleft()
+        self._observe(step, result, outputs_by_id)
         request_outputs = []
         for request_id, scheduled in step.scheduled.items():
             request = self._requests[request_id]  # released only once no step in flight holds it
@@ -228,13 +267,13 @@ class Scheduler:
             self._settle_blocks(request_id)
         return request_outputs
 
-    def _schedule_running(self, plan: _Step, num_lookahead_slots: int) -> None:
+    def _schedule_running(self, plan: _Step) -> None:
         for request in list(self.running):
             if plan.num_tokens_left == 0:
                 break
             if request.status is not RequestStatus.RUNNING or self._is_certain_to_finish(request):
                 continue
-            num_new, num_lookahead, k_cap = self._plan_tokens(request, plan.num_tokens_left, num_lookahead_slots)
+            num_new, num_lookahead = self._plan_tokens(request, plan)
             num_tokens_total = request.num_computed_tokens + num_new
             if not self._make_room(request, num_tokens_total, num_lookahead, plan):
                 continue
@@ -242,15 +281,14 @@ class Scheduler:
             # Invariant: the table is a prefix of the worker's (only trims happened since the last send).
             num_blocks_kept = len(self.block_manager.block_table(request_id))
             new_block_ids = self.block_manager.append_slots(request_id, num_tokens_total, num_lookahead)
-            k_update = k_cap if k_cap != request.num_speculative_tokens_sent else None
-            plan.cached_requests.append(CachedRequest(request_id, new_block_ids, num_blocks_kept, num_new, k_update))
-            request.num_speculative_tokens_sent = k_cap
+            plan.cached_requests.append(CachedRequest(request_id, new_block_ids, num_blocks_kept, num_new,
+                                                      num_speculative_tokens=num_lookahead))
             self._commit(request, plan, num_new, num_lookahead)
 
-    def _schedule_waiting(self, plan: _Step, num_lookahead_slots: int) -> None:
+    def _schedule_waiting(self, plan: _Step) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs and plan.num_tokens_left > 0:
             request = self.waiting[0]
-            num_new, num_lookahead, k_cap = self._plan_tokens(request, plan.num_tokens_left, num_lookahead_slots)
+            num_new, num_lookahead = self._plan_tokens(request, plan)
             if not self.block_manager.can_allocate(num_new + num_lookahead):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -258,17 +296,19 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             insort(self.running, request, key=lambda r: r.arrival_index)
             request.is_held_by_worker = True
-            request.num_speculative_tokens_sent = k_cap
             plan.new_requests.append(NewRequest(request.request_id, request.all_token_ids, request.num_prompt_tokens,
-                                                request.sampling, block_ids, num_new, k_cap))
+                                                request.sampling, block_ids, num_new, num_lookahead))
             self._commit(request, plan, num_new, num_lookahead)
 
-    def _plan_tokens(self, request: Request, num_tokens_left: int, num_lookahead_slots: int) -> tuple[int, int, int]:
-        """(num_new_tokens, num_lookahead_slots, k cap for the worker) of the request this step."""
-        num_new = min(request.num_pending_tokens, num_tokens_left)
-        num_lookahead, k_cap = self.policy.speculation_for(request, num_new, num_tokens_left - num_new,
-                                                           num_lookahead_slots, self.config.max_model_len)
-        return num_new, num_lookahead, k_cap
+    def _plan_tokens(self, request: Request, plan: _Step) -> tuple[int, int]:
+        """(num_new_tokens, num_lookahead_slots) of the request this step.
+
+        Only a decode (exactly one pending token) speculates: the policy's k, as far as the step's
+        token budget allows. The lookahead slots reserved are the k sent to the worker.
+        """
+        num_new = min(request.num_pending_tokens, plan.num_tokens_left)
+        k = plan.num_drafts.get(request.request_id, 0) if num_new == request.num_pending_tokens == 1 else 0
+        return num_new, min(k, plan.num_tokens_left - num_new)
 
     def _commit(self, request: Request, plan: _Step, num_new: int, num_lookahead: int) -> None:
         plan.scheduled[request.request_id] = request.assume_step(num_new, num_lookahead)
@@ -305,17 +345,35 @@ class Scheduler:
         logger.info("preempted %s (%d tokens to recompute); %d free blocks",
                     request.request_id, request.num_tokens, self.num_free_blocks)
 
-    def _emit_step(self, plan: _Step, num_lookahead_slots: int) -> StepRequest:
+    def _emit_step(self, plan: _Step) -> StepRequest:
         step = StepRequest(step_id=plan.step_id, new_requests=plan.new_requests,
-                           cached_requests=plan.cached_requests, finished_request_ids=self._worker_drop_ids,
-                           num_lookahead_slots=num_lookahead_slots, running_queue_size=len(self.running))
+                           cached_requests=plan.cached_requests, finished_request_ids=self._worker_drop_ids)
         plan.dropped_request_ids, self._worker_drop_ids = self._worker_drop_ids, []
         self._in_flight.append(plan)
         self._next_step_id += 1
         self.stats.num_steps += 1
-        if num_lookahead_slots == 0 and self.policy.num_speculative_tokens > 0:
+        num_running = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+        if self.policy.num_speculative_tokens > 0 and self.policy.is_disabled_for_step(num_running):
             self.stats.num_steps_speculation_disabled += 1
+        for request_id, scheduled in plan.scheduled.items():
+            if request_id in plan.num_drafts and scheduled.is_sampling:
+                self.stats.count_k(scheduled.num_lookahead_slots)
         return step
+
+    def _observe(self, step: _Step, result: StepResult, outputs_by_id: dict[str, SequenceOutput]) -> None:
+        """Feeds the policy: each sequence's drafts and acceptance, and the step's real shape and time."""
+        shape = StepShape()
+        for request_id, scheduled in step.scheduled.items():
+            output = outputs_by_id.get(request_id)
+            num_drafts = output.num_draft_tokens if output is not None else 0
+            shape.add(scheduled.num_new_tokens + num_drafts, scheduled.num_context_tokens)
+            request = self._requests[request_id]
+            if output is not None and not request.is_finished:
+                self.policy.observe_sequence(request, scheduled.num_lookahead_slots, num_drafts,
+                                             output.num_accepted_tokens)
+        predicted_ms = self.policy.observe_step(shape, result.stats.total_ms)
+        if predicted_ms is not None:
+            self.stats.count_prediction(predicted_ms, result.stats.total_ms)
 
     def _check_result(self, step: _Step, result: StepResult) -> dict[str, SequenceOutput]:
         """Validates the worker's outputs against what the step allowed, before changing any state."""

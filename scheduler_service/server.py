@@ -41,7 +41,11 @@ def _counters(st: SchedulerStats, busy: BusyStats, num_failures: int, num_moved:
         mean_accepted_length=st.num_emitted_tokens / max(st.num_sequence_steps, 1), num_steps=st.num_steps,
         num_steps_speculation_disabled=st.num_steps_speculation_disabled, num_preemptions=st.num_preemptions,
         worker_busy_seconds=busy.worker_busy_s, active_wall_seconds=busy.active_wall_s,
-        num_worker_failures=num_failures, num_moved_requests=num_moved)
+        num_worker_failures=num_failures, num_moved_requests=num_moved,
+        num_accepted_tokens_per_pos=st.num_accepted_tokens_per_pos,
+        num_sequence_steps_by_k=st.num_sequence_steps_by_k, num_predicted_steps=st.num_predicted_steps,
+        predicted_step_seconds=st.predicted_step_s, measured_step_seconds=st.measured_step_s,
+        step_time_abs_error_seconds=st.step_time_abs_error_s)
 
 
 def _workers(snap: ClusterSnapshot) -> list[pb.WorkerStatus]:
@@ -169,6 +173,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs, block_size=c.block_size,
             num_kv_blocks=sum(w.num_total_blocks for w in serving),
             num_free_kv_blocks=sum(w.num_free_blocks for w in serving), scheduling=c.scheduling,
+            speculation_policy=c.speculation_policy,
             speculative_disable_queue_size=c.speculative_disable_queue_size or 0, counters=counters,
             num_running=sum(w.num_running for w in snap.workers),
             num_waiting=sum(w.num_waiting for w in snap.workers) + snap.num_waiting_for_worker,

@@ -28,9 +28,7 @@ def step_request_to_proto(r: step.StepRequest) -> pb.ExecuteModelRequest:
                                num_speculative_tokens=c.num_speculative_tokens)
               for c in r.cached_requests]
     return pb.ExecuteModelRequest(step_id=r.step_id, new_requests=new, cached_requests=cached,
-                                  finished_request_ids=r.finished_request_ids,
-                                  num_lookahead_slots=r.num_lookahead_slots,
-                                  running_queue_size=r.running_queue_size)
+                                  finished_request_ids=r.finished_request_ids)
 
 
 def step_request_from_proto(m: pb.ExecuteModelRequest) -> step.StepRequest:
@@ -43,12 +41,10 @@ def step_request_from_proto(m: pb.ExecuteModelRequest) -> step.StepRequest:
            for n in m.new_requests]
     cached = [step.CachedRequest(request_id=c.request_id, new_block_ids=list(c.new_block_ids),
                                  num_blocks_kept=c.num_blocks_kept, num_new_tokens=c.num_new_tokens,
-                                 num_speculative_tokens=(c.num_speculative_tokens
-                                                         if c.HasField("num_speculative_tokens") else None))
+                                 num_speculative_tokens=c.num_speculative_tokens)
               for c in m.cached_requests]
     return step.StepRequest(step_id=m.step_id, new_requests=new, cached_requests=cached,
-                            finished_request_ids=list(m.finished_request_ids),
-                            num_lookahead_slots=m.num_lookahead_slots, running_queue_size=m.running_queue_size)
+                            finished_request_ids=list(m.finished_request_ids))
 
 
 def step_result_to_proto(r: step.StepResult) -> pb.ExecuteModelResponse:

@@ -56,7 +56,7 @@ class NewRequest:
     sampling: RequestSampling
     block_ids: list[int]
     num_new_tokens: int           # tokens to compute this step
-    num_speculative_tokens: int = 0
+    num_speculative_tokens: int = 0  # this step's k (lookahead slots reserved); the worker may propose fewer
 
 
 @dataclass
@@ -67,7 +67,7 @@ class CachedRequest:
     new_block_ids: list[int]
     num_blocks_kept: int          # the table is cut to this length before appending
     num_new_tokens: int
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: int = 0  # this step's k, sent every step
 
 
 @dataclass
@@ -76,8 +76,6 @@ class StepRequest:
     new_requests: list[NewRequest] = field(default_factory=list)
     cached_requests: list[CachedRequest] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
-    num_lookahead_slots: int = 0
-    running_queue_size: int = 0
 
 
 @dataclass

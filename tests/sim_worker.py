@@ -78,8 +78,7 @@ class FakeWorker:
             state = self.states[cached.request_id]
             assert cached.num_blocks_kept <= len(state.block_ids)
             state.block_ids = state.block_ids[:cached.num_blocks_kept] + cached.new_block_ids
-            if cached.num_speculative_tokens is not None:
-                state.num_speculative_tokens = cached.num_speculative_tokens
+            state.num_speculative_tokens = cached.num_speculative_tokens
             scheduled.append((cached.request_id, cached.num_new_tokens))
         outputs = [self._run(step, request_id, num_new) for request_id, num_new in scheduled]
         return StepResult(step.step_id, outputs)
@@ -94,7 +93,7 @@ class FakeWorker:
             self._write(request_id, state, state.num_computed, state.token_ids[state.num_computed:end])
             state.num_computed = end
             return SequenceOutput(request_id, [])
-        k = min(step.num_lookahead_slots, state.num_speculative_tokens) if num_pending == 1 else 0
+        k = state.num_speculative_tokens if num_pending == 1 else 0
         true_next = reference_output(state.token_ids, k + 1)
         num_accepted = min(k, self.num_accepted(step.step_id, request_id))
         drafts = true_next[:num_accepted] + [(t + 1) % VOCAB_SIZE for t in true_next[num_accepted:k]]

@@ -22,10 +22,6 @@ class WorkerConfig:
     kv_cache_memory_bytes: int = 2 << 30
     max_model_len: int | None = None    # None: the model's own limit
     num_threads: int | None = None      # torch intra-op threads; None: torch's default
-    # Most query rows (sum of 1 + drafts) a decode step verifies before drafts are cut back to what each
-    # sequence recently got accepted. None: 8 on a CPU (where up to ~8 rows cost about one), unlimited elsewhere;
-    # 0: unlimited.
-    speculative_row_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -44,7 +40,5 @@ class WorkerConfig:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be > 0")
-        if self.speculative_row_budget is not None and self.speculative_row_budget < 0:
-            raise ValueError(f"speculative_row_budget must be >= 0, got {self.speculative_row_budget}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

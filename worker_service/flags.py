@@ -6,7 +6,7 @@ from worker_service.config import DTYPE_NAMES, PROPOSERS, SCORERS, WorkerConfig
 
 # Flags a launcher forwards to a worker process (`specdec serve`), by argparse dest.
 FORWARDED = ("draft_model", "proposer", "num_speculative_tokens", "ngram_min", "ngram_max", "scorer", "dtype",
-             "max_model_len", "kv_cache_memory_gib", "speculative_row_budget")
+             "max_model_len", "kv_cache_memory_gib")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -23,9 +23,6 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=2.0,
                    help="KV cache budget per worker (default: %(default)s)")
-    p.add_argument("--speculative-row-budget", type=int, default=None, metavar="R",
-                   help="most query rows a step verifies before drafts follow each sequence's recent acceptance "
-                        "(default: 8 on a CPU, unlimited elsewhere; 0: unlimited)")
 
 
 def config_from_args(args: argparse.Namespace, model_dir: str, num_threads: int | None) -> WorkerConfig:
@@ -33,7 +30,6 @@ def config_from_args(args: argparse.Namespace, model_dir: str, num_threads: int 
     return WorkerConfig(model=model_dir, dtype=args.dtype, draft_model=args.draft_model, proposer=args.proposer,
                         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                         ngram_max=args.ngram_max, scorer=args.scorer,
-                        speculative_row_budget=args.speculative_row_budget,
                         kv_cache_memory_bytes=int(args.kv_cache_memory_gib * 2**30),
                         max_model_len=args.max_model_len, num_threads=num_threads)
 

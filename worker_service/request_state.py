@@ -23,19 +23,10 @@ class RequestState:
     num_prompt_tokens: int
     sampling: step.RequestSampling  # validated when the step was built; its seed is always set
     block_table: list[int]
-    num_speculative_tokens: int   # this request's k cap
+    num_speculative_tokens: int   # this step's k (the scheduler's lookahead slots); drafts may be fewer
     num_computed_tokens: int = 0  # target KV written for token_ids[:num_computed_tokens]
     num_draft_computed_tokens: int = 0  # the same for the draft model's KV
     scheduled_new_tokens: int = field(default=0, repr=False)  # this step's chunk size
-    accepted_ema: float | None = None  # moving average of drafts accepted per speculative step
-
-    def record_acceptance(self, num_accepted: int) -> None:
-        self.accepted_ema = (num_accepted if self.accepted_ema is None
-                             else 0.5 * self.accepted_ema + 0.5 * num_accepted)
-
-    def draft_cap(self, k: int) -> int:
-        """About what this sequence recently got accepted, plus one (k before it has speculated)."""
-        return k if self.accepted_ema is None else min(k, 1 + round(self.accepted_ema))
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +79,7 @@ def check_cached(c: step.CachedRequest, state: RequestState | None, num_blocks: 
         raise InvalidStepError(f"request {c.request_id!r}: num_blocks_kept {c.num_blocks_kept} is outside "
                                f"[0, {len(state.block_table)}]")
     _check_blocks(c.new_block_ids, num_blocks, c.request_id)
-    if c.num_speculative_tokens is not None and c.num_speculative_tokens < 0:
+    if c.num_speculative_tokens < 0:
         raise InvalidStepError(f"request {c.request_id!r}: num_speculative_tokens must be >= 0")
 
 
@@ -96,20 +87,24 @@ def apply_cached(c: step.CachedRequest, state: RequestState) -> None:
     """Applies a validated delta."""
     state.block_table = state.block_table[: c.num_blocks_kept] + list(c.new_block_ids)
     state.scheduled_new_tokens = c.num_new_tokens
-    if c.num_speculative_tokens is not None:
-        state.num_speculative_tokens = c.num_speculative_tokens
+    state.num_speculative_tokens = c.num_speculative_tokens
 
 
-def check_schedulable(state: RequestState, num_lookahead_slots: int, block_size: int, max_model_len: int) -> None:
-    """The chunk fits the known tokens, and the block table covers it (plus lookahead slots for a decode)."""
+def check_schedulable(state: RequestState, block_size: int, max_model_len: int,
+                      max_num_speculative_tokens: int) -> None:
+    """The chunk fits the known tokens, k is within the worker's, and the block table covers the chunk
+    (plus k lookahead slots for a decode)."""
+    if state.num_speculative_tokens > max_num_speculative_tokens:
+        raise InvalidStepError(f"request {state.request_id!r}: num_speculative_tokens {state.num_speculative_tokens} "
+                               f"exceeds this worker's {max_num_speculative_tokens}")
     pending = state.num_tokens - state.num_computed_tokens
     if not 1 <= state.scheduled_new_tokens <= pending:
         raise InvalidStepError(f"request {state.request_id!r}: num_new_tokens {state.scheduled_new_tokens} must be "
                                f"in [1, {pending}] (tokens not yet computed)")
     end = state.num_computed_tokens + state.scheduled_new_tokens
     is_decode = pending == 1
-    if is_decode:  # drafts go into the lookahead slots, up to this request's k cap
-        end += min(num_lookahead_slots, state.num_speculative_tokens)
+    if is_decode:  # drafts go into the k lookahead slots
+        end += state.num_speculative_tokens
     end = min(end, max_model_len)
     capacity = len(state.block_table) * block_size
     if capacity < end:

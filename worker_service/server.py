@@ -83,7 +83,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_bytes_per_block=bytes_per_block,
             num_blocks_capacity=config.kv_cache_memory_bytes // bytes_per_block,
             eos_token_ids=eos_ids, dtype=config.dtype, proposer=config.proposer,
-            max_num_speculative_tokens=config.num_speculative_tokens, draft_model_id=config.draft_model or "",
+            max_num_speculative_tokens=worker.max_num_speculative_tokens, draft_model_id=config.draft_model or "",
             scorer=config.scorer)
 
     def InitCache(self, request, context):

@@ -21,10 +21,6 @@ from worker_service.verify import verify
 
 logger = logging.getLogger(__name__)
 
-# On the CPU a step's linear layers cost about the same for 1 to ~8 query rows (fast_linear.py), then more
-# per row: a batch of 4 sequences x 6 rows at 14% acceptance served 0.67x plain (bench_serving.py).
-CPU_ROW_BUDGET = 8
-
 
 class Worker:
     """Holds the target (and draft) model runners and the requests' cached state."""
@@ -37,10 +33,6 @@ class Worker:
         self.score = SCORERS[config.scorer]
         model_limit = getattr(target.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
-        budget = config.speculative_row_budget
-        if budget is None:
-            budget = CPU_ROW_BUDGET if target.device.type == "cpu" else 0
-        self.row_budget = budget  # 0: unlimited
         self.requests: dict[str, RequestState] = {}
         self.block_size: int | None = None
         self.num_blocks = 0
@@ -95,7 +87,7 @@ class Worker:
             raise InvalidStepError("the KV cache is not initialised: call InitCache first")
         scheduled = self._apply(request)
         stats = step.StepStats()
-        outputs = self._run(scheduled, request.num_lookahead_slots, stats) if scheduled else []
+        outputs = self._run(scheduled, stats) if scheduled else []
         stats.total_ms = (time.perf_counter() - start) * 1e3
         return step.StepResult(step_id=request.step_id, outputs=outputs, stats=stats)
 
@@ -117,7 +109,7 @@ class Worker:
         scheduled = news + [staged[c.request_id] for c in request.cached_requests]
         try:
             for state in scheduled:
-                check_schedulable(state, request.num_lookahead_slots, self.block_size, self.max_model_len)
+                check_schedulable(state, self.block_size, self.max_model_len, self.max_num_speculative_tokens)
         except InvalidStepError:
             for rid, (table, num_new, k) in originals.items():  # roll back: the step is rejected whole
                 staged[rid].block_table, staged[rid].scheduled_new_tokens = table, num_new
@@ -127,31 +119,22 @@ class Worker:
         self.requests.update({s.request_id: s for s in news})
         return scheduled
 
-    def _num_drafts(self, state: RequestState, num_lookahead_slots: int) -> int:
-        """k for this sequence and step: 0 unless it is decoding with speculation on."""
-        if self.proposer is None or state.num_tokens - state.num_computed_tokens != 1:
+    @property
+    def max_num_speculative_tokens(self) -> int:
+        """The most drafts per sequence and step this worker proposes (its K; 0 without a proposer)."""
+        return self.config.num_speculative_tokens if self.proposer is not None else 0
+
+    def _num_drafts(self, state: RequestState) -> int:
+        """The drafts to ask of the proposer: the scheduler's k for a decode, fewer only near max_model_len."""
+        if state.num_tokens - state.num_computed_tokens != 1:
             return 0
-        # The full k: at batch 1 on a CPU a verify step costs about the same for 2..6 query tokens
-        # (bench_spec.py: a fixed k beat min(k, floor(mean accepted) + 2) by 5-15%); _plan_drafts cuts it
-        # back only when a batch's rows exceed the row budget.
-        k = min(self.config.num_speculative_tokens, num_lookahead_slots, state.num_speculative_tokens,
-                self.max_model_len - state.num_tokens - 1)
-        return max(k, 0)
+        return max(min(state.num_speculative_tokens, self.max_model_len - state.num_tokens - 1), 0)
 
-    def _plan_drafts(self, scheduled: list[RequestState], num_lookahead_slots: int) -> list[int]:
-        """k per sequence: the full k while the step stays within the row budget, else each
-        sequence's recent acceptance plus one (a sequence that accepts nothing still tries one draft)."""
-        ks = [self._num_drafts(s, num_lookahead_slots) for s in scheduled]
-        if not self.row_budget or sum(1 + k for k in ks if k) <= self.row_budget:
-            return ks
-        return [s.draft_cap(k) for s, k in zip(scheduled, ks)]
-
-    def _run(self, scheduled: list[RequestState], num_lookahead_slots: int,
-             stats: step.StepStats) -> list[step.SequenceOutput]:
+    def _run(self, scheduled: list[RequestState], stats: step.StepStats) -> list[step.SequenceOutput]:
         t0 = time.perf_counter()
-        num_drafts = self._plan_drafts(scheduled, num_lookahead_slots)
+        num_drafts = [self._num_drafts(s) for s in scheduled]
         drafts, draft_probs = [[] for _ in scheduled], None
-        if any(num_drafts):
+        if any(num_drafts):  # every k = 0: a plain step, the proposer is not called
             proposal = self.proposer.propose(scheduled, num_drafts)
             drafts, draft_probs = proposal.draft_token_ids, proposal.draft_probs
         t1 = time.perf_counter()
@@ -190,5 +173,3 @@ class Worker:
         out.token_ids = emitted
         out.logprobs = result.logprobs[row] if state.return_logprobs else []
         out.num_draft_tokens, out.num_accepted_tokens = len(drafts), num_accepted
-        if drafts:
-            state.record_acceptance(num_accepted)

@@ -143,7 +143,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("num_requests", "num_drafted_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate", "mean_accepted_length", "num_steps", "num_steps_speculation_disabled", "num_preemptions", "worker_busy_seconds", "active_wall_seconds", "num_worker_failures", "num_moved_requests")
+    __slots__ = ("num_requests", "num_drafted_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate", "mean_accepted_length", "num_steps", "num_steps_speculation_disabled", "num_preemptions", "worker_busy_seconds", "active_wall_seconds", "num_worker_failures", "num_moved_requests", "num_accepted_tokens_per_pos", "num_sequence_steps_by_k", "num_predicted_steps", "predicted_step_seconds", "measured_step_seconds", "step_time_abs_error_seconds")
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,12 @@ class Counters(_message.Message):
     ACTIVE_WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     NUM_MOVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCE_STEPS_BY_K_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREDICTED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_ABS_ERROR_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_requests: int
     num_drafted_tokens: int
     num_accepted_tokens: int
@@ -170,7 +176,13 @@ class Counters(_message.Message):
     active_wall_seconds: float
     num_worker_failures: int
     num_moved_requests: int
-    def __init__(self, num_requests: _Optional[int] = ..., num_drafted_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_emitted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_steps: _Optional[int] = ..., num_steps_speculation_disabled: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., worker_busy_seconds: _Optional[float] = ..., active_wall_seconds: _Optional[float] = ..., num_worker_failures: _Optional[int] = ..., num_moved_requests: _Optional[int] = ...) -> None: ...
+    num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    num_sequence_steps_by_k: _containers.RepeatedScalarFieldContainer[int]
+    num_predicted_steps: int
+    predicted_step_seconds: float
+    measured_step_seconds: float
+    step_time_abs_error_seconds: float
+    def __init__(self, num_requests: _Optional[int] = ..., num_drafted_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_emitted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_steps: _Optional[int] = ..., num_steps_speculation_disabled: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., worker_busy_seconds: _Optional[float] = ..., active_wall_seconds: _Optional[float] = ..., num_worker_failures: _Optional[int] = ..., num_moved_requests: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_sequence_steps_by_k: _Optional[_Iterable[int]] = ..., num_predicted_steps: _Optional[int] = ..., predicted_step_seconds: _Optional[float] = ..., measured_step_seconds: _Optional[float] = ..., step_time_abs_error_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("address", "state", "num_running", "num_waiting", "num_free_kv_blocks", "num_kv_blocks", "counters", "last_error")
@@ -193,7 +205,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "proposer", "num_speculative_tokens", "max_model_len", "max_num_seqs", "block_size", "num_kv_blocks", "num_free_kv_blocks", "scheduling", "speculative_disable_queue_size", "counters", "num_running", "num_waiting", "workers")
+    __slots__ = ("model", "proposer", "num_speculative_tokens", "max_model_len", "max_num_seqs", "block_size", "num_kv_blocks", "num_free_kv_blocks", "scheduling", "speculative_disable_queue_size", "counters", "num_running", "num_waiting", "workers", "speculation_policy")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +220,7 @@ class ServerInfo(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_POLICY_FIELD_NUMBER: _ClassVar[int]
     model: str
     proposer: str
     num_speculative_tokens: int
@@ -222,4 +235,5 @@ class ServerInfo(_message.Message):
     num_running: int
     num_waiting: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, model: _Optional[str] = ..., proposer: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., scheduling: _Optional[str] = ..., speculative_disable_queue_size: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    speculation_policy: str
+    def __init__(self, model: _Optional[str] = ..., proposer: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., scheduling: _Optional[str] = ..., speculative_disable_queue_size: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., speculation_policy: _Optional[str] = ...) -> None: ...

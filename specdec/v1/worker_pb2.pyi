@@ -105,20 +105,16 @@ class CachedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_blocks_kept: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class ExecuteModelRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "num_lookahead_slots", "running_queue_size")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    num_lookahead_slots: int
-    running_queue_size: int
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., num_lookahead_slots: _Optional[int] = ..., running_queue_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "num_draft_tokens", "num_accepted_tokens")

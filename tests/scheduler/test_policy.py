@@ -3,17 +3,19 @@
 import pytest
 
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.policy import SpeculationPolicy
+from scheduler_service.policy import SpeculationPolicy, StepShape
 from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
 from tests.scheduler.test_scheduler import FakeWorker, reference_output, run, streamed
 
 
-def test_step_k_is_zero_above_the_disable_queue_size():
-    policy = SpeculationPolicy(num_speculative_tokens=4, speculative_disable_queue_size=2)
-    assert [policy.num_lookahead_slots_for_step(n) for n in (1, 2, 3, 8)] == [4, 4, 0, 0]
-    never = SpeculationPolicy(num_speculative_tokens=4, speculative_disable_queue_size=None)
-    assert never.num_lookahead_slots_for_step(1000) == 4
+def test_every_k_is_zero_above_the_disable_queue_size():
+    policy = SpeculationPolicy(num_speculative_tokens=4, speculative_disable_queue_size=2, policy="fixed")
+    decodes = [Request(f"r{i}", [1], max_tokens=50) for i in range(3)]
+    assert set(policy.plan_step(decodes, StepShape(), 2, 100).values()) == {4}
+    assert set(policy.plan_step(decodes, StepShape(), 3, 100).values()) == {0}
+    never = SpeculationPolicy(num_speculative_tokens=4, speculative_disable_queue_size=None, policy="fixed")
+    assert set(never.plan_step(decodes, StepShape(), 1000, 100).values()) == {4}
 
 
 def test_per_request_k():
@@ -37,8 +39,10 @@ def test_auto_disable_under_load_and_resume_when_it_falls():
 
     def on_step(step):
         # All four are admitted in the first step, so the running queue only shrinks.
-        seen.append((len(scheduler.running), step.num_lookahead_slots))
-        assert step.num_lookahead_slots == (0 if len(scheduler.running) > 2 else 3)
+        ks = {c.num_speculative_tokens for c in step.cached_requests}
+        seen.append((len(scheduler.running), max(ks, default=None)))
+        if len(scheduler.running) > 2:
+            assert ks <= {0}
 
     outputs = run(scheduler, worker, on_step=on_step)
     assert (4, 0) in seen and (2, 3) in seen
@@ -61,7 +65,7 @@ def test_opted_out_request_never_speculates():
 @pytest.mark.parametrize("kwargs", [
     {"num_kv_blocks": 0}, {"block_size": 0}, {"max_num_seqs": 0}, {"max_num_batched_tokens": 0},
     {"max_model_len": 1}, {"num_speculative_tokens": -1}, {"speculative_disable_queue_size": 0},
-    {"scheduling": "eager"},
+    {"scheduling": "eager"}, {"speculation_policy": "always"},
 ])
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):

@@ -8,11 +8,10 @@ from specdec import step
 class Driver:
     """Feeds whole prompts, then decodes every request to `max_tokens` emitted tokens."""
 
-    def __init__(self, execute, block_size: int, num_blocks: int, num_lookahead_slots: int = 0):
+    def __init__(self, execute, block_size: int, num_blocks: int):
         self.execute = execute  # StepRequest -> StepResult (in-process worker or gRPC client)
         self.block_size = block_size
         self.free_blocks = list(reversed(range(num_blocks)))
-        self.num_lookahead_slots = num_lookahead_slots
         self.step_ids = itertools.count()
         self.results: list[step.StepResult] = []
 
@@ -22,14 +21,15 @@ class Driver:
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  sampling: step.RequestSampling | list[step.RequestSampling] | None = None,
                  num_speculative_tokens: int = 0, prefix: str = "r") -> list[list[int]]:
-        """`sampling`: one for all requests, or one per prompt (default greedy)."""
+        """`sampling`: one for all requests, or one per prompt (default greedy); every decode step has
+        k = num_speculative_tokens (the tables always have room for it)."""
         sampling = sampling or step.RequestSampling(temperature=0.0)
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [f"{prefix}{i}" for i in range(len(prompts))]
         outputs = {rid: [] for rid in ids}
         new = [step.NewRequest(rid, p, len(p), s, self.blocks(len(p) + max_tokens + 8), len(p),
                                num_speculative_tokens) for rid, p, s in zip(ids, prompts, samplings)]
-        request = step.StepRequest(next(self.step_ids), new_requests=new, num_lookahead_slots=self.num_lookahead_slots)
+        request = step.StepRequest(next(self.step_ids), new_requests=new)
         while True:
             result = self.execute(request)
             self.results.append(result)
@@ -38,9 +38,8 @@ class Driver:
             running = [rid for rid in ids if len(outputs[rid]) < max_tokens]
             if not running:
                 break
-            cached = [step.CachedRequest(rid, [], -1, 1) for rid in running]
-            request = step.StepRequest(next(self.step_ids), cached_requests=cached,
-                                       num_lookahead_slots=self.num_lookahead_slots)
+            cached = [step.CachedRequest(rid, [], -1, 1, num_speculative_tokens) for rid in running]
+            request = step.StepRequest(next(self.step_ids), cached_requests=cached)
             for c in cached:  # keep the whole table: num_blocks_kept = its current length
                 c.num_blocks_kept = -(-(len(prompts[ids.index(c.request_id)]) + max_tokens + 8) // self.block_size)
         finished = step.StepRequest(next(self.step_ids), finished_request_ids=ids)

@@ -44,7 +44,7 @@ def sharp_pair(tiny_pair, tmp_path_factory) -> TinyPair:
 
 def alone(pair, sampling, proposer="none", k=0) -> tuple[list[int], list[step.StepResult]]:
     """The request decoded on its own by a fresh worker."""
-    driver = Driver(make_worker(pair, proposer, k).execute, BLOCK_SIZE, NUM_BLOCKS, num_lookahead_slots=k)
+    driver = Driver(make_worker(pair, proposer, k).execute, BLOCK_SIZE, NUM_BLOCKS)
     return driver.generate([PROMPT], MAX_TOKENS, sampling=sampling, num_speculative_tokens=k)[0], driver.results
 
 
@@ -59,10 +59,10 @@ def decode_with_restarts(workers, sampling, restart_at: list[int], k: int = 0) -
         if is_new:
             tokens = PROMPT + output
             new = step.NewRequest("x", tokens, len(PROMPT), sampling, blocks, len(tokens), k)
-            request = step.StepRequest(next(step_ids), new_requests=[new], num_lookahead_slots=k)
+            request = step.StepRequest(next(step_ids), new_requests=[new])
         else:
-            cached = step.CachedRequest("x", [], len(blocks), 1)
-            request = step.StepRequest(next(step_ids), cached_requests=[cached], num_lookahead_slots=k)
+            cached = step.CachedRequest("x", [], len(blocks), 1, k)
+            request = step.StepRequest(next(step_ids), cached_requests=[cached])
         output += worker.execute(request).outputs[0].token_ids
         is_new = bool(restarts) and len(output) >= restarts[0]
         if is_new:
@@ -117,7 +117,7 @@ def test_draft_model_proposals_are_reproducible(sharp_pair, tiny_pair):
     sampling = SAMPLINGS[1]
     first, results = alone(pair, sampling, "draft", 3)
     assert alone(pair, sampling, "draft", 3)[0] == first
-    driver = Driver(make_worker(pair, "draft", 3).execute, BLOCK_SIZE, NUM_BLOCKS, num_lookahead_slots=3)
+    driver = Driver(make_worker(pair, "draft", 3).execute, BLOCK_SIZE, NUM_BLOCKS)
     batch = driver.generate([[5, 6, 7], PROMPT, [40] * 20], MAX_TOKENS, num_speculative_tokens=3,
                             sampling=[step.RequestSampling(temperature=0.8, seed=1), sampling,
                                       step.RequestSampling(temperature=0.0)])

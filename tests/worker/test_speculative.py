@@ -19,12 +19,10 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [40] * 20, [10, 11, 12, 10, 11, 12, 10], li
 MAX_TOKENS = 24
 
 
-def make_worker(pair, proposer="none", k=0, scorer="multi_query", draft_path=None, row_budget=0) -> Worker:
-    """row_budget 0 (unlimited) keeps every sequence at the full k, so the tests below exercise it."""
+def make_worker(pair, proposer="none", k=0, scorer="multi_query", draft_path=None) -> Worker:
     draft_path = draft_path or pair.draft_path
     config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k, scorer=scorer,
-                          draft_model=str(draft_path) if proposer == "draft" else None,
-                          speculative_row_budget=row_budget)
+                          draft_model=str(draft_path) if proposer == "draft" else None)
     draft = ModelRunner(load_model(draft_path)) if proposer == "draft" else None
     worker = Worker(config, ModelRunner(load_model(pair.target_path)), draft)
     worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
@@ -46,7 +44,7 @@ def baseline(tiny_pair):
 
 
 def speculative_run(worker, k):
-    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS, num_lookahead_slots=k)
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
     return driver.generate(PROMPTS, MAX_TOKENS, num_speculative_tokens=k), driver.results
 
 
@@ -94,7 +92,7 @@ def test_self_draft_accepts_everything_and_stays_lossless(tiny_pair, baseline):
 
 def test_per_request_k_zero_mixes_with_speculating_requests(tiny_pair, baseline):
     worker = make_worker(tiny_pair, "draft", 3)
-    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS, num_lookahead_slots=3)
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
     first = driver.generate(PROMPTS[:2], MAX_TOKENS, num_speculative_tokens=0, prefix="off")
     assert first == baseline[:2]
     assert all(o.num_draft_tokens == 0 for r in driver.results for o in r.outputs)
@@ -103,14 +101,12 @@ def test_per_request_k_zero_mixes_with_speculating_requests(tiny_pair, baseline)
 def test_bonus_token_draft_kv_is_written(tiny_pair):
     """After an all-accepted step, the draft's next proposal equals a fresh draft run on the full prefix."""
     worker = make_worker(tiny_pair, "draft", 3, draft_path=tiny_pair.target_path)
-    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS, num_lookahead_slots=3)
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
     prompt = [7, 8, 9, 10, 11]
     table = driver.blocks(64)
     greedy = step.RequestSampling(temperature=0.0)
-    worker.execute(step.StepRequest(0, new_requests=[step.NewRequest("b", prompt, 5, greedy, table, 5, 3)],
-                                    num_lookahead_slots=3))
-    result = worker.execute(step.StepRequest(1, cached_requests=[step.CachedRequest("b", [], len(table), 1)],
-                                             num_lookahead_slots=3))
+    worker.execute(step.StepRequest(0, new_requests=[step.NewRequest("b", prompt, 5, greedy, table, 5, 3)]))
+    result = worker.execute(step.StepRequest(1, cached_requests=[step.CachedRequest("b", [], len(table), 1, 3)]))
     assert result.outputs[0].num_accepted_tokens == 3 and len(result.outputs[0].token_ids) == 4
     state = worker.requests["b"]
     proposal = worker.proposer.propose([state], [3]).draft_token_ids[0]
@@ -143,36 +139,64 @@ def test_lookahead_beyond_block_table_is_rejected(tiny_pair):
     greedy = step.RequestSampling(temperature=0.0)
     worker.execute(step.StepRequest(0, new_requests=[step.NewRequest("x", [5, 6, 5], 3, greedy, [0], 3, 3)]))
     with pytest.raises(InvalidStepError, match="shorter than"):
-        worker.execute(step.StepRequest(1, cached_requests=[step.CachedRequest("x", [], 1, 1)],
-                                        num_lookahead_slots=3))
+        worker.execute(step.StepRequest(1, cached_requests=[step.CachedRequest("x", [], 1, 1, 3)]))
     with pytest.raises(InvalidStepError, match="unknown request id 'y'"):
-        worker.execute(step.StepRequest(2, cached_requests=[step.CachedRequest("y", [], 0, 1)],
-                                        num_lookahead_slots=3))
+        worker.execute(step.StepRequest(2, cached_requests=[step.CachedRequest("y", [], 0, 1)]))
     # Rejected steps change nothing: with room for the lookahead the same request runs on.
-    ok = worker.execute(step.StepRequest(3, cached_requests=[step.CachedRequest("x", [1, 2], 1, 1)],
-                                         num_lookahead_slots=3))
+    ok = worker.execute(step.StepRequest(3, cached_requests=[step.CachedRequest("x", [1, 2], 1, 1, 3)]))
     assert len(ok.outputs[0].token_ids) >= 1
 
 
-def test_row_budget_caps_drafts_by_recent_acceptance(tiny_pair, baseline):
-    """Over the row budget each sequence drafts at most 1 + round(its acceptance average); still lossless."""
-    k = 5
-    worker = make_worker(tiny_pair, "ngram", k, row_budget=8)
-    assert worker.row_budget == 8
-    got, results = speculative_run(worker, k)
-    assert got == baseline
-    ema: dict[str, float] = {}
-    capped_steps = 0
+class CountingProposer:
+    """Wraps a proposer and records the num_drafts of every call."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def propose(self, states, num_drafts):
+        self.calls.append(list(num_drafts))
+        return self.inner.propose(states, num_drafts)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def per_sequence_k_run(worker, ks: list[int]) -> list[step.StepResult]:
+    """Prefills PROMPTS, then decodes 16 steps with sequence i at k = ks[i] (the scheduler's per-step k)."""
+    greedy = step.RequestSampling(temperature=0.0)
+    tables = [[i * 30 + j for j in range(30)] for i in range(len(PROMPTS))]
+    new = [step.NewRequest(f"r{i}", p, len(p), greedy, t, len(p), k)
+           for i, (p, t, k) in enumerate(zip(PROMPTS, tables, ks))]
+    results = [worker.execute(step.StepRequest(0, new_requests=new))]
+    for step_id in range(1, 17):
+        cached = [step.CachedRequest(f"r{i}", [], 30, 1, k) for i, k in enumerate(ks)]
+        results.append(worker.execute(step.StepRequest(step_id, cached_requests=cached)))
+    return results
+
+
+def test_worker_follows_the_per_sequence_k(tiny_pair):
+    """Each sequence drafts at most its own k (k = 0: none), in one mixed step; k > the worker's K is refused."""
+    worker = make_worker(tiny_pair, "ngram", 5)
+    ks = [5, 0, 2, 1, 0]
+    results = per_sequence_k_run(worker, ks)
+    drafted = {f"r{i}": 0 for i in range(len(ks))}
     for result in results[1:]:
-        decoding = [o for o in result.outputs if o.token_ids]
-        for out in decoding:
-            if len(decoding) * (k + 1) > 8 and out.request_id in ema:  # over budget: the cap applies
-                assert out.num_draft_tokens <= min(k, 1 + round(ema[out.request_id]))
-                capped_steps += 1
-            if out.num_draft_tokens:
-                prev = ema.get(out.request_id)
-                ema[out.request_id] = out.num_accepted_tokens if prev is None else 0.5 * prev + 0.5 * out.num_accepted_tokens
-    assert capped_steps > 0
-    unlimited = draft_counts(speculative_run(make_worker(tiny_pair, "ngram", k), k)[1])
-    budgeted = draft_counts(results)
-    assert sum(d for d, _ in budgeted.values()) < sum(d for d, _ in unlimited.values())
+        for out in result.outputs:
+            assert out.num_draft_tokens <= ks[int(out.request_id[1:])]
+            drafted[out.request_id] += out.num_draft_tokens
+    assert drafted["r0"] > 0 and drafted["r2"] > 0 and drafted["r1"] == drafted["r4"] == 0
+    greedy = step.RequestSampling(temperature=0.0)
+    with pytest.raises(InvalidStepError, match="exceeds this worker's 5"):
+        worker.execute(step.StepRequest(9, new_requests=[step.NewRequest("big", [5, 6], 2, greedy, [399], 2, 6)]))
+
+
+def test_all_k_zero_runs_a_plain_step_without_the_proposer(tiny_pair):
+    """When the scheduler sends k = 0 for every sequence the proposer is never called; output unchanged."""
+    worker = make_worker(tiny_pair, "ngram", 3)
+    worker.proposer = CountingProposer(worker.proposer)
+    per_sequence_k_run(worker, [0] * len(PROMPTS))
+    assert worker.proposer.calls == []
+    per_sequence_k_run(make_worker(tiny_pair, "ngram", 3), [0] * len(PROMPTS))  # a fresh worker: same ids
+    worker.execute(step.StepRequest(20, finished_request_ids=[f"r{i}" for i in range(len(PROMPTS))]))
+    per_sequence_k_run(worker, [0, 3, 0, 0, 0])
+    assert worker.proposer.calls and all(call == [0, 3, 0, 0, 0] for call in worker.proposer.calls)

@@ -47,7 +47,7 @@ class SessionClient(WorkerClient):
         return super().execute(request, self.session_id)
 
 
-def stream_driver(client: SessionClient, num_lookahead_slots: int = 0) -> Driver:
+def stream_driver(client: SessionClient) -> Driver:
     """A driver on a new session (the previous one's stream, left open, is given up)."""
     stream = client.open_stream(client.new_session())
 
@@ -55,7 +55,7 @@ def stream_driver(client: SessionClient, num_lookahead_slots: int = 0) -> Driver
         stream.send(request)
         return stream.recv()
 
-    return Driver(execute, BLOCK_SIZE, NUM_BLOCKS, num_lookahead_slots)
+    return Driver(execute, BLOCK_SIZE, NUM_BLOCKS)
 
 
 def test_health_serving_after_init_and_reflection(tiny_worker):
@@ -113,11 +113,9 @@ def test_bad_requests_get_invalid_argument_and_worker_keeps_serving(tiny_worker)
     expect_invalid(client, step.StepRequest(2, new_requests=[short]), "shorter than the 37 positions")
     vocab = step.NewRequest("vocab", [5, 256], 2, greedy, [8], 2)
     expect_invalid(client, step.StepRequest(3, new_requests=[vocab]), "token id 256 is outside the vocabulary")
-    # 14 prompt tokens in one 16-slot block: the decode token and 3 lookahead slots need 18.
-    lookahead = step.NewRequest("look", list(range(5, 19)), 14, greedy, [9], 14, num_speculative_tokens=3)
-    assert client.execute(step.StepRequest(4, new_requests=[lookahead])).outputs[0].token_ids
-    expect_invalid(client, step.StepRequest(5, cached_requests=[step.CachedRequest("look", [], 1, 1)],
-                                            num_lookahead_slots=3), "shorter than the 18 positions")
+    # This worker has no proposer (its k is 0): a step asking for drafts is refused.
+    drafts = step.NewRequest("drafts", [5, 6], 2, greedy, [9], 2, num_speculative_tokens=3)
+    expect_invalid(client, step.StepRequest(4, new_requests=[drafts]), "num_speculative_tokens 3 exceeds this worker's 0")
     # Still serving, and the rejected steps left no state behind.
     expect_invalid(client, step.StepRequest(6, cached_requests=[step.CachedRequest("short", [], 0, 1)]),
                    "unknown request id 'short'")
@@ -195,7 +193,7 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2_path):
         client = SessionClient(proc.address())
         proc.wait_for("model loaded")
         got = stream_driver(client).generate(prompts, 32)
-        got_ngram = stream_driver(client, num_lookahead_slots=3).generate(prompts, 32, prefix="ng",
+        got_ngram = stream_driver(client).generate(prompts, 32, prefix="ng",
                                                                            num_speculative_tokens=3)
     for g, w in zip(got, want):
         assert g[: len(w)] == w  # HF stops at EOS; the worker goes on until told to stop

@@ -1,0 +1,195 @@
+"""Goodput-driven draft length: a step-cost model, acceptance by draft position, and the choice of k.
+
+The objective, per step. Sequences i = 1..B decode in the step; the policy picks
+each one's draft length k_i in [0, cap_i] to maximise the expected tokens emitted
+per second of the whole step:
+
+    G(k) = (N + sum_i E_i(k_i)) / T(k)
+
+    E_i(k) = r_i * sum_{j=1..k} prod_{m=1..j} a_i,m    (expected accepted drafts)
+    T(k)   = c0 + c_row * rows + c_seq * seqs + c_ctx * attended / 1024
+
+where N is the tokens the step emits anyway (one per decode), a_i,m is the
+probability that draft m of sequence i is accepted given drafts 1..m-1 were,
+r_i the share of the k requested drafts its proposer really proposes (n-gram
+finds no match, suffix stops early), rows = the step's query rows (prefill
+chunks + sum_i (1 + r_i k_i)) and attended = sum over rows of the context that
+row attends to (long contexts make a draft row dearer).
+
+E_i is concave in k_i (every a <= 1) and T is linear in the rows, so the best k
+is a prefix of all draft increments (i, j) sorted by gain per cost: `choose_num_drafts`
+sorts them and takes the prefix with the highest G. O(B*K log(B*K)) in Python;
+for B = 64, K = 5 about 0.1 ms.
+
+The cost coefficients come from `StepCostModel`: recursive least squares with
+forgetting over the worker's measured step times (`StepStats.total_ms`), so the
+model follows the operating point (on a CPU, extra rows are almost free up to ~8
+query rows and linear beyond; a local linear fit with forgetting tracks that).
+Until it has seen `MIN_OBSERVATIONS` steps it reports no coefficients and the
+policy drafts the full k (optimism gives the fit the varied row counts it needs).
+
+Acceptance: `AcceptanceEstimate` keeps exponentially decayed counts of drafts
+tried and accepted per position, per sequence (recent history, decay 0.8 per
+speculating step) and per worker (the prior of a new sequence, decay 0.99).
+"""
+
+from dataclasses import dataclass, field
+
+MIN_OBSERVATIONS = 4
+CONTEXT_SCALE = 1024        # attended is counted in units of 1,024 query-row x context tokens
+SEQUENCE_DECAY = 0.8        # a sequence's recent history: ~5 speculating steps
+WORKER_DECAY = 0.99         # the worker-wide prior: ~100 sequence-steps
+PRIOR_WEIGHT = 2.0          # pseudo-counts of the worker-wide prior in a sequence's estimate
+INITIAL_ACCEPTANCE = 0.5    # before the worker has seen any draft
+FORGETTING = 0.98           # RLS: ~50 steps of memory
+INITIAL_VARIANCE = 1e4      # RLS: the coefficients start unknown
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Decayed counts of drafts tried / accepted at each position, and of drafts proposed / requested."""
+
+    decay: float = SEQUENCE_DECAY
+    num_tried: list[float] = field(default_factory=list)     # [m]: drafts at position m+1 that were checked
+    num_accepted: list[float] = field(default_factory=list)  # [m]: ... and accepted
+    num_proposed: float = 0.0    # sum of (drafts proposed / k requested) over speculating steps
+    num_requests: float = 0.0    # speculating steps
+    num_steps_without_drafts: int = 0  # consecutive steps the policy left the sequence at k = 0 (probing)
+
+    def observe(self, num_requested: int, num_drafts: int, num_accepted: int) -> None:
+        """One step that asked for `num_requested` drafts: `num_drafts` came, the first `num_accepted` held.
+
+        Draft m was checked when every earlier one was accepted: m <= num_accepted + 1.
+        """
+        if num_requested <= 0:
+            return
+        d = self.decay
+        grow = num_drafts - len(self.num_tried)
+        if grow > 0:
+            self.num_tried += [0.0] * grow
+            self.num_accepted += [0.0] * grow
+        for m in range(len(self.num_tried)):
+            self.num_tried[m] = d * self.num_tried[m] + (m < min(num_drafts, num_accepted + 1))
+            self.num_accepted[m] = d * self.num_accepted[m] + (m < num_accepted)
+        self.num_proposed = d * self.num_proposed + num_drafts / num_requested
+        self.num_requests = d * self.num_requests + 1
+
+    def acceptance(self, position: int, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        """P(draft at `position` (0-based) accepted | earlier ones were), shrunk towards `prior`."""
+        if position >= len(self.num_tried) or self.num_tried[position] + weight <= 0:
+            return prior
+        return (self.num_accepted[position] + weight * prior) / (self.num_tried[position] + weight)
+
+    def proposal_rate(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        """Expected share of the requested drafts the proposer delivers."""
+        if self.num_requests + weight <= 0:
+            return prior
+        return (self.num_proposed + weight * prior) / (self.num_requests + weight)
+
+
+@dataclass(frozen=True)
+class CostCoefficients:
+    """Predicted step time in ms: c0 + c_row * rows + c_seq * seqs + c_ctx * attended / CONTEXT_SCALE."""
+
+    c0: float
+    c_row: float
+    c_seq: float
+    c_ctx: float
+
+    def step_ms(self, rows: float, seqs: int, attended: float) -> float:
+        return self.c0 + self.c_row * rows + self.c_seq * seqs + self.c_ctx * attended / CONTEXT_SCALE
+
+
+class StepCostModel:
+    """Online least squares (with forgetting) of the worker's step time on rows, sequences and attended context."""
+
+    def __init__(self, forgetting: float = FORGETTING) -> None:
+        self.forgetting = forgetting
+        self.theta = [0.0] * 4
+        self.cov = [[INITIAL_VARIANCE if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self.num_observations = 0
+
+    @staticmethod
+    def _features(rows: float, seqs: int, attended: float) -> list[float]:
+        return [1.0, float(rows), float(seqs), attended / CONTEXT_SCALE]
+
+    def coefficients(self) -> CostCoefficients | None:
+        """The fitted coefficients (marginal costs clamped at >= 0), or None before MIN_OBSERVATIONS steps."""
+        if self.num_observations < MIN_OBSERVATIONS:
+            return None
+        c0, c_row, c_seq, c_ctx = self.theta
+        return CostCoefficients(c0, max(c_row, 0.0), max(c_seq, 0.0), max(c_ctx, 0.0))
+
+    def predict_ms(self, rows: float, seqs: int, attended: float) -> float | None:
+        coefficients = self.coefficients()
+        return None if coefficients is None else coefficients.step_ms(rows, seqs, attended)
+
+    def observe(self, rows: int, seqs: int, attended: int, step_ms: float) -> None:
+        """One measured step (RLS update; each variance is capped so that forgetting cannot blow it up)."""
+        x = self._features(rows, seqs, attended)
+        cov, lam = self.cov, self.forgetting
+        px = [sum(cov[i][j] * x[j] for j in range(4)) for i in range(4)]
+        denominator = lam + sum(x[i] * px[i] for i in range(4))
+        gain = [v / denominator for v in px]
+        error = step_ms - sum(t * v for t, v in zip(self.theta, x))
+        self.theta = [t + g * error for t, g in zip(self.theta, gain)]
+        self.cov = [[(cov[i][j] - gain[i] * px[j]) / lam for j in range(4)] for i in range(4)]
+        for i in range(4):
+            if self.cov[i][i] > INITIAL_VARIANCE:
+                scale = (INITIAL_VARIANCE / self.cov[i][i]) ** 0.5
+                for j in range(4):
+                    self.cov[i][j] *= scale
+                    self.cov[j][i] *= scale
+        self.num_observations += 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A decoding sequence the policy may let speculate."""
+
+    cap: int                        # most drafts allowed (server k, request's k, tokens left)
+    num_context_tokens: int         # context the sequence's query rows attend to
+    proposal_rate: float            # r: expected share of requested drafts proposed
+    acceptance: tuple[float, ...]   # a_1..a_cap: conditional acceptance by position
+
+
+def expected_accepted(candidate: Candidate, k: int) -> float:
+    """E[accepted drafts | k requested] = r * sum_{j<=k} prod_{m<=j} a_m."""
+    total, survive = 0.0, 1.0
+    for a in candidate.acceptance[:k]:
+        survive *= a
+        total += survive
+    return candidate.proposal_rate * total
+
+
+def choose_num_drafts(candidates: list[Candidate], cost: CostCoefficients, num_other_rows: int,
+                      num_other_seqs: int, num_other_attended: int, num_base_tokens: float) -> list[int]:
+    """The k per candidate maximising G(k) (module docstring); the step also runs other (prefill) rows.
+
+    num_base_tokens: tokens the step emits with k = 0 for all (N).
+    """
+    rows = num_other_rows + len(candidates)
+    attended = num_other_attended + sum(c.num_context_tokens for c in candidates)
+    step_ms = cost.step_ms(rows, num_other_seqs + len(candidates), attended)
+    increments = []   # (gain per ms, candidate index, gain, cost in ms)
+    for i, c in enumerate(candidates):
+        row_ms = c.proposal_rate * (cost.c_row + cost.c_ctx * c.num_context_tokens / CONTEXT_SCALE)
+        survive = 1.0
+        for a in c.acceptance[:c.cap]:
+            survive *= a
+            gain = c.proposal_rate * survive
+            if gain <= 0.0:
+                break
+            increments.append((gain / row_ms if row_ms > 0 else float("inf"), i, gain, row_ms))
+    increments.sort(key=lambda item: -item[0])  # stable: each sequence's positions stay in order
+    tokens, best, best_len = num_base_tokens, num_base_tokens / max(step_ms, 1e-9), 0
+    for n, (_, _, gain, row_ms) in enumerate(increments, start=1):
+        tokens += gain
+        step_ms += row_ms
+        goodput = tokens / max(step_ms, 1e-9)
+        if goodput > best:
+            best, best_len = goodput, n
+    ks = [0] * len(candidates)
+    for _, i, _, _ in increments[:best_len]:
+        ks[i] += 1
+    return ks
