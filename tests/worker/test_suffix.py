@@ -1,12 +1,16 @@
 """The suffix proposer: its per-request and global indexes, the confidence rule, the memory bound, and
 lossless greedy and seeded decoding with a worker."""
 
+import argparse
+
 import pytest
 
 from specdec import step
 from tests.worker.driver import Driver
 from tests.worker.test_seeded_sampling import PROMPT, SAMPLINGS, SAMPLING_IDS, alone, sharp_pair  # noqa: F401
 from tests.worker.test_speculative import BLOCK_SIZE, NUM_BLOCKS, PROMPTS, draft_counts, make_worker
+from worker_service.config import WorkerConfig
+from worker_service.flags import add_flags, config_from_args, forwarded_argv
 from worker_service.proposers.suffix import SuffixProposer
 from worker_service.request_state import RequestState
 
@@ -102,6 +106,19 @@ def test_zero_cache_tokens_disables_the_global_index():
     proposer.release([state("a", [7] + output(100), num_prompt_tokens=1)])
     assert proposer.outputs is None
     assert propose(proposer, state("b", [5, 100, 101])) == []
+
+
+def test_flag_reaches_the_config_and_is_forwarded_to_workers():
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    args = parser.parse_args(["--proposer", "suffix", "--num-speculative-tokens", "16", "--suffix-cache-tokens", "0"])
+    config = config_from_args(args, "model", None)
+    assert config.proposer == "suffix" and config.suffix_cache_tokens == 0
+    argv = forwarded_argv(args)
+    assert argv[argv.index("--suffix-cache-tokens") + 1] == "0"
+    assert parser.parse_args([]).suffix_cache_tokens == 65536
+    with pytest.raises(ValueError, match="suffix_cache_tokens must be >= 0"):
+        WorkerConfig(model="model", proposer="suffix", num_speculative_tokens=16, suffix_cache_tokens=-1)
 
 
 def total_accepted(results) -> int:
