@@ -70,8 +70,9 @@ def test_confidence_rule_shortens_the_draft_where_continuations_disagree():
     # 11 occurrences with the longest match all continue with 3 (confidence 1), then with 11 different
     # tokens: 1/11 < MIN_TOKEN_PROB, so the draft stops after 3.
     assert propose(proposer, state("disagree", segments(range(100, 112)))) == [3]
-    # 4 of 8 agree on the second token: confidence 1/2, still drafted.
-    assert propose(proposer, state("half", segments([100, 100, 100, 100, 101, 102, 103, 104, 100])))[:2] == [3, 100]
+    # 4 of the 8 occurrences with the longest match (all but the first) agree on the second token:
+    # confidence 1/2, still drafted; then they agree, up to the match length (4).
+    assert propose(proposer, state("half", segments([99, 100, 100, 100, 100, 101, 102, 103, 104]))) == [3, 100, 60, 50]
 
 
 def test_global_index_respects_its_memory_bound_and_evicts_least_recently_used():

@@ -75,6 +75,8 @@ class Draft:
 
 @dataclass(slots=True)
 class Candidate:
+    """An earlier occurrence of the sequence's suffix: seq[end - match_len:end] equals its last tokens."""
+
     match_len: int
     seq: list[int]
     end: int          # seq[end] is the first following token
@@ -225,6 +227,7 @@ class OutputCache:
         self._request_ids[seq_id] = request_id
 
     def discard(self, request_id: str) -> None:
+        """Forgets the request's output (if held)."""
         seq_id = self._seq_ids.pop(request_id, None)
         if seq_id is not None:
             self.index.remove(seq_id)
