@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-PROPOSERS = ("none", "ngram", "draft")
+PROPOSERS = ("none", "ngram", "draft", "suffix")
 SCORERS = ("multi_query", "batch_expansion")
 DTYPE_NAMES = ("float32", "bfloat16")
 
@@ -18,6 +18,7 @@ class WorkerConfig:
     num_speculative_tokens: int = 0     # k: the most drafts per sequence and step
     ngram_min: int = 1
     ngram_max: int = 4
+    suffix_cache_tokens: int = 65536    # the suffix proposer's index of recent outputs (0: none)
     scorer: str = "multi_query"
     kv_cache_memory_bytes: int = 2 << 30
     max_model_len: int | None = None    # None: the model's own limit
@@ -38,6 +39,8 @@ class WorkerConfig:
             raise ValueError(f"proposer {self.proposer!r} needs num_speculative_tokens >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.suffix_cache_tokens < 0:
+            raise ValueError(f"suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:

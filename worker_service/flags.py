@@ -5,19 +5,23 @@ import argparse
 from worker_service.config import DTYPE_NAMES, PROPOSERS, SCORERS, WorkerConfig
 
 # Flags a launcher forwards to a worker process (`specdec serve`), by argparse dest.
-FORWARDED = ("draft_model", "proposer", "num_speculative_tokens", "ngram_min", "ngram_max", "scorer", "dtype",
-             "max_model_len", "kv_cache_memory_gib")
+FORWARDED = ("draft_model", "proposer", "num_speculative_tokens", "ngram_min", "ngram_max", "suffix_cache_tokens",
+             "scorer", "dtype", "max_model_len", "kv_cache_memory_gib")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     """Adds the model, speculation and KV-memory flags (not --model, --host, --port or --num-threads)."""
     p.add_argument("--draft-model", default=None, help="draft model (same vocabulary) for --proposer draft")
     p.add_argument("--proposer", choices=PROPOSERS, default="none",
-                   help="none, ngram (prompt lookup) or draft (a smaller model) (default: %(default)s)")
+                   help="none, ngram (prompt lookup), draft (a smaller model) or suffix (the request's own tokens and "
+                        "recent outputs on the worker) (default: %(default)s)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="most drafts per sequence and step (default: %(default)s)")
     p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram tried (default: %(default)s)")
     p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram tried first (default: %(default)s)")
+    p.add_argument("--suffix-cache-tokens", type=int, default=65536, metavar="N",
+                   help="tokens of recent outputs the suffix proposer indexes per worker, least recently used "
+                        "evicted (0: only the request's own tokens) (default: %(default)s)")
     p.add_argument("--scorer", choices=SCORERS, default="multi_query", help="(default: %(default)s)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights and KV (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
@@ -29,7 +33,7 @@ def config_from_args(args: argparse.Namespace, model_dir: str, num_threads: int 
     """The WorkerConfig of parsed flags; raises ValueError for a bad combination."""
     return WorkerConfig(model=model_dir, dtype=args.dtype, draft_model=args.draft_model, proposer=args.proposer,
                         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
-                        ngram_max=args.ngram_max, scorer=args.scorer,
+                        ngram_max=args.ngram_max, suffix_cache_tokens=args.suffix_cache_tokens, scorer=args.scorer,
                         kv_cache_memory_bytes=int(args.kv_cache_memory_gib * 2**30),
                         max_model_len=args.max_model_len, num_threads=num_threads)
 

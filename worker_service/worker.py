@@ -14,6 +14,7 @@ from worker_service.config import WorkerConfig
 from worker_service.model_runner import ModelRunner, SequenceChunk
 from worker_service.proposers.draft import DraftProposer
 from worker_service.proposers.ngram import NgramProposer
+from worker_service.proposers.suffix import SuffixProposer
 from worker_service.request_state import (InvalidStepError, RequestState, apply_cached, check_cached,
                                           check_schedulable, new_state)
 from worker_service.scorers import SCORERS
@@ -47,6 +48,8 @@ class Worker:
                 raise ValueError(f"the draft's vocabulary ({self.draft.vocab_size}) differs from the target's "
                                  f"({self.target.vocab_size})")
             return DraftProposer(self.draft)
+        if self.config.proposer == "suffix":
+            return SuffixProposer(self.config.suffix_cache_tokens)
         return None
 
     @property

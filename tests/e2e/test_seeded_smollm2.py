@@ -1,4 +1,4 @@
-"""Seeded sampling with the embedded SmolLM2 is reproducible: alone, batched, preempted, with n-gram
+"""Seeded sampling with the embedded SmolLM2 is reproducible: alone, batched, preempted, with n-gram or suffix
 speculation, and after its worker is killed mid-stream (the request moves to the other worker)."""
 
 import os
@@ -50,6 +50,21 @@ def test_preempted_and_with_ngram_speculation(smollm2_path, prompts, alone):
         info = server.wait_idle()
     assert [tokens for tokens, _ in results] == alone
     assert info.counters.num_preemptions > 0 and info.counters.num_accepted_tokens > 0
+
+
+def test_with_suffix_speculation(smollm2_path, prompts, alone):
+    """Twice: the second time the worker's index of recent outputs holds the first time's tokens."""
+    args = ["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.25", "--proposer", "suffix",
+            "--num-speculative-tokens", "8", "--scheduling", "sync"]
+    requests = [seeded(p, 100 + i) for i, p in enumerate(prompts)]
+    with serve(args) as server:
+        first = stream_all(server.stub, requests)
+        first_accepted = server.wait_idle().counters.num_accepted_tokens
+        second = stream_all(server.stub, requests)
+        second_accepted = server.wait_idle().counters.num_accepted_tokens - first_accepted
+    assert [tokens for tokens, _ in first] == alone
+    assert [tokens for tokens, _ in second] == alone
+    assert second_accepted > first_accepted
 
 
 def _worker_pids(serve_pid: int) -> list[int]:
