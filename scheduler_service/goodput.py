@@ -7,14 +7,17 @@ per second of the whole step:
     G(k) = (N + sum_i E_i(k_i)) / T(k)
 
     E_i(k) = r_i * sum_{j=1..k} prod_{m=1..j} a_i,m    (expected accepted drafts)
-    T(k)   = c0 + c_row * rows + c_seq * seqs + c_ctx * attended / 1024
+    T(k)   = c0 + c_row * rows + c_prefill * prefill_rows + c_seq * seqs + c_ctx * attended / 1024
 
 where N is the tokens the step emits anyway (one per decode), a_i,m is the
 probability that draft m of sequence i is accepted given drafts 1..m-1 were,
 r_i the share of the k requested drafts its proposer really proposes (n-gram
-finds no match, suffix stops early), rows = the step's query rows (prefill
-chunks + sum_i (1 + r_i k_i)) and attended = sum over rows of the context that
-row attends to (long contexts make a draft row dearer).
+finds no match, suffix stops early), rows = the decodes' query rows
+sum_i (1 + r_i k_i), prefill_rows = the prefill chunks' tokens (their own
+coefficient: a prefill row is a row of a large batched matmul, while a few
+decode rows cost about as much as one on a CPU, so one slope would misjudge
+drafts) and attended = sum over rows of the context that row attends to (long
+contexts make a draft row dearer).
 
 E_i is concave in k_i (every a <= 1) and T is linear in the rows, so the best k
 is a prefix of all draft increments (i, j) sorted by gain per cost: `choose_num_drafts`
@@ -89,55 +92,61 @@ class AcceptanceEstimate:
 
 @dataclass(frozen=True)
 class CostCoefficients:
-    """Predicted step time in ms: c0 + c_row * rows + c_seq * seqs + c_ctx * attended / CONTEXT_SCALE."""
+    """Predicted step time in ms (module docstring: T)."""
 
     c0: float
-    c_row: float
+    c_row: float        # per decode query row (1 + drafts per decoding sequence)
+    c_prefill: float    # per prefill token
     c_seq: float
-    c_ctx: float
+    c_ctx: float        # per CONTEXT_SCALE attended (row x context) tokens
 
-    def step_ms(self, rows: float, seqs: int, attended: float) -> float:
-        return self.c0 + self.c_row * rows + self.c_seq * seqs + self.c_ctx * attended / CONTEXT_SCALE
+    def step_ms(self, rows: float, prefill_rows: int, seqs: int, attended: float) -> float:
+        return (self.c0 + self.c_row * rows + self.c_prefill * prefill_rows + self.c_seq * seqs
+                + self.c_ctx * attended / CONTEXT_SCALE)
 
 
 class StepCostModel:
-    """Online least squares (with forgetting) of the worker's step time on rows, sequences and attended context."""
+    """Online least squares (with forgetting) of the worker's step time on decode rows, prefill rows,
+    sequences and attended context."""
+
+    NUM_FEATURES = 5
 
     def __init__(self, forgetting: float = FORGETTING) -> None:
+        n = self.NUM_FEATURES
         self.forgetting = forgetting
-        self.theta = [0.0] * 4
-        self.cov = [[INITIAL_VARIANCE if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self.theta = [0.0] * n
+        self.cov = [[INITIAL_VARIANCE if i == j else 0.0 for j in range(n)] for i in range(n)]
         self.num_observations = 0
 
     @staticmethod
-    def _features(rows: float, seqs: int, attended: float) -> list[float]:
-        return [1.0, float(rows), float(seqs), attended / CONTEXT_SCALE]
+    def _features(rows: float, prefill_rows: int, seqs: int, attended: float) -> list[float]:
+        return [1.0, float(rows), float(prefill_rows), float(seqs), attended / CONTEXT_SCALE]
 
     def coefficients(self) -> CostCoefficients | None:
         """The fitted coefficients (marginal costs clamped at >= 0), or None before MIN_OBSERVATIONS steps."""
         if self.num_observations < MIN_OBSERVATIONS:
             return None
-        c0, c_row, c_seq, c_ctx = self.theta
-        return CostCoefficients(c0, max(c_row, 0.0), max(c_seq, 0.0), max(c_ctx, 0.0))
+        c0, *marginal = self.theta
+        return CostCoefficients(c0, *(max(c, 0.0) for c in marginal))
 
-    def predict_ms(self, rows: float, seqs: int, attended: float) -> float | None:
+    def predict_ms(self, rows: float, prefill_rows: int, seqs: int, attended: float) -> float | None:
         coefficients = self.coefficients()
-        return None if coefficients is None else coefficients.step_ms(rows, seqs, attended)
+        return None if coefficients is None else coefficients.step_ms(rows, prefill_rows, seqs, attended)
 
-    def observe(self, rows: int, seqs: int, attended: int, step_ms: float) -> None:
+    def observe(self, rows: int, prefill_rows: int, seqs: int, attended: int, step_ms: float) -> None:
         """One measured step (RLS update; each variance is capped so that forgetting cannot blow it up)."""
-        x = self._features(rows, seqs, attended)
+        n, x = self.NUM_FEATURES, self._features(rows, prefill_rows, seqs, attended)
         cov, lam = self.cov, self.forgetting
-        px = [sum(cov[i][j] * x[j] for j in range(4)) for i in range(4)]
-        denominator = lam + sum(x[i] * px[i] for i in range(4))
+        px = [sum(cov[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denominator = lam + sum(x[i] * px[i] for i in range(n))
         gain = [v / denominator for v in px]
         error = step_ms - sum(t * v for t, v in zip(self.theta, x))
         self.theta = [t + g * error for t, g in zip(self.theta, gain)]
-        self.cov = [[(cov[i][j] - gain[i] * px[j]) / lam for j in range(4)] for i in range(4)]
-        for i in range(4):
+        self.cov = [[(cov[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+        for i in range(n):
             if self.cov[i][i] > INITIAL_VARIANCE:
                 scale = (INITIAL_VARIANCE / self.cov[i][i]) ** 0.5
-                for j in range(4):
+                for j in range(n):
                     self.cov[i][j] *= scale
                     self.cov[j][i] *= scale
         self.num_observations += 1
@@ -162,15 +171,14 @@ def expected_accepted(candidate: Candidate, k: int) -> float:
     return candidate.proposal_rate * total
 
 
-def choose_num_drafts(candidates: list[Candidate], cost: CostCoefficients, num_other_rows: int,
-                      num_other_seqs: int, num_other_attended: int, num_base_tokens: float) -> list[int]:
-    """The k per candidate maximising G(k) (module docstring); the step also runs other (prefill) rows.
+def choose_num_drafts(candidates: list[Candidate], cost: CostCoefficients, num_prefill_rows: int,
+                      num_prefill_seqs: int, num_prefill_attended: int, num_base_tokens: float) -> list[int]:
+    """The k per candidate maximising G(k) (module docstring); the step also runs prefill chunks.
 
     num_base_tokens: tokens the step emits with k = 0 for all (N).
     """
-    rows = num_other_rows + len(candidates)
-    attended = num_other_attended + sum(c.num_context_tokens for c in candidates)
-    step_ms = cost.step_ms(rows, num_other_seqs + len(candidates), attended)
+    attended = num_prefill_attended + sum(c.num_context_tokens for c in candidates)
+    step_ms = cost.step_ms(len(candidates), num_prefill_rows, num_prefill_seqs + len(candidates), attended)
     increments = []   # (gain per ms, candidate index, gain, cost in ms)
     for i, c in enumerate(candidates):
         row_ms = c.proposal_rate * (cost.c_row + cost.c_ctx * c.num_context_tokens / CONTEXT_SCALE)

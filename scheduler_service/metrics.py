@@ -72,6 +72,12 @@ METRICS = (
           "Sequence-steps that accepted the draft at this position (0..K-1); a step that accepted n drafts counts "
           "at 0..n-1, so the positions sum to the accepted total.",
           "position"),
+    _info("spec_decode_num_sequence_steps_by_k_total", "counter",
+          "Decoding sequence-steps by the draft length k (0..K) the speculation policy chose.", "k"),
+    _info("spec_decode_predicted_step_seconds_total", "counter",
+          "The policy's step-cost model: predicted worker step time, summed over the steps it predicted."),
+    _info("spec_decode_measured_step_seconds_total", "counter",
+          "Measured worker step time of the steps the cost model predicted (compare with the predicted total)."),
     _info("num_steps_speculation_disabled_total", "counter", "Steps run without drafts because of the queue size."),
     _info("num_preemptions_total", "counter", "Requests preempted (recomputed later) for lack of KV blocks."),
     _info("worker_failures_total", "counter", "Times a worker left by failing (crash, hang, broken stream)."),
@@ -191,6 +197,8 @@ def _counters(snap: "ClusterSnapshot") -> Iterator[Metric]:
                         ("spec_decode_num_drafts_total", st.num_drafts),
                         ("spec_decode_num_draft_tokens_total", st.num_draft_tokens),
                         ("spec_decode_num_accepted_tokens_total", st.num_accepted_tokens),
+                        ("spec_decode_predicted_step_seconds_total", st.predicted_step_s),
+                        ("spec_decode_measured_step_seconds_total", st.measured_step_s),
                         ("num_steps_speculation_disabled_total", st.num_steps_speculation_disabled),
                         ("num_preemptions_total", st.num_preemptions),
                         ("worker_failures_total", snap.num_worker_failures),
@@ -203,6 +211,10 @@ def _counters(snap: "ClusterSnapshot") -> Iterator[Metric]:
     for position in range(max(k, len(counts))):  # positions never accepted yet are scraped at 0
         per_pos.add_metric([str(position)], counts[position] if position < len(counts) else 0)
     yield per_pos
+    by_k = _counter("specdec:spec_decode_num_sequence_steps_by_k_total")
+    for value, count in enumerate(st.num_sequence_steps_by_k):
+        by_k.add_metric([str(value)], count)
+    yield by_k
 
 
 def cluster_registry(cluster: "Cluster") -> CollectorRegistry:

@@ -27,14 +27,19 @@ DEFAULT_PROBE_INTERVAL = 16
 
 @dataclass
 class StepShape:
-    """What a step ran, for the cost model: query rows, sequences, and sum over rows of their context."""
+    """What a step ran, for the cost model: decode query rows (1 + drafts each), prefill rows,
+    sequences, and the sum over rows of the context each attends to."""
 
     num_rows: int = 0
+    num_prefill_rows: int = 0
     num_seqs: int = 0
     num_attended: int = 0
 
-    def add(self, num_rows: int, num_context_tokens: int) -> None:
-        self.num_rows += num_rows
+    def add(self, num_rows: int, num_context_tokens: int, is_decode: bool) -> None:
+        if is_decode:
+            self.num_rows += num_rows
+        else:
+            self.num_prefill_rows += num_rows
         self.num_seqs += 1
         # each row attends to the context before the chunk plus the rows before it (about half of the chunk)
         self.num_attended += num_rows * (num_context_tokens + num_rows // 2)
@@ -82,7 +87,7 @@ class SpeculationPolicy:
         if cost is None:  # "fixed", or the cost model has not seen enough steps yet
             return {r.request_id: cap for r, cap in zip(decodes, caps)}
         candidates = [self._candidate(r, cap) for r, cap in zip(decodes, caps)]
-        ks = choose_num_drafts(candidates, cost, other.num_rows, other.num_seqs, other.num_attended,
+        ks = choose_num_drafts(candidates, cost, other.num_prefill_rows, other.num_seqs, other.num_attended,
                                num_base_tokens=len(decodes))
         plan = {}
         for request, cap, k in zip(decodes, caps, ks):
@@ -114,6 +119,7 @@ class SpeculationPolicy:
         """A step's measured time; returns what the model predicted for it beforehand (None: no model yet)."""
         if step_ms <= 0:  # a worker that does not measure (simulated workers)
             return None
-        predicted = self.cost_model.predict_ms(shape.num_rows, shape.num_seqs, shape.num_attended)
-        self.cost_model.observe(shape.num_rows, shape.num_seqs, shape.num_attended, step_ms)
+        features = (shape.num_rows, shape.num_prefill_rows, shape.num_seqs, shape.num_attended)
+        predicted = self.cost_model.predict_ms(*features)
+        self.cost_model.observe(*features, step_ms)
         return predicted

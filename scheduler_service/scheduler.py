@@ -239,7 +239,7 @@ class Scheduler:
             if request.num_pending_tokens == 1:
                 decodes.append(request)
             else:
-                other.add(request.num_pending_tokens, request.num_computed_tokens)
+                other.add(request.num_pending_tokens, request.num_computed_tokens, is_decode=False)
         num_running = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
         return self.policy.plan_step(decodes, other, num_running, self.config.max_model_len)
 
@@ -366,7 +366,8 @@ class Scheduler:
         for request_id, scheduled in step.scheduled.items():
             output = outputs_by_id.get(request_id)
             num_drafts = output.num_draft_tokens if output is not None else 0
-            shape.add(scheduled.num_new_tokens + num_drafts, scheduled.num_context_tokens)
+            is_decode = scheduled.is_sampling and scheduled.num_new_tokens == 1
+            shape.add(scheduled.num_new_tokens + num_drafts, scheduled.num_context_tokens, is_decode)
             request = self._requests[request_id]
             if output is not None and not request.is_finished:
                 self.policy.observe_sequence(request, scheduled.num_lookahead_slots, num_drafts,

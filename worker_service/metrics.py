@@ -7,7 +7,8 @@ from specdec.step import StepResult
 # (name, kind, help), as the README's table lists them; every worker metric is defined here.
 METRICS = (
     ("specdec:worker_step_seconds", "histogram", "Whole step on the worker (state update, propose, score, verify)."),
-    ("specdec:worker_step_propose_seconds", "histogram", "Drafting (n-gram lookup or draft model) per step."),
+    ("specdec:worker_step_propose_seconds", "histogram",
+     "Drafting (n-gram or suffix lookup, or the draft model) per step; about 0 for a plain step."),
     ("specdec:worker_step_score_seconds", "histogram", "The target model's forward per step."),
     ("specdec:worker_step_verify_seconds", "histogram", "Sampling and rejection sampling per step."),
     ("specdec:worker_steps_total", "counter", "Steps run."),

@@ -12,8 +12,8 @@ from specdec.step import StepStats
 from tests.scheduler.test_scheduler import FakeWorker, reference_output, run, streamed
 
 K = 5
-CHEAP_ROWS = CostCoefficients(c0=40.0, c_row=0.2, c_seq=0.0, c_ctx=0.0)     # a CPU at batch 1: rows ~free
-DEAR_ROWS = CostCoefficients(c0=5.0, c_row=4.0, c_seq=0.0, c_ctx=0.0)       # every row costs as much as a step
+CHEAP_ROWS = CostCoefficients(c0=40.0, c_row=0.2, c_prefill=1.0, c_seq=0.0, c_ctx=0.0)  # CPU, batch 1
+DEAR_ROWS = CostCoefficients(c0=5.0, c_row=4.0, c_prefill=1.0, c_seq=0.0, c_ctx=0.0)  # a row ~ a step
 
 
 def candidate(acceptance: float, cap: int = K, context: int = 100, rate: float = 1.0) -> Candidate:
@@ -29,7 +29,7 @@ def test_cheap_rows_and_high_acceptance_choose_the_full_k():
 
 
 def test_k_follows_each_sequence_acceptance_and_its_cap():
-    mid = CostCoefficients(c0=20.0, c_row=1.0, c_seq=0.0, c_ctx=0.0)
+    mid = CostCoefficients(c0=20.0, c_row=1.0, c_prefill=1.0, c_seq=0.0, c_ctx=0.0)
     ks = choose_num_drafts([candidate(0.95), candidate(0.05), candidate(0.95, cap=2)], mid, 0, 0, 0, 3)
     assert ks[0] > 0 and ks[1] == 0 and ks[2] == 2
     # Position by position: a sequence whose first draft is always accepted but never the second gets k = 1.
@@ -38,7 +38,7 @@ def test_k_follows_each_sequence_acceptance_and_its_cap():
 
 
 def test_long_contexts_make_draft_rows_dearer():
-    cost = CostCoefficients(c0=20.0, c_row=0.5, c_seq=0.0, c_ctx=2.0)
+    cost = CostCoefficients(c0=20.0, c_row=0.5, c_prefill=1.0, c_seq=0.0, c_ctx=2.0)
     short, long = candidate(0.8, context=100), candidate(0.8, context=8000)
     ks = choose_num_drafts([short, long], cost, 0, 0, 0, 2)
     assert ks[0] >= 3 and ks[1] == 0
@@ -46,14 +46,14 @@ def test_long_contexts_make_draft_rows_dearer():
 
 def test_choice_is_the_best_over_all_k_vectors():
     """Brute force over every k vector of two sequences: the greedy prefix scan finds the maximum."""
-    cost = CostCoefficients(c0=10.0, c_row=1.5, c_seq=0.5, c_ctx=0.1)
+    cost = CostCoefficients(c0=10.0, c_row=1.5, c_prefill=1.0, c_seq=0.5, c_ctx=0.1)
     cands = [Candidate(4, 300, 0.8, (0.9, 0.7, 0.5, 0.2)), Candidate(3, 50, 1.0, (0.6, 0.6, 0.6))]
 
     def goodput(ks):
         tokens = 2 + sum(expected_accepted(c, k) for c, k in zip(cands, ks))
         rows = sum(1 + c.proposal_rate * k for c, k in zip(cands, ks))
         attended = sum((1 + c.proposal_rate * k) * c.num_context_tokens for c, k in zip(cands, ks))
-        return tokens / cost.step_ms(rows, 2, attended)
+        return tokens / cost.step_ms(rows, 0, 2, attended)
 
     best = max(((a, b) for a in range(5) for b in range(4)), key=goodput)
     assert goodput(choose_num_drafts(cands, cost, 0, 0, 0, 2)) == pytest.approx(goodput(best))
@@ -73,17 +73,20 @@ def test_acceptance_estimate_by_position():
 def test_cost_model_learns_a_linear_step_time():
     model = StepCostModel(forgetting=1.0)
     assert model.coefficients() is None
-    for rows, seqs, attended in [(1, 1, 100), (6, 1, 600), (16, 8, 4000), (40, 8, 9000), (3, 2, 50), (64, 16, 20000)]:
-        model.observe(rows, seqs, attended, 10 + 2 * rows + 0.5 * seqs + 3 * attended / 1024)
+    shapes = [(1, 0, 1, 100), (6, 0, 1, 600), (16, 0, 8, 4000), (40, 300, 9, 90000), (3, 0, 2, 50),
+              (64, 0, 16, 20000), (1, 500, 2, 130000), (8, 100, 3, 9000)]
+    for rows, prefill_rows, seqs, attended in shapes:
+        model.observe(rows, prefill_rows, seqs, attended,
+                      10 + 2 * rows + 0.25 * prefill_rows + 0.5 * seqs + 3 * attended / 1024)
     c = model.coefficients()
-    assert (c.c0, c.c_row, c.c_seq, c.c_ctx) == pytest.approx((10, 2, 0.5, 3), rel=1e-2)
-    assert model.predict_ms(10, 2, 2048) == pytest.approx(10 + 20 + 1 + 6, rel=1e-2)
+    assert (c.c0, c.c_row, c.c_prefill, c.c_seq, c.c_ctx) == pytest.approx((10, 2, 0.25, 0.5, 3), rel=1e-2)
+    assert model.predict_ms(10, 0, 2, 2048) == pytest.approx(10 + 20 + 1 + 6, rel=1e-2)
 
 
 def fitted_policy(cost: CostCoefficients, probe_interval: int = 4) -> SpeculationPolicy:
     policy = SpeculationPolicy(K, None, "goodput", probe_interval=probe_interval)
     for rows in (1, 3, 6, 2, 5, 1, 4, 6):
-        policy.observe_step(StepShape(rows, 1, rows * 100), cost.step_ms(rows, 1, rows * 100))
+        policy.observe_step(StepShape(rows, 0, 1, rows * 100), cost.step_ms(rows, 0, 1, rows * 100))
     return policy
 
 

@@ -113,6 +113,9 @@ def test_counters_and_histograms_follow_a_speculative_run(metrics_cluster):
     per_pos = after.by_label("specdec:spec_decode_num_accepted_tokens_per_pos_total", "position")
     assert set(per_pos) == {"0", "1", "2"} and sum(per_pos.values()) == accepted
     assert per_pos["0"] >= per_pos["1"] >= per_pos["2"] > 0  # accepted drafts are a prefix
+    # The policy's chosen k: one count per decoding sequence-step, the same as GetServerInfo's histogram.
+    by_k = after.by_label("specdec:spec_decode_num_sequence_steps_by_k_total", "k")
+    assert by_k == {str(k): n for k, n in enumerate(snap.stats.num_sequence_steps_by_k)} and by_k.get("3", 0) > 0
 
     # Request latencies: one TTFT and one e2e per request; one ITL per token after each first token.
     num_requests = 8
