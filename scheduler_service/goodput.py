@@ -24,10 +24,10 @@ is a prefix of all draft increments (i, j) sorted by gain per cost: `choose_num_
 sorts them and takes the prefix with the highest G. O(B*K log(B*K)) in Python;
 for B = 64, K = 5 about 0.1 ms.
 
-The cost coefficients come from `StepCostModel`: recursive least squares with
-forgetting over the worker's measured step times (`StepStats.total_ms`), so the
-model follows the operating point (on a CPU, extra rows are almost free up to ~8
-query rows and linear beyond; a local linear fit with forgetting tracks that).
+The cost coefficients come from `StepCostModel`: least squares over the
+worker's recent measured step times (`StepStats.total_ms`, exponentially
+decayed), so the model follows the operating point (on a CPU, extra rows are almost free up to ~8
+query rows and linear beyond; a local linear fit over recent steps tracks that).
 Until it has seen `MIN_OBSERVATIONS` steps it reports no coefficients and the
 policy drafts the full k (optimism gives the fit the varied row counts it needs).
 
@@ -44,8 +44,7 @@ SEQUENCE_DECAY = 0.8        # a sequence's recent history: ~5 speculating steps
 WORKER_DECAY = 0.99         # the worker-wide prior: ~100 sequence-steps
 PRIOR_WEIGHT = 2.0          # pseudo-counts of the worker-wide prior in a sequence's estimate
 INITIAL_ACCEPTANCE = 0.5    # before the worker has seen any draft
-FORGETTING = 0.98           # RLS: ~50 steps of memory
-INITIAL_VARIANCE = 1e4      # RLS: the coefficients start unknown
+COST_DECAY = 0.99           # the cost model's memory: ~100 steps
 
 
 @dataclass
@@ -106,50 +105,86 @@ class CostCoefficients:
 
 
 class StepCostModel:
-    """Online least squares (with forgetting) of the worker's step time on decode rows, prefill rows,
-    sequences and attended context."""
+    """Least squares of the worker's step time on decode rows, prefill rows, sequences and attended context,
+    over exponentially decayed recent steps, with the marginal costs kept >= 0.
+
+    The decayed sums X'X and X'y are kept (O(25) per step); the coefficients are solved from them when asked
+    (5 x 5 Gaussian elimination, a small ridge for directions the recent steps did not vary). A coefficient
+    that comes out negative is fixed at 0 and the rest solved again (an active set), so the model predicts
+    with the coefficients it fitted. Unlike recursive least squares with forgetting, a direction the data
+    stops exciting (every step one row at batch 1) does not wind up and overshoot at the next prefill.
+    """
 
     NUM_FEATURES = 5
+    RIDGE = 1e-6  # relative to each feature's decayed sum of squares
 
-    def __init__(self, forgetting: float = FORGETTING) -> None:
+    def __init__(self, decay: float = COST_DECAY) -> None:
         n = self.NUM_FEATURES
-        self.forgetting = forgetting
-        self.theta = [0.0] * n
-        self.cov = [[INITIAL_VARIANCE if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.decay = decay
+        self.xtx = [[0.0] * n for _ in range(n)]
+        self.xty = [0.0] * n
         self.num_observations = 0
+        self._coefficients: CostCoefficients | None = None
 
     @staticmethod
     def _features(rows: float, prefill_rows: int, seqs: int, attended: float) -> list[float]:
         return [1.0, float(rows), float(prefill_rows), float(seqs), attended / CONTEXT_SCALE]
 
     def coefficients(self) -> CostCoefficients | None:
-        """The fitted coefficients (marginal costs clamped at >= 0), or None before MIN_OBSERVATIONS steps."""
+        """The fitted coefficients, or None before MIN_OBSERVATIONS steps."""
         if self.num_observations < MIN_OBSERVATIONS:
             return None
-        c0, *marginal = self.theta
-        return CostCoefficients(c0, *(max(c, 0.0) for c in marginal))
+        if self._coefficients is None:
+            self._coefficients = CostCoefficients(*self._solve())
+        return self._coefficients
 
     def predict_ms(self, rows: float, prefill_rows: int, seqs: int, attended: float) -> float | None:
         coefficients = self.coefficients()
         return None if coefficients is None else coefficients.step_ms(rows, prefill_rows, seqs, attended)
 
     def observe(self, rows: int, prefill_rows: int, seqs: int, attended: int, step_ms: float) -> None:
-        """One measured step (RLS update; each variance is capped so that forgetting cannot blow it up)."""
-        n, x = self.NUM_FEATURES, self._features(rows, prefill_rows, seqs, attended)
-        cov, lam = self.cov, self.forgetting
-        px = [sum(cov[i][j] * x[j] for j in range(n)) for i in range(n)]
-        denominator = lam + sum(x[i] * px[i] for i in range(n))
-        gain = [v / denominator for v in px]
-        error = step_ms - sum(t * v for t, v in zip(self.theta, x))
-        self.theta = [t + g * error for t, g in zip(self.theta, gain)]
-        self.cov = [[(cov[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
-        for i in range(n):
-            if self.cov[i][i] > INITIAL_VARIANCE:
-                scale = (INITIAL_VARIANCE / self.cov[i][i]) ** 0.5
-                for j in range(n):
-                    self.cov[i][j] *= scale
-                    self.cov[j][i] *= scale
+        """Adds one measured step; older steps weigh `decay` less per step."""
+        x, d = self._features(rows, prefill_rows, seqs, attended), self.decay
+        for i, xi in enumerate(x):
+            row = self.xtx[i]
+            for j, xj in enumerate(x):
+                row[j] = d * row[j] + xi * xj
+            self.xty[i] = d * self.xty[i] + xi * step_ms
         self.num_observations += 1
+        self._coefficients = None
+
+    def _solve(self) -> list[float]:
+        active = list(range(self.NUM_FEATURES))  # the intercept (0) is never fixed
+        while True:
+            theta = [0.0] * self.NUM_FEATURES
+            for i, value in zip(active, _solve_linear(
+                    [[self.xtx[i][j] + (self.RIDGE * self.xtx[i][i] + 1e-12 if i == j else 0.0) for j in active]
+                     for i in active], [self.xty[i] for i in active])):
+                theta[i] = value
+            negative = [i for i in active[1:] if theta[i] < 0]
+            if not negative:
+                return theta
+            active.remove(min(negative, key=lambda i: theta[i]))
+
+
+def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b (Gaussian elimination with partial pivoting; a is small and positive definite)."""
+    n = len(b)
+    m = [row[:] + [v] for row, v in zip(a, b)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if m[col][col] == 0.0:
+            continue
+        for r in range(col + 1, n):
+            factor = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= factor * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        if m[r][r] != 0.0:
+            x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,14 @@ class StepShape:
     num_attended: int = 0
 
     def add(self, num_rows: int, num_context_tokens: int, is_decode: bool) -> None:
+        """Adds a sequence's chunk. Only decode rows count as attended context: a prefill chunk's
+        attention goes with its rows' coefficient (the two grow together and cannot be told apart)."""
+        self.num_seqs += 1
         if is_decode:
             self.num_rows += num_rows
+            self.num_attended += num_rows * num_context_tokens
         else:
             self.num_prefill_rows += num_rows
-        self.num_seqs += 1
-        # each row attends to the context before the chunk plus the rows before it (about half of the chunk)
-        self.num_attended += num_rows * (num_context_tokens + num_rows // 2)
 
 
 class SpeculationPolicy:

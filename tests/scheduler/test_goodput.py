@@ -71,7 +71,7 @@ def test_acceptance_estimate_by_position():
 
 
 def test_cost_model_learns_a_linear_step_time():
-    model = StepCostModel(forgetting=1.0)
+    model = StepCostModel(decay=1.0)
     assert model.coefficients() is None
     shapes = [(1, 0, 1, 100), (6, 0, 1, 600), (16, 0, 8, 4000), (40, 300, 9, 90000), (3, 0, 2, 50),
               (64, 0, 16, 20000), (1, 500, 2, 130000), (8, 100, 3, 9000)]
@@ -81,6 +81,20 @@ def test_cost_model_learns_a_linear_step_time():
     c = model.coefficients()
     assert (c.c0, c.c_row, c.c_prefill, c.c_seq, c.c_ctx) == pytest.approx((10, 2, 0.25, 0.5, 3), rel=1e-2)
     assert model.predict_ms(10, 0, 2, 2048) == pytest.approx(10 + 20 + 1 + 6, rel=1e-2)
+
+
+def test_cost_model_stays_sane_after_a_long_steady_stretch():
+    """Hundreds of identical one-row steps, then prefills: the one-row prediction stays right and no
+    marginal cost goes negative (recursive least squares with forgetting overshot here by 3x)."""
+    model = StepCostModel()
+    for step in range(300):
+        model.observe(1 + step % 2 * 5, 0, 1, (1 + step % 2 * 5) * 900, 50.0 + step % 2 * 2.0)
+    for prefill_rows in (900, 400, 1200):
+        model.observe(0, prefill_rows, 1, 0, 40.0 + 1.6 * prefill_rows)
+        assert model.predict_ms(1, 0, 1, 900) == pytest.approx(50.0, rel=0.1)
+        assert model.predict_ms(6, 0, 1, 5400) == pytest.approx(52.0, rel=0.1)
+    c = model.coefficients()
+    assert min(c.c_row, c.c_prefill, c.c_seq, c.c_ctx) >= 0 and c.c_prefill == pytest.approx(1.6, rel=0.2)
 
 
 def fitted_policy(cost: CostCoefficients, probe_interval: int = 4) -> SpeculationPolicy:
