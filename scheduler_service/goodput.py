@@ -6,21 +6,22 @@ per second of the whole step:
 
     G(k) = (N + sum_i E_i(k_i)) / T(k)
 
-    E_i(k) = r_i * sum_{j=1..k} prod_{m=1..j} a_i,m    (expected accepted drafts)
+    E_i(k) = sum_{j=1..k} q_i,j * prod_{m=1..j} a_i,m    (expected accepted drafts)
     T(k)   = c0 + c_row * rows + c_prefill * prefill_rows + c_seq * seqs + c_ctx * attended / 1024
 
 where N is the tokens the step emits anyway (one per decode), a_i,m is the
 probability that draft m of sequence i is accepted given drafts 1..m-1 were,
-r_i the share of the k requested drafts its proposer really proposes (n-gram
-finds no match, suffix stops early), rows = the decodes' query rows
-sum_i (1 + r_i k_i), prefill_rows = the prefill chunks' tokens (their own
+q_i,j the probability that its proposer drafts a j-th token at all (n-gram
+finds no match, suffix stops where its confidence ends), rows = the decodes'
+expected query rows sum_i (1 + sum_{j<=k_i} q_i,j), prefill_rows = the prefill chunks' tokens (their own
 coefficient: a prefill row is a row of a large batched matmul, while a few
 decode rows cost about as much as one on a CPU, so one slope would misjudge
 drafts) and attended = sum over rows of the context that row attends to (long
 contexts make a draft row dearer).
 
-E_i is concave in k_i (every a <= 1) and T is linear in the rows, so the best k
-is a prefix of all draft increments (i, j) sorted by gain per cost: `choose_num_drafts`
+Increment (i, j) adds q_i,j prod a tokens for q_i,j extra rows, so its gain per
+ms is prod_{m<=j} a_i,m / row cost, non-increasing in j; T is linear in the
+rows, so the best k is a prefix of all draft increments sorted by gain per cost: `choose_num_drafts`
 sorts them and takes the prefix with the highest G. O(B*K log(B*K)) in Python;
 for B = 64, K = 5 about 0.1 ms.
 
@@ -49,13 +50,13 @@ COST_DECAY = 0.99           # the cost model's memory: ~100 steps
 
 @dataclass
 class AcceptanceEstimate:
-    """Decayed counts of drafts tried / accepted at each position, and of drafts proposed / requested."""
+    """Decayed counts, per draft position, of drafts requested / delivered by the proposer / checked / accepted."""
 
     decay: float = SEQUENCE_DECAY
-    num_tried: list[float] = field(default_factory=list)     # [m]: drafts at position m+1 that were checked
-    num_accepted: list[float] = field(default_factory=list)  # [m]: ... and accepted
-    num_proposed: float = 0.0    # sum of (drafts proposed / k requested) over speculating steps
-    num_requests: float = 0.0    # speculating steps
+    num_requested: list[float] = field(default_factory=list)  # [m]: steps whose k allowed a draft at m+1
+    num_delivered: list[float] = field(default_factory=list)  # [m]: ... in which the proposer drafted one
+    num_tried: list[float] = field(default_factory=list)      # [m]: drafts at position m+1 that were checked
+    num_accepted: list[float] = field(default_factory=list)   # [m]: ... and accepted
     num_steps_without_drafts: int = 0  # consecutive steps the policy left the sequence at k = 0 (probing)
 
     def observe(self, num_requested: int, num_drafts: int, num_accepted: int) -> None:
@@ -66,15 +67,15 @@ class AcceptanceEstimate:
         if num_requested <= 0:
             return
         d = self.decay
-        grow = num_drafts - len(self.num_tried)
+        grow = num_requested - len(self.num_requested)
         if grow > 0:
-            self.num_tried += [0.0] * grow
-            self.num_accepted += [0.0] * grow
-        for m in range(len(self.num_tried)):
+            for counts in (self.num_requested, self.num_delivered, self.num_tried, self.num_accepted):
+                counts += [0.0] * grow
+        for m in range(len(self.num_requested)):
+            self.num_requested[m] = d * self.num_requested[m] + (m < num_requested)
+            self.num_delivered[m] = d * self.num_delivered[m] + (m < num_drafts)
             self.num_tried[m] = d * self.num_tried[m] + (m < min(num_drafts, num_accepted + 1))
             self.num_accepted[m] = d * self.num_accepted[m] + (m < num_accepted)
-        self.num_proposed = d * self.num_proposed + num_drafts / num_requested
-        self.num_requests = d * self.num_requests + 1
 
     def acceptance(self, position: int, prior: float, weight: float = PRIOR_WEIGHT) -> float:
         """P(draft at `position` (0-based) accepted | earlier ones were), shrunk towards `prior`."""
@@ -82,11 +83,12 @@ class AcceptanceEstimate:
             return prior
         return (self.num_accepted[position] + weight * prior) / (self.num_tried[position] + weight)
 
-    def proposal_rate(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
-        """Expected share of the requested drafts the proposer delivers."""
-        if self.num_requests + weight <= 0:
+    def delivery(self, position: int, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        """P(the proposer drafts a token at `position` | k allowed it), shrunk towards `prior`: n-gram finds
+        no match, suffix stops where its confidence ends, so a larger k costs only where drafts come."""
+        if position >= len(self.num_requested) or self.num_requested[position] + weight <= 0:
             return prior
-        return (self.num_proposed + weight * prior) / (self.num_requests + weight)
+        return (self.num_delivered[position] + weight * prior) / (self.num_requested[position] + weight)
 
 
 @dataclass(frozen=True)
@@ -193,17 +195,17 @@ class Candidate:
 
     cap: int                        # most drafts allowed (server k, request's k, tokens left)
     num_context_tokens: int         # context the sequence's query rows attend to
-    proposal_rate: float            # r: expected share of requested drafts proposed
+    delivery: tuple[float, ...]     # q_1..q_cap: P(the proposer drafts a token at that position)
     acceptance: tuple[float, ...]   # a_1..a_cap: conditional acceptance by position
 
 
 def expected_accepted(candidate: Candidate, k: int) -> float:
-    """E[accepted drafts | k requested] = r * sum_{j<=k} prod_{m<=j} a_m."""
+    """E[accepted drafts | k allowed] = sum_{j<=k} q_j prod_{m<=j} a_m."""
     total, survive = 0.0, 1.0
-    for a in candidate.acceptance[:k]:
+    for q, a in zip(candidate.delivery[:k], candidate.acceptance[:k]):
         survive *= a
-        total += survive
-    return candidate.proposal_rate * total
+        total += q * survive
+    return total
 
 
 def choose_num_drafts(candidates: list[Candidate], cost: CostCoefficients, num_prefill_rows: int,
@@ -216,14 +218,14 @@ def choose_num_drafts(candidates: list[Candidate], cost: CostCoefficients, num_p
     step_ms = cost.step_ms(len(candidates), num_prefill_rows, num_prefill_seqs + len(candidates), attended)
     increments = []   # (gain per ms, candidate index, gain, cost in ms)
     for i, c in enumerate(candidates):
-        row_ms = c.proposal_rate * (cost.c_row + cost.c_ctx * c.num_context_tokens / CONTEXT_SCALE)
+        row_ms = cost.c_row + cost.c_ctx * c.num_context_tokens / CONTEXT_SCALE
         survive = 1.0
-        for a in c.acceptance[:c.cap]:
+        for q, a in zip(c.delivery[:c.cap], c.acceptance[:c.cap]):
             survive *= a
-            gain = c.proposal_rate * survive
-            if gain <= 0.0:
+            if survive <= 0.0:
                 break
-            increments.append((gain / row_ms if row_ms > 0 else float("inf"), i, gain, row_ms))
+            ratio = survive / row_ms if row_ms > 0 else float("inf")
+            increments.append((ratio, i, q * survive, q * row_ms))
     increments.sort(key=lambda item: -item[0])  # stable: each sequence's positions stay in order
     tokens, best, best_len = num_base_tokens, num_base_tokens / max(step_ms, 1e-9), 0
     for n, (_, _, gain, row_ms) in enumerate(increments, start=1):

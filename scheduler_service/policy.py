@@ -107,8 +107,8 @@ class SpeculationPolicy:
     def _candidate(self, request: Request, cap: int) -> Candidate:
         estimate, prior = self._estimate(request), self.worker_acceptance
         acceptance = tuple(estimate.acceptance(m, prior.acceptance(m, INITIAL_ACCEPTANCE)) for m in range(cap))
-        rate = estimate.proposal_rate(prior.proposal_rate(1.0))
-        return Candidate(cap, request.num_computed_tokens, rate, acceptance)
+        delivery = tuple(estimate.delivery(m, prior.delivery(m, 1.0)) for m in range(cap))
+        return Candidate(cap, request.num_computed_tokens, delivery, acceptance)
 
     def observe_sequence(self, request: Request, num_requested: int, num_drafts: int, num_accepted: int) -> None:
         """A sequence's step result: k requested, drafts proposed, drafts accepted."""

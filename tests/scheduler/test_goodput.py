@@ -16,8 +16,8 @@ CHEAP_ROWS = CostCoefficients(c0=40.0, c_row=0.2, c_prefill=1.0, c_seq=0.0, c_ct
 DEAR_ROWS = CostCoefficients(c0=5.0, c_row=4.0, c_prefill=1.0, c_seq=0.0, c_ctx=0.0)  # a row ~ a step
 
 
-def candidate(acceptance: float, cap: int = K, context: int = 100, rate: float = 1.0) -> Candidate:
-    return Candidate(cap, context, rate, (acceptance,) * cap)
+def candidate(acceptance: float, cap: int = K, context: int = 100, delivery: float = 1.0) -> Candidate:
+    return Candidate(cap, context, (delivery,) * cap, (acceptance,) * cap)
 
 
 def test_expensive_rows_and_low_acceptance_choose_zero():
@@ -33,8 +33,16 @@ def test_k_follows_each_sequence_acceptance_and_its_cap():
     ks = choose_num_drafts([candidate(0.95), candidate(0.05), candidate(0.95, cap=2)], mid, 0, 0, 0, 3)
     assert ks[0] > 0 and ks[1] == 0 and ks[2] == 2
     # Position by position: a sequence whose first draft is always accepted but never the second gets k = 1.
-    one = Candidate(K, 100, 1.0, (0.99, 0.01, 0.01, 0.01, 0.01))
+    one = Candidate(K, 100, (1.0,) * K, (0.99, 0.01, 0.01, 0.01, 0.01))
     assert choose_num_drafts([one], mid, 0, 0, 0, 1) == [1]
+
+
+def test_drafts_the_proposer_rarely_delivers_cost_little():
+    """A suffix-like proposer: confident drafts, but long ones seldom. A large k is cheap where rows cost."""
+    mid = CostCoefficients(c0=20.0, c_row=1.0, c_prefill=1.0, c_seq=0.0, c_ctx=0.0)
+    rare_but_good = Candidate(16, 100, tuple(0.9 ** j for j in range(16)), (0.9,) * 16)
+    always_but_poor = Candidate(16, 100, (1.0,) * 16, (0.3,) * 16)
+    assert choose_num_drafts([rare_but_good, always_but_poor], mid, 0, 0, 0, 2)[0] >= 10
 
 
 def test_long_contexts_make_draft_rows_dearer():
@@ -47,12 +55,12 @@ def test_long_contexts_make_draft_rows_dearer():
 def test_choice_is_the_best_over_all_k_vectors():
     """Brute force over every k vector of two sequences: the greedy prefix scan finds the maximum."""
     cost = CostCoefficients(c0=10.0, c_row=1.5, c_prefill=1.0, c_seq=0.5, c_ctx=0.1)
-    cands = [Candidate(4, 300, 0.8, (0.9, 0.7, 0.5, 0.2)), Candidate(3, 50, 1.0, (0.6, 0.6, 0.6))]
+    cands = [Candidate(4, 300, (0.9, 0.8, 0.5, 0.3), (0.9, 0.7, 0.5, 0.2)), Candidate(3, 50, (1.0,) * 3, (0.6,) * 3)]
 
     def goodput(ks):
         tokens = 2 + sum(expected_accepted(c, k) for c, k in zip(cands, ks))
-        rows = sum(1 + c.proposal_rate * k for c, k in zip(cands, ks))
-        attended = sum((1 + c.proposal_rate * k) * c.num_context_tokens for c, k in zip(cands, ks))
+        rows = sum(1 + sum(c.delivery[:k]) for c, k in zip(cands, ks))
+        attended = sum((1 + sum(c.delivery[:k])) * c.num_context_tokens for c, k in zip(cands, ks))
         return tokens / cost.step_ms(rows, 0, 2, attended)
 
     best = max(((a, b) for a in range(5) for b in range(4)), key=goodput)
@@ -66,8 +74,8 @@ def test_acceptance_estimate_by_position():
     assert estimate.acceptance(0, prior=0.5, weight=0.0) == 1.0
     assert estimate.acceptance(1, prior=0.5, weight=0.0) == 0.0
     assert estimate.acceptance(2, prior=0.5, weight=0.0) == 0.5   # never checked: the prior
-    estimate.observe(num_requested=4, num_drafts=2, num_accepted=2)
-    assert estimate.proposal_rate(prior=1.0, weight=0.0) == pytest.approx((10 + 0.5) / 11)
+    estimate.observe(num_requested=4, num_drafts=2, num_accepted=2)  # the proposer found only two
+    assert [estimate.delivery(m, prior=1.0, weight=0.0) for m in range(4)] == [1.0, 1.0, 10 / 11, 0.0]
 
 
 def test_cost_model_learns_a_linear_step_time():
