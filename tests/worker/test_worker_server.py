@@ -189,12 +189,15 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2_path):
         with torch.inference_mode():
             out = reference.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)
         want.append(out[0, len(p):].tolist())
-    with running(["worker", "--port", "0", "--model", str(smollm2_path)]) as proc:
+    # One n-gram worker: k = 0 every step is plain decoding, k = 3 speculates (the scheduler's per-step k).
+    with running(["worker", "--port", "0", "--model", str(smollm2_path), "--proposer", "ngram",
+                  "--num-speculative-tokens", "3"]) as proc:
         client = SessionClient(proc.address())
         proc.wait_for("model loaded")
         got = stream_driver(client).generate(prompts, 32)
-        got_ngram = stream_driver(client).generate(prompts, 32, prefix="ng",
-                                                                           num_speculative_tokens=3)
+        ngram = stream_driver(client)
+        got_ngram = ngram.generate(prompts, 32, prefix="ng", num_speculative_tokens=3)
+    assert sum(o.num_draft_tokens for r in ngram.results for o in r.outputs) > 0
     for g, w in zip(got, want):
         assert g[: len(w)] == w  # HF stops at EOS; the worker goes on until told to stop
     assert got_ngram == got
