@@ -209,12 +209,12 @@ def expected_accepted(candidate: Candidate, k: int) -> float:
 
 
 def choose_num_drafts(candidates: list[Candidate], cost: CostCoefficients, num_prefill_rows: int,
-                      num_prefill_seqs: int, num_prefill_attended: int, num_base_tokens: float) -> list[int]:
+                      num_prefill_seqs: int, num_base_tokens: float) -> list[int]:
     """The k per candidate maximising G(k) (module docstring); the step also runs prefill chunks.
 
     num_base_tokens: tokens the step emits with k = 0 for all (N).
     """
-    attended = num_prefill_attended + sum(c.num_context_tokens for c in candidates)
+    attended = sum(c.num_context_tokens for c in candidates)
     step_ms = cost.step_ms(len(candidates), num_prefill_rows, num_prefill_seqs + len(candidates), attended)
     increments = []   # (gain per ms, candidate index, gain, cost in ms)
     for i, c in enumerate(candidates):

@@ -88,7 +88,7 @@ class SpeculationPolicy:
         if cost is None:  # "fixed", or the cost model has not seen enough steps yet
             return {r.request_id: cap for r, cap in zip(decodes, caps)}
         candidates = [self._candidate(r, cap) for r, cap in zip(decodes, caps)]
-        ks = choose_num_drafts(candidates, cost, other.num_prefill_rows, other.num_seqs, other.num_attended,
+        ks = choose_num_drafts(candidates, cost, other.num_prefill_rows, other.num_seqs,
                                num_base_tokens=len(decodes))
         plan = {}
         for request, cap, k in zip(decodes, caps, ks):

@@ -65,11 +65,12 @@ class SchedulerStats:
             return cls()
         return cls(**{f.name: add([getattr(s, f.name) for s in stats]) for f in fields(cls)})
 
-    def count_k(self, k: int) -> None:
-        """Adds one decoding (request, step) pair that the policy gave k drafts."""
+    def count_ks(self, ks: list[int]) -> None:
+        """Adds one step's decoding (request, step) pairs, by the k the policy gave each."""
         by_k = list(self.num_sequence_steps_by_k)
-        by_k += [0] * (k + 1 - len(by_k))
-        by_k[k] += 1
+        by_k += [0] * (max(ks, default=-1) + 1 - len(by_k))
+        for k in ks:
+            by_k[k] += 1
         self.num_sequence_steps_by_k = tuple(by_k)
 
     def count_prediction(self, predicted_ms: float, measured_ms: float) -> None:
@@ -103,6 +104,7 @@ class _Step:
     scheduled: dict[str, ScheduledTokens] = field(default_factory=dict)
     is_preempting: bool = False
     dropped_request_ids: list[str] = field(default_factory=list)  # sent as finished_request_ids
+    num_running: int = 0                                          # requests that may run (the disable limit)
     num_drafts: dict[str, int] = field(default_factory=dict)      # the policy's k per decoding request
 
 
@@ -222,7 +224,8 @@ class Scheduler:
             raise RuntimeError(f"{len(self._in_flight)} steps in flight ({self.config.scheduling} "
                                "scheduling); apply a result with update() first")
         plan = _Step(self._next_step_id, num_tokens_left=self.config.max_num_batched_tokens)
-        plan.num_drafts = self._plan_num_drafts()
+        plan.num_running = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+        plan.num_drafts = self._plan_num_drafts(plan.num_running)
         self._schedule_running(plan)
         if not plan.is_preempting:  # memory is short: admit nobody this step
             self._schedule_waiting(plan)
@@ -230,7 +233,7 @@ class Scheduler:
             return None
         return self._emit_step(plan)
 
-    def _plan_num_drafts(self) -> dict[str, int]:
+    def _plan_num_drafts(self, num_running: int) -> dict[str, int]:
         """The policy's k for every running decode, decided up front for the whole step."""
         decodes, other = [], StepShape()
         for request in self.running:
@@ -240,7 +243,6 @@ class Scheduler:
                 decodes.append(request)
             else:
                 other.add(request.num_pending_tokens, request.num_computed_tokens, is_decode=False)
-        num_running = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
         return self.policy.plan_step(decodes, other, num_running, self.config.max_model_len)
 
     def update(self, result: StepResult) -> list[RequestOutput]:
@@ -352,12 +354,10 @@ class Scheduler:
         self._in_flight.append(plan)
         self._next_step_id += 1
         self.stats.num_steps += 1
-        num_running = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
-        if self.policy.num_speculative_tokens > 0 and self.policy.is_disabled_for_step(num_running):
+        if self.policy.num_speculative_tokens > 0 and self.policy.is_disabled_for_step(plan.num_running):
             self.stats.num_steps_speculation_disabled += 1
-        for request_id, scheduled in plan.scheduled.items():
-            if request_id in plan.num_drafts and scheduled.is_sampling:
-                self.stats.count_k(scheduled.num_lookahead_slots)
+        self.stats.count_ks([s.num_lookahead_slots for rid, s in plan.scheduled.items()
+                             if rid in plan.num_drafts and s.is_sampling])
         return step
 
     def _observe(self, step: _Step, result: StepResult, outputs_by_id: dict[str, SequenceOutput]) -> None:

@@ -21,20 +21,20 @@ def candidate(acceptance: float, cap: int = K, context: int = 100, delivery: flo
 
 
 def test_expensive_rows_and_low_acceptance_choose_zero():
-    assert choose_num_drafts([candidate(0.1)] * 8, DEAR_ROWS, 0, 0, 0, num_base_tokens=8) == [0] * 8
+    assert choose_num_drafts([candidate(0.1)] * 8, DEAR_ROWS, 0, 0, num_base_tokens=8) == [0] * 8
 
 
 def test_cheap_rows_and_high_acceptance_choose_the_full_k():
-    assert choose_num_drafts([candidate(0.9)] * 4, CHEAP_ROWS, 0, 0, 0, num_base_tokens=4) == [K] * 4
+    assert choose_num_drafts([candidate(0.9)] * 4, CHEAP_ROWS, 0, 0, num_base_tokens=4) == [K] * 4
 
 
 def test_k_follows_each_sequence_acceptance_and_its_cap():
     mid = CostCoefficients(c0=20.0, c_row=1.0, c_prefill=1.0, c_seq=0.0, c_ctx=0.0)
-    ks = choose_num_drafts([candidate(0.95), candidate(0.05), candidate(0.95, cap=2)], mid, 0, 0, 0, 3)
+    ks = choose_num_drafts([candidate(0.95), candidate(0.05), candidate(0.95, cap=2)], mid, 0, 0, 3)
     assert ks[0] > 0 and ks[1] == 0 and ks[2] == 2
     # Position by position: a sequence whose first draft is always accepted but never the second gets k = 1.
     one = Candidate(K, 100, (1.0,) * K, (0.99, 0.01, 0.01, 0.01, 0.01))
-    assert choose_num_drafts([one], mid, 0, 0, 0, 1) == [1]
+    assert choose_num_drafts([one], mid, 0, 0, 1) == [1]
 
 
 def test_drafts_the_proposer_rarely_delivers_cost_little():
@@ -42,13 +42,13 @@ def test_drafts_the_proposer_rarely_delivers_cost_little():
     mid = CostCoefficients(c0=20.0, c_row=1.0, c_prefill=1.0, c_seq=0.0, c_ctx=0.0)
     rare_but_good = Candidate(16, 100, tuple(0.9 ** j for j in range(16)), (0.9,) * 16)
     always_but_poor = Candidate(16, 100, (1.0,) * 16, (0.3,) * 16)
-    assert choose_num_drafts([rare_but_good, always_but_poor], mid, 0, 0, 0, 2)[0] >= 10
+    assert choose_num_drafts([rare_but_good, always_but_poor], mid, 0, 0, 2)[0] >= 10
 
 
 def test_long_contexts_make_draft_rows_dearer():
     cost = CostCoefficients(c0=20.0, c_row=0.5, c_prefill=1.0, c_seq=0.0, c_ctx=2.0)
     short, long = candidate(0.8, context=100), candidate(0.8, context=8000)
-    ks = choose_num_drafts([short, long], cost, 0, 0, 0, 2)
+    ks = choose_num_drafts([short, long], cost, 0, 0, 2)
     assert ks[0] >= 3 and ks[1] == 0
 
 
@@ -64,7 +64,7 @@ def test_choice_is_the_best_over_all_k_vectors():
         return tokens / cost.step_ms(rows, 0, 2, attended)
 
     best = max(((a, b) for a in range(5) for b in range(4)), key=goodput)
-    assert goodput(choose_num_drafts(cands, cost, 0, 0, 0, 2)) == pytest.approx(goodput(best))
+    assert goodput(choose_num_drafts(cands, cost, 0, 0, 2)) == pytest.approx(goodput(best))
 
 
 def test_acceptance_estimate_by_position():
