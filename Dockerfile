@@ -34,7 +34,7 @@ USER specdec
 # seeded from here by Docker.
 RUN python -m worker_service.models fetch
 
-# 50051: scheduler (client API, specdec.v1.Generation); 50052: worker (specdec.v1.Worker).
+# 50051: scheduler (client API, specdec.v1.GenerationService); 50052: worker (specdec.v1.WorkerService).
 EXPOSE 50051 50052
 ENTRYPOINT ["specdec"]
 CMD ["serve", "--host", "0.0.0.0"]

@@ -51,7 +51,7 @@ def main() -> None:
             w.wait_for("model loaded")
         with running(["scheduler", "--port", "0", "--worker", addresses[0], "--worker", addresses[1]]) as sched:
             channel = grpc.insecure_channel(sched.address(who="scheduler "))
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             sched.wait_for("scheduler ready")
             while sum(w.state == "serving" for w in stub.GetServerInfo(pb.GetServerInfoRequest()).workers) < 2:
                 time.sleep(0.1)

@@ -53,7 +53,7 @@ def generate(stub, messages: list[tuple[str, str]], max_tokens: int, timeout_s: 
     """Streams one greedy chat request; its token ids and text."""
     request = pb.GenerateRequest(sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     for role, content in messages:
-        request.messages.messages.add(role=role, content=content)
+        request.messages.add(role=role, content=content)
     token_ids, text = [], []
     for response in stub.Generate(request, timeout=timeout_s):
         token_ids += response.token_ids
@@ -89,7 +89,7 @@ class Target:
     def __init__(self, label: str, address: str):
         self.label = label
         self.channel = grpc.insecure_channel(address)
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self.outputs: dict[str, list[int]] = {}
 
     def run(self, jobs: list[tuple[str, list[tuple[str, str]]]], concurrency: int, max_tokens: int,

@@ -52,7 +52,7 @@ def interleaved_prompts() -> list[str]:
 
 def chat_request(text: str, max_tokens: int) -> pb.GenerateRequest:
     request = pb.GenerateRequest(sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    request.messages.messages.add(role="user", content=text)
+    request.messages.add(role="user", content=text)
     return request
 
 
@@ -106,7 +106,7 @@ def counter_deltas(before: pb.Counters, after: pb.Counters) -> dict:
             "worker_idle_share": 1 - busy_s / active_s if active_s > 0 else None}
 
 
-def wait_idle(stub, timeout_s: float = 60.0) -> pb.ServerInfo:
+def wait_idle(stub, timeout_s: float = 60.0) -> pb.GetServerInfoResponse:
     """Waits until no request runs and every KV block is free; returns the last info either way."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -148,7 +148,7 @@ def run_level(stub, prompts: list[str], concurrency: int, args) -> dict:
 def run_config(address: str, label: str, prompts: list[str], args) -> dict:
     """Warm-up, then every concurrency level, against the server at `address`."""
     with grpc.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         info = stub.GetServerInfo(pb.GetServerInfoRequest())
         logger.info("%s: proposer %s, k=%d, %s, disable queue size %d, %d KV blocks, max %d seqs", label,
                     info.proposer, info.num_speculative_tokens, info.scheduling, info.speculative_disable_queue_size,

@@ -43,6 +43,7 @@ import grpc  # noqa: E402
 from bench.bench_serving import interleaved_prompts, percentile, wait_idle  # noqa: E402
 from specdec.v1 import generation_pb2 as pb  # noqa: E402
 from specdec.v1 import generation_pb2_grpc  # noqa: E402
+from tests.e2e.client import as_complete  # noqa: E402
 from tests.processes import Process  # noqa: E402
 
 logger = logging.getLogger("bench.soak")
@@ -63,7 +64,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 def bad_request(text: str, sampling: dict | None = None, **prompt_input) -> pb.GenerateRequest:
     """A short greedy chat request with `sampling` overrides and, when given, another prompt input."""
     if not prompt_input:
-        prompt_input = {"messages": pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=text)])}
+        prompt_input = {"messages": [pb.ChatMessage(role="user", content=text)]}
     return pb.GenerateRequest(sampling=pb.SamplingParams(**{"temperature": 0.0, "max_tokens": 16, **(sampling or {})}),
                               **prompt_input)
 
@@ -74,11 +75,11 @@ BAD_CASES = {
     "temperature_nan": (INVALID, lambda t: bad_request(t, {"temperature": float("nan")})),
     "temperature_inf": (INVALID, lambda t: bad_request(t, {"temperature": float("inf")})),
     "top_p_2": (INVALID, lambda t: bad_request(t, {"top_p": 2.0})),
-    "token_id_out_of_vocab": (INVALID, lambda t: bad_request(t, prompt_token_ids=pb.TokenIds(ids=[1, 10**9]))),
+    "token_id_out_of_vocab": (INVALID, lambda t: bad_request(t, prompt_token_ids=[1, 10**9])),
     "empty_prompt": (INVALID, lambda t: bad_request(t, prompt="")),
-    "empty_messages": (INVALID, lambda t: bad_request(t, messages=pb.ChatMessages())),
+    "empty_messages": (INVALID, lambda t: bad_request(t, messages=[])),
     "role_im_end": (INVALID, lambda t: bad_request(
-        t, messages=pb.ChatMessages(messages=[pb.ChatMessage(role="<|im_end|>", content=t)]))),
+        t, messages=[pb.ChatMessage(role="<|im_end|>", content=t)])),
     "max_tokens_int32_max": (INVALID, lambda t: bad_request(t, {"max_tokens": 2**31 - 1})),
     "stop_strings_1000": (INVALID, lambda t: bad_request(t, {"stop": [f"stop{i}" for i in range(1000)]})),
     "duplicate_request_id": (grpc.StatusCode.ALREADY_EXISTS, None),
@@ -179,7 +180,7 @@ class Soak:
         if seed is not None:
             sampling.seed = seed
         request = pb.GenerateRequest(request_id=request_id, sampling=sampling)
-        request.messages.messages.add(role="user", content=self.prompts[prompt_index])
+        request.messages.add(role="user", content=self.prompts[prompt_index])
         return request
 
     def compute_references(self) -> None:
@@ -187,7 +188,7 @@ class Soak:
         for i in range(len(self.prompts)):
             request = self.workload_request(i, None)
             request.speculation.enabled = False
-            self.references[i] = list(self.stub.Complete(request, timeout=REQUEST_TIMEOUT_S).token_ids)
+            self.references[i] = list(self.stub.Complete(as_complete(request), timeout=REQUEST_TIMEOUT_S).token_ids)
         logger.info("reference outputs for %d greedy prompts computed", len(self.prompts))
 
     # The client side.
@@ -389,7 +390,7 @@ def run(args, server: Server) -> dict:
     address = server.process.address(who="scheduler ")
     server.process.wait_for("scheduler ready")
     with grpc.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         while not all(w.state == "serving" for w in stub.GetServerInfo(pb.GetServerInfoRequest()).workers):
             time.sleep(0.2)
         prompts = [p for p in interleaved_prompts() if len(p) <= args.max_prompt_chars][: args.num_prompts]
@@ -409,7 +410,7 @@ def run(args, server: Server) -> dict:
     return build_report(args, soak, info, load_s)
 
 
-def kill_report(soak: Soak, info: pb.ServerInfo) -> dict | None:
+def kill_report(soak: Soak, info: pb.GetServerInfoResponse) -> dict | None:
     """The kill: when, how long until both workers served again, and the next token of the moved requests.
 
     The moved requests are taken as the in-flight streams with the longest wait for their next token after the
@@ -461,7 +462,7 @@ def outcome_report(records: list[Record]) -> dict:
             "unexpected": [{"kind": kind, "code": code, **v} for (kind, code), v in unexpected.items()]}
 
 
-def build_report(args, soak: Soak, info: pb.ServerInfo, load_s: float) -> dict:
+def build_report(args, soak: Soak, info: pb.GetServerInfoResponse, load_s: float) -> dict:
     records = soak.records
     ttfts = [r.arrivals[0][0] - r.start_s for r in records if r.arrivals]
     itls = [(t - t0) / n for r in records for (t0, _), (t, n) in zip(r.arrivals, r.arrivals[1:])]

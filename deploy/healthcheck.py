@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """gRPC health check for containers: exit 0 if the service is SERVING, else 1.
 
-    python deploy/healthcheck.py --address 127.0.0.1:50052 --service specdec.v1.Worker [--allow-not-serving]
+    python deploy/healthcheck.py --address 127.0.0.1:50052 --service specdec.v1.WorkerService [--allow-not-serving]
 
 `--allow-not-serving` only checks that the server answers: a worker reports
 NOT_SERVING until a scheduler has called InitCache, and must not be marked

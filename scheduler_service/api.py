@@ -31,10 +31,11 @@ def _check_text_size(num_chars: int, max_model_len: int, what: str) -> None:
                                   f"tokens can hold (at most {max_chars} characters)")
 
 
+PROMPT_INPUTS = ("prompt", "prompt_token_ids", "messages")
+
+
 def _chat_messages(messages, max_model_len: int) -> list[dict[str, str]]:
     """Validated chat messages: a known role each (a role is rendered into the template as it is)."""
-    if not messages:
-        raise InvalidRequestError("messages is empty")
     if len(messages) > MAX_CHAT_MESSAGES:
         raise InvalidRequestError(f"{len(messages)} chat messages: at most {MAX_CHAT_MESSAGES} are accepted")
     for i, m in enumerate(messages):
@@ -45,23 +46,32 @@ def _chat_messages(messages, max_model_len: int) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
-def prompt_token_ids(request: pb.GenerateRequest, tokenizer: ChatTokenizer, vocab_size: int,
+def _prompt_input(request: pb.GenerateRequest | pb.CompleteRequest) -> str:
+    """Which of PROMPT_INPUTS the request sets; exactly one must be (an empty list counts as unset)."""
+    given = [name for name in PROMPT_INPUTS
+             if (request.HasField(name) if name == "prompt" else len(getattr(request, name)))]
+    if len(given) != 1:
+        got = " and ".join(given) if given else "none"
+        raise InvalidRequestError(f"{'no prompt: ' if not given else ''}set exactly one of prompt, prompt_token_ids "
+                                  f"or messages, got {got}")
+    return given[0]
+
+
+def prompt_token_ids(request: pb.GenerateRequest | pb.CompleteRequest, tokenizer: ChatTokenizer, vocab_size: int,
                      max_model_len: int) -> list[int]:
     """The prompt as token ids, from text, ids or chat messages."""
-    kind = request.WhichOneof("prompt_input")
+    kind = _prompt_input(request)
     try:
         if kind == "prompt":
             _check_text_size(len(request.prompt), max_model_len, "the prompt")
             ids = tokenizer.encode(request.prompt)
         elif kind == "prompt_token_ids":
-            ids = list(request.prompt_token_ids.ids)
+            ids = list(request.prompt_token_ids)
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        elif kind == "messages":
-            ids = tokenizer.apply_chat_template(_chat_messages(request.messages.messages, max_model_len))
         else:
-            raise InvalidRequestError("no prompt: set one of prompt, prompt_token_ids or messages")
+            ids = tokenizer.apply_chat_template(_chat_messages(request.messages, max_model_len))
     except TokenizerError as exc:
         raise InvalidRequestError(str(exc)) from exc
     if not ids:
@@ -104,9 +114,10 @@ def _check_stops(s: pb.SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(f"a stop string has {len(too_long[0])} characters: at most {MAX_STOP_STRING_CHARS}")
 
 
-def build_request(request: pb.GenerateRequest, tokenizer: ChatTokenizer, vocab_size: int,
+def build_request(request: pb.GenerateRequest | pb.CompleteRequest, tokenizer: ChatTokenizer, vocab_size: int,
                   eos_token_ids: list[int], max_model_len: int) -> Request:
-    """Validates a GenerateRequest and builds the scheduler's Request (cheap checks first)."""
+    """Validates a GenerateRequest or CompleteRequest (the same fields) and builds the scheduler's Request
+    (cheap checks first)."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError(f"request_id has {len(request.request_id)} characters: at most "
                                   f"{MAX_REQUEST_ID_CHARS}")

@@ -17,7 +17,7 @@ from specdec.v1 import generation_pb2
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _MISSING = "missing API key: send the metadata 'authorization: Bearer <key>'"
 _INVALID = "invalid API key"
 

@@ -21,7 +21,7 @@ from specdec.v1 import generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
            "abort": pb.FINISH_REASON_ABORT}
 
@@ -56,7 +56,7 @@ def _workers(snap: ClusterSnapshot) -> list[pb.WorkerStatus]:
             for w in snap.workers]
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """Validates client requests, hands them to the cluster and streams the outputs back.
 
     At most `max_open_streams` Generate/Complete calls run at once (each holds a server thread while it
@@ -168,7 +168,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         serving = [w for w in snap.workers if w.num_total_blocks]
         counters = _counters(snap.stats, snap.busy, snap.num_worker_failures, snap.num_moved_requests,
                              snap.num_requests)
-        return pb.ServerInfo(
+        return pb.GetServerInfoResponse(
             model=facts.model_id, proposer=facts.proposer, num_speculative_tokens=c.num_speculative_tokens,
             max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs, block_size=c.block_size,
             num_kv_blocks=sum(w.num_total_blocks for w in serving),
@@ -197,7 +197,7 @@ def create_server(host: str, port: int, max_open_streams: int = 512,
     health_servicer = health.HealthServicer()
     servicer = GenerationServicer(health_servicer, max_open_streams)
     servicer.set_serving(False)
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)

@@ -11,14 +11,14 @@ from specdec.security import channel_options
 from specdec.v1 import worker_pb2, worker_pb2_grpc
 
 _CLOSE = object()
-SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 SESSION_METADATA_KEY = "specdec-session-id"   # the step stream's session (worker.proto, ExecuteModel)
 
 
 class StepStream:
     """One ExecuteModel stream. `send` may run ahead of `recv` (two steps in flight)."""
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub, session_id: str):
+    def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub, session_id: str):
         self._outbox: queue.Queue = queue.Queue()
         self._responses = stub.ExecuteModel(iter(self._outbox.get, _CLOSE),
                                             metadata=[(SESSION_METADATA_KEY, session_id)])
@@ -58,10 +58,10 @@ class WorkerClient:
             self.channel = grpc.insecure_channel(address, options=options)
         else:
             self.channel = grpc.secure_channel(address, credentials, options=options)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
-    def describe(self, block_size: int, timeout: float | None = None) -> worker_pb2.WorkerInfo:
+    def describe(self, block_size: int, timeout: float | None = None) -> worker_pb2.DescribeResponse:
         return self.stub.Describe(worker_pb2.DescribeRequest(block_size=block_size), timeout=timeout)
 
     def init_cache(self, num_blocks: int, block_size: int, previous_session_id: str | None = None,

@@ -120,7 +120,7 @@ class FakeWorker:
             assert slot == (request_id, state.token_ids[position]), f"KV of {request_id} overwritten at {position}"
 
 
-class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
+class SimWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """The Worker service over a FakeWorker; each step takes `step_time_s` (slept, not computed)."""
 
     def __init__(self, health_servicer: health.HealthServicer, block_size: int, num_blocks: int,
@@ -142,7 +142,7 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
     def Describe(self, request, context):
         if self.is_frozen.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "frozen")  # a stopped process answers nothing
-        return worker_pb2.WorkerInfo(model_id=self.model_id, vocab_size=VOCAB_SIZE, max_model_len=4096,
+        return worker_pb2.DescribeResponse(model_id=self.model_id, vocab_size=VOCAB_SIZE, max_model_len=4096,
                                      kv_bytes_per_block=1024, num_blocks_capacity=self.num_blocks,
                                      eos_token_ids=[], dtype="float32",
                                      proposer="ngram" if self.num_speculative_tokens else "none",
@@ -159,7 +159,7 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             # Like the real worker: a new session holds no request.
             self.worker = FakeWorker(self.block_size, self.num_accepted, is_checking_kv=self.is_checking_kv)
-        for name in ("", "specdec.v1.Worker"):
+        for name in ("", "specdec.v1.WorkerService"):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return worker_pb2.InitCacheResponse(kv_cache_bytes=1024 * request.num_blocks, session_id=session_id)
 
@@ -190,14 +190,14 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServicer):
         thread, keep answering SERVING)."""
         self.is_frozen.set()
         if is_health_failing:
-            for name in ("", "specdec.v1.Worker"):
+            for name in ("", "specdec.v1.WorkerService"):
                 self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
     def thaw(self) -> None:
         """Answers again, like a process continued after SIGSTOP."""
         self.is_frozen.clear()
-        for name in ("", "specdec.v1.Worker"):
+        for name in ("", "specdec.v1.WorkerService"):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
@@ -212,7 +212,7 @@ class SimWorkerServer:
         health_servicer = health.HealthServicer()
         self.servicer = SimWorkerServicer(health_servicer, block_size, num_blocks, step_time_s,
                                           num_speculative_tokens, num_accepted, is_checking_kv, model_id)
-        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
         address = f"127.0.0.1:{port}"
         self.port = (self.server.add_secure_port(address, credentials) if credentials

@@ -138,7 +138,7 @@ def test_worker_manifest_is_a_statefulset_behind_a_headless_service_with_a_pdb()
     args = build_parser().parse_args(container["args"])
     assert args.command == "worker" and args.host == "0.0.0.0"
     assert service["spec"]["ports"][0]["port"] == args.port
-    assert container["readinessProbe"]["grpc"] == {"port": args.port, "service": "specdec.v1.Worker"}
+    assert container["readinessProbe"]["grpc"] == {"port": args.port, "service": "specdec.v1.WorkerService"}
     for probe in ("startupProbe", "livenessProbe"):  # NOT_SERVING must not restart it
         command = container[probe]["exec"]["command"]
         assert ANSWERS in command and f"127.0.0.1:{args.port}" in command
@@ -161,7 +161,7 @@ def test_scheduler_manifest_finds_the_workers_by_dns():
     worker_port = worker_service["spec"]["ports"][0]["port"]
     name = worker_service["metadata"]["name"]
     assert _worker_addresses(args) == [f"dns:///{name}.POD_NAMESPACE.svc.cluster.local:{worker_port}"]
-    assert container["readinessProbe"]["grpc"] == {"port": args.port, "service": "specdec.v1.Generation"}
+    assert container["readinessProbe"]["grpc"] == {"port": args.port, "service": "specdec.v1.GenerationService"}
     for probe in ("startupProbe", "livenessProbe"):  # NOT_SERVING while no worker serves: no restart
         command = container[probe]["exec"]["command"]
         assert ANSWERS in command and f"127.0.0.1:{args.port}" in command
@@ -190,8 +190,8 @@ def _healthcheck(*args: str) -> int:
 ])
 def test_healthcheck_exit_code(health_server, status, extra, want_rc):
     address, servicer = health_server
-    servicer.set("specdec.v1.Worker", status)
-    assert _healthcheck("--address", address, "--service", "specdec.v1.Worker", *extra) == want_rc
+    servicer.set("specdec.v1.WorkerService", status)
+    assert _healthcheck("--address", address, "--service", "specdec.v1.WorkerService", *extra) == want_rc
 
 
 def test_healthcheck_fails_for_an_unknown_service(health_server):

@@ -154,7 +154,7 @@ def tls_health_server(pki):
     ca, server_cert, _ = pki
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
-    servicer.set("specdec.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set("specdec.v1.WorkerService", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     tls = security.TlsFiles(server_cert.certfile, server_cert.keyfile, ca.ca_file)
     port = server.add_secure_port("127.0.0.1:0", security.server_credentials(tls))
@@ -168,7 +168,7 @@ def test_healthcheck_over_mutual_tls(pki, tls_health_server):
 
     def healthcheck(*args: str) -> int:
         return subprocess.run([sys.executable, str(HEALTHCHECK), "--address", tls_health_server, "--service",
-                               "specdec.v1.Worker", "--timeout", "5", *args], capture_output=True,
+                               "specdec.v1.WorkerService", "--timeout", "5", *args], capture_output=True,
                               timeout=30).returncode
 
     with_cert = ["--cert-file", client.certfile, "--key-file", client.keyfile]

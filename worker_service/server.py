@@ -28,10 +28,10 @@ from worker_service.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Serves one Worker; steps run one at a time, in arrival order, on the compute thread."""
 
     def __init__(self, health_servicer: health.HealthServicer):
@@ -78,7 +78,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         bytes_per_block = worker.kv_bytes_per_block(request.block_size)
         eos = worker.target.model.generation_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-        return worker_pb2.WorkerInfo(
+        return worker_pb2.DescribeResponse(
             model_id=self.model_id, vocab_size=worker.target.vocab_size, max_model_len=worker.max_model_len,
             kv_bytes_per_block=bytes_per_block,
             num_blocks_capacity=config.kv_cache_memory_bytes // bytes_per_block,
@@ -168,7 +168,7 @@ def create_server(host: str, port: int, max_workers: int = 16, credentials: grpc
     for name in (SERVICE_NAME, ""):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer = WorkerServicer(health_servicer)
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)

@@ -19,7 +19,7 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     if args.raw:
         request.prompt = args.prompt
     else:
-        request.messages.messages.add(role="user", content=args.prompt)
+        request.messages.add(role="user", content=args.prompt)
     return request
 
 
@@ -44,7 +44,7 @@ def generate(args: argparse.Namespace) -> int:
         return 1
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     with channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         try:
             for response in stub.Generate(build_request(args), metadata=metadata):
                 sys.stdout.write(response.text)

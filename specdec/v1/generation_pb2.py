@@ -24,45 +24,44 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf7\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"u\n\x11SpeculationParams\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x42\n\n\x08_enabledB\x19\n\x17_num_speculative_tokens\"\x89\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParamsB\x0e\n\x0cprompt_input\"h\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\"\xac\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x16\n\x14GetServerInfoRequest\"\xba\x04\n\x08\x43ounters\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x04\x12\x1a\n\x12num_drafted_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x04\x12\x1a\n\x12num_emitted_tokens\x18\x04 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x11\n\tnum_steps\x18\x07 \x01(\x04\x12&\n\x1enum_steps_speculation_disabled\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x1b\n\x13worker_busy_seconds\x18\n \x01(\x01\x12\x1b\n\x13\x61\x63tive_wall_seconds\x18\x0b \x01(\x01\x12\x1b\n\x13num_worker_failures\x18\x0c \x01(\x04\x12\x1a\n\x12num_moved_requests\x18\r \x01(\x04\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x0e \x03(\x04\x12\x1f\n\x17num_sequence_steps_by_k\x18\x0f \x03(\x04\x12\x1b\n\x13num_predicted_steps\x18\x10 \x01(\x04\x12\x1e\n\x16predicted_step_seconds\x18\x11 \x01(\x01\x12\x1d\n\x15measured_step_seconds\x18\x12 \x01(\x01\x12#\n\x1bstep_time_abs_error_seconds\x18\x13 \x01(\x01\"\xc7\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x1a\n\x12num_free_kv_blocks\x18\x05 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\x05\x12&\n\x08\x63ounters\x18\x07 \x01(\x0b\x32\x14.specdec.v1.Counters\x12\x12\n\nlast_error\x18\x08 \x01(\t\"\x96\x03\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08proposer\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\x05\x12\x1a\n\x12num_free_kv_blocks\x18\x08 \x01(\x05\x12\x12\n\nscheduling\x18\t \x01(\t\x12&\n\x1especulative_disable_queue_size\x18\n \x01(\x05\x12&\n\x08\x63ounters\x18\x0b \x01(\x0b\x32\x14.specdec.v1.Counters\x12\x13\n\x0bnum_running\x18\x0c \x01(\x05\x12\x13\n\x0bnum_waiting\x18\r \x01(\x05\x12)\n\x07workers\x18\x0e \x03(\x0b\x32\x18.specdec.v1.WorkerStatus\x12\x1a\n\x12speculation_policy\x18\x0f \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa5\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.CompleteResponse\x12<\n\x05\x41\x62ort\x12\x18.specdec.v1.AbortRequest\x1a\x19.specdec.v1.AbortResponse\x12I\n\rGetServerInfo\x12 .specdec.v1.GetServerInfoRequest\x1a\x16.specdec.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf7\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"u\n\x11SpeculationParams\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x42\n\n\x08_enabledB\x19\n\x17_num_speculative_tokens\"\xf8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12)\n\x08messages\x18\x08 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParamsB\t\n\x07_promptJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"\xf8\x01\n\x0f\x43ompleteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12)\n\x08messages\x18\x08 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParamsB\t\n\x07_promptJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"h\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\"\xac\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x16\n\x14GetServerInfoRequest\"\xba\x04\n\x08\x43ounters\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x01\x12\x1a\n\x12num_drafted_tokens\x18\x02 \x01(\x01\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x01\x12\x1a\n\x12num_emitted_tokens\x18\x04 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x11\n\tnum_steps\x18\x07 \x01(\x01\x12&\n\x1enum_steps_speculation_disabled\x18\x08 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x01\x12\x1b\n\x13worker_busy_seconds\x18\n \x01(\x01\x12\x1b\n\x13\x61\x63tive_wall_seconds\x18\x0b \x01(\x01\x12\x1b\n\x13num_worker_failures\x18\x0c \x01(\x01\x12\x1a\n\x12num_moved_requests\x18\r \x01(\x01\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x0e \x03(\x01\x12\x1f\n\x17num_sequence_steps_by_k\x18\x0f \x03(\x01\x12\x1b\n\x13num_predicted_steps\x18\x10 \x01(\x01\x12\x1e\n\x16predicted_step_seconds\x18\x11 \x01(\x01\x12\x1d\n\x15measured_step_seconds\x18\x12 \x01(\x01\x12#\n\x1bstep_time_abs_error_seconds\x18\x13 \x01(\x01\"\xc7\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x1a\n\x12num_free_kv_blocks\x18\x05 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\x05\x12&\n\x08\x63ounters\x18\x07 \x01(\x0b\x32\x14.specdec.v1.Counters\x12\x12\n\nlast_error\x18\x08 \x01(\t\"\xa1\x03\n\x15GetServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08proposer\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\x05\x12\x1a\n\x12num_free_kv_blocks\x18\x08 \x01(\x05\x12\x12\n\nscheduling\x18\t \x01(\t\x12&\n\x1especulative_disable_queue_size\x18\n \x01(\x05\x12&\n\x08\x63ounters\x18\x0b \x01(\x0b\x32\x14.specdec.v1.Counters\x12\x13\n\x0bnum_running\x18\x0c \x01(\x05\x12\x13\n\x0bnum_waiting\x18\r \x01(\x05\x12)\n\x07workers\x18\x0e \x03(\x0b\x32\x18.specdec.v1.WorkerStatus\x12\x1a\n\x12speculation_policy\x18\x0f \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xb7\x02\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.specdec.v1.CompleteRequest\x1a\x1c.specdec.v1.CompleteResponse\x12<\n\x05\x41\x62ort\x12\x18.specdec.v1.AbortRequest\x1a\x19.specdec.v1.AbortResponse\x12T\n\rGetServerInfo\x12 .specdec.v1.GetServerInfoRequest\x1a!.specdec.v1.GetServerInfoResponseB[\n\x0e\x64\x65v.specdec.v1B\x0fGenerationProtoP\x01Z6github.com/specdec/specdec/gen/go/specdec/v1;specdecv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2527
-  _globals['_FINISHREASON']._serialized_end=2647
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\016dev.specdec.v1B\017GenerationProtoP\001Z6github.com/specdec/specdec/gen/go/specdec/v1;specdecv1'
+  _globals['_FINISHREASON']._serialized_start=2688
+  _globals['_FINISHREASON']._serialized_end=2808
   _globals['_CHATMESSAGE']._serialized_start=43
   _globals['_CHATMESSAGE']._serialized_end=87
-  _globals['_CHATMESSAGES']._serialized_start=89
-  _globals['_CHATMESSAGES']._serialized_end=146
-  _globals['_TOKENIDS']._serialized_start=148
-  _globals['_TOKENIDS']._serialized_end=171
-  _globals['_SAMPLINGPARAMS']._serialized_start=174
-  _globals['_SAMPLINGPARAMS']._serialized_end=421
-  _globals['_SPECULATIONPARAMS']._serialized_start=423
-  _globals['_SPECULATIONPARAMS']._serialized_end=540
-  _globals['_GENERATEREQUEST']._serialized_start=543
-  _globals['_GENERATEREQUEST']._serialized_end=808
-  _globals['_USAGE']._serialized_start=810
-  _globals['_USAGE']._serialized_end=914
-  _globals['_GENERATERESPONSE']._serialized_start=917
-  _globals['_GENERATERESPONSE']._serialized_end=1089
-  _globals['_COMPLETERESPONSE']._serialized_start=1092
-  _globals['_COMPLETERESPONSE']._serialized_end=1264
-  _globals['_ABORTREQUEST']._serialized_start=1266
-  _globals['_ABORTREQUEST']._serialized_end=1300
-  _globals['_ABORTRESPONSE']._serialized_start=1302
-  _globals['_ABORTRESPONSE']._serialized_end=1317
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1319
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1341
-  _globals['_COUNTERS']._serialized_start=1344
-  _globals['_COUNTERS']._serialized_end=1914
-  _globals['_WORKERSTATUS']._serialized_start=1917
-  _globals['_WORKERSTATUS']._serialized_end=2116
-  _globals['_SERVERINFO']._serialized_start=2119
-  _globals['_SERVERINFO']._serialized_end=2525
-  _globals['_GENERATION']._serialized_start=2650
-  _globals['_GENERATION']._serialized_end=2943
+  _globals['_SAMPLINGPARAMS']._serialized_start=90
+  _globals['_SAMPLINGPARAMS']._serialized_end=337
+  _globals['_SPECULATIONPARAMS']._serialized_start=339
+  _globals['_SPECULATIONPARAMS']._serialized_end=456
+  _globals['_GENERATEREQUEST']._serialized_start=459
+  _globals['_GENERATEREQUEST']._serialized_end=707
+  _globals['_COMPLETEREQUEST']._serialized_start=710
+  _globals['_COMPLETEREQUEST']._serialized_end=958
+  _globals['_USAGE']._serialized_start=960
+  _globals['_USAGE']._serialized_end=1064
+  _globals['_GENERATERESPONSE']._serialized_start=1067
+  _globals['_GENERATERESPONSE']._serialized_end=1239
+  _globals['_COMPLETERESPONSE']._serialized_start=1242
+  _globals['_COMPLETERESPONSE']._serialized_end=1414
+  _globals['_ABORTREQUEST']._serialized_start=1416
+  _globals['_ABORTREQUEST']._serialized_end=1450
+  _globals['_ABORTRESPONSE']._serialized_start=1452
+  _globals['_ABORTRESPONSE']._serialized_end=1467
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1469
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1491
+  _globals['_COUNTERS']._serialized_start=1494
+  _globals['_COUNTERS']._serialized_end=2064
+  _globals['_WORKERSTATUS']._serialized_start=2067
+  _globals['_WORKERSTATUS']._serialized_end=2266
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=2269
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=2686
+  _globals['_GENERATIONSERVICE']._serialized_start=2811
+  _globals['_GENERATIONSERVICE']._serialized_end=3122
 # @@protoc_insertion_point(module_scope)

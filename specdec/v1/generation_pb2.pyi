@@ -26,18 +26,6 @@ class ChatMessage(_message.Message):
     content: str
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
-class ChatMessages(_message.Message):
-    __slots__ = ("messages",)
-    MESSAGES_FIELD_NUMBER: _ClassVar[int]
-    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
-
-class TokenIds(_message.Message):
-    __slots__ = ("ids",)
-    IDS_FIELD_NUMBER: _ClassVar[int]
-    ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -78,11 +66,27 @@ class GenerateRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
-    prompt_token_ids: TokenIds
-    messages: ChatMessages
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
     speculation: SpeculationParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
+
+class CompleteRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "speculation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    sampling: SamplingParams
+    speculation: SpeculationParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens")
@@ -163,26 +167,26 @@ class Counters(_message.Message):
     PREDICTED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEASURED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_ABS_ERROR_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    num_requests: int
-    num_drafted_tokens: int
-    num_accepted_tokens: int
-    num_emitted_tokens: int
+    num_requests: float
+    num_drafted_tokens: float
+    num_accepted_tokens: float
+    num_emitted_tokens: float
     acceptance_rate: float
     mean_accepted_length: float
-    num_steps: int
-    num_steps_speculation_disabled: int
-    num_preemptions: int
+    num_steps: float
+    num_steps_speculation_disabled: float
+    num_preemptions: float
     worker_busy_seconds: float
     active_wall_seconds: float
-    num_worker_failures: int
-    num_moved_requests: int
-    num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
-    num_sequence_steps_by_k: _containers.RepeatedScalarFieldContainer[int]
-    num_predicted_steps: int
+    num_worker_failures: float
+    num_moved_requests: float
+    num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[float]
+    num_sequence_steps_by_k: _containers.RepeatedScalarFieldContainer[float]
+    num_predicted_steps: float
     predicted_step_seconds: float
     measured_step_seconds: float
     step_time_abs_error_seconds: float
-    def __init__(self, num_requests: _Optional[int] = ..., num_drafted_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_emitted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_steps: _Optional[int] = ..., num_steps_speculation_disabled: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., worker_busy_seconds: _Optional[float] = ..., active_wall_seconds: _Optional[float] = ..., num_worker_failures: _Optional[int] = ..., num_moved_requests: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_sequence_steps_by_k: _Optional[_Iterable[int]] = ..., num_predicted_steps: _Optional[int] = ..., predicted_step_seconds: _Optional[float] = ..., measured_step_seconds: _Optional[float] = ..., step_time_abs_error_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, num_requests: _Optional[float] = ..., num_drafted_tokens: _Optional[float] = ..., num_accepted_tokens: _Optional[float] = ..., num_emitted_tokens: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_steps: _Optional[float] = ..., num_steps_speculation_disabled: _Optional[float] = ..., num_preemptions: _Optional[float] = ..., worker_busy_seconds: _Optional[float] = ..., active_wall_seconds: _Optional[float] = ..., num_worker_failures: _Optional[float] = ..., num_moved_requests: _Optional[float] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[float]] = ..., num_sequence_steps_by_k: _Optional[_Iterable[float]] = ..., num_predicted_steps: _Optional[float] = ..., predicted_step_seconds: _Optional[float] = ..., measured_step_seconds: _Optional[float] = ..., step_time_abs_error_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("address", "state", "num_running", "num_waiting", "num_free_kv_blocks", "num_kv_blocks", "counters", "last_error")
@@ -204,7 +208,7 @@ class WorkerStatus(_message.Message):
     last_error: str
     def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., last_error: _Optional[str] = ...) -> None: ...
 
-class ServerInfo(_message.Message):
+class GetServerInfoResponse(_message.Message):
     __slots__ = ("model", "proposer", "num_speculative_tokens", "max_model_len", "max_num_seqs", "block_size", "num_kv_blocks", "num_free_kv_blocks", "scheduling", "speculative_disable_queue_size", "counters", "num_running", "num_waiting", "workers", "speculation_policy")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]

@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class GenerationStub:
+class GenerationServiceStub:
     """Text generation with speculative decoding. Served by the scheduler.
     """
 
@@ -36,28 +36,28 @@ class GenerationStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/specdec.v1.Generation/Generate',
+                '/specdec.v1.GenerationService/Generate',
                 request_serializer=specdec_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Complete = channel.unary_unary(
-                '/specdec.v1.Generation/Complete',
-                request_serializer=specdec_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                '/specdec.v1.GenerationService/Complete',
+                request_serializer=specdec_dot_v1_dot_generation__pb2.CompleteRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_generation__pb2.CompleteResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
-                '/specdec.v1.Generation/Abort',
+                '/specdec.v1.GenerationService/Abort',
                 request_serializer=specdec_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
-                '/specdec.v1.Generation/GetServerInfo',
+                '/specdec.v1.GenerationService/GetServerInfo',
                 request_serializer=specdec_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_generation__pb2.ServerInfo.FromString,
+                response_deserializer=specdec_dot_v1_dot_generation__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
 
 
-class GenerationServicer:
+class GenerationServiceServicer:
     """Text generation with speculative decoding. Served by the scheduler.
     """
 
@@ -92,7 +92,7 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_GenerationServicer_to_server(servicer, server):
+def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -101,7 +101,7 @@ def add_GenerationServicer_to_server(servicer, server):
             ),
             'Complete': grpc.unary_unary_rpc_method_handler(
                     servicer.Complete,
-                    request_deserializer=specdec_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    request_deserializer=specdec_dot_v1_dot_generation__pb2.CompleteRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_generation__pb2.CompleteResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -112,17 +112,17 @@ def add_GenerationServicer_to_server(servicer, server):
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
                     request_deserializer=specdec_dot_v1_dot_generation__pb2.GetServerInfoRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_generation__pb2.ServerInfo.SerializeToString,
+                    response_serializer=specdec_dot_v1_dot_generation__pb2.GetServerInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'specdec.v1.Generation', rpc_method_handlers)
+            'specdec.v1.GenerationService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('specdec.v1.Generation', rpc_method_handlers)
+    server.add_registered_method_handlers('specdec.v1.GenerationService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Generation:
+class GenerationService:
     """Text generation with speculative decoding. Served by the scheduler.
     """
 
@@ -140,7 +140,7 @@ class Generation:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/specdec.v1.Generation/Generate',
+            '/specdec.v1.GenerationService/Generate',
             specdec_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             specdec_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
@@ -167,8 +167,8 @@ class Generation:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specdec.v1.Generation/Complete',
-            specdec_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            '/specdec.v1.GenerationService/Complete',
+            specdec_dot_v1_dot_generation__pb2.CompleteRequest.SerializeToString,
             specdec_dot_v1_dot_generation__pb2.CompleteResponse.FromString,
             options,
             channel_credentials,
@@ -194,7 +194,7 @@ class Generation:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specdec.v1.Generation/Abort',
+            '/specdec.v1.GenerationService/Abort',
             specdec_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
             specdec_dot_v1_dot_generation__pb2.AbortResponse.FromString,
             options,
@@ -221,9 +221,9 @@ class Generation:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specdec.v1.Generation/GetServerInfo',
+            '/specdec.v1.GenerationService/GetServerInfo',
             specdec_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
-            specdec_dot_v1_dot_generation__pb2.ServerInfo.FromString,
+            specdec_dot_v1_dot_generation__pb2.GetServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     block_size: int
     def __init__(self, block_size: _Optional[int] = ...) -> None: ...
 
-class WorkerInfo(_message.Message):
+class DescribeResponse(_message.Message):
     __slots__ = ("model_id", "vocab_size", "max_model_len", "kv_bytes_per_block", "num_blocks_capacity", "eos_token_ids", "dtype", "proposer", "max_num_speculative_tokens", "draft_model_id", "scorer")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]

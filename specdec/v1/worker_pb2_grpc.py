@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class WorkerStub:
+class WorkerServiceStub:
     """A worker holds the target model (and the draft model), their paged KV
     caches, and runs propose -> score -> accept steps sent by the scheduler.
     """
@@ -37,23 +37,23 @@ class WorkerStub:
             channel: A grpc.Channel.
         """
         self.Describe = channel.unary_unary(
-                '/specdec.v1.Worker/Describe',
+                '/specdec.v1.WorkerService/Describe',
                 request_serializer=specdec_dot_v1_dot_worker__pb2.DescribeRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+                response_deserializer=specdec_dot_v1_dot_worker__pb2.DescribeResponse.FromString,
                 _registered_method=True)
         self.InitCache = channel.unary_unary(
-                '/specdec.v1.Worker/InitCache',
+                '/specdec.v1.WorkerService/InitCache',
                 request_serializer=specdec_dot_v1_dot_worker__pb2.InitCacheRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_worker__pb2.InitCacheResponse.FromString,
                 _registered_method=True)
         self.ExecuteModel = channel.stream_stream(
-                '/specdec.v1.Worker/ExecuteModel',
+                '/specdec.v1.WorkerService/ExecuteModel',
                 request_serializer=specdec_dot_v1_dot_worker__pb2.ExecuteModelRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_worker__pb2.ExecuteModelResponse.FromString,
                 _registered_method=True)
 
 
-class WorkerServicer:
+class WorkerServiceServicer:
     """A worker holds the target model (and the draft model), their paged KV
     caches, and runs propose -> score -> accept steps sent by the scheduler.
     """
@@ -89,12 +89,12 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_WorkerServicer_to_server(servicer, server):
+def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
                     request_deserializer=specdec_dot_v1_dot_worker__pb2.DescribeRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+                    response_serializer=specdec_dot_v1_dot_worker__pb2.DescribeResponse.SerializeToString,
             ),
             'InitCache': grpc.unary_unary_rpc_method_handler(
                     servicer.InitCache,
@@ -108,13 +108,13 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'specdec.v1.Worker', rpc_method_handlers)
+            'specdec.v1.WorkerService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('specdec.v1.Worker', rpc_method_handlers)
+    server.add_registered_method_handlers('specdec.v1.WorkerService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Worker:
+class WorkerService:
     """A worker holds the target model (and the draft model), their paged KV
     caches, and runs propose -> score -> accept steps sent by the scheduler.
     """
@@ -133,9 +133,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specdec.v1.Worker/Describe',
+            '/specdec.v1.WorkerService/Describe',
             specdec_dot_v1_dot_worker__pb2.DescribeRequest.SerializeToString,
-            specdec_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            specdec_dot_v1_dot_worker__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -160,7 +160,7 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specdec.v1.Worker/InitCache',
+            '/specdec.v1.WorkerService/InitCache',
             specdec_dot_v1_dot_worker__pb2.InitCacheRequest.SerializeToString,
             specdec_dot_v1_dot_worker__pb2.InitCacheResponse.FromString,
             options,
@@ -187,7 +187,7 @@ class Worker:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/specdec.v1.Worker/ExecuteModel',
+            '/specdec.v1.WorkerService/ExecuteModel',
             specdec_dot_v1_dot_worker__pb2.ExecuteModelRequest.SerializeToString,
             specdec_dot_v1_dot_worker__pb2.ExecuteModelResponse.FromString,
             options,

@@ -20,12 +20,12 @@ class Server:
         self.address = process.address(who="scheduler ")
         process.wait_for("scheduler ready")
         self.channel = grpc.insecure_channel(self.address)
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
 
-    def info(self) -> pb.ServerInfo:
+    def info(self) -> pb.GetServerInfoResponse:
         return self.stub.GetServerInfo(pb.GetServerInfoRequest())
 
-    def wait_idle(self, timeout: float = 30.0) -> pb.ServerInfo:
+    def wait_idle(self, timeout: float = 30.0) -> pb.GetServerInfoResponse:
         """Waits until no request runs and every KV block is free again."""
         deadline = time.monotonic() + timeout
         while True:
@@ -55,8 +55,13 @@ def expect_status(call, code: grpc.StatusCode, fragment: str) -> grpc.RpcError:
     return info.value
 
 
+def as_complete(request: pb.GenerateRequest) -> pb.CompleteRequest:
+    """The same request for Complete (CompleteRequest has GenerateRequest's fields, with the same numbers)."""
+    return pb.CompleteRequest.FromString(request.SerializeToString())
+
+
 def greedy_request(prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True, **kwargs) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt_ids),
+    return pb.GenerateRequest(prompt_token_ids=prompt_ids,
                               sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                          ignore_eos=ignore_eos), **kwargs)
 

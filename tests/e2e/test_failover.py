@@ -83,7 +83,7 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, reference, how):
                       "--worker-step-timeout", str(STEP_TIMEOUT_S),
                       "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
             channel = grpc.insecure_channel(scheduler.address(who="scheduler "))
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             scheduler.wait_for("scheduler ready")
             wait_until(lambda: all(worker_status(stub, a).state == "serving" for a in addresses),
                        what="both workers to serve")
@@ -92,7 +92,7 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, reference, how):
             finish: list = [None] * len(PROMPTS)
 
             def consume(i: int) -> None:
-                request = pb.GenerateRequest(request_id=f"r{i}", prompt_token_ids=pb.TokenIds(ids=PROMPTS[i]),
+                request = pb.GenerateRequest(request_id=f"r{i}", prompt_token_ids=PROMPTS[i],
                                              sampling=sampling(SEEDS[i]))
                 try:
                     for response in stub.Generate(request):
@@ -133,7 +133,7 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, reference, how):
             wait_until(lambda: worker_status(stub, addresses[0]).state == "serving", what="the worker to rejoin")
             placed_before = worker_status(stub, addresses[0]).counters.num_requests
             for i in range(4):
-                request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=PROMPTS[i]),
+                request = pb.CompleteRequest(prompt_token_ids=PROMPTS[i],
                                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=8,
                                                                         ignore_eos=True))
                 assert list(stub.Complete(request).token_ids) == reference[i][:8]

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 def seeded(prompt: list[int], seed: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+    return pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
         temperature=0.8, top_p=0.95, seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True))
 
 

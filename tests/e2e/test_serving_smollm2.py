@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdec.v1 import generation_pb2 as pb
-from tests.e2e.client import chat_prompts, serve, stream_all
+from tests.e2e.client import as_complete, chat_prompts, serve, stream_all
 from worker_service.model_loader import load_model
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
@@ -44,7 +44,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_concurrent_chat_requests_match_transformers(smollm2_path, prompts, reference, name):
     with serve(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *CONFIGS[name]]) as server:
-        requests = [pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=p),
+        requests = [pb.GenerateRequest(prompt_token_ids=p,
                                        sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
                     for p in prompts]
         results = stream_all(server.stub, requests)
@@ -59,9 +59,9 @@ def test_concurrent_chat_requests_match_transformers(smollm2_path, prompts, refe
 
 def test_chat_messages_and_text(smollm2_path):
     with serve(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.25"]) as server:
-        chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(
-            role="user", content="What is the capital of France?")]),
+        chat = pb.GenerateRequest(messages=[pb.ChatMessage(
+            role="user", content="What is the capital of France?")],
             sampling=pb.SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]))
-        done = server.stub.Complete(chat)
+        done = server.stub.Complete(as_complete(chat))
     assert done.finish_reason == pb.FINISH_REASON_STOP
     assert done.text.startswith("The capital of France is") and "Paris" not in done.text

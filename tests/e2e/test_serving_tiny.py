@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec.v1 import generation_pb2 as pb
-from tests.e2e.client import Server, expect_status, greedy_request, serve, stream, stream_all
+from tests.e2e.client import Server, as_complete, expect_status, greedy_request, serve, stream, stream_all
 from worker_service.model_loader import load_model
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [40] * 12, [10, 11, 12, 10, 11], list(range(3, 23)), [100, 101, 102],
@@ -99,17 +99,17 @@ def test_bad_client_input(plain_server):
     ]
     for request, fragment in bad:
         expect_status(lambda: list(stub.Generate(request)), grpc.StatusCode.INVALID_ARGUMENT, fragment)
-        expect_status(lambda: stub.Complete(request), grpc.StatusCode.INVALID_ARGUMENT, fragment)
+        expect_status(lambda: stub.Complete(as_complete(request)), grpc.StatusCode.INVALID_ARGUMENT, fragment)
     expect_status(lambda: stub.Abort(pb.AbortRequest(request_id="nope")), grpc.StatusCode.NOT_FOUND, "nope")
     # Still serving: text, chat and token-id prompts.
-    done = stub.Complete(pb.GenerateRequest(prompt="w5 w6 w7", sampling=pb.SamplingParams(
-        max_tokens=5, temperature=0, logprobs=True, ignore_eos=True)))
+    done = stub.Complete(as_complete(pb.GenerateRequest(prompt="w5 w6 w7", sampling=pb.SamplingParams(
+        max_tokens=5, temperature=0, logprobs=True, ignore_eos=True))))
     assert done.usage.prompt_tokens == 3 and len(done.token_ids) == 5
     assert len(done.logprobs) == 5 and all(lp <= 0 for lp in done.logprobs)
     assert done.text.split() == [f"w{t}" for t in done.token_ids if t > 2]
-    chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="w9 w10")]),
+    chat = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="w9 w10")],
                               sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
-    assert stub.Complete(chat).usage.prompt_tokens == 5  # w3 w9 w10 w4 w5 from the chat template
+    assert stub.Complete(as_complete(chat)).usage.prompt_tokens == 5  # w3 w9 w10 w4 w5 from the chat template
 
 
 def test_abort_and_cancellation_free_blocks(plain_server):
@@ -170,7 +170,7 @@ def test_sigterm_drains_running_requests_then_exits_cleanly(tiny_pair):
             next(call)  # every request runs
         proc.proc.terminate()
         proc.wait_for("shutting down: 4 requests running")
-        expect_status(lambda: server.stub.Complete(greedy_request([5], 4), timeout=10), grpc.StatusCode.UNAVAILABLE, "")
+        expect_status(lambda: server.stub.Complete(as_complete(greedy_request([5], 4)), timeout=10), grpc.StatusCode.UNAVAILABLE, "")
         assert [[r.finish_reason for r in call][-1] for call in calls] == [pb.FINISH_REASON_LENGTH] * 4
         assert proc.proc.wait(60) == 0
         server.channel.close()

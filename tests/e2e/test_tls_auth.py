@@ -87,8 +87,8 @@ def sim_worker():
     worker.stop()
 
 
-def _stub(channel) -> generation_pb2_grpc.GenerationStub:
-    return generation_pb2_grpc.GenerationStub(channel)
+def _stub(channel) -> generation_pb2_grpc.GenerationServiceStub:
+    return generation_pb2_grpc.GenerationServiceStub(channel)
 
 
 def _generate(channel, metadata=None) -> list[int]:
@@ -205,11 +205,11 @@ def test_api_keys_guard_every_generation_rpc_and_leave_health_open(sim_worker, c
         assert stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=_bearer(KEY)).model == "sim"
         # Probes need no key.
         health = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="specdec.v1.Generation"), timeout=RPC_TIMEOUT_S)
+            health_pb2.HealthCheckRequest(service="specdec.v1.GenerationService"), timeout=RPC_TIMEOUT_S)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert "missing API key" in messages[0] and "invalid API key" in messages[2]
     logged = "\n".join(f"{r.getMessage()} {r.args!r}" for r in caplog.records)
-    assert "rejected /specdec.v1.Generation/Generate" in logged  # the DEBUG lines were captured
+    assert "rejected /specdec.v1.GenerationService/Generate" in logged  # the DEBUG lines were captured
     for secret in (KEY, OTHER_KEY, WRONG_KEY):
         assert not any(secret in m for m in messages)
         assert secret not in logged

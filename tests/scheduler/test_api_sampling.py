@@ -29,7 +29,7 @@ def test_bad_parameters_are_invalid_requests(params, message):
 
 def test_requests_without_a_seed_get_one_at_arrival():
     def arrive(**sampling) -> int:
-        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, 6]), sampling=pb.SamplingParams(**sampling))
+        request = pb.GenerateRequest(prompt_token_ids=[5, 6], sampling=pb.SamplingParams(**sampling))
         return build_request(request, tokenizer=None, vocab_size=256, eos_token_ids=[2], max_model_len=64).sampling.seed
 
     seeds = {arrive() for _ in range(8)}

@@ -19,7 +19,7 @@ def stub(tiny_pair):
     worker = Worker(WorkerConfig(model=str(tiny_pair.target_path)), ModelRunner(load_model(tiny_pair.target_path)))
     servicer.set_worker(worker, "tiny")
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
         session_id = stub.InitCache(pb.InitCacheRequest(num_blocks=64, block_size=4)).session_id
         yield stub, session_id
     server.stop(None)

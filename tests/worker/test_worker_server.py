@@ -61,14 +61,14 @@ def stream_driver(client: SessionClient) -> Driver:
 def test_health_serving_after_init_and_reflection(tiny_worker):
     proc, client = tiny_worker
     assert health_status(client.address) == health_pb2.HealthCheckResponse.SERVING
-    assert health_status(client.address, "specdec.v1.Worker") == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(client.address, "specdec.v1.WorkerService") == health_pb2.HealthCheckResponse.SERVING
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     with grpc.insecure_channel(client.address) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in reply.list_services_response.service}
-    assert {"specdec.v1.Worker", "grpc.health.v1.Health"} <= names
+    assert {"specdec.v1.WorkerService", "grpc.health.v1.Health"} <= names
 
 
 def test_describe(tiny_worker):
