@@ -56,6 +56,7 @@ class HttpServer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"the HTTP server on {self.host}:{self.port} did not start")
             time.sleep(0.01)
 

@@ -33,6 +33,7 @@ from scheduler_service.request import RequestOutput
 logger = logging.getLogger(__name__)
 
 OWNED_BY = "specdec"
+HEALTH_PATH = "/health"   # open: probes need no key
 
 
 def _error(status: int, message: str, error_type: str, param: str | None = None, code: str | None = None,
@@ -46,7 +47,7 @@ def _sse(data: dict | str) -> str:
 
 
 class ApiKeyMiddleware:
-    """Every /v1/ request needs `Authorization: Bearer <key>` with a valid key (401 otherwise); /health is open.
+    """Every request but /health needs `Authorization: Bearer <key>` with a valid key (401 otherwise).
 
     Plain ASGI (no body read, no wrapped receive), so it runs before the body is parsed and leaves
     disconnect detection alone.
@@ -57,7 +58,7 @@ class ApiKeyMiddleware:
         self._keys = keys
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] != HEALTH_PATH:
             token = bearer_token(v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization")
             if token is None or not self._keys.is_valid(token):
                 message = ("missing API key: send the header 'Authorization: Bearer <key>'" if token is None
@@ -183,7 +184,7 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
 
 
 def create_app(frontend: Frontend, api_keys: frozenset[str] = frozenset()) -> FastAPI:
-    """The HTTP API over `frontend`; with api_keys, every /v1/ route needs one of them."""
+    """The HTTP API over `frontend`; with api_keys, every route but /health needs one of them."""
     api = OpenAIApi(frontend)
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = api
@@ -211,7 +212,7 @@ def create_app(frontend: Frontend, api_keys: frozenset[str] = frozenset()) -> Fa
         """The served model."""
         return api.models()
 
-    @app.get("/health")
+    @app.get(HEALTH_PATH)
     def health() -> Response:
         """Readiness: 200 serving, 503 starting, without a worker, or draining."""
         return api.health()

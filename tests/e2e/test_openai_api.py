@@ -63,6 +63,7 @@ def server(tiny_pair, tmp_path_factory):
         server_ = Server(process)
         yield server_
         server_.channel.close()
+        assert process.stop() == 0  # SIGTERM: drained, both APIs stopped, exit 0
 
 
 def _text_of(token_ids, token_texts: list[str]) -> str:
@@ -165,7 +166,7 @@ def test_bad_parameters_get_an_openai_error(server, name):
 
 def test_without_a_valid_key_401(server):
     for key in (None, "sk-wrong"):
-        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/models/")):
             status, body = server.raw(method, path, {"prompt": "w5"} if method == "POST" else None, key=key)
             assert status == 401 and body["error"]["code"] == "invalid_api_key"
             assert ("missing API key" if key is None else "invalid API key") in body["error"]["message"]

@@ -6,6 +6,7 @@ HTTP server on 127.0.0.1, port 0) in front of a slow simulated worker
 goes; the tiny model's tokenizer serves text and chat prompts.
 """
 
+import argparse
 import contextlib
 import http.client
 import json
@@ -183,9 +184,7 @@ def test_https_with_the_client_port_files(tiny_pair, tmp_path):
             api.get("/health")
 
 
-def test_http_port_flag(tiny_pair):
-    import argparse
-
+def test_http_port_flag():
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
