@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 OWNED_BY = "specdec"
 HEALTH_PATH = "/health"   # open: probes need no key
+MAX_BODY_BYTES = 4 << 20  # as gRPC's default message limit
 
 
 def _error(status: int, message: str, error_type: str, param: str | None = None, code: str | None = None,
@@ -68,6 +69,41 @@ class ApiKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Bodies over MAX_BODY_BYTES get 413 before they are read whole (gRPC's limit is the same)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        response = _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
+        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+            await response(scope, receive, send)
+            return
+        num_bytes, is_refused = 0, False
+
+        async def limited_receive():
+            """A body without content-length (chunked) is counted as it comes; past the limit, the client
+            gets the 413 and the app sees a disconnect (what it sends then is dropped)."""
+            nonlocal num_bytes, is_refused
+            message = await receive()
+            num_bytes += len(message.get("body", b""))
+            if num_bytes > MAX_BODY_BYTES and not is_refused:
+                is_refused = True
+                await response(scope, receive, send)
+            return {"type": "http.disconnect"} if is_refused else message
+
+        async def guarded_send(message):
+            if not is_refused:
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
 
 
 class EventStream(StreamingResponse):
@@ -188,7 +224,8 @@ def create_app(frontend: Frontend, api_keys: frozenset[str] = frozenset()) -> Fa
     api = OpenAIApi(frontend)
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = api
-    if api_keys:
+    app.add_middleware(BodyLimitMiddleware)
+    if api_keys:  # added last: outermost, so a request without a key is refused before its body is read
         app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(api_keys))
 
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -201,3 +201,16 @@ def test_an_http_port_in_use_is_an_error():
     with socket.create_server(("127.0.0.1", 0)) as taken:
         with pytest.raises(OSError, match="cannot listen on 127.0.0.1"):
             HttpServer(lambda scope, receive, send: None, "127.0.0.1", taken.getsockname()[1])
+
+
+def test_a_body_over_4_mb_gets_413(api):
+    big = json.dumps({"prompt": "w5 " * (2 << 20)}).encode()
+    for chunked in (False, True):  # with content-length; chunked, counted as it comes
+        conn = http.client.HTTPConnection("127.0.0.1", api.http_port, timeout=30)
+        conn.request("POST", "/v1/completions", body=iter([big]) if chunked else big,
+                     headers={"Content-Type": "application/json"}, encode_chunked=chunked)
+        response = conn.getresponse()
+        assert response.status == 413 and "larger than 4194304 bytes" in json.loads(response.read())["error"]["message"]
+        conn.close()
+    conn, response = api.post("/v1/completions", {"prompt": "w5", "max_tokens": 2})
+    assert response.status == 200
