@@ -223,7 +223,6 @@ def create_app(frontend: Frontend, api_keys: frozenset[str] = frozenset()) -> Fa
     """The HTTP API over `frontend`; with api_keys, every route but /health needs one of them."""
     api = OpenAIApi(frontend)
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.api = api
     app.add_middleware(BodyLimitMiddleware)
     if api_keys:  # added last: outermost, so a request without a key is refused before its body is read
         app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(api_keys))
