@@ -3,7 +3,8 @@
 Health checking and reflection stay open (probes and tools need no key). A
 call without a valid key ends with UNAUTHENTICATED before the servicer runs.
 Neither the key presented nor any valid key ever appears in a message or a
-log line, and keys are compared in constant time.
+log line, and keys are compared in constant time (ApiKeys, which the HTTP API
+uses too).
 """
 
 from collections.abc import Iterable
@@ -22,14 +23,28 @@ _MISSING = "missing API key: send the metadata 'authorization: Bearer <key>'"
 _INVALID = "invalid API key"
 
 
-def _bearer_token(metadata) -> str | None:
-    """The token of the first `authorization: Bearer <token>` entry, or None."""
-    for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str):
-            scheme, _, token = value.strip().partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
+def bearer_token(authorization_values: Iterable[str]) -> str | None:
+    """The token of the first `Bearer <token>` value (of `authorization` metadata or headers), or None."""
+    for value in authorization_values:
+        scheme, _, token = value.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
     return None
+
+
+class ApiKeys:
+    """The accepted API keys: one check for every client port."""
+
+    def __init__(self, keys: Iterable[str]):
+        self._keys = [k.encode() for k in keys]
+        if not self._keys:
+            raise ValueError("an API key check needs at least one key")
+
+    def is_valid(self, token: str) -> bool:
+        """Constant-time comparison against every key (no early exit on a match)."""
+        presented = token.encode()
+        matches = [hmac.compare_digest(presented, key) for key in self._keys]
+        return any(matches)
 
 
 def _denied(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
@@ -51,23 +66,16 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
     """Lets a call to `service` through only with a valid bearer key; other services are not checked."""
 
     def __init__(self, keys: Iterable[str], service: str):
-        self._keys = [k.encode() for k in keys]
-        if not self._keys:
-            raise ValueError("an API key interceptor needs at least one key")
+        self._keys = ApiKeys(keys)
         self._prefix = f"/{service}/"
-
-    def is_valid(self, token: str) -> bool:
-        """Constant-time comparison against every key (no early exit on a match)."""
-        presented = token.encode()
-        matches = [hmac.compare_digest(presented, key) for key in self._keys]
-        return any(matches)
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if not method.startswith(self._prefix):
             return continuation(handler_call_details)
-        token = _bearer_token(handler_call_details.invocation_metadata)
-        if token is not None and self.is_valid(token):
+        token = bearer_token(value for key, value in handler_call_details.invocation_metadata or ()
+                             if key == "authorization" and isinstance(value, str))
+        if token is not None and self._keys.is_valid(token):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         if handler is None:

@@ -1,6 +1,7 @@
-"""The scheduler process: join the workers, serve the client API until SIGTERM, then drain.
+"""The scheduler process: join the workers, serve the client APIs (gRPC, and HTTP with --http-port) until
+SIGTERM, then drain.
 
-Drain: health turns NOT_SERVING at once (load balancers stop sending), new
+Drain (both APIs): health turns NOT_SERVING (HTTP /health: 503) at once (load balancers stop sending), new
 calls get UNAVAILABLE, running requests may finish for the shutdown grace
 period; what is left then ends with UNAVAILABLE, and the process exits 0.
 """
@@ -12,8 +13,11 @@ import time
 
 from scheduler_service.auth import security_hooks
 from scheduler_service.cluster import Cluster
+from scheduler_service.frontend import Frontend
+from scheduler_service.http_server import HttpServer
 from scheduler_service.membership import Membership, parse_worker_spec
 from scheduler_service.metrics import cluster_registry
+from scheduler_service.openai_api import create_app
 from scheduler_service.options import SchedulerOptions
 from scheduler_service.server import create_server
 from scheduler_service.tokenizer import ChatTokenizer
@@ -23,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -> int:
-    """Serves until SIGTERM/SIGINT (or `stop`). Prints `scheduler listening on HOST:PORT` once bound.
+    """Serves until SIGTERM/SIGINT (or `stop`). Prints `scheduler listening on HOST:PORT` once bound, and
+    `http listening on HOST:PORT` for the HTTP API (--http-port).
 
     Health is SERVING while at least one worker serves.
     """
@@ -35,20 +40,21 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-    cluster = Cluster(opts, membership, tokenizer, servicer.set_serving)
+    stoppers = [lambda: server.stop(grace=None)]  # what has started, stopped last first if starting fails
     try:
+        http = _start_http(servicer.frontend, opts)
+        if http is not None:
+            stoppers.append(http.stop)
+        cluster = Cluster(opts, membership, tokenizer, servicer.set_serving)
         metrics_server = (start_metrics_server(cluster_registry(cluster), opts.host, opts.metrics_port, "scheduler")
                           if opts.metrics_port else None)
-    except OSError:
-        server.stop(grace=None)
-        raise
-    cluster.start()
-    try:
+        stoppers.append(lambda: _stop_metrics(metrics_server))
+        cluster.start()
+        stoppers.append(cluster.stop)
         facts = cluster.wait_for_facts(opts.first_worker_timeout_s)
-    except TimeoutError:
-        server.stop(grace=None)
-        cluster.stop()
-        _stop_metrics(metrics_server)
+    except BaseException:
+        for stopper in reversed(stoppers):
+            stopper()
         raise
     servicer.attach(cluster, tokenizer)
     logger.info("serving %s from %s; %s scheduling", facts.model_id, ", ".join(opts.worker_addresses),
@@ -57,9 +63,24 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
         pass
     drain(servicer, cluster, opts.shutdown_grace_period_s)
-    server.stop(grace=2).wait()  # the last messages (aborts included) go out
+    stopped = server.stop(grace=2)  # the last messages (aborts included) go out
+    if http is not None:
+        http.stop()
+    stopped.wait()
     _stop_metrics(metrics_server)
     return 0
+
+
+def _start_http(frontend: Frontend, opts: SchedulerOptions) -> HttpServer | None:
+    """The OpenAI-compatible HTTP API on --http-port (None when 0), sharing the gRPC API's Frontend."""
+    if not opts.http_port:
+        return None
+    http = HttpServer(create_app(frontend, opts.api_keys), opts.host, opts.http_port, opts.client_tls)
+    http.start()
+    logger.info("HTTP API: %s; API keys: %s", "TLS" if opts.client_tls.is_enabled else "plaintext",
+                "required" if opts.api_keys else "not required")
+    print(f"http listening on {opts.host}:{http.port}", flush=True)
+    return http
 
 
 def _stop_metrics(metrics_server) -> None:

@@ -41,6 +41,7 @@ class SchedulerOptions:
     worker_server_name: str | None = None
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)   # secrets: never in a repr or a log
     metrics_port: int = 0                   # Prometheus /metrics on host:metrics_port; 0: off
+    http_port: int = 0                      # the OpenAI-compatible HTTP API on host:http_port; 0: off
 
     def __post_init__(self) -> None:
         if not self.worker_addresses:
@@ -60,6 +61,11 @@ class SchedulerOptions:
         if self.worker_server_name and not self.worker_tls.is_enabled:
             raise ValueError("--worker-ssl-server-name needs TLS to the workers (--worker-ssl-ca-certs, ...)")
         check_metrics_port(self.metrics_port)
+        check_metrics_port(self.http_port, "--http-port")
+        taken = {"--port": self.port, "--metrics-port": self.metrics_port}
+        clash = [flag for flag, port in taken.items() if port and port == self.http_port]
+        if clash:
+            raise ValueError(f"--http-port {self.http_port} is also {clash[0]}: give the HTTP API a port of its own")
 
 
 def scheduler_config(opts: SchedulerOptions, info) -> SchedulerConfig:

@@ -2,15 +2,14 @@
 
 from concurrent import futures
 import logging
-import threading
 import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from scheduler_service.api import InvalidRequestError, build_request
 from scheduler_service.cluster import Cluster, ClusterSnapshot
+from scheduler_service.frontend import Frontend
 from scheduler_service.handle import EngineError
 from scheduler_service.pipeline import BusyStats
 from scheduler_service.request import RequestOutput
@@ -57,80 +56,59 @@ def _workers(snap: ClusterSnapshot) -> list[pb.WorkerStatus]:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    """Validates client requests, hands them to the cluster and streams the outputs back.
+    """The gRPC front: admission, validation and submission are the Frontend's (shared with the HTTP API).
 
-    At most `max_open_streams` Generate/Complete calls run at once (each holds a server thread while it
-    streams); beyond that a call gets RESOURCE_EXHAUSTED at once, so the threads reserved for health checks,
-    GetServerInfo and Abort are never starved. While draining (SIGTERM) new calls get UNAVAILABLE.
+    The server has max_open_streams threads for the streaming calls (the Frontend's bound) and
+    NUM_RESERVED_THREADS more, so health checks, GetServerInfo and Abort are never starved.
     """
 
-    def __init__(self, health_servicer: health.HealthServicer, max_open_streams: int):
-        self.cluster: Cluster | None = None
-        self.tokenizer: ChatTokenizer | None = None
+    def __init__(self, health_servicer: health.HealthServicer, frontend: Frontend):
+        self.frontend = frontend
         self.health = health_servicer
-        self.max_open_streams = max_open_streams
-        self._open_streams = threading.BoundedSemaphore(max_open_streams)
-        self.is_draining = False
+        frontend.on_health_changed.append(self._set_health)
+
+    @property
+    def cluster(self) -> Cluster | None:
+        return self.frontend.cluster
 
     def attach(self, cluster: Cluster, tokenizer: ChatTokenizer) -> None:
         """Called once a worker has described the model."""
-        self.cluster, self.tokenizer = cluster, tokenizer
+        self.frontend.attach(cluster, tokenizer)
 
     def set_serving(self, is_serving: bool) -> None:
-        """Health of the client API: SERVING while at least one worker serves, and never again once draining."""
-        serving = is_serving and not self.is_draining
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in (SERVICE_NAME, ""):
-            self.health.set(name, status)
+        """The cluster's callback: SERVING while at least one worker serves, and never again once draining."""
+        self.frontend.set_serving(is_serving)
 
     def begin_drain(self) -> None:
         """NOT_SERVING at once; new calls get UNAVAILABLE; calls in progress go on."""
-        self.is_draining = True
-        self.set_serving(False)
+        self.frontend.begin_drain()
+
+    def _set_health(self, is_serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in (SERVICE_NAME, ""):
+            self.health.set(name, status)
 
     def _require_cluster(self, context) -> Cluster:
-        if self.cluster is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting: no worker has answered yet")
-        return self.cluster
-
-    def _admit(self, context) -> None:
-        """Takes an open-stream slot for the call (given back when it ends); aborts when none is free."""
-        if self.is_draining:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down: retry on another replica")
-        if not self._open_streams.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"too many calls in progress ({self.max_open_streams}, --max-open-streams): retry later")
-        if not context.add_callback(self._open_streams.release):  # the call already ended
-            self._open_streams.release()
+        try:
+            return self.frontend.require_cluster()
+        except EngineError as exc:
+            context.abort(exc.code, str(exc))
 
     def _outputs(self, request, context):
         """Submits the request and yields its RequestOutputs; aborts the call with the right status."""
-        self._admit(context)
-        cluster = self._require_cluster(context)
-        facts = cluster.facts
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         try:
-            req = build_request(request, self.tokenizer, facts.vocab_size, list(facts.eos_token_ids),
-                                facts.config.max_model_len)
-            handle = cluster.submit(req, deadline)
+            stream = self.frontend.open(request, deadline)
         except EngineError as exc:
             context.abort(exc.code, str(exc))
-        except KeyError as exc:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc.args[0]))
-        except (InvalidRequestError, ValueError) as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # A client that cancels or disconnects aborts the request, which frees its blocks.
-        context.add_callback(lambda: handle.is_done or cluster.abort(req.request_id))
-        while True:
-            try:
-                output = handle.get()
-            except EngineError as exc:
-                context.abort(exc.code, str(exc))
-            yield output
-            if output.finish_reason is not None:
-                handle.is_done = True
-                return
+        if not context.add_callback(stream.close):  # the call already ended
+            stream.close()
+        try:
+            yield from stream
+        except EngineError as exc:
+            context.abort(exc.code, str(exc))
 
     def Generate(self, request, context):
         """Streams a completion: a message per step with new text, then finish reason and usage."""
@@ -195,7 +173,7 @@ def create_server(host: str, port: int, max_open_streams: int = 512,
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_open_streams + NUM_RESERVED_THREADS),
                          options=[("grpc.so_reuseport", 0)], interceptors=list(interceptors))
     health_servicer = health.HealthServicer()
-    servicer = GenerationServicer(health_servicer, max_open_streams)
+    servicer = GenerationServicer(health_servicer, Frontend(max_open_streams))
     servicer.set_serving(False)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,0 +1,142 @@
+"""OpenAI's request bodies (/v1/chat/completions, /v1/completions) and their mapping onto a GenerateRequest.
+
+Only the shape is checked here (types, n = 1, fields this server does not
+implement); every value goes on to api.build_request, the one validation path
+of both client APIs. Unknown fields are ignored (clients send extras), except
+those in UNSUPPORTED_FIELDS, which would change what is generated: a request
+that sets one to anything but its neutral value gets 400.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec.v1 import generation_pb2 as pb
+
+INT32 = Annotated[int, Field(ge=-2**31, lt=2**31)]
+
+# field: its neutral values (the field may be sent with one of them: it then changes nothing).
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "parallel_tool_calls": (None, False, True), "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+}
+# The chat roles OpenAI clients send, mapped onto the roles the chat template knows (api.CHAT_ROLES).
+ROLE_ALIASES = {"developer": "system"}
+
+
+class InvalidParamError(ValueError):
+    """A request this server does not support: 400, naming the parameter."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """The sampling fields both endpoints share; `top_k` and `ignore_eos` are extensions (as in vLLM)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: INT32 | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    max_tokens: INT32 | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    n: int | None = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        """Raises InvalidParamError for n != 1 or an unsupported field set to a value that matters."""
+        if self.n not in (None, 1):
+            raise InvalidParamError("n", f"n must be 1 (one choice per request), got {self.n}")
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
+                raise InvalidParamError(name, f"'{name}' is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParamError("stream_options", "stream_options is only allowed with stream: true")
+
+    def sampling(self, max_tokens: int | None, logprobs: bool) -> pb.SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        fields: dict[str, Any] = dict(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                                      max_tokens=max_tokens)
+        return pb.SamplingParams(**{k: v for k, v in fields.items() if v is not None}, top_k=self.top_k or 0,
+                                 stop=stop, ignore_eos=self.ignore_eos, logprobs=logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def to_proto(self) -> pb.ChatMessage:
+        content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
+        return pb.ChatMessage(role=ROLE_ALIASES.get(self.role, self.role), content=content or "")
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessageIn]
+    max_completion_tokens: INT32 | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def to_proto(self) -> pb.GenerateRequest:
+        """The GenerateRequest of this body; raises InvalidParamError for what this server does not support."""
+        self.check_supported()
+        if self.top_logprobs:
+            raise InvalidParamError("top_logprobs", "top_logprobs > 0 is not supported: only the chosen token's "
+                                                    "logprob is returned (logprobs: true)")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParamError("top_logprobs", "top_logprobs needs logprobs: true")
+        for i, m in enumerate(self.messages):
+            if (m.model_extra or {}).get("tool_calls"):
+                raise InvalidParamError(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return pb.GenerateRequest(messages=[m.to_proto() for m in self.messages],
+                                  sampling=self.sampling(max_tokens, self.logprobs))
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions: one prompt, as text or token ids."""
+
+    prompt: str | list[str] | list[INT32] | list[list[INT32]]
+    logprobs: int | None = None
+
+    def to_proto(self) -> pb.GenerateRequest:
+        """The GenerateRequest of this body; raises InvalidParamError for what this server does not support."""
+        self.check_supported()
+        if self.logprobs not in (None, 0):
+            raise InvalidParamError("logprobs", f"logprobs must be 0 (the chosen token's logprob; no alternatives "
+                                                f"are returned), got {self.logprobs}")
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidParamError("prompt", f"one prompt per request, got {len(prompt)}")
+            prompt = prompt[0]
+        sampling = self.sampling(self.max_tokens, self.logprobs is not None)
+        if isinstance(prompt, str):
+            return pb.GenerateRequest(prompt=prompt, sampling=sampling)
+        return pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)

@@ -1,0 +1,176 @@
+"""The OpenAI-compatible HTTP API of a real `specdec serve` (tiny pair, n-gram speculation), through the official
+`openai` client: the same greedy output as the gRPC API, logprobs, the usage extension, errors and API keys."""
+
+import http.client
+import json
+import socket
+
+import grpc
+import openai
+import pytest
+
+from specdec.v1 import generation_pb2 as pb
+from specdec.v1 import generation_pb2_grpc
+from tests.processes import running
+
+KEY = "sk-http-test-5d1e9a"
+MESSAGES = [{"role": "user", "content": "w9 w10 w9 w10"}]
+PROMPT_IDS = [5, 6, 7, 8, 5, 6, 7]   # repeats: the n-gram proposer drafts
+MAX_TOKENS = 12
+
+
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+class Server:
+    """The serve process, its HTTP address, an `openai` client with the key, and a gRPC stub with the key."""
+
+    def __init__(self, process):
+        self.http_address = process.address(who="http ")
+        self.grpc_address = process.address(who="scheduler ")
+        process.wait_for("scheduler ready")
+        self.client = openai.OpenAI(base_url=f"http://{self.http_address}/v1", api_key=KEY, max_retries=0)
+        self.channel = grpc.insecure_channel(self.grpc_address)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
+        self.metadata = [("authorization", f"Bearer {KEY}")]
+
+    def complete(self, **fields) -> pb.CompleteResponse:
+        sampling = pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=True)
+        return self.stub.Complete(pb.CompleteRequest(sampling=sampling, **fields), metadata=self.metadata)
+
+    def raw(self, method: str, path: str, body: dict | None = None, key: str | None = None) -> tuple[int, dict]:
+        host, port = self.http_address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        conn.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+        response = conn.getresponse()
+        result = response.status, json.loads(response.read())
+        conn.close()
+        return result
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair, tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("keys") / "api-keys"
+    key_file.write_text(f"{KEY}\n")
+    args = ["serve", "--port", "0", "--http-port", str(_free_port()), "--api-key-file", str(key_file),
+            "--model", str(tiny_pair.target_path), "--block-size", "4", "--num-threads", "1", "--max-model-len", "64",
+            "--num-kv-blocks", "64", "--proposer", "ngram", "--num-speculative-tokens", "3",
+            "--speculation-policy", "fixed"]
+    with running(args) as process:
+        server_ = Server(process)
+        yield server_
+        server_.channel.close()
+        assert process.stop() == 0  # SIGTERM: drained, both APIs stopped, exit 0
+
+
+def _text_of(token_ids, token_texts: list[str]) -> str:
+    """The output text from each token's text (special tokens, e.g. EOS, are not in the text)."""
+    assert len(token_texts) == len(token_ids)
+    return "".join(text for t, text in zip(token_ids, token_texts) if t > 2)
+
+
+def _speculative(usage) -> dict:
+    return usage.model_extra["speculative_decoding"]
+
+
+def test_chat_greedy_matches_grpc_whole_and_streamed(server):
+    expected = server.complete(messages=[pb.ChatMessage(**m) for m in MESSAGES])
+    kwargs = dict(model=server.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=server.metadata).model,
+                  messages=MESSAGES, temperature=0, max_completion_tokens=MAX_TOKENS, logprobs=True,
+                  extra_body={"ignore_eos": True})
+    whole = server.client.chat.completions.create(**kwargs)
+    choice = whole.choices[0]
+    assert whole.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content == expected.text and choice.finish_reason == "length"
+    assert [c.logprob for c in choice.logprobs.content] == pytest.approx(list(expected.logprobs))
+    assert _text_of(expected.token_ids, [c.token for c in choice.logprobs.content]) == expected.text
+    assert whole.usage.completion_tokens == len(expected.token_ids) == MAX_TOKENS
+    assert whole.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + MAX_TOKENS
+    assert _speculative(whole.usage) == {"draft_tokens": expected.usage.draft_tokens,
+                                         "accepted_tokens": expected.usage.accepted_tokens}
+
+    chunks = list(server.client.chat.completions.create(**kwargs, stream=True,
+                                                        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    logprobs = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert logprobs == pytest.approx(list(expected.logprobs))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert _speculative(chunks[-1].usage) == _speculative(whole.usage)
+
+
+def test_completions_greedy_matches_grpc_for_token_ids_and_text(server):
+    expected = server.complete(prompt_token_ids=PROMPT_IDS)
+    assert expected.usage.draft_tokens > 0  # the usage extension below counts real drafts
+    kwargs = dict(model=None, prompt=PROMPT_IDS, temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
+                  extra_body={"ignore_eos": True})
+    whole = server.client.completions.create(**kwargs)
+    choice = whole.choices[0]
+    assert whole.object == "text_completion" and choice.text == expected.text
+    assert choice.text.split() == [f"w{t}" for t in expected.token_ids if t > 2]
+    assert choice.logprobs.token_logprobs == pytest.approx(list(expected.logprobs))
+    assert _text_of(expected.token_ids, choice.logprobs.tokens) == expected.text
+    assert len(choice.logprobs.text_offset) == MAX_TOKENS and choice.logprobs.text_offset[0] == 0
+    assert _speculative(whole.usage)["draft_tokens"] == expected.usage.draft_tokens
+
+    chunks = list(server.client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == \
+        pytest.approx(list(expected.logprobs))
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    by_text = server.client.completions.create(**{**kwargs, "prompt": "w5 w6 w7 w8 w5 w6 w7"})
+    assert by_text.choices[0].text == expected.text
+
+
+def test_models_and_health(server):
+    info = server.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=server.metadata)
+    assert [m.id for m in server.client.models.list()] == [info.model]
+    assert server.raw("GET", "/health") == (200, {"status": "serving"})  # no key needed
+
+
+BAD = {  # name: (endpoint, body fields, HTTP status, fragment of the message)
+    "temperature -1": ("chat", {"temperature": -1}, 400, "temperature must be >= 0"),
+    "top_p 2": ("chat", {"top_p": 2}, 400, "top_p must be in (0, 1]"),
+    "n 2": ("chat", {"n": 2}, 400, "n must be 1"),
+    "top_logprobs": ("chat", {"logprobs": True, "top_logprobs": 2}, 400, "top_logprobs > 0 is not supported"),
+    "tools": ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not supported"),
+    "max_tokens not a number": ("chat", {"max_tokens": "many"}, 400, "max_tokens"),
+    "max_tokens 0": ("text", {"max_tokens": 0}, 400, "max_tokens must be > 0"),
+    "logprobs 2": ("text", {"logprobs": 2}, 400, "logprobs must be 0"),
+    "echo": ("text", {"echo": True}, 400, "'echo' is not supported"),
+    "two prompts": ("text", {"prompt": ["w5", "w6"]}, 400, "one prompt per request"),
+    "prompt too long": ("text", {"prompt": list(range(3, 70))}, 400, "max_model_len 64"),
+    "another model": ("text", {"model": "gpt-4"}, 404, "does not exist"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_parameters_get_an_openai_error(server, name):
+    endpoint, fields, status, fragment = BAD[name]
+    base = {"messages": MESSAGES} if endpoint == "chat" else {"prompt": "w5 w6"}
+    create = server.client.chat.completions.create if endpoint == "chat" else server.client.completions.create
+    with pytest.raises(openai.APIStatusError) as info:
+        create(**{"model": None, **base, "extra_body": fields})
+    assert info.value.status_code == status and fragment in info.value.body["message"]
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    code, body = server.raw("POST", path, {**base, **fields}, key=KEY)
+    assert code == status and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_without_a_valid_key_401(server):
+    for key in (None, "sk-wrong"):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/models/")):
+            status, body = server.raw(method, path, {"prompt": "w5"} if method == "POST" else None, key=key)
+            assert status == 401 and body["error"]["code"] == "invalid_api_key"
+            assert ("missing API key" if key is None else "invalid API key") in body["error"]["message"]
+            assert KEY not in json.dumps(body)
+    wrong = openai.OpenAI(base_url=server.client.base_url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model=None, messages=MESSAGES)
