@@ -95,9 +95,11 @@ def test_compose_tls_override_is_valid_and_mounts_every_file_it_names():
         assert "--ca-file" in service["healthcheck"]["test"]
     assert "--cert-file" in services["worker"]["healthcheck"]["test"]  # its port requires a client certificate
     assert all(secret["file"].startswith(str(ROOT / "certs")) for secret in config["secrets"].values())
-    # The default setup stays plaintext and open.
+    # The default setup stays plaintext and open; TLS only adds flags to its commands (k, metrics port, ...).
     plain = json.loads(_docker_compose("config", "--format", "json").stdout)["services"]
     assert not any("--ssl" in " ".join(s["command"]) or s.get("secrets") for s in plain.values())
+    for name, service in services.items():
+        assert service["command"][:len(plain[name]["command"])] == plain[name]["command"], name
 
 
 def test_k8s_tls_overlay_validates_and_mounts_every_file_it_names(tmp_path):
