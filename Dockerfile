@@ -28,7 +28,8 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HOME=/home/specdec/.cache/huggingface \
     TORCHINDUCTOR_CACHE_DIR=/home/specdec/.cache/torchinductor \
     TRITON_HOME=/home/specdec/.cache \
-    TRITON_CACHE_DIR=/home/specdec/.cache/triton
+    TRITON_CACHE_DIR=/home/specdec/.cache/triton \
+    CUDA_CACHE_PATH=/home/specdec/.cache/nv
 
 # Triton compiles small launcher stubs with the host C compiler at first use.
 RUN case ",$EXTRAS," in *,gpu,*) \

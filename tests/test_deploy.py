@@ -157,17 +157,6 @@ def test_kubernetes_validate_strict_rejects_an_unknown_field(tmp_path):
     assert result.returncode != 0 and "publishNotReadyAddress'" in result.stdout + result.stderr
 
 
-def test_k8s_names_and_labels_are_consistent():
-    for name, app in (("worker.yaml", "specdec-worker"), ("scheduler.yaml", "specdec-scheduler")):
-        for doc in _k8s_docs(name).values():
-            assert doc["metadata"]["name"] == app
-            assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == app
-            selector = doc["spec"]["selector"]
-            assert selector.get("matchLabels", selector) == {"app.kubernetes.io/name": app}
-            if "template" in doc["spec"]:
-                assert doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == app
-
-
 def test_worker_manifest_is_a_statefulset_behind_a_headless_service_with_a_pdb():
     docs = _k8s_docs("worker.yaml")
     service, statefulset, pdb = docs["Service"], docs["StatefulSet"], docs["PodDisruptionBudget"]

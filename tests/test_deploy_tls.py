@@ -46,8 +46,8 @@ def _strategic_merge(base, patch):
     return patch
 
 
-def _overlay_docs() -> dict[str, dict]:
-    """The base manifests with the TLS overlay's patches applied, by kind."""
+def overlay_objects() -> dict[tuple[str, str], dict]:
+    """The base manifests with the TLS overlay's patches applied, by (kind, name)."""
     kustomization = yaml.safe_load((TLS_OVERLAY / "kustomization.yaml").read_text())
     assert kustomization["resources"] == [".."]
     base = yaml.safe_load((K8S / "kustomization.yaml").read_text())
@@ -57,7 +57,12 @@ def _overlay_docs() -> dict[str, dict]:
         patch = yaml.safe_load((TLS_OVERLAY / entry["path"]).read_text())
         key = (patch["kind"], patch["metadata"]["name"])
         docs[key] = _strategic_merge(docs[key], patch)
-    return {kind: doc for (kind, _), doc in docs.items()}
+    return docs
+
+
+def _overlay_docs() -> dict[str, dict]:
+    """The overlay's workloads and other objects by kind (one per kind but Service)."""
+    return {kind: doc for (kind, _), doc in overlay_objects().items()}
 
 
 def _mounted_files(pod_spec: dict, container: dict) -> set[str]:
@@ -105,7 +110,7 @@ def test_compose_tls_override_is_valid_and_mounts_every_file_it_names():
 def test_k8s_tls_overlay_validates_and_mounts_every_file_it_names(tmp_path):
     docs = _overlay_docs()
     merged = tmp_path / "tls.yaml"
-    merged.write_text(yaml.safe_dump_all(docs.values()))
+    merged.write_text(yaml.safe_dump_all(overlay_objects().values()))  # every object, both Services
     result = _kubernetes_validate(merged)
     assert result.returncode == 0, result.stdout + result.stderr
     for kind in ("StatefulSet", "Deployment"):
