@@ -114,6 +114,11 @@ def test_documented_gpu_image_installs_cuda_torch_triton_and_a_compiler(tmp_path
     assert installs and "gcc" in installs[0]  # Triton builds its launchers with it
 
 
+def test_k8s_readme_documents_the_same_gpu_build():
+    build_args = " ".join(f"--build-arg {k}={v}" for k, v in _documented_build_args("gpu").items())
+    assert f"docker build {build_args} " in (ROOT / "deploy" / "k8s" / "README.md").read_text()
+
+
 def test_image_user_matches_the_manifests_uid():
     runs = " ".join(arguments for instruction, arguments in _instructions() if instruction == "RUN")
     assert "--uid 10001" in runs and "--gid 10001" in runs

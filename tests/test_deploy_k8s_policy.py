@@ -7,6 +7,7 @@ https://kubernetes.io/docs/concepts/security/pod-security-standards/
 """
 
 import copy
+import re
 import tomllib
 
 import pytest
@@ -24,7 +25,7 @@ SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.i
                 "net.ipv4.tcp_keepalive_probes"}
 SELINUX_TYPES = {None, "", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
 PROFILE_TYPES = {"RuntimeDefault", "Localhost"}  # seccomp (required) and AppArmor (when set)
-IMAGE_UID = 10001  # the Dockerfile's user
+IMAGE_UID = int(re.search(r"useradd .*--uid (\d+)", (ROOT / "Dockerfile").read_text()).group(1))
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
