@@ -51,6 +51,13 @@ def readme_ngram_k() -> int:
     return int(match.group(1))
 
 
+def dockerfile_cache_dirs() -> dict[str, str]:
+    """The cache directories the Dockerfile's ENV sets (SPECDEC_CACHE_DIR, HF_HOME, TRITON_CACHE_DIR, ...)."""
+    env = dict(re.findall(r"\b([A-Z_]+(?:CACHE_DIR|_HOME))=(/\S+)", (ROOT / "Dockerfile").read_text()))
+    assert {"SPECDEC_CACHE_DIR", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"} <= set(env)
+    return env
+
+
 def _kubernetes_validate(*paths: pathlib.Path) -> subprocess.CompletedProcess:
     return subprocess.run([_venv_tool("kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSION,
                            *map(str, paths)], capture_output=True, text=True, timeout=60)
@@ -135,13 +142,6 @@ def test_compose_root_filesystem_is_read_only_with_writable_caches():
         assert "/tmp" in writable
 
 
-def dockerfile_cache_dirs() -> dict[str, str]:
-    """The cache directories the Dockerfile's ENV sets (SPECDEC_CACHE_DIR, HF_HOME, TRITON_CACHE_DIR, ...)."""
-    env = dict(re.findall(r"\b([A-Z_]+(?:CACHE_DIR|_HOME))=(/\S+)", (ROOT / "Dockerfile").read_text()))
-    assert {"SPECDEC_CACHE_DIR", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"} <= set(env)
-    return env
-
-
 @pytest.mark.parametrize("manifest", K8S_MANIFESTS, ids=lambda path: path.name)
 def test_k8s_manifest_passes_kubernetes_validate_strict(manifest):
     result = _kubernetes_validate(manifest)
@@ -172,6 +172,7 @@ def test_worker_manifest_is_a_statefulset_behind_a_headless_service_with_a_pdb()
     container = _container(statefulset)
     args = build_parser().parse_args(container["args"])
     assert args.command == "worker" and args.host == "0.0.0.0"
+    assert args.proposer == "ngram" and args.num_speculative_tokens == readme_ngram_k()
     assert service["spec"]["ports"][0]["port"] == args.port
     assert container["readinessProbe"]["grpc"] == {"port": args.port, "service": "specdec.v1.WorkerService"}
     for probe in ("startupProbe", "livenessProbe"):  # NOT_SERVING must not restart it

@@ -9,8 +9,8 @@ import os
 import pathlib
 import re
 import shlex
-import sys
 import subprocess
+import sys
 import tomllib
 
 from specdec.v1 import generation_pb2 as pb
