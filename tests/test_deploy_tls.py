@@ -46,8 +46,8 @@ def _strategic_merge(base, patch):
     return patch
 
 
-def _overlay_docs() -> dict[str, dict]:
-    """The base manifests with the TLS overlay's patches applied, by kind."""
+def overlay_objects() -> dict[tuple[str, str], dict]:
+    """The base manifests with the TLS overlay's patches applied, by (kind, name)."""
     kustomization = yaml.safe_load((TLS_OVERLAY / "kustomization.yaml").read_text())
     assert kustomization["resources"] == [".."]
     base = yaml.safe_load((K8S / "kustomization.yaml").read_text())
@@ -57,7 +57,12 @@ def _overlay_docs() -> dict[str, dict]:
         patch = yaml.safe_load((TLS_OVERLAY / entry["path"]).read_text())
         key = (patch["kind"], patch["metadata"]["name"])
         docs[key] = _strategic_merge(docs[key], patch)
-    return {kind: doc for (kind, _), doc in docs.items()}
+    return docs
+
+
+def _overlay_docs() -> dict[str, dict]:
+    """The overlay's workloads and other objects by kind (one per kind but Service)."""
+    return {kind: doc for (kind, _), doc in overlay_objects().items()}
 
 
 def _mounted_files(pod_spec: dict, container: dict) -> set[str]:
@@ -95,15 +100,17 @@ def test_compose_tls_override_is_valid_and_mounts_every_file_it_names():
         assert "--ca-file" in service["healthcheck"]["test"]
     assert "--cert-file" in services["worker"]["healthcheck"]["test"]  # its port requires a client certificate
     assert all(secret["file"].startswith(str(ROOT / "certs")) for secret in config["secrets"].values())
-    # The default setup stays plaintext and open.
+    # The default setup stays plaintext and open; TLS only adds flags to its commands (k, metrics port, ...).
     plain = json.loads(_docker_compose("config", "--format", "json").stdout)["services"]
     assert not any("--ssl" in " ".join(s["command"]) or s.get("secrets") for s in plain.values())
+    for name, service in services.items():
+        assert service["command"][:len(plain[name]["command"])] == plain[name]["command"], name
 
 
 def test_k8s_tls_overlay_validates_and_mounts_every_file_it_names(tmp_path):
     docs = _overlay_docs()
     merged = tmp_path / "tls.yaml"
-    merged.write_text(yaml.safe_dump_all(docs.values()))
+    merged.write_text(yaml.safe_dump_all(overlay_objects().values()))  # every object, both Services
     result = _kubernetes_validate(merged)
     assert result.returncode == 0, result.stdout + result.stderr
     for kind in ("StatefulSet", "Deployment"):
