@@ -126,7 +126,7 @@ def test_compose_publishes_on_loopback_unless_told(files):
 
     default = scheduler()
     args = build_parser().parse_args(default["command"])
-    assert _published(default) == {args.port: "127.0.0.1", args.metrics_port: "127.0.0.1"}
+    assert _published(default) == {args.port: "127.0.0.1", args.http_port: "127.0.0.1", args.metrics_port: "127.0.0.1"}
     assert set(_published(scheduler({"SPECDEC_BIND": "0.0.0.0"})).values()) == {"0.0.0.0"}
 
 
