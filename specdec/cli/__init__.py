@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specdec {parsing.version()}",
                         help="print `specdec VERSION` and exit")
     parsing.add_global_flags(parser, is_subcommand=False)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{worker,scheduler,serve,generate}")
+    sub = parser.add_subparsers(dest="command", required=True)
     _add_worker(parsing.add_subcommand(sub, "worker", "run a worker service (models + KV cache)"))
     _add_scheduler(parsing.add_subcommand(sub, "scheduler", "run the scheduler (client API) for running workers"))
     _add_serve(parsing.add_subcommand(

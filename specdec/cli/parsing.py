@@ -125,14 +125,12 @@ def env_value(action: argparse.Action, text: str):
 class SpecdecArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser whose options default to their SPECDEC_<FLAG> environment variables (module docstring).
 
-    `environ` is read at parse time (os.environ unless set): subparsers made by add_subparsers are of this
-    class too and read it when their subcommand is parsed.
+    os.environ is read at parse time: subparsers made by add_subparsers are of this class too and read it
+    when their subcommand is parsed. An empty variable counts as unset (`SPECDEC_MODEL=` in a compose file).
     """
 
-    environ: Mapping[str, str] | None = None
-
     def parse_known_args(self, args=None, namespace=None):
-        from_env = self._apply_environment(os.environ if self.environ is None else self.environ)
+        from_env = self._apply_environment(os.environ)
         namespace, extras = super().parse_known_args(args, namespace)
         for action, values in from_env:
             given = getattr(namespace, action.dest, None)
@@ -148,12 +146,13 @@ class SpecdecArgumentParser(argparse.ArgumentParser):
                 action.own_default, action.own_required = action.default, action.required
             action.default, action.required, action.env_source = action.own_default, action.own_required, None
             name = env_var(action)
-            if name is None or name not in environ:
+            text = environ.get(name, "").strip() if name else ""
+            if not text:
                 continue
             try:
-                action.default = env_value(action, environ[name])
+                action.default = env_value(action, text)
             except ValueError as exc:
-                self.error(f"environment variable {name}={environ[name]!r}: {exc}")
+                self.error(f"environment variable {name}={text!r}: {exc}")
             action.required, action.env_source = False, name
             if isinstance(action.default, list):
                 appended.append((action, action.default))

@@ -154,6 +154,14 @@ def test_variables_with_a_meaning_of_their_own_are_not_flags(monkeypatch):
                                                   "PATH": "/bin"}
 
 
-def test_dtype_half_is_float16(monkeypatch):
+def test_dtype_half_is_float16():
     assert build_parser().parse_args(["serve", "--dtype", "half"]).dtype == "float16"
     assert build_parser().parse_args(["serve"]).dtype == "auto"
+
+
+def test_an_empty_variable_counts_as_unset(monkeypatch):
+    monkeypatch.setenv("SPECDEC_PORT", "")
+    monkeypatch.setenv("SPECDEC_WORKER", " ")
+    assert build_parser().parse_args(["serve"]).port == 50051
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["scheduler"])  # --worker is still required
