@@ -165,3 +165,15 @@ def test_an_empty_variable_counts_as_unset(monkeypatch):
     assert build_parser().parse_args(["serve"]).port == 50051
     with pytest.raises(SystemExit):
         build_parser().parse_args(["scheduler"])  # --worker is still required
+
+
+def test_serve_passes_the_global_and_worker_flags_to_its_workers(monkeypatch):
+    from specdec.cli.serve import _worker_argv
+
+    monkeypatch.setenv("SPECDEC_DTYPE", "half")
+    args = build_parser().parse_args(["serve", "--log-level", "DEBUG", "--log-format", "json", "--proposer", "ngram",
+                                      "--num-speculative-tokens", "2"])
+    monkeypatch.delenv("SPECDEC_DTYPE")  # the worker process does not get it (flag_free_environ)
+    worker = build_parser().parse_args([*_worker_argv(args, "/models/m"), "--port", "0"])
+    assert (worker.command, worker.log_level, worker.log_format) == ("worker", "DEBUG", "json")
+    assert (worker.dtype, worker.proposer, worker.num_speculative_tokens) == ("float16", "ngram", 2)
