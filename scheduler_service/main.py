@@ -20,6 +20,7 @@ from scheduler_service.metrics import cluster_registry
 from scheduler_service.openai_api import create_app
 from scheduler_service.options import SchedulerOptions
 from scheduler_service.server import create_server
+from scheduler_service.stats_logger import StatsLogger
 from scheduler_service.tokenizer import ChatTokenizer
 from specdec.metrics_server import start_metrics_server
 
@@ -60,9 +61,12 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     logger.info("serving %s from %s; %s scheduling", facts.model_id, ", ".join(opts.worker_addresses),
                 facts.config.scheduling)
     print("scheduler ready", flush=True)
+    stats_logger = StatsLogger(cluster.snapshot, opts.log_stats_interval_s)
+    stats_logger.start()
     while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
         pass
     drain(servicer, cluster, opts.shutdown_grace_period_s)
+    stats_logger.stop()
     stopped = server.stop(grace=2)  # the last messages (aborts included) go out
     if http is not None:
         http.stop()

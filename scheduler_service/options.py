@@ -34,6 +34,7 @@ class SchedulerOptions:
     max_waiting_requests: int = 1024        # queued (not running) requests beyond which new ones are refused
     max_open_streams: int = 512             # client calls in progress (streams) beyond which new ones are refused
     shutdown_grace_period_s: float = 30.0   # SIGTERM: how long running requests may finish
+    log_stats_interval_s: float = 10.0      # the periodic stats line while requests run (stats_logger.py); 0: off
     # Security (README "Security"): TLS on the client port; TLS towards the workers (the scheduler's client
     # certificate, the CA of the workers' certificates, the name they carry); accepted API keys (none: open).
     client_tls: TlsFiles = TlsFiles()
@@ -58,6 +59,8 @@ class SchedulerOptions:
             raise ValueError(f"--max-open-streams must be >= 1, got {self.max_open_streams}")
         if self.shutdown_grace_period_s < 0:
             raise ValueError(f"--shutdown-grace-period must be >= 0, got {self.shutdown_grace_period_s}")
+        if self.log_stats_interval_s < 0:
+            raise ValueError(f"--log-stats-interval must be >= 0 (0: off), got {self.log_stats_interval_s}")
         if self.worker_server_name and not self.worker_tls.is_enabled:
             raise ValueError("--worker-ssl-server-name needs TLS to the workers (--worker-ssl-ca-certs, ...)")
         check_metrics_port(self.metrics_port)

@@ -145,10 +145,11 @@ def add_server_tls_flags(p: argparse.ArgumentParser, what: str, prefix: str = "-
     """Adds PREFIXcertfile, PREFIXkeyfile and PREFIXca-certs for the server port described by `what`."""
     p.add_argument(f"{prefix}certfile", default=None, metavar="PEM",
                    help=f"TLS certificate (chain) of {what}; with {prefix}keyfile (default: plaintext)")
-    p.add_argument(f"{prefix}keyfile", default=None, metavar="PEM", help=f"private key of {prefix}certfile")
+    p.add_argument(f"{prefix}keyfile", default=None, metavar="PEM",
+                   help=f"private key of {prefix}certfile (default: none)")
     p.add_argument(f"{prefix}ca-certs", default=None, metavar="PEM",
                    help=f"CA certificates: clients of {what} must present a certificate one of them signed "
-                        "(mutual TLS)")
+                        "(mutual TLS) (default: no client certificate needed)")
 
 
 def server_tls_from_args(args: argparse.Namespace, prefix: str = "--ssl-") -> TlsFiles:

@@ -4,7 +4,25 @@ from dataclasses import dataclass
 
 PROPOSERS = ("none", "ngram", "draft", "suffix")
 SCORERS = ("multi_query", "batch_expansion")
-DTYPE_NAMES = ("float32", "bfloat16")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")            # what a model runs in
+DTYPE_ALIASES = {"half": "float16"}
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES, *DTYPE_ALIASES)      # what --dtype takes
+
+
+def normalize_dtype(name: str) -> str:
+    """The one spelling of a --dtype value: an alias becomes its dtype's name ("half" -> "float16")."""
+    return DTYPE_ALIASES.get(name, name)
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str | None, device_type: str) -> str:
+    """The dtype a model runs in. "auto": the checkpoint's dtype on an accelerator (float32 when the
+    checkpoint names none we run), float32 on the CPU, where float32 is the fast and exact choice."""
+    requested = normalize_dtype(requested)
+    if requested != "auto":
+        return requested
+    if device_type != "cpu" and checkpoint_dtype in DTYPE_NAMES:
+        return checkpoint_dtype
+    return "float32"
 
 
 @dataclass(frozen=True)
@@ -12,7 +30,7 @@ class WorkerConfig:
     """What one worker loads and how it speculates."""
 
     model: str                          # checkpoint directory or .gguf file
-    dtype: str = "float32"
+    dtype: str = "auto"                 # DTYPE_CHOICES; the worker resolves "auto" when it loads the model
     draft_model: str | None = None
     proposer: str = "none"
     num_speculative_tokens: int = 0     # k: the most drafts per sequence and step
@@ -25,8 +43,9 @@ class WorkerConfig:
     num_threads: int | None = None      # torch intra-op threads; None: torch's default
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))  # frozen: set once, here
         if self.proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
         if self.scorer not in SCORERS:

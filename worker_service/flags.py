@@ -2,7 +2,7 @@
 
 import argparse
 
-from worker_service.config import DTYPE_NAMES, PROPOSERS, SCORERS, WorkerConfig
+from worker_service.config import DTYPE_ALIASES, DTYPE_CHOICES, PROPOSERS, SCORERS, WorkerConfig, normalize_dtype
 
 # Flags a launcher forwards to a worker process (`specdec serve`), by argparse dest.
 FORWARDED = ("draft_model", "proposer", "num_speculative_tokens", "ngram_min", "ngram_max", "suffix_cache_tokens",
@@ -11,22 +11,26 @@ FORWARDED = ("draft_model", "proposer", "num_speculative_tokens", "ngram_min", "
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     """Adds the model, speculation and KV-memory flags (not --model, --host, --port or --num-threads)."""
-    p.add_argument("--draft-model", default=None, help="draft model (same vocabulary) for --proposer draft")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model (same vocabulary) for --proposer draft (default: none)")
     p.add_argument("--proposer", choices=PROPOSERS, default="none",
                    help="none, ngram (prompt lookup), draft (a smaller model) or suffix (the request's own tokens and "
-                        "recent outputs on the worker) (default: %(default)s)")
+                        "recent outputs on the worker)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
-                   help="most drafts per sequence and step (default: %(default)s)")
-    p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram tried (default: %(default)s)")
-    p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram tried first (default: %(default)s)")
+                   help="most drafts per sequence and step")
+    p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram tried")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram tried first")
     p.add_argument("--suffix-cache-tokens", type=int, default=65536, metavar="N",
                    help="tokens of recent outputs the suffix proposer indexes per worker, least recently used "
-                        "evicted (0: only the request's own tokens) (default: %(default)s)")
-    p.add_argument("--scorer", choices=SCORERS, default="multi_query", help="(default: %(default)s)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights and KV (default: %(default)s)")
+                        "evicted (0: only the request's own tokens)")
+    p.add_argument("--scorer", choices=SCORERS, default="multi_query",
+                   help="how the target scores drafts: multi_query (one (k+1)-token query per sequence) or "
+                        "batch_expansion (k+1 single-token rows)")
+    aliases = ", ".join(f"{alias} = {name}" for alias, name in DTYPE_ALIASES.items())
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, type=normalize_dtype, default="auto",
+                   help=f"weights and KV; auto: the checkpoint's dtype on a GPU, float32 on the CPU ({aliases})")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=2.0,
-                   help="KV cache budget per worker (default: %(default)s)")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="KV cache budget per worker")
 
 
 def config_from_args(args: argparse.Namespace, model_dir: str, num_threads: int | None) -> WorkerConfig:

@@ -1,5 +1,6 @@
 """The worker process: listen first (health NOT_SERVING), load the models, serve until SIGTERM."""
 
+from dataclasses import replace
 import logging
 import signal
 import threading
@@ -8,8 +9,8 @@ import grpc
 import torch
 
 from specdec.metrics_server import start_metrics_server
-from worker_service.config import WorkerConfig
-from worker_service.model_loader import load_model
+from worker_service.config import WorkerConfig, resolve_dtype
+from worker_service.model_loader import checkpoint_dtype, load_model
 from worker_service.model_runner import ModelRunner
 from worker_service.server import create_server
 from worker_service.worker import Worker
@@ -17,12 +18,21 @@ from worker_service.worker import Worker
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_STEP_WAIT_S = 60.0   # the longest a step (a long prefill on a CPU) may take to finish on SIGTERM
+DEVICE_TYPE = "cpu"           # where the worker runs its models (load_model loads onto the CPU)
 
 
 def build_worker(config: WorkerConfig) -> Worker:
-    """Loads the target (and draft) model and wraps them in a Worker."""
+    """Loads the target (and draft) model and wraps them in a Worker.
+
+    Its config carries the dtype the models run in ("auto" resolved from the target's checkpoint), which
+    Describe reports.
+    """
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    dtype = resolve_dtype(config.dtype, checkpoint_dtype(config.model), DEVICE_TYPE)
+    if dtype != config.dtype:
+        logger.info("--dtype %s: %s on the %s", config.dtype, dtype, DEVICE_TYPE)
+    config = replace(config, dtype=dtype)
     target = ModelRunner(load_model(config.model, config.dtype))
     draft = None
     if config.proposer == "draft":

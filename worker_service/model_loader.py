@@ -5,11 +5,13 @@ import pathlib
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from worker_service.config import DTYPE_NAMES
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # torch.float32, torch.bfloat16, torch.float16
 
 
 class ModelLoadError(RuntimeError):
@@ -39,6 +41,20 @@ def load_model(model_path: str | pathlib.Path, dtype: str = "float32") -> PreTra
     model.eval().requires_grad_(False)
     logger.info("loaded %s in %.1f s", model_path, time.monotonic() - start)
     return model
+
+
+def checkpoint_dtype(model_path: str | pathlib.Path) -> str | None:
+    """The dtype the checkpoint's config names (`dtype`, formerly `torch_dtype`), e.g. "bfloat16"; None when
+    it names none."""
+    path, kwargs = _split_path(pathlib.Path(model_path))
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load the model config from {model_path}: {exc}") from exc
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    return dtype if isinstance(dtype, str) else None
 
 
 def load_tokenizer(model_path: str | pathlib.Path) -> PreTrainedTokenizerBase:

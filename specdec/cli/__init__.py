@@ -11,11 +11,10 @@ import sys
 
 from scheduler_service import flags as scheduler_flags
 from specdec import security
+from specdec.cli import logs, parsing
 from specdec.metrics_server import check_metrics_port
 from worker_service import flags as worker_flags
 from worker_service import models
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def _add_model_flag(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -70,23 +69,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    parser = parsing.SpecdecArgumentParser(prog="specdec", description=__doc__.splitlines()[0],
+                                           formatter_class=parsing.DefaultsHelpFormatter, epilog=parsing.ENV_EPILOG)
+    parser.add_argument("--version", action="version", version=f"specdec {parsing.version()}",
+                        help="print `specdec VERSION` and exit")
+    parsing.add_global_flags(parser, is_subcommand=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    worker = sub.add_parser("worker", help="run a worker service (models + KV cache)")
-    worker.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
-    worker.add_argument("--port", type=int, default=50052, help="0: any free port (default: %(default)s)")
+    _add_worker(parsing.add_subcommand(sub, "worker", "run a worker service (models + KV cache)"))
+    _add_scheduler(parsing.add_subcommand(sub, "scheduler", "run the scheduler (client API) for running workers"))
+    _add_serve(parsing.add_subcommand(
+        sub, "serve", "start workers and the scheduler on loopback",
+        description="Starts worker processes and the scheduler. The workers listen on 127.0.0.1 in plaintext; "
+                    "--ssl-* and --api-key-file protect the client port."))
+    _add_generate(parsing.add_subcommand(sub, "generate", "stream a completion from a running server"))
+    return parser
+
+
+def _add_worker(worker: argparse.ArgumentParser) -> None:
+    worker.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    worker.add_argument("--port", type=int, default=50052, help="port to listen on; 0: any free port")
     _add_model_flag(worker, "checkpoint directory or .gguf file")
     worker_flags.add_flags(worker)
     worker.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     security.add_server_tls_flags(worker, "the worker port")
     worker.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
-                        help="serve Prometheus metrics at http://HOST:PORT/metrics; 0: off (default)")
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics; 0: off")
     worker.set_defaults(func=cmd_worker)
 
-    scheduler = sub.add_parser("scheduler", help="run the scheduler (client API) for running workers")
-    scheduler.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
-    scheduler.add_argument("--port", type=int, default=50051, help="0: any free port (default: %(default)s)")
+
+def _add_scheduler(scheduler: argparse.ArgumentParser) -> None:
+    scheduler.add_argument("--host", default="127.0.0.1", help="client API address to listen on")
+    scheduler.add_argument("--port", type=int, default=50051, help="client API port; 0: any free port")
     scheduler.add_argument("--worker", required=True, action="append", type=_worker_address,
                            metavar="HOST:PORT|dns:///NAME:PORT",
                            help="a worker, or every address a DNS name resolves to (repeatable)")
@@ -95,49 +108,54 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler_flags.add_security_flags(scheduler)
     scheduler.set_defaults(func=cmd_scheduler)
 
-    serve = sub.add_parser("serve", help="start workers and the scheduler on loopback",
-                           description="Starts worker processes and the scheduler. The workers listen on "
-                                       "127.0.0.1 in plaintext; --ssl-* and --api-key-file protect the client port.")
-    serve.add_argument("--host", default="127.0.0.1", help="client API host (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=50051, help="client API port; 0: any (default: %(default)s)")
+
+def _add_serve(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--host", default="127.0.0.1", help="client API address to listen on")
+    serve.add_argument("--port", type=int, default=50051, help="client API port; 0: any free port")
     _add_model_flag(serve, "checkpoint directory or .gguf file")
     worker_flags.add_flags(serve)
     serve.add_argument("--num-workers", type=int, default=1, metavar="N",
-                       help="worker processes; the CPU cores are split between them (default: %(default)s)")
+                       help="worker processes; the CPU cores are split between them")
     serve.add_argument("--num-threads", type=int, default=None,
                        help="torch threads per worker (default: the cores / --num-workers)")
     serve.add_argument("--worker-metrics-port", type=int, default=0, metavar="BASE",
-                       help="worker i serves Prometheus metrics on port BASE + i; 0: off (default)")
+                       help="worker i serves Prometheus metrics on port BASE + i; 0: off")
     scheduler_flags.add_flags(serve, with_model_flags=False)
     scheduler_flags.add_security_flags(serve, with_worker_flags=False)  # its loopback workers stay plaintext
     serve.set_defaults(func=cmd_serve)
 
-    gen = sub.add_parser("generate", help="stream a completion from a running server")
+
+def _add_generate(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompt")
-    gen.add_argument("--address", default="127.0.0.1:50051", help="(default: %(default)s)")
+    gen.add_argument("--address", default="127.0.0.1:50051", help="the server's client API, HOST:PORT")
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, not as a chat message")
-    gen.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
-    gen.add_argument("--seed", type=int, default=None, help="reproducible sampling")
+    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="nucleus sampling: the smallest set of tokens with this probability")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
+    gen.add_argument("--seed", type=int, default=None, help="reproducible sampling (default: a random seed)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--no-speculation", action="store_true", help="decode this request without drafts")
     gen.add_argument("--ca-file", default=None, metavar="PEM",
                      help="CA of the server's certificate: connect with TLS (default: plaintext)")
-    gen.add_argument("--cert-file", default=None, metavar="PEM", help="client certificate, for mutual TLS")
-    gen.add_argument("--key-file", default=None, metavar="PEM", help="private key of --cert-file")
+    gen.add_argument("--cert-file", default=None, metavar="PEM",
+                     help="client certificate, for mutual TLS (default: none)")
+    gen.add_argument("--key-file", default=None, metavar="PEM", help="private key of --cert-file (default: none)")
     gen.add_argument("--server-name", default=None, metavar="NAME",
                      help="the name the server's certificate must carry (default: the host of --address)")
-    gen.add_argument("--api-key-file", default=None, metavar="PATH",
-                     help=f"file with the API key (its first key); default: ${security.API_KEY_ENV}, if set")
+    keys = gen.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None, metavar="KEY",
+                      help="the API key to send; other local users can see it in the process list, so prefer "
+                           f"--api-key-file or ${security.API_KEY_ENV} (default: ${security.API_KEY_ENV}, if set)")
+    keys.add_argument("--api-key-file", default=None, metavar="PATH",
+                      help=f"file with the API key (its first key) (default: ${security.API_KEY_ENV}, if set)")
     gen.set_defaults(func=cmd_generate)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure_logging(args.log_level, args.log_format)
     code = args.func(args)
     if args.command in ("worker", "scheduler", "serve"):
         # The servers have stopped. Exit now: a gRPC handler thread still blocked on a peer's

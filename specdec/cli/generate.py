@@ -38,7 +38,7 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
 def generate(args: argparse.Namespace) -> int:
     try:
         channel = open_channel(args)
-        api_key = security.load_client_api_key(args.api_key_file)
+        api_key = args.api_key or security.load_client_api_key(args.api_key_file)  # the flag, file, or env
     except ValueError as exc:
         print(f"specdec generate: error: {exc}", file=sys.stderr)
         return 1

@@ -16,6 +16,7 @@ import threading
 
 from scheduler_service import flags as scheduler_flags
 from specdec import security
+from specdec.cli.parsing import flag_free_environ
 from worker_service import flags as worker_flags
 from worker_service import models
 
@@ -42,9 +43,11 @@ class WorkerProcess:
             self.is_loaded = False
             # Its own session: a Ctrl-C in the terminal reaches only `specdec serve`, which stops the
             # workers itself (otherwise they would exit first and be restarted as if they had crashed).
+            # Every setting is on its command line: no SPECDEC_<FLAG> variable meant for `serve` (its client
+            # port's TLS, say) may reach the worker.
             self.proc = proc = subprocess.Popen(
                 [sys.executable, "-m", "specdec", *self.argv, "--port", str(port)],
-                stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
+                stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=flag_free_environ())
         for line in proc.stdout:
             self._echo(line)
             if line.startswith("worker listening on "):
@@ -95,8 +98,8 @@ class WorkerProcess:
 
 def _worker_argv(args: argparse.Namespace, model_dir: str) -> list[str]:
     num_threads = args.num_threads or max(1, (os.cpu_count() or 1) // args.num_workers)
-    return ["--log-level", args.log_level, "worker", "--host", "127.0.0.1", "--model", model_dir,
-            "--num-threads", str(num_threads), *worker_flags.forwarded_argv(args)]
+    return ["--log-level", args.log_level, "--log-format", args.log_format, "worker", "--host", "127.0.0.1",
+            "--model", model_dir, "--num-threads", str(num_threads), *worker_flags.forwarded_argv(args)]
 
 
 def serve(args: argparse.Namespace) -> int:

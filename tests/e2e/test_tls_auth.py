@@ -289,6 +289,8 @@ def test_specdec_generate_with_a_ca_and_a_key_against_serve_with_tls_and_keys(pk
         assert "[FINISH_REASON_LENGTH] prompt" in ok.stderr and "completion 4" in ok.stderr
         from_env = generate("--ca-file", pki["ca"], env={security.API_KEY_ENV: OTHER_KEY})
         assert from_env.returncode == 0, from_env.stderr
+        on_the_command_line = generate("--ca-file", pki["ca"], "--api-key", KEY, env={security.API_KEY_ENV: WRONG_KEY})
+        assert on_the_command_line.returncode == 0, on_the_command_line.stderr  # the flag wins over the variable
         no_key = generate("--ca-file", pki["ca"])
         assert no_key.returncode == 1 and "UNAUTHENTICATED" in no_key.stderr
         wrong = generate("--ca-file", pki["ca"], env={security.API_KEY_ENV: WRONG_KEY})

@@ -1,0 +1,1 @@
+"""Tests of the `specdec` command line (specdec/cli)."""

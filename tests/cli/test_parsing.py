@@ -1,0 +1,179 @@
+"""The `specdec` parser: defaults in --help, --version, global flags on either side, SPECDEC_<FLAG> variables."""
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from scheduler_service import flags as scheduler_flags
+from specdec.cli import build_parser, parsing
+from worker_service import flags as worker_flags
+
+SUBCOMMANDS = ("worker", "scheduler", "serve", "generate")
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    """No SPECDEC_ variable of the machine running the tests leaks into a parse."""
+    for name in [n for n in os.environ if n.startswith(parsing.ENV_PREFIX)]:
+        monkeypatch.delenv(name)
+
+
+def help_text(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*argv, "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def option_entries(text: str) -> dict[str, str]:
+    """Each option of a --help output, by its long flag: its whole entry (flags and help) on one line."""
+    entries, current = {}, None
+    for line in text.split("\n\n", 1)[1].splitlines():  # after the usage block
+        if re.match(r"  -", line):
+            current = max(re.findall(r"--?[\w-]+", line.split("  ")[1]), key=len)
+            entries[current] = line.strip()
+        elif current and line.startswith("   "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+@pytest.mark.parametrize("command", [(), *[(c,) for c in SUBCOMMANDS]])
+def test_help_shows_a_default_for_every_flag(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    entries = option_entries(help_text(list(command), capsys))
+    parser = build_parser()
+    if command:
+        parser = parser._subparsers._group_actions[0].choices[command[0]]
+    flags = {max(a.option_strings, key=len) for a in parser._actions if a.option_strings}
+    assert set(entries) == flags  # every option was found in the output
+    for flag, entry in entries.items():
+        if flag in ("--help", "--version"):
+            continue
+        assert re.search(r"\((default|required)\b", entry), f"{flag} shows no default: {entry}"
+        assert "default: None" not in entry and "(default: )" not in entry, entry
+
+
+def test_help_of_the_real_command_names_the_environment_variables():
+    out = subprocess.run([sys.executable, "-m", "specdec", "serve", "--help"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "SPECDEC_NUM_SPECULATIVE_TOKENS": "7", "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "SPECDEC_<FLAG>" in out.stdout
+    entry = option_entries(out.stdout)["--num-speculative-tokens"]
+    assert "(default: 7, from $SPECDEC_NUM_SPECULATIVE_TOKENS)" in entry
+
+
+def test_version_prints_the_installed_version():
+    out = subprocess.run([sys.executable, "-m", "specdec", "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == f"specdec {importlib.metadata.version('specdec')}\n"
+
+
+@pytest.mark.parametrize("argv, level, log_format", [
+    (["serve"], "INFO", "text"),
+    (["--log-level", "debug", "serve"], "DEBUG", "text"),
+    (["serve", "--log-level", "DEBUG", "--log-format", "json"], "DEBUG", "json"),
+    (["--log-level", "ERROR", "--log-format", "json", "serve", "--log-level", "WARNING"], "WARNING", "json"),
+    (["generate", "hi", "--log-format", "json"], "INFO", "json"),
+])
+def test_global_flags_before_or_after_the_subcommand(argv, level, log_format):
+    args = build_parser().parse_args(argv)
+    assert (args.log_level, args.log_format) == (level, log_format)
+
+
+def test_global_flags_from_the_environment_lose_to_the_command_line(monkeypatch):
+    monkeypatch.setenv("SPECDEC_LOG_LEVEL", "warning")
+    monkeypatch.setenv("SPECDEC_LOG_FORMAT", "json")
+    assert build_parser().parse_args(["worker"]).log_level == "WARNING"
+    args = build_parser().parse_args(["worker", "--log-level", "DEBUG"])
+    assert (args.log_level, args.log_format) == ("DEBUG", "json")
+
+
+def test_environment_variables_configure_the_worker_and_the_scheduler(monkeypatch):
+    for name, value in {"SPECDEC_PROPOSER": "ngram", "SPECDEC_NUM_SPECULATIVE_TOKENS": "3", "SPECDEC_DTYPE": "half",
+                        "SPECDEC_KV_CACHE_MEMORY_GIB": "0.5", "SPECDEC_TAKE_OVER_WORKERS": "yes",
+                        "SPECDEC_WORKER": "10.0.0.1:50052, dns:///workers:50052", "SPECDEC_MAX_NUM_SEQS": "8"}.items():
+        monkeypatch.setenv(name, value)
+    worker = worker_flags.config_from_args(build_parser().parse_args(["worker"]), "m", None)
+    assert (worker.proposer, worker.num_speculative_tokens, worker.dtype) == ("ngram", 3, "float16")
+    assert worker.kv_cache_memory_bytes == 2**29
+    args = build_parser().parse_args(["scheduler"])  # --worker is required: the variable gives it
+    options = scheduler_flags.options_from_args(args, "m", args.worker)
+    assert options.worker_addresses == ("10.0.0.1:50052", "dns:///workers:50052")
+    assert options.take_over_workers and options.max_num_seqs == 8
+
+
+def test_the_command_line_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("SPECDEC_NUM_SPECULATIVE_TOKENS", "3")
+    monkeypatch.setenv("SPECDEC_WORKER", "10.0.0.1:1,10.0.0.2:2")
+    monkeypatch.setenv("SPECDEC_STOP", "a,b")
+    args = build_parser().parse_args(["scheduler", "--worker", "10.0.0.3:3", "--num-speculative-tokens", "5"])
+    assert args.worker == ["10.0.0.3:3"] and args.num_speculative_tokens == 5  # a list replaced, not extended
+    assert build_parser().parse_args(["generate", "hi"]).stop == ["a", "b"]
+    assert build_parser().parse_args(["generate", "hi", "--stop", "c", "--stop", "d"]).stop == ["c", "d"]
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("TRUE", True), ("on", True), ("0", False), ("no", False),
+                                             ("off", False)])
+def test_switches_take_yes_and_no_words(monkeypatch, value, expected):
+    monkeypatch.setenv("SPECDEC_NO_SPECULATION", value)
+    assert build_parser().parse_args(["generate", "hi"]).no_speculation is expected
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("SPECDEC_PORT", "abc", "environment variable SPECDEC_PORT='abc': invalid int value: 'abc'"),
+    ("SPECDEC_PROPOSER", "medusa", "environment variable SPECDEC_PROPOSER='medusa': invalid choice: 'medusa'"),
+    ("SPECDEC_TAKE_OVER_WORKERS", "maybe", "environment variable SPECDEC_TAKE_OVER_WORKERS='maybe': expected one of"),
+    ("SPECDEC_LOG_LEVEL", "loud", "environment variable SPECDEC_LOG_LEVEL='loud': invalid choice"),
+])
+def test_a_bad_environment_value_is_a_clear_error_naming_the_variable(monkeypatch, capsys, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--worker-metrics-port", "0"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_worker_address_in_the_environment_and_other_subcommands(monkeypatch, capsys):
+    monkeypatch.setenv("SPECDEC_WORKER", "no-port")
+    assert build_parser().parse_args(["generate", "hi"]).prompt == "hi"  # not a flag of generate: ignored
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["scheduler"])
+    assert "environment variable SPECDEC_WORKER='no-port':" in capsys.readouterr().err
+
+
+def test_variables_with_a_meaning_of_their_own_are_not_flags(monkeypatch):
+    monkeypatch.setenv("SPECDEC_API_KEY", "secret")
+    assert build_parser().parse_args(["generate", "hi"]).api_key is None  # generate reads it itself, last
+    environ = {"SPECDEC_API_KEY": "k", "SPECDEC_CACHE_DIR": "/models", "SPECDEC_PORT": "1", "PATH": "/bin"}
+    assert parsing.flag_free_environ(environ) == {"SPECDEC_API_KEY": "k", "SPECDEC_CACHE_DIR": "/models",
+                                                  "PATH": "/bin"}
+
+
+def test_dtype_half_is_float16():
+    assert build_parser().parse_args(["serve", "--dtype", "half"]).dtype == "float16"
+    assert build_parser().parse_args(["serve"]).dtype == "auto"
+
+
+def test_an_empty_variable_counts_as_unset(monkeypatch):
+    monkeypatch.setenv("SPECDEC_PORT", "")
+    monkeypatch.setenv("SPECDEC_WORKER", " ")
+    assert build_parser().parse_args(["serve"]).port == 50051
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["scheduler"])  # --worker is still required
+
+
+def test_serve_passes_the_global_and_worker_flags_to_its_workers(monkeypatch):
+    from specdec.cli.serve import _worker_argv
+
+    monkeypatch.setenv("SPECDEC_DTYPE", "half")
+    args = build_parser().parse_args(["serve", "--log-level", "DEBUG", "--log-format", "json", "--proposer", "ngram",
+                                      "--num-speculative-tokens", "2"])
+    monkeypatch.delenv("SPECDEC_DTYPE")  # the worker process does not get it (flag_free_environ)
+    worker = build_parser().parse_args([*_worker_argv(args, "/models/m"), "--port", "0"])
+    assert (worker.command, worker.log_level, worker.log_format) == ("worker", "DEBUG", "json")
+    assert (worker.dtype, worker.proposer, worker.num_speculative_tokens) == ("float16", "ngram", 2)
