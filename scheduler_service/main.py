@@ -22,6 +22,7 @@ from scheduler_service.options import SchedulerOptions
 from scheduler_service.server import create_server
 from scheduler_service.stats_logger import StatsLogger
 from scheduler_service.tokenizer import ChatTokenizer
+from specdec.announce import announce
 from specdec.metrics_server import start_metrics_server
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     membership = Membership([parse_worker_spec(a) for a in opts.worker_addresses])
     tokenizer = ChatTokenizer(opts.model_dir)
     server, servicer, port = create_server(opts.host, opts.port, opts.max_open_streams, **security_hooks(opts))
-    print(f"scheduler listening on {opts.host}:{port}", flush=True)
+    announce(f"scheduler listening on {opts.host}:{port}")
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
@@ -60,7 +61,7 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     servicer.attach(cluster, tokenizer)
     logger.info("serving %s from %s; %s scheduling", facts.model_id, ", ".join(opts.worker_addresses),
                 facts.config.scheduling)
-    print("scheduler ready", flush=True)
+    announce("scheduler ready")
     stats_logger = StatsLogger(cluster.snapshot, opts.log_stats_interval_s)
     stats_logger.start()
     while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
@@ -83,7 +84,7 @@ def _start_http(frontend: Frontend, opts: SchedulerOptions) -> HttpServer | None
     http.start()
     logger.info("HTTP API: %s; API keys: %s", "TLS" if opts.client_tls.is_enabled else "plaintext",
                 "required" if opts.api_keys else "not required")
-    print(f"http listening on {opts.host}:{http.port}", flush=True)
+    announce(f"http listening on {opts.host}:{http.port}")
     return http
 
 

@@ -8,6 +8,7 @@ import threading
 import grpc
 import torch
 
+from specdec.announce import announce
 from specdec.metrics_server import start_metrics_server
 from worker_service.config import WorkerConfig, resolve_dtype
 from worker_service.model_loader import checkpoint_dtype, load_model
@@ -56,7 +57,7 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
     except OSError:
         server.stop(grace=None)
         raise
-    print(f"worker listening on {host}:{bound_port}", flush=True)
+    announce(f"worker listening on {host}:{bound_port}")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -67,7 +68,7 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
         raise
     servicer.set_worker(worker, config.model)
     if ready_line:
-        print("worker model loaded", flush=True)
+        announce("worker model loaded")
     while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
         pass
     # Finish the step in flight and end the step stream: the scheduler moves the requests elsewhere.
