@@ -5,6 +5,7 @@ import contextlib
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 import pytest
 
 from specdec.v1 import generation_pb2 as pb
@@ -34,6 +35,33 @@ class Server:
                     or time.monotonic() > deadline:
                 return info
             time.sleep(0.05)
+
+
+class InProcessApi:
+    """A stub to a scheduler running in the test process, the cluster behind it, and waits on its state."""
+
+    def __init__(self, address: str, cluster, servicer):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.cluster, self.servicer = cluster, servicer
+
+    def wait_all_free(self, timeout: float = 10.0) -> pb.GetServerInfoResponse:
+        """Waits until no request runs or waits and every KV block is free again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.stub.GetServerInfo(pb.GetServerInfoRequest())
+            if info.num_running == info.num_waiting == 0 and info.num_free_kv_blocks == info.num_kv_blocks:
+                return info
+            assert time.monotonic() < deadline, f"blocks still held: {info}"
+            time.sleep(0.02)
+
+    def wait_live(self, num_requests: int, timeout: float = 60.0) -> None:
+        """Waits until the cluster holds `num_requests` accepted, unfinished requests."""
+        deadline = time.monotonic() + timeout
+        while self.cluster.num_live_requests < num_requests:
+            assert time.monotonic() < deadline, f"{self.cluster.num_live_requests} of {num_requests} requests live"
+            time.sleep(0.02)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import threading
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 import pytest
 
 from scheduler_service.cluster import Cluster
@@ -23,37 +23,14 @@ from scheduler_service.pipeline import StepPipeline
 from scheduler_service.server import create_server
 from scheduler_service.tokenizer import ChatTokenizer
 from specdec.v1 import generation_pb2 as pb
-from specdec.v1 import generation_pb2_grpc
-from tests.e2e.client import as_complete, expect_status, greedy_request
+from tests.e2e.client import InProcessApi, as_complete, expect_status, greedy_request
 from tests.sim_worker import SimWorkerServer, reference_output
 
 MAX_MODEL_LEN = 4096  # the simulated worker's
 
 
-class Api:
-    """A stub, the cluster behind it, and helpers to check that nothing is left running."""
-
-    def __init__(self, address: str, cluster: Cluster, servicer, health_servicer_address: str):
-        self.channel = grpc.insecure_channel(address)
-        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.cluster, self.servicer = cluster, servicer
-
-    def wait_all_free(self, timeout: float = 10.0) -> pb.GetServerInfoResponse:
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.stub.GetServerInfo(pb.GetServerInfoRequest())
-            if info.num_running == info.num_waiting == 0 and info.num_free_kv_blocks == info.num_kv_blocks:
-                return info
-            assert time.monotonic() < deadline, f"blocks still held: {info}"
-            time.sleep(0.02)
-
-    def wait_live(self, num_requests: int, timeout: float = 60.0) -> None:
-        """Waits until the cluster holds `num_requests` accepted, unfinished requests."""
-        deadline = time.monotonic() + timeout
-        while self.cluster.num_live_requests < num_requests:
-            assert time.monotonic() < deadline, f"{self.cluster.num_live_requests} of {num_requests} requests live"
-            time.sleep(0.02)
+class Api(InProcessApi):
+    """An in-process scheduler in front of simulated workers (tests/sim_worker.py)."""
 
     def complete_ok(self, prompt: list[int], max_tokens: int = 6) -> None:
         reply = self.stub.Complete(as_complete(greedy_request(prompt, max_tokens)), timeout=30)
@@ -74,7 +51,7 @@ def scheduler(tiny_pair, step_time_s: float = 0.0, num_workers: int = 1, **optio
     try:
         cluster.wait_for_facts(20)
         servicer.attach(cluster, tokenizer)
-        api_ = Api(f"127.0.0.1:{port}", cluster, servicer, "")
+        api_ = Api(f"127.0.0.1:{port}", cluster, servicer)
         deadline = time.monotonic() + 20
         while api_.health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() < deadline

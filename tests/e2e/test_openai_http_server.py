@@ -15,7 +15,6 @@ import ssl
 import threading
 import time
 
-import grpc
 import pytest
 
 from scheduler_service.cluster import Cluster
@@ -29,20 +28,19 @@ from scheduler_service.server import create_server
 from scheduler_service.tokenizer import ChatTokenizer
 from specdec.security import TlsFiles
 from specdec.v1 import generation_pb2 as pb
-from specdec.v1 import generation_pb2_grpc
 from tests.certs import TestCA
+from tests.e2e.client import InProcessApi
 from tests.sim_worker import SimWorkerServer
 
 LONG = {"prompt": [5, 6], "max_tokens": 3000, "temperature": 0, "ignore_eos": True}  # ~15 s at 0.02 s a step
 
 
-class Api:
-    """The HTTP address, a gRPC stub for GetServerInfo, and what runs behind them."""
+class Api(InProcessApi):
+    """The HTTP address besides the gRPC stub (for GetServerInfo) and what runs behind them."""
 
     def __init__(self, http_port: int, grpc_port: int, cluster: Cluster, servicer):
-        self.http_port, self.cluster, self.servicer = http_port, cluster, servicer
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
+        super().__init__(f"127.0.0.1:{grpc_port}", cluster, servicer)
+        self.http_port = http_port
 
     def post(self, path: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=30)
@@ -56,21 +54,6 @@ class Api:
         status, body = response.status, json.loads(response.read())
         conn.close()
         return status, body
-
-    def wait_live(self, num_requests: int, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.cluster.num_live_requests < num_requests:
-            assert time.monotonic() < deadline, f"{self.cluster.num_live_requests} of {num_requests} requests live"
-            time.sleep(0.02)
-
-    def wait_all_free(self, timeout: float) -> pb.GetServerInfoResponse:
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.stub.GetServerInfo(pb.GetServerInfoRequest())
-            if info.num_running == info.num_waiting == 0 and info.num_free_kv_blocks == info.num_kv_blocks:
-                return info
-            assert time.monotonic() < deadline, f"blocks still held: {info}"
-            time.sleep(0.02)
 
 
 @contextlib.contextmanager
