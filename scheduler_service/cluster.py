@@ -190,8 +190,8 @@ class Cluster:
         config = scheduler_config(self.options, info)
         with self.lock:
             if self.facts is None:
-                self.facts = ModelFacts(info.model_id, info.vocab_size, tuple(info.eos_token_ids), info.proposer,
-                                        config)
+                self.facts = ModelFacts(info.model_id, self.options.served_model_name or info.model_id,
+                                        info.vocab_size, tuple(info.eos_token_ids), info.proposer, config)
                 self._changed.notify_all()
             facts = self.facts
         theirs = (info.model_id, info.vocab_size, tuple(info.eos_token_ids))

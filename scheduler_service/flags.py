@@ -53,6 +53,9 @@ def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None
     p.add_argument("--http-port", type=int, default=0, metavar="PORT",
                    help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
                         "/health) on HOST:PORT, with the client port's TLS and API keys; 0: off (default)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the client APIs: GetServerInfo's model, /v1/models and the OpenAI "
+                        "`model` field (default: the workers' model id, the checkpoint path)")
 
 
 def add_security_flags(p: argparse.ArgumentParser, with_worker_flags: bool = True) -> None:
@@ -100,5 +103,5 @@ def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses
                             worker_step_timeout_s=args.worker_step_timeout, take_over_workers=args.take_over_workers,
                             max_waiting_requests=args.max_waiting_requests, max_open_streams=args.max_open_streams,
                             shutdown_grace_period_s=args.shutdown_grace_period, metrics_port=args.metrics_port,
-                            http_port=args.http_port,
+                            http_port=args.http_port, served_model_name=args.served_model_name,
                             **_security_options(args))

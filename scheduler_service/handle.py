@@ -26,7 +26,8 @@ class EngineError(RuntimeError):
 class ModelFacts:
     """What the API layer needs to know of the model the workers serve (from the first worker)."""
 
-    model_id: str
+    model_id: str             # the workers' (every worker must serve the same)
+    served_model_name: str    # what clients see: --served-model-name, else model_id
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     proposer: str

@@ -142,7 +142,7 @@ class OpenAIApi:
 
     async def complete(self, body: ChatCompletionRequest | CompletionRequest, request: Request) -> Response:
         """Both completion endpoints: map, open a stream, then stream events or return the whole reply."""
-        model_id = self.frontend.require_cluster().facts.model_id
+        model_id = self.frontend.require_cluster().facts.served_model_name
         if body.model and body.model != model_id:  # absent: the served model
             return _error(404, f"the model {body.model!r} does not exist: this server serves {model_id!r}",
                           "invalid_request_error", "model", "model_not_found")
@@ -196,7 +196,7 @@ class OpenAIApi:
         return JSONResponse(reply.whole(collecting.result()))
 
     def models(self) -> dict:
-        model_id = self.frontend.require_cluster().facts.model_id
+        model_id = self.frontend.require_cluster().facts.served_model_name
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": self.created,
                                             "owned_by": OWNED_BY}]}
 

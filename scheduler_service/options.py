@@ -43,10 +43,13 @@ class SchedulerOptions:
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)   # secrets: never in a repr or a log
     metrics_port: int = 0                   # Prometheus /metrics on host:metrics_port; 0: off
     http_port: int = 0                      # the OpenAI-compatible HTTP API on host:http_port; 0: off
+    served_model_name: str | None = None    # the model's name in the client APIs (None: the workers' model id)
 
     def __post_init__(self) -> None:
         if not self.worker_addresses:
             raise ValueError("at least one worker address is needed (--worker HOST:PORT or dns:///NAME:PORT)")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("--served-model-name must not be empty")
         if self.worker_refresh_interval_s <= 0:
             raise ValueError(f"--worker-refresh-interval must be > 0, got {self.worker_refresh_interval_s}")
         if self.worker_wait_timeout_s < 0:

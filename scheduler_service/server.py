@@ -147,7 +147,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         counters = _counters(snap.stats, snap.busy, snap.num_worker_failures, snap.num_moved_requests,
                              snap.num_requests)
         return pb.GetServerInfoResponse(
-            model=facts.model_id, proposer=facts.proposer, num_speculative_tokens=c.num_speculative_tokens,
+            model=facts.served_model_name, proposer=facts.proposer, num_speculative_tokens=c.num_speculative_tokens,
             max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs, block_size=c.block_size,
             num_kv_blocks=sum(w.num_total_blocks for w in serving),
             num_free_kv_blocks=sum(w.num_free_blocks for w in serving), scheduling=c.scheduling,

@@ -17,6 +17,7 @@ KEY = "sk-http-test-5d1e9a"
 MESSAGES = [{"role": "user", "content": "w9 w10 w9 w10"}]
 PROMPT_IDS = [5, 6, 7, 8, 5, 6, 7]   # repeats: the n-gram proposer drafts
 MAX_TOKENS = 12
+SERVED_MODEL_NAME = "tiny-llama"  # --served-model-name: what clients see instead of the checkpoint path
 
 
 def _free_port() -> int:
@@ -58,7 +59,7 @@ def server(tiny_pair, tmp_path_factory):
     args = ["serve", "--port", "0", "--http-port", str(_free_port()), "--api-key-file", str(key_file),
             "--model", str(tiny_pair.target_path), "--block-size", "4", "--num-threads", "1", "--max-model-len", "64",
             "--num-kv-blocks", "64", "--proposer", "ngram", "--num-speculative-tokens", "3",
-            "--speculation-policy", "fixed"]
+            "--speculation-policy", "fixed", "--served-model-name", SERVED_MODEL_NAME]
     with running(args) as process:
         server_ = Server(process)
         yield server_
@@ -81,9 +82,11 @@ def test_chat_greedy_matches_grpc_whole_and_streamed(server):
     kwargs = dict(model=server.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=server.metadata).model,
                   messages=MESSAGES, temperature=0, max_completion_tokens=MAX_TOKENS, logprobs=True,
                   extra_body={"ignore_eos": True})
+    assert kwargs["model"] == SERVED_MODEL_NAME  # gRPC and HTTP name the model alike
     whole = server.client.chat.completions.create(**kwargs)
     choice = whole.choices[0]
     assert whole.object == "chat.completion" and choice.message.role == "assistant"
+    assert whole.model == SERVED_MODEL_NAME
     assert choice.message.content == expected.text and choice.finish_reason == "length"
     assert [c.logprob for c in choice.logprobs.content] == pytest.approx(list(expected.logprobs))
     assert _text_of(expected.token_ids, [c.token for c in choice.logprobs.content]) == expected.text
@@ -130,7 +133,7 @@ def test_completions_greedy_matches_grpc_for_token_ids_and_text(server):
 
 def test_models_and_health(server):
     info = server.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=server.metadata)
-    assert [m.id for m in server.client.models.list()] == [info.model]
+    assert [m.id for m in server.client.models.list()] == [info.model] == [SERVED_MODEL_NAME]
     assert server.raw("GET", "/health") == (200, {"status": "serving"})  # no key needed
 
 

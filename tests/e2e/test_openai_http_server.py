@@ -178,6 +178,9 @@ def test_http_port_flag():
     for bad, fragment in ((-1, "0..65535"), (65536, "0..65535"), (50051, "also --port")):
         with pytest.raises(ValueError, match=fragment):
             options_from_args(parser.parse_args(["--http-port", str(bad)]), "", ["127.0.0.1:1"])
+    assert options_from_args(parser.parse_args([]), "", ["127.0.0.1:1"]).served_model_name is None
+    with pytest.raises(ValueError, match="--served-model-name must not be empty"):
+        options_from_args(parser.parse_args(["--served-model-name", " "]), "", ["127.0.0.1:1"])
 
 
 def test_an_http_port_in_use_is_an_error():
