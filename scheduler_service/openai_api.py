@@ -11,6 +11,7 @@ gRPC status (openai_replies.HTTP_STATUS); bad parameters get 400, not 422.
 """
 
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 import json
 import logging
@@ -22,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+import grpc
 
 from scheduler_service.auth import ApiKeys, bearer_token
 from scheduler_service.frontend import Frontend, Stream
@@ -35,6 +37,8 @@ logger = logging.getLogger(__name__)
 OWNED_BY = "specdec"
 HEALTH_PATH = "/health"   # open: probes need no key
 MAX_BODY_BYTES = 4 << 20  # as gRPC's default message limit
+# Every 400 says so, whichever layer refused it (pydantic, the OpenAI mapping, api.build_request).
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.name.lower()
 
 
 def _error(status: int, message: str, error_type: str, param: str | None = None, code: str | None = None,
@@ -149,7 +153,7 @@ class OpenAIApi:
         try:
             pb_request = body.to_proto()
         except InvalidParamError as exc:
-            return _error(400, str(exc), "invalid_request_error", exc.param)
+            return _error(400, str(exc), "invalid_request_error", exc.param, INVALID_ARGUMENT)
         stream = await run_in_threadpool(self.frontend.open, pb_request)  # tokenises: off the event loop
         is_chat = isinstance(body, ChatCompletionRequest)
         reply = Reply(is_chat, stream.request_id, model_id, self.frontend.tokenizer,
@@ -212,17 +216,23 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":
         return _error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
-                      "invalid_request_error")
+                      "invalid_request_error", code=INVALID_ARGUMENT)
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
     message = f"{param}: {first['msg']}" if param else first["msg"]
-    return _error(400, message, "invalid_request_error", param)
+    return _error(400, message, "invalid_request_error", param, INVALID_ARGUMENT)
 
 
 def create_app(frontend: Frontend, api_keys: frozenset[str] = frozenset()) -> FastAPI:
     """The HTTP API over `frontend`; with api_keys, every route but /health needs one of them."""
     api = OpenAIApi(frontend)
-    app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        api.pool.shutdown(wait=False, cancel_futures=True)  # the server has stopped: no stream is read any more
+
+    app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware)
     if api_keys:  # added last: outermost, so a request without a key is refused before its body is read
         app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(api_keys))

@@ -18,7 +18,7 @@ INT32 = Annotated[int, Field(ge=-2**31, lt=2**31)]
 # field: its neutral values (the field may be sent with one of them: it then changes nothing).
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None, False, True), "response_format": (None, {"type": "text"}),
+    "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
@@ -51,9 +51,10 @@ class _Common(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**64)
     max_tokens: INT32 | None = None
     stop: str | list[str] | None = None
-    ignore_eos: bool = False
+    # OpenAI's booleans are nullable (clients send null for "unset"): None is False.
+    ignore_eos: bool | None = False
     n: int | None = 1
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
@@ -72,7 +73,7 @@ class _Common(BaseModel):
         fields: dict[str, Any] = dict(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
                                       max_tokens=max_tokens)
         return pb.SamplingParams(**{k: v for k, v in fields.items() if v is not None}, top_k=self.top_k or 0,
-                                 stop=stop, ignore_eos=self.ignore_eos, logprobs=logprobs)
+                                 stop=stop, ignore_eos=bool(self.ignore_eos), logprobs=logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -100,7 +101,7 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessageIn]
     max_completion_tokens: INT32 | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
 
     def to_proto(self) -> pb.GenerateRequest:
@@ -116,7 +117,7 @@ class ChatCompletionRequest(_Common):
                 raise InvalidParamError(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return pb.GenerateRequest(messages=[m.to_proto() for m in self.messages],
-                                  sampling=self.sampling(max_tokens, self.logprobs))
+                                  sampling=self.sampling(max_tokens, bool(self.logprobs)))
 
 
 class CompletionRequest(_Common):

@@ -165,6 +165,18 @@ def test_bad_parameters_get_an_openai_error(server, name):
     code, body = server.raw("POST", path, {**base, **fields}, key=KEY)
     assert code == status and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["code"] == ("invalid_argument" if status == 400 else "model_not_found")  # one code a status
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "text"])
+def test_null_booleans_are_false(server, endpoint):
+    """OpenAI's booleans are nullable: clients that pass their defaults through send null."""
+    base = {"messages": MESSAGES} if endpoint == "chat" else {"prompt": "w5 w6"}
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    fields = {"stream": None, "ignore_eos": None, "max_tokens": 2, **({"logprobs": None} if endpoint == "chat" else {})}
+    code, body = server.raw("POST", path, {**base, **fields}, key=KEY)
+    assert code == 200, body
+    assert body["choices"][0]["logprobs"] is None and body["usage"]["completion_tokens"] <= 2
 
 
 def test_without_a_valid_key_401(server):
