@@ -78,6 +78,9 @@ class Frontend:
         self.is_draining = False
         self._is_worker_serving = False
         self.on_health_changed: list[Callable[[bool], None]] = []
+        # Health changes come from the cluster's thread and the drain; one at a time, so that the last
+        # state a listener hears is the current one (never SERVING again after the drain began).
+        self._health_lock = threading.Lock()
 
     def attach(self, cluster: Cluster, tokenizer: ChatTokenizer) -> None:
         """Called once a worker has described the model."""
@@ -89,13 +92,15 @@ class Frontend:
 
     def set_serving(self, is_worker_serving: bool) -> None:
         """The cluster's callback: whether at least one worker serves."""
-        self._is_worker_serving = is_worker_serving
-        self._health_changed()
+        with self._health_lock:
+            self._is_worker_serving = is_worker_serving
+            self._health_changed()
 
     def begin_drain(self) -> None:
         """Not serving at once; new calls get UNAVAILABLE; calls in progress go on."""
-        self.is_draining = True
-        self._health_changed()
+        with self._health_lock:
+            self.is_draining = True
+            self._health_changed()
 
     def _health_changed(self) -> None:
         for listener in self.on_health_changed:

@@ -38,7 +38,7 @@ class HttpServer:
         self._socket = _listen(host, port)
         self.port = self._socket.getsockname()[1]
         config = uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            app, log_config=None, access_log=False, lifespan="auto", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             ssl_certfile=tls.certfile, ssl_keyfile=tls.keyfile, ssl_ca_certs=tls.ca_certs,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls.requires_client_cert else ssl.CERT_NONE)
         try:
