@@ -142,6 +142,14 @@ def test_the_restricted_check_catches_a_violation(mutation):
 
 
 @pytest.mark.parametrize("objects", OBJECT_SETS)
+def test_no_service_link_variables(objects):
+    """Every flag reads SPECDEC_<FLAG>: Kubernetes' service-link variables (a Service named `specdec` sets
+    SPECDEC_PORT=tcp://...) must not reach the processes."""
+    for workload in _workloads(OBJECT_SETS[objects]()):
+        assert workload["spec"]["template"]["spec"]["enableServiceLinks"] is False, workload["metadata"]["name"]
+
+
+@pytest.mark.parametrize("objects", OBJECT_SETS)
 def test_processes_write_only_to_volumes(objects):
     """The root filesystem is read-only: /tmp and every cache the image sets lie on a writable volume."""
     caches = dockerfile_cache_dirs()
