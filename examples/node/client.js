@@ -21,22 +21,29 @@ const USAGE = `usage: node client.js [options] PROMPT
   --json                print one JSON line (info, text, token ids, finish reason, usage) instead
   -h, --help            this text`;
 
-/** The command line as {address, maxTokens, temperature, seed, apiKey, caFile, json, prompt}. */
+/** The command line as {address, maxTokens, temperature, seed, apiKey, caFile, json, prompt}; exit 2 if bad. */
 function parseCommandLine(argv) {
-  const { values, positionals } = parseArgs({
-    args: argv,
-    allowPositionals: true,
-    options: {
-      address: { type: "string", default: "127.0.0.1:50051" },
-      "max-tokens": { type: "string", default: "64" },
-      temperature: { type: "string" },
-      seed: { type: "string" },
-      "api-key": { type: "string", default: process.env.SPECDEC_API_KEY || "" },
-      "ca-file": { type: "string" },
-      json: { type: "boolean", default: false },
-      help: { type: "boolean", short: "h", default: false },
-    },
-  });
+  let parsed;
+  try {
+    parsed = parseArgs({
+      args: argv,
+      allowPositionals: true,
+      options: {
+        address: { type: "string", default: "127.0.0.1:50051" },
+        "max-tokens": { type: "string", default: "64" },
+        temperature: { type: "string" },
+        seed: { type: "string" },
+        "api-key": { type: "string", default: process.env.SPECDEC_API_KEY || "" },
+        "ca-file": { type: "string" },
+        json: { type: "boolean", default: false },
+        help: { type: "boolean", short: "h", default: false },
+      },
+    });
+  } catch (error) {  // an unknown option, or an option without its value
+    console.error(`error: ${error.message}\n${USAGE}`);
+    process.exit(2);
+  }
+  const { values, positionals } = parsed;
   if (values.help || positionals.length !== 1) {
     console.error(USAGE);
     process.exit(values.help ? 0 : 2);

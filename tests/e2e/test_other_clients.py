@@ -111,6 +111,8 @@ def test_node_client_reports_grpc_errors(server, node_client):
     assert "error: INVALID_ARGUMENT: max_tokens must be > 0" in done.stderr
     done = run_node(node_client, "--max-tokens", "many", PROMPT)
     assert done.returncode == 2 and "--max-tokens must be a number" in done.stderr
+    done = run_node(node_client, "--bogus", PROMPT)
+    assert done.returncode == 2 and "Unknown option '--bogus'" in done.stderr and "usage:" in done.stderr
 
 
 # ---------------------------------------------------------------------------------------------- grpcurl
