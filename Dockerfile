@@ -63,7 +63,8 @@ USER specdec
 # seeded from here by Docker.
 RUN python -m worker_service.models fetch
 
-# 50051: scheduler (client API, specdec.v1.GenerationService); 50052: worker (specdec.v1.WorkerService).
-EXPOSE 50051 50052
+# 50051: scheduler (client API, specdec.v1.GenerationService); 50052: worker (specdec.v1.WorkerService);
+# 8000: the scheduler's OpenAI-compatible HTTP API when started with --http-port 8000 (compose, k8s).
+EXPOSE 50051 50052 8000
 ENTRYPOINT ["specdec"]
 CMD ["serve", "--host", "0.0.0.0"]

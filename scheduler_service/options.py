@@ -75,7 +75,7 @@ class SchedulerOptions:
 
 
 def scheduler_config(opts: SchedulerOptions, info) -> SchedulerConfig:
-    """The scheduler config for one worker, from the options and its WorkerInfo; ValueError if they clash."""
+    """The scheduler config for one worker, from the options and its DescribeResponse; ValueError if they clash."""
     max_model_len = min(opts.max_model_len or info.max_model_len, info.max_model_len)
     num_kv_blocks = opts.num_kv_blocks or min(info.num_blocks_capacity, MAX_DEFAULT_KV_BLOCKS)
     k = info.max_num_speculative_tokens if opts.num_speculative_tokens is None else opts.num_speculative_tokens
