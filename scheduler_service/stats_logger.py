@@ -3,12 +3,12 @@
 Every interval, from the change in the cluster's counters since the last line:
 
     Avg prompt throughput: 85.3 tokens/s, Avg generation throughput: 41.0 tokens/s, Running: 3 reqs,
-    Waiting: 0 reqs, KV cache usage: 4.7%, acceptance rate: 62.5% (mean accepted length 2.88)
+    Waiting: 0 reqs, KV cache usage: 4.7%, acceptance rate: 62.5% (tokens per speculating step 2.88)
 
 Prompt tokens count when their request emits its first token. The acceptance
-rate is accepted / drafted tokens; the mean accepted length is the tokens a
+rate is accepted / drafted tokens; the tokens per speculating step are what a
 step with drafts delivered per sequence (its accepted drafts + the one token
-the target always adds). An interval in which nothing ran and nothing waits
+the target always adds; GetServerInfo's mean_accepted_length counts every step). An interval in which nothing ran and nothing waits
 logs nothing.
 """
 
@@ -47,7 +47,7 @@ def format_stats_line(previous: ClusterSnapshot, current: ClusterSnapshot, elaps
         return line + "acceptance rate: - (no drafts)"
     num_accepted_tokens = now.num_accepted_tokens - before.num_accepted_tokens
     return line + (f"acceptance rate: {100 * num_accepted_tokens / num_draft_tokens:.1f}% "
-                   f"(mean accepted length {1 + num_accepted_tokens / num_drafts:.2f})")
+                   f"(tokens per speculating step {1 + num_accepted_tokens / num_drafts:.2f})")
 
 
 class StatsLogger:

@@ -36,7 +36,7 @@ def test_the_line_is_made_of_the_interval_deltas():
     line = format_stats_line(before, after, elapsed_s=4.0)
     assert line == ("Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 50.0 tokens/s, "
                     "Running: 3 reqs, Waiting: 3 reqs, KV cache usage: 20.0%, "
-                    "acceptance rate: 75.0% (mean accepted length 3.50)")
+                    "acceptance rate: 75.0% (tokens per speculating step 3.50)")
 
 
 def test_no_drafts_in_the_interval_and_an_idle_interval():
@@ -95,4 +95,4 @@ def test_a_real_cluster_line_counts_what_the_clients_received():
     assert line.startswith(f"Avg prompt throughput: {num_prompt_tokens:.1f} tokens/s, "
                            f"Avg generation throughput: {4 * 12:.1f} tokens/s, Running: 0 reqs, Waiting: 0 reqs, "
                            f"KV cache usage: 0.0%, acceptance rate: ")
-    assert re.search(r"acceptance rate: \d+\.\d% \(mean accepted length \d\.\d\d\)$", line)
+    assert re.search(r"acceptance rate: \d+\.\d% \(tokens per speculating step \d\.\d\d\)$", line)
