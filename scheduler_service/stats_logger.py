@@ -8,8 +8,8 @@ Every interval, from the change in the cluster's counters since the last line:
 Prompt tokens count when their request emits its first token. The acceptance
 rate is accepted / drafted tokens; the tokens per speculating step are what a
 step with drafts delivered per sequence (its accepted drafts + the one token
-the target always adds; GetServerInfo's mean_accepted_length counts every step). An interval in which nothing ran and nothing waits
-logs nothing.
+the target always adds; GetServerInfo's mean_accepted_length counts every
+step). An interval in which nothing ran and nothing waits logs nothing.
 """
 
 import logging
