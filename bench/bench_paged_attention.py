@@ -1,7 +1,11 @@
-"""Microbenchmark: time per call of the paged-attention reference on the CPU.
+"""Microbenchmark: time per call of each paged-attention path on one device.
 
-SmolLM2-like shapes (H=9, KVH=3, D=64, block_size 16) at a 300-token context.
-Run: ``python bench/bench_paged_attention.py [--threads N]``.
+SmolLM2-like shapes (H=9, KVH=3, D=64, block_size 16). On the CPU: the
+batch-invariant C kernel (what the worker runs) vs the SDPA path; on CUDA:
+Triton vs the SDPA path. Run:
+
+    python bench/bench_paged_attention.py [--threads N]                        # CPU, context 300
+    python bench/bench_paged_attention.py --device cuda --seqs 1,8,64 --contexts 512,4096 --q-lens 1
 """
 
 import argparse
@@ -10,12 +14,14 @@ import time
 
 import torch
 
-from kernels.paged_attention import paged_attention_ref
+from kernels import paged_attention_cpu
+from kernels.paged_attention import paged_attention_sdpa, paged_attention_triton
+from kernels._triton import HAS_TRITON
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
-def make_inputs(num_seqs: int, q_len: int, context_len: int, dtype: torch.dtype) -> tuple:
+def make_inputs(num_seqs: int, q_len: int, context_len: int, dtype: torch.dtype, device: str) -> tuple:
     """A batch of ``num_seqs`` sequences, each ``q_len`` query tokens ending at ``context_len``."""
     blocks_per_seq = -(-context_len // BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq + 8
@@ -27,35 +33,62 @@ def make_inputs(num_seqs: int, q_len: int, context_len: int, dtype: torch.dtype)
     query = torch.randn(num_seqs * q_len, NUM_HEADS, HEAD_DIM, dtype=dtype)  # [T, H, D]
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32) * q_len  # [B+1]
     seq_lens = torch.full((num_seqs,), context_len, dtype=torch.int32)  # [B]
-    return query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, 1 / math.sqrt(HEAD_DIM)
+    tensors = (query, key_cache, value_cache, block_tables, query_start_loc, seq_lens)
+    return (*(t.to(device) for t in tensors), 1 / math.sqrt(HEAD_DIM))
 
 
-def time_per_call_us(args: tuple, num_rounds: int = 20, calls_per_round: int = 20) -> float:
+def time_per_call_us(function, args: tuple, num_rounds: int = 20, calls_per_round: int = 20) -> float:
     """Best round's mean time per call, in microseconds (robust to other load on the machine)."""
+    synchronize = torch.cuda.synchronize if args[0].is_cuda else (lambda: None)
     for _ in range(10):
-        paged_attention_ref(*args)
+        function(*args)
     best = float("inf")
     for _ in range(num_rounds):
+        synchronize()
         start = time.perf_counter()
         for _ in range(calls_per_round):
-            paged_attention_ref(*args)
+            function(*args)
+        synchronize()
         best = min(best, (time.perf_counter() - start) / calls_per_round * 1e6)
     return best
 
 
+def paths(device: str) -> dict:
+    """The implementations to time on this device: the worker's own path first, SDPA last."""
+    if device.startswith("cuda"):
+        return {"triton": paged_attention_triton, "sdpa": paged_attention_sdpa} if HAS_TRITON else {
+            "sdpa": paged_attention_sdpa}
+    own = {"c kernel": paged_attention_cpu.paged_attention_cpu} if paged_attention_cpu.available() else {}
+    return {**own, "sdpa": paged_attention_sdpa}
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seqs", type=ints, default=[1, 8], help="sequences per call, comma-separated")
+    parser.add_argument("--q-lens", type=ints, default=[1, 5], help="query tokens per sequence")
+    parser.add_argument("--contexts", type=ints, default=[300], help="context tokens per sequence")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    cases = [("batch 1 decode", 1, 1), ("batch 8 decode", 8, 1), ("batch 1, 5-token query", 1, 5),
-             ("batch 8, 5-token queries", 8, 5)]
-    for dtype in (torch.float32, torch.bfloat16):
-        for name, num_seqs, q_len in cases:
-            us = time_per_call_us(make_inputs(num_seqs, q_len, 300, dtype))
-            print(f"{str(dtype):15s} {name:26s} context 300: {us:8.1f} us/call")
+    functions = paths(args.device)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}; us per call")
+    print(f"{'dtype':9s} {'seqs':>5s} {'q_len':>5s} {'context':>7s} " + " ".join(f"{n:>9s}" for n in functions))
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for num_seqs in args.seqs:
+            for q_len in args.q_lens:
+                for context in args.contexts:
+                    inputs = make_inputs(num_seqs, q_len, context, dtype, args.device)
+                    times = [time_per_call_us(f, inputs) for f in functions.values()]
+                    print(f"{dtype_name:9s} {num_seqs:5d} {q_len:5d} {context:7d} "
+                          + " ".join(f"{t:9.1f}" for t in times))
 
 
 if __name__ == "__main__":

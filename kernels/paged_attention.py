@@ -17,6 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kernels import paged_attention_cpu as cpu_kernel
 from kernels._triton import HAS_TRITON, num_search_steps, use_triton
 
 if HAS_TRITON:
@@ -202,7 +203,7 @@ def attend_uniform(
     return out.reshape(num_seqs, q_len, num_heads, head_dim)  # head h = kv_head * G + g
 
 
-def paged_attention_ref(
+def paged_attention_sdpa(
     query: torch.Tensor,  # [T, H, D]
     key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     value_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
@@ -211,7 +212,8 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    """PyTorch reference of ``paged_attention_triton``, built on SDPA.
+    """Paged attention in PyTorch ops, built on SDPA: the reference of the other paths, and the CPU's
+    fallback when the C kernel cannot be built (SDPA is not batch invariant).
 
     Sequences with equal q_len are attended together in one SDPA call (the
     whole batch in the common all-decode or all-(k+1)-token case); the only
@@ -257,11 +259,14 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    """Paged attention: Triton on an accelerator, else the SDPA reference."""
+    """Paged attention: Triton on an accelerator, the batch-invariant C kernel on the CPU, else SDPA."""
     if use_triton(query):
         device = query.device
         return paged_attention_triton(
             query, key_cache, value_cache, block_tables.to(device),
             query_start_loc.to(device), seq_lens.to(device), scale,
         )
-    return paged_attention_ref(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
+    if cpu_kernel.supports(query, key_cache) and cpu_kernel.available():
+        return cpu_kernel.paged_attention_cpu(query, key_cache, value_cache, block_tables, query_start_loc,
+                                              seq_lens, scale)
+    return paged_attention_sdpa(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)

@@ -1,4 +1,7 @@
-"""Paged attention: reference vs dense ground truth and HF SDPA; Triton vs reference."""
+"""Paged attention: the SDPA path vs dense ground truth and HF SDPA; Triton vs SDPA.
+
+The CPU's C kernel has its own tests (test_paged_attention_cpu.py), on these cases.
+"""
 
 import math
 from dataclasses import dataclass
@@ -94,9 +97,9 @@ def dense_attention(case: Case) -> torch.Tensor:  # [T, H, D] float64
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("name", list(CASES))
-def test_ref_matches_dense(name, block_size, heads):
+def test_sdpa_matches_dense(name, block_size, heads):
     case = make_case(CASES[name], block_size, num_heads=heads[0], num_kv_heads=heads[1])
-    out = pa.paged_attention_ref(*case.args())
+    out = pa.paged_attention_sdpa(*case.args())
     assert out.dtype == torch.float32 and out.shape == case.query.shape
     assert (out.double() - dense_attention(case)).abs().max() <= 1e-5
 
@@ -105,7 +108,7 @@ def test_ref_matches_dense(name, block_size, heads):
     "name, expected_groups, is_uniform",
     [("five_token_queries", [3], True), ("decode_batch", [4], True), ("mixed", [1, 2, 2, 1], False)],
 )
-def test_ref_batches_sequences_by_q_len(monkeypatch, name, expected_groups, is_uniform):
+def test_sdpa_batches_sequences_by_q_len(monkeypatch, name, expected_groups, is_uniform):
     """Uniform batches take the no-regrouping fast path; mixed ones one SDPA call per q_len."""
     group_sizes, num_regroupings = [], []
     attend, group_by_q_len = pa.attend_uniform, pa.group_by_q_len
@@ -121,17 +124,17 @@ def test_ref_batches_sequences_by_q_len(monkeypatch, name, expected_groups, is_u
     monkeypatch.setattr(pa, "attend_uniform", spy_attend)
     monkeypatch.setattr(pa, "group_by_q_len", spy_group)
     case = make_case(CASES[name], block_size=4)
-    out = pa.paged_attention_ref(*case.args())
+    out = pa.paged_attention_sdpa(*case.args())
     assert group_sizes == expected_groups
     assert len(num_regroupings) == (0 if is_uniform else 1)
     assert (out.double() - dense_attention(case)).abs().max() <= 1e-5
 
 
-def test_ref_matches_transformers_sdpa():
+def test_sdpa_matches_transformers_sdpa():
     """Same numbers as the attention `transformers` runs with a contiguous cache."""
     sdpa_attention = pytest.importorskip("transformers.integrations.sdpa_attention")
     case = make_case(CASES["mixed"], block_size=16, num_heads=4, num_kv_heads=2, head_dim=16)
-    out = pa.paged_attention_ref(*case.args())  # [T, H, D]
+    out = pa.paged_attention_sdpa(*case.args())  # [T, H, D]
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 2, True
     starts = case.query_start_loc.tolist()
@@ -147,16 +150,22 @@ def test_ref_matches_transformers_sdpa():
 
 
 @pytest.mark.parametrize("name", ["five_token_queries", "mixed"])
-def test_ref_bf16(name):
+def test_sdpa_bf16(name):
     case = make_case(CASES[name], block_size=4, dtype=torch.bfloat16)
-    out = pa.paged_attention_ref(*case.args())
+    out = pa.paged_attention_sdpa(*case.args())
     assert out.dtype == torch.bfloat16
     assert (out.double() - dense_attention(case)).abs().max() <= 3e-2
 
 
-def test_dispatcher_uses_ref_on_cpu():
+def test_dispatcher_uses_the_c_kernel_on_cpu():
     case = make_case(CASES["mixed"], block_size=4)
-    assert torch.equal(pa.paged_attention(*case.args()), pa.paged_attention_ref(*case.args()))
+    assert torch.equal(pa.paged_attention(*case.args()), pa.cpu_kernel.paged_attention_cpu(*case.args()))
+
+
+def test_dispatcher_falls_back_to_sdpa_without_the_c_kernel(monkeypatch):
+    monkeypatch.setattr(pa.cpu_kernel, "available", lambda: False)
+    case = make_case(CASES["mixed"], block_size=4)
+    assert torch.equal(pa.paged_attention(*case.args()), pa.paged_attention_sdpa(*case.args()))
 
 
 @requires_triton
@@ -167,7 +176,7 @@ def test_dispatcher_uses_ref_on_cpu():
 )
 def test_triton_matches_ref(name, block_size, heads, head_dim):
     case = make_case(CASES[name], block_size, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
-    expected = pa.paged_attention_ref(*case.args())
+    expected = pa.paged_attention_sdpa(*case.args())
     out = pa.paged_attention_triton(*case.args(DEVICE))
     assert (out.cpu() - expected).abs().max() <= 1e-4
 

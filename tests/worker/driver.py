@@ -20,15 +20,18 @@ class Driver:
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  sampling: step.RequestSampling | list[step.RequestSampling] | None = None,
-                 num_speculative_tokens: int = 0, prefix: str = "r") -> list[list[int]]:
+                 num_speculative_tokens: int | list[int] = 0, prefix: str = "r") -> list[list[int]]:
         """`sampling`: one for all requests, or one per prompt (default greedy); every decode step has
-        k = num_speculative_tokens (the tables always have room for it)."""
+        k = num_speculative_tokens, one for all or one per prompt (the tables always have room for it)."""
         sampling = sampling or step.RequestSampling(temperature=0.0)
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        ks = num_speculative_tokens if isinstance(num_speculative_tokens, list) else [num_speculative_tokens] * len(
+            prompts)
         ids = [f"{prefix}{i}" for i in range(len(prompts))]
+        k_of = dict(zip(ids, ks))
         outputs = {rid: [] for rid in ids}
-        new = [step.NewRequest(rid, p, len(p), s, self.blocks(len(p) + max_tokens + 8), len(p),
-                               num_speculative_tokens) for rid, p, s in zip(ids, prompts, samplings)]
+        new = [step.NewRequest(rid, p, len(p), s, self.blocks(len(p) + max_tokens + 8), len(p), k_of[rid])
+               for rid, p, s in zip(ids, prompts, samplings)]
         request = step.StepRequest(next(self.step_ids), new_requests=new)
         while True:
             result = self.execute(request)
@@ -38,7 +41,7 @@ class Driver:
             running = [rid for rid in ids if len(outputs[rid]) < max_tokens]
             if not running:
                 break
-            cached = [step.CachedRequest(rid, [], -1, 1, num_speculative_tokens) for rid in running]
+            cached = [step.CachedRequest(rid, [], -1, 1, k_of[rid]) for rid in running]
             request = step.StepRequest(next(self.step_ids), cached_requests=cached)
             for c in cached:  # keep the whole table: num_blocks_kept = its current length
                 c.num_blocks_kept = -(-(len(prompts[ids.index(c.request_id)]) + max_tokens + 8) // self.block_size)

@@ -1,0 +1,86 @@
+"""Builds our C kernels (kernels/csrc) into shared libraries, once per source, compiler and CPU.
+
+A kernel is plain C with a C ABI, called through ctypes: no Python or torch
+headers, so a build takes about a second with the system C compiler (`cc`,
+or `$CC`), and it happens the first time a worker needs the kernel. The
+library is cached under `$SPECDEC_CACHE_DIR/kernels` (default
+`~/.cache/specdec/kernels`), named by a hash of everything that makes it: the
+source, the flags, the compiler's version and the CPU's instruction sets
+(`-march=native`), so a cache shared by different machines never hands one a
+library built for another.
+
+It links OpenMP by its soname, `libgomp.so.1`; torch's CPU wheel loads a
+library of that name first, so our kernels share torch's thread pool.
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+
+from worker_service.models import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
+# -ffp-contract=off: no multiply-add is fused unless the source says fmaf, so the bits of a result do not
+# depend on how the compiler vectorised a loop (the batch invariance of kernels/csrc/paged_attention_cpu.c).
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+
+
+class KernelBuildError(RuntimeError):
+    """No C compiler, or the kernel did not compile."""
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise KernelBuildError("no C compiler found (install gcc, or set CC)")
+    return compiler
+
+
+def _cpu_flags() -> str:
+    """The CPU's instruction-set flags (what -march=native builds for)."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _build_key(source: bytes, compiler: str) -> str:
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise KernelBuildError(f"the C compiler {compiler} does not run: {exc}") from exc
+    digest = hashlib.sha256()
+    for part in (source, " ".join(CFLAGS).encode(), version.encode(), _cpu_flags().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def load_library(name: str) -> ctypes.CDLL:
+    """The built library of kernels/csrc/NAME.c, compiling it first when no cached build fits."""
+    source_path = SOURCE_DIR / f"{name}.c"
+    source = source_path.read_bytes()
+    compiler = _compiler()
+    target = cache_dir() / "kernels" / f"{name}-{_build_key(source, compiler)}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".partial-{os.getpid()}")
+        logger.info("building the %s kernel with %s", name, compiler)
+        result = subprocess.run([compiler, *CFLAGS, "-o", str(partial), str(source_path), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise KernelBuildError(f"{compiler} failed to build {source_path.name}:\n{result.stderr.strip()}")
+        partial.replace(target)  # atomic: another process may build the same file meanwhile
+    return ctypes.CDLL(str(target))

@@ -1,0 +1,87 @@
+"""The CPU paged attention: batch invariant, a C kernel (kernels/csrc/paged_attention_cpu.c).
+
+Same contract as ``kernels.paged_attention`` (packed multi-token queries over
+a paged KV cache, causal per sequence, GQA), with one more guarantee: a query
+row's output does not depend on how many rows, heads or sequences share the
+call. A (k+1)-token verify query therefore gets bitwise the attention output
+k+1 single-token decode steps would, so greedy speculation emits exactly
+plain decoding's tokens in bf16 too (the linear layers are batch invariant
+as well: worker_service/fast_linear.py). SDPA is not: its blocking, and so
+its rounding, depends on the number of query rows.
+
+The kernel is built on first use (kernels/cpu_build.py); without a C
+compiler ``available()`` is False and the dispatcher falls back to SDPA.
+"""
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from kernels.cpu_build import KernelBuildError, load_library
+
+logger = logging.getLogger(__name__)
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_HEAD_DIM = 256  # kernels/csrc/paged_attention_cpu.c keeps rows of this many floats on the stack
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    """The C function, or None when it cannot be built here (logged once)."""
+    try:
+        library = load_library("paged_attention_cpu")
+    except (KernelBuildError, OSError) as exc:
+        logger.warning("the batch-invariant CPU attention kernel is unavailable, so greedy speculation in "
+                       "bf16/fp16 may differ from plain decoding; using SDPA instead: %s", exc)
+        return None
+    function = library.specdec_paged_attention
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    function.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
+                         i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    function.restype = i32
+    return function
+
+
+def available() -> bool:
+    """True when the C kernel is built (or builds now) on this machine."""
+    return _kernel() is not None
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """True for inputs the kernel takes: CPU tensors of one supported dtype, head_dim <= MAX_HEAD_DIM."""
+    return (query.device.type == "cpu" and query.dtype in DTYPE_CODES and key_cache.dtype == query.dtype
+            and query.shape[-1] <= MAX_HEAD_DIM)
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:  # [T, H, D], contiguous
+    """Runs the C kernel (see the module docstring); ``available()`` must be True."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    assert supports(query, key_cache) and value_cache.dtype == query.dtype
+    assert query.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert num_heads % num_kv_heads == 0 and key_cache.shape == value_cache.shape
+    block_tables = block_tables.to(torch.int32).contiguous()
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)  # [T, H, D]
+    if num_tokens == 0:
+        return out
+    status = _kernel()(
+        DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
+        key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+        block_tables.shape[0], num_heads, num_kv_heads, head_dim, block_size, float(scale), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"paged_attention_cpu failed (status {status}) for head_dim {head_dim}")
+    return out

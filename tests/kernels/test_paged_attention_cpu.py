@@ -1,0 +1,108 @@
+"""The CPU's C attention kernel: the same numbers as dense attention, and bitwise batch invariance."""
+
+import pytest
+import torch
+
+from kernels import cpu_build, paged_attention_cpu as cpu_kernel
+from tests.kernels.test_paged_attention import CASES, dense_attention, make_case
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cpu_kernel.available(), "the C kernel must build on a machine with a C compiler"
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+@pytest.mark.parametrize("heads, head_dim", [((4, 2), 8), ((4, 4), 8), ((6, 2), 20), ((9, 3), 64)],
+                         ids=["gqa", "mha", "odd-dim", "smollm2"])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_dense(name, block_size, heads, head_dim, dtype):
+    case = make_case(CASES[name], block_size, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                     dtype=dtype)
+    out = cpu_kernel.paged_attention_cpu(*case.args())
+    assert out.dtype == dtype and out.shape == case.query.shape
+    assert (out.double() - dense_attention(case)).abs().max() <= TOLERANCE[dtype]
+
+
+def test_takes_a_strided_query():
+    """`transformers` hands attention a transposed [T, H, D] view of its [1, H, T, D] query."""
+    case = make_case(CASES["mixed"], 4)
+    strided = case.query.transpose(0, 1).contiguous().transpose(0, 1)  # same values, head-major memory
+    args = case.args()
+    assert torch.equal(cpu_kernel.paged_attention_cpu(strided, *args[1:]), cpu_kernel.paged_attention_cpu(*args))
+
+
+def one_row_decode(case, token: int, seq: int) -> torch.Tensor:  # [H, D]
+    """Query `token` of sequence `seq` alone, as a one-token decode at its position."""
+    starts, lens = case.query_start_loc.tolist(), case.seq_lens.tolist()
+    position = lens[seq] - (starts[seq + 1] - starts[seq]) + (token - starts[seq])
+    out = cpu_kernel.paged_attention_cpu(case.query[token: token + 1], case.key_cache, case.value_cache,
+                                         case.block_tables[seq: seq + 1], torch.tensor([0, 1], dtype=torch.int32),
+                                         torch.tensor([position + 1], dtype=torch.int32), case.scale)
+    return out[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("context", [1, 16, 130, 600])
+def test_rows_are_bitwise_batch_invariant(dtype, context):
+    """A row's output is bitwise the same whether it is computed alone or with 1..16 query rows of its
+    sequence, next to other sequences, with 1 or 2 threads: what makes a verify step equal plain decoding."""
+    threads = torch.get_num_threads()
+    for q_len in range(1, 17):
+        # The sequence under test among others of other shapes; SmolLM2's heads (9 query heads per 3 KV heads).
+        specs = [(3, 40), (q_len, context + q_len), (1, 7)]
+        case = make_case(specs, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=q_len)
+        together = cpu_kernel.paged_attention_cpu(*case.args())  # [T, H, D]
+        start = case.query_start_loc[1].item()
+        try:
+            torch.set_num_threads(1 if q_len % 2 else threads)
+            for token in range(start, start + q_len):
+                assert torch.equal(together[token], one_row_decode(case, token, seq=1)), (q_len, token)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_sdpa_is_not_batch_invariant_in_bf16():
+    """Why the C kernel exists: the SDPA path's rows change with the number of query rows (if this ever
+    passes, SDPA became invariant and the kernel could go)."""
+    from kernels.paged_attention import paged_attention_sdpa
+
+    differ = 0
+    for q_len in range(2, 17):
+        case = make_case([(q_len, 600 + q_len)], 16, num_heads=9, num_kv_heads=3, head_dim=64,
+                         dtype=torch.bfloat16, seed=q_len)
+        together = paged_attention_sdpa(*case.args())
+        last = q_len - 1
+        alone = paged_attention_sdpa(case.query[last:], case.key_cache, case.value_cache, case.block_tables,
+                                     torch.tensor([0, 1], dtype=torch.int32), case.seq_lens, case.scale)
+        differ += not torch.equal(together[last], alone[0])
+    assert differ > 0
+
+
+def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    cpu_build.load_library.cache_clear()
+    try:
+        with pytest.raises(cpu_build.KernelBuildError, match="does not run"):
+            cpu_build.load_library("paged_attention_cpu")
+    finally:
+        cpu_build.load_library.cache_clear()
+
+
+def test_builds_once_per_source_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    cpu_build.load_library.cache_clear()
+    try:
+        cpu_build.load_library("paged_attention_cpu")
+        built = list((tmp_path / "kernels").glob("paged_attention_cpu-*.so"))
+        assert len(built) == 1
+        mtime = built[0].stat().st_mtime_ns
+        cpu_build.load_library.cache_clear()
+        cpu_build.load_library("paged_attention_cpu")
+        assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+    finally:
+        cpu_build.load_library.cache_clear()
