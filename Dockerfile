@@ -1,14 +1,14 @@
 # specdec: one image for the worker, the scheduler and `specdec serve`.
 #
 # CPU image (the default): CPU torch from the PyTorch index and no Triton,
-# which the CPU never uses (the kernels fall back to their PyTorch references)
-# and which would add about 1 GB:
+# which the CPU never uses (it runs the PyTorch paths and a C attention
+# kernel) and which would add about 1 GB:
 #   docker build -t specdec .
 #   docker run -p 127.0.0.1:50051:50051 specdec               # worker + scheduler in one container
 #
 # GPU image: a CUDA torch (plain PyPI's torch is the CUDA build on x86-64; or
 # a CUDA index such as https://download.pytorch.org/whl/cu<version>) and the
-# `gpu` extra, i.e. Triton, plus the C compiler Triton builds its launchers with:
+# `gpu` extra, i.e. Triton:
 #   docker build --build-arg TORCH_INDEX_URL= --build-arg EXTRAS=gpu -t specdec:gpu .
 FROM python:3.11-slim
 
@@ -31,11 +31,12 @@ ENV PYTHONUNBUFFERED=1 \
     TRITON_CACHE_DIR=/home/specdec/.cache/triton \
     CUDA_CACHE_PATH=/home/specdec/.cache/nv
 
-# Triton compiles small launcher stubs with the host C compiler at first use.
-RUN case ",$EXTRAS," in *,gpu,*) \
-        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-        && rm -rf /var/lib/apt/lists/* ;; \
-    esac
+# A C compiler, in every image: the worker builds its batch-invariant CPU
+# attention kernel for the CPU it runs on at first use (kernels/cpu_build.py,
+# -march=native, so not at image build time), and Triton compiles small
+# launcher stubs with it.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 
 # torch first, alone, so that `pip install .` finds the pin satisfied and
 # does not pull another build; this layer survives source changes.

@@ -98,7 +98,8 @@ def test_cpu_image_installs_cpu_torch_first_and_no_triton(tmp_path):
     assert pip_installs[0] == ["pip", "install", "torch==2.13.0", "--index-url", CPU_TORCH_INDEX]
     assert pip_installs[1] == ["pip", "install", "."]
     assert not any("triton" in r for r in _installed_requirements(commands))
-    assert not any(argv[0] == "apt-get" for argv in commands)  # no compiler either
+    installs = [argv for argv in commands if argv[:2] == ["apt-get", "install"]]
+    assert installs and "gcc" in installs[0]  # the worker builds its CPU attention kernel at first use
     assert ["python", "-m", "worker_service.models", "fetch"] in commands  # the model is baked in
 
 
@@ -111,7 +112,7 @@ def test_documented_gpu_image_installs_cuda_torch_triton_and_a_compiler(tmp_path
     assert pip_installs[1] == ["pip", "install", ".[gpu]"]
     assert any(r.startswith("triton==") for r in _installed_requirements(commands))
     installs = [argv for argv in commands if argv[:2] == ["apt-get", "install"]]
-    assert installs and "gcc" in installs[0]  # Triton builds its launchers with it
+    assert installs and "gcc" in installs[0]  # Triton builds its launchers with it too
 
 
 def test_k8s_readme_documents_the_same_gpu_build():

@@ -13,12 +13,9 @@ times it sees).
 Batch invariance: a row's result does not depend on how many rows share the
 call (checked bitwise for 2..64 rows in fp32 and 1..64 in bf16; in fp32 a
 lone row takes another kernel, so it is padded (see MIN_ROWS); `tests/worker/
-test_fast_linear.py`). Attention (SDPA) is not batch invariant, so a
-verification query's logits still differ from step-by-step decoding by float
-rounding (~1e-7 in fp32). A two-pass attention over fixed 128-key chunks with
-query rows padded to 16 per KV head was measured bitwise invariant in fp32 and
-bf16, but in PyTorch ops it costs ~0.45 ms per layer against ~0.1 ms for SDPA,
-so it is not used.
+test_fast_linear.py`). With the batch-invariant attention kernel
+(kernels/paged_attention_cpu.py) a verification query's logits are bitwise
+those of step-by-step decoding, in fp32 and bf16.
 
 Other devices keep `torch.nn.Linear` (cuBLAS on a GPU).
 """
