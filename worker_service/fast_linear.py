@@ -48,7 +48,7 @@ class PackedLinear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)  # [N, in]
         num_rows = rows.shape[0]
         if num_rows < MIN_ROWS:
-            rows = torch.cat([rows, rows.new_zeros(MIN_ROWS - num_rows, self.in_features)])
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, MIN_ROWS - num_rows))  # zero rows below: one op
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed_weight, self.bias,
                                                  "none", [], "")  # [max(N, MIN_ROWS), out]
         return out[:num_rows].view(*x.shape[:-1], self.out_features)
