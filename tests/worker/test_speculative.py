@@ -19,12 +19,13 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [40] * 20, [10, 11, 12, 10, 11, 12, 10], li
 MAX_TOKENS = 24
 
 
-def make_worker(pair, proposer="none", k=0, scorer="multi_query", draft_path=None) -> Worker:
+def make_worker(pair, proposer="none", k=0, scorer="multi_query", draft_path=None, device="cpu",
+                dtype="float32") -> Worker:
     draft_path = draft_path or pair.draft_path
     config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k, scorer=scorer,
-                          draft_model=str(draft_path) if proposer == "draft" else None)
-    draft = ModelRunner(load_model(draft_path)) if proposer == "draft" else None
-    worker = Worker(config, ModelRunner(load_model(pair.target_path)), draft)
+                          draft_model=str(draft_path) if proposer == "draft" else None, device=device, dtype=dtype)
+    draft = ModelRunner(load_model(draft_path, dtype, device)) if proposer == "draft" else None
+    worker = Worker(config, ModelRunner(load_model(pair.target_path, dtype, device)), draft)
     worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
     return worker
 
@@ -79,6 +80,21 @@ def test_draft_model_greedy_is_lossless(tiny_pair, baseline, k):
     got, results = speculative_run(make_worker(tiny_pair, "draft", k), k)
     assert got == baseline
     assert sum(o.num_draft_tokens for r in results for o in r.outputs) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_greedy_is_lossless_on_cuda(tiny_pair, proposer, dtype):
+    """On CUDA (the Triton kernels) in either dtype, speculation emits the plain run's tokens: k = 1, 3, 5, and
+    a batch that mixes k per sequence."""
+    plain = Driver(make_worker(tiny_pair, device="cuda", dtype=dtype).execute, BLOCK_SIZE, NUM_BLOCKS)
+    baseline = plain.generate(PROMPTS, MAX_TOKENS)
+    worker = make_worker(tiny_pair, proposer, 5, device="cuda", dtype=dtype)
+    for run, ks in enumerate([1, 3, 5, [5, 1, 3, 0, 5]]):
+        driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
+        assert driver.generate(PROMPTS, MAX_TOKENS, num_speculative_tokens=ks, prefix=f"k{run}-") == baseline, ks
+        assert sum(o.num_draft_tokens for r in driver.results for o in r.outputs) > 0
 
 
 def test_self_draft_accepts_everything_and_stays_lossless(tiny_pair, baseline):
