@@ -68,8 +68,8 @@ class WorkerConfig:
     ngram_max: int = 4
     suffix_cache_tokens: int = 65536    # the suffix proposer's index of recent outputs (0: none)
     scorer: str = "multi_query"
-    kv_cache_memory_bytes: int = 2 << 30   # the KV budget on the CPU; on CUDA build_worker sets it from:
-    gpu_memory_utilization: float = 0.9    # the fraction of the GPU's memory this worker uses in all (vLLM's)
+    kv_cache_memory_bytes: int = 2 << 30   # the KV budget; on CUDA build_worker sets it from the next field
+    gpu_memory_utilization: float = 0.9    # on CUDA: the fraction of the GPU's memory the worker uses in all
     max_model_len: int | None = None    # None: the model's own limit
     num_threads: int | None = None      # torch intra-op threads; None: torch's default
 

@@ -6,13 +6,9 @@ memory in all, so the KV cache gets what is left of it once the weights are
 loaded, less ACTIVATION_RESERVE_BYTES for what a step allocates on the side.
 """
 
-import logging
-
 import torch
 
 from worker_service.config import WorkerConfig, resolve_device
-
-logger = logging.getLogger(__name__)
 
 # Memory that torch's allocator does not show after the model loads: the CUDA context and kernel images
 # (~0.5 GiB), and a step's activations and sampling tensors ([B, K+1, V] float32: 0.9 GiB at B = 256, K = 5,

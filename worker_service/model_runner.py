@@ -93,6 +93,7 @@ class ModelRunner:
 
     def init_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """(Re)allocates the KV cache; every cached K/V is dropped."""
+        self.kv_cache = None  # freed first: the old and the new cache may not both fit in the budget
         self.kv_cache = KVCache(self.kv_spec, num_blocks, block_size, self.device)
         logger.info("allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
                     self.kv_cache.num_bytes / 2**20)
