@@ -181,8 +181,9 @@ class WorkerEngine:
             self.scheduler = Scheduler(config, self._cluster.tokenizer, self.stats)
             self._stream, self._leave_reason = stream, None
             self.state = WorkerState.SERVING
-            logger.info("worker %s serves: %d KV blocks of %d tokens, k=%d, %s scheduling", self.address,
-                        config.num_kv_blocks, config.block_size, config.num_speculative_tokens, config.scheduling)
+            logger.info("worker %s serves on %s: %d KV blocks of %d tokens, k=%d, %s scheduling", self.address,
+                        info.device or "an unnamed device", config.num_kv_blocks, config.block_size,
+                        config.num_speculative_tokens, config.scheduling)
             self._cluster.on_serving(self)
         return True
 

@@ -12,6 +12,32 @@ import pytest  # noqa: E402
 from tests.tiny_models import make_tiny_pair  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are skipped (never passed) on a host without CUDA."""
+    if torch.cuda.is_available():
+        return
+    needs_cuda = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(needs_cuda)
+
+
+# Where a test runs the worker's torch code: always the CPU, and CUDA in the gpu tier.
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    return request.param
+
+
+# Where a kernel test runs Triton: the CPU in Triton's interpreter (only without CUDA: the interpreter is set
+# up above), or CUDA in the gpu tier.
+@pytest.fixture(params=[
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                 reason="Triton's interpreter runs only on a host without CUDA")),
+    pytest.param("cuda", marks=pytest.mark.gpu)])
+def triton_device(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """A seeded tiny Llama target and a smaller draft sharing its vocabulary, saved as checkpoints."""

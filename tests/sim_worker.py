@@ -146,7 +146,8 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                      kv_bytes_per_block=1024, num_blocks_capacity=self.num_blocks,
                                      eos_token_ids=[], dtype="float32",
                                      proposer="ngram" if self.num_speculative_tokens else "none",
-                                     max_num_speculative_tokens=self.num_speculative_tokens, scorer="multi_query")
+                                     max_num_speculative_tokens=self.num_speculative_tokens, scorer="multi_query",
+                                     device="cpu")
 
     def InitCache(self, request, context):
         if self.is_frozen.is_set():

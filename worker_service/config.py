@@ -1,12 +1,15 @@
 """Worker configuration, built once at the edge (CLI / environment)."""
 
 from dataclasses import dataclass
+import re
 
 PROPOSERS = ("none", "ngram", "draft", "suffix")
 SCORERS = ("multi_query", "batch_expansion")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")            # what a model runs in
 DTYPE_ALIASES = {"half": "float16"}
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES, *DTYPE_ALIASES)      # what --dtype takes
+DEVICE_SPELLINGS = "auto, cpu, cuda or cuda:N"              # what --device takes
+_DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
 def normalize_dtype(name: str) -> str:
@@ -25,12 +28,39 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device_type: str
     return "float32"
 
 
+def check_device(name: str) -> str:
+    """`name` if --device can take it (auto, cpu, cuda, cuda:N), else ValueError; whether the device exists is
+    resolve_device's question."""
+    if not _DEVICE_PATTERN.fullmatch(name):
+        raise ValueError(f"--device must be {DEVICE_SPELLINGS}, got {name!r}")
+    return name
+
+
+def resolve_device(requested: str, num_cuda_devices: int) -> str:
+    """The device a worker runs on: "auto" is cuda:0 when there is a CUDA device, else the CPU; "cuda" is cuda:0.
+    Raises ValueError (naming --device) for a CUDA device this host does not have."""
+    check_device(requested)
+    if requested == "auto":
+        return "cuda:0" if num_cuda_devices > 0 else "cpu"
+    if requested == "cpu":
+        return requested
+    if num_cuda_devices == 0:
+        raise ValueError(f"--device {requested}: CUDA is not available here (no CUDA device, or a CPU-only build "
+                         "of torch); use --device cpu")
+    index = int(requested.partition(":")[2] or 0)
+    if index >= num_cuda_devices:
+        raise ValueError(f"--device {requested}: this host has {num_cuda_devices} CUDA device(s), "
+                         f"cuda:0..cuda:{num_cuda_devices - 1}")
+    return f"cuda:{index}"
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """What one worker loads and how it speculates."""
 
     model: str                          # checkpoint directory or .gguf file
     dtype: str = "auto"                 # DTYPE_CHOICES; the worker resolves "auto" when it loads the model
+    device: str = "auto"                # check_device; build_worker resolves it (resolve_device)
     draft_model: str | None = None
     proposer: str = "none"
     num_speculative_tokens: int = 0     # k: the most drafts per sequence and step
@@ -38,7 +68,8 @@ class WorkerConfig:
     ngram_max: int = 4
     suffix_cache_tokens: int = 65536    # the suffix proposer's index of recent outputs (0: none)
     scorer: str = "multi_query"
-    kv_cache_memory_bytes: int = 2 << 30
+    kv_cache_memory_bytes: int = 2 << 30   # the KV budget; on CUDA build_worker sets it from the next field
+    gpu_memory_utilization: float = 0.9    # on CUDA: the fraction of the GPU's memory the worker uses in all
     max_model_len: int | None = None    # None: the model's own limit
     num_threads: int | None = None      # torch intra-op threads; None: torch's default
 
@@ -62,5 +93,8 @@ class WorkerConfig:
             raise ValueError(f"suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be > 0")
+        check_device(self.device)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

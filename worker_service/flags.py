@@ -2,11 +2,12 @@
 
 import argparse
 
-from worker_service.config import DTYPE_ALIASES, DTYPE_CHOICES, PROPOSERS, SCORERS, WorkerConfig, normalize_dtype
+from worker_service.config import (DEVICE_SPELLINGS, DTYPE_ALIASES, DTYPE_CHOICES, PROPOSERS, SCORERS, WorkerConfig,
+                                   check_device, normalize_dtype)
 
 # Flags a launcher forwards to a worker process (`specdec serve`), by argparse dest.
 FORWARDED = ("draft_model", "proposer", "num_speculative_tokens", "ngram_min", "ngram_max", "suffix_cache_tokens",
-             "scorer", "dtype", "max_model_len", "kv_cache_memory_gib")
+             "scorer", "dtype", "device", "max_model_len", "kv_cache_memory_gib", "gpu_memory_utilization")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -29,16 +30,31 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     aliases = ", ".join(f"{alias} = {name}" for alias, name in DTYPE_ALIASES.items())
     p.add_argument("--dtype", choices=DTYPE_CHOICES, type=normalize_dtype, default="auto",
                    help=f"weights and KV; auto: the checkpoint's dtype on a GPU, float32 on the CPU ({aliases})")
+    p.add_argument("--device", type=_device, default="auto",
+                   help=f"{DEVICE_SPELLINGS}: where the models run; auto: cuda:0 when there is a CUDA device")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="KV cache budget per worker")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=2.0, help="KV cache budget per worker on the CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                   help="on CUDA: the fraction of the GPU's memory a worker uses in all (weights, activations, "
+                        "KV cache); the KV cache gets what the weights leave")
+
+
+def _device(value: str) -> str:
+    """--device's type: the spelling is checked when the flag is parsed (also from SPECDEC_DEVICE)."""
+    try:
+        return check_device(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--device ")) from exc  # argparse names the flag
 
 
 def config_from_args(args: argparse.Namespace, model_dir: str, num_threads: int | None) -> WorkerConfig:
     """The WorkerConfig of parsed flags; raises ValueError for a bad combination."""
-    return WorkerConfig(model=model_dir, dtype=args.dtype, draft_model=args.draft_model, proposer=args.proposer,
+    return WorkerConfig(model=model_dir, dtype=args.dtype, device=args.device, draft_model=args.draft_model,
+                        proposer=args.proposer,
                         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                         ngram_max=args.ngram_max, suffix_cache_tokens=args.suffix_cache_tokens, scorer=args.scorer,
                         kv_cache_memory_bytes=int(args.kv_cache_memory_gib * 2**30),
+                        gpu_memory_utilization=args.gpu_memory_utilization,
                         max_model_len=args.max_model_len, num_threads=num_threads)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from specdec.announce import announce
 from specdec.metrics_server import start_metrics_server
+from worker_service import device as devices
 from worker_service.config import WorkerConfig, resolve_dtype
 from worker_service.model_loader import checkpoint_dtype, load_model
 from worker_service.model_runner import ModelRunner
@@ -19,25 +20,27 @@ from worker_service.worker import Worker
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_STEP_WAIT_S = 60.0   # the longest a step (a long prefill on a CPU) may take to finish on SIGTERM
-DEVICE_TYPE = "cpu"           # where the worker runs its models (load_model loads onto the CPU)
 
 
 def build_worker(config: WorkerConfig) -> Worker:
-    """Loads the target (and draft) model and wraps them in a Worker.
+    """Loads the target (and draft) model on the worker's device and wraps them in a Worker.
 
-    Its config carries the dtype the models run in ("auto" resolved from the target's checkpoint), which
-    Describe reports.
+    Its config carries what Describe reports: the device (--device resolved), the dtype the models run in
+    ("auto" resolved from the target's checkpoint) and the KV budget (on CUDA, from --gpu-memory-utilization).
+    Run it on the thread that runs the steps: a CUDA device is made that thread's current one.
     """
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    dtype = resolve_dtype(config.dtype, checkpoint_dtype(config.model), DEVICE_TYPE)
-    if dtype != config.dtype:
-        logger.info("--dtype %s: %s on the %s", config.dtype, dtype, DEVICE_TYPE)
-    config = replace(config, dtype=dtype)
-    target = ModelRunner(load_model(config.model, config.dtype))
+    device = devices.use_device(config.device)
+    dtype = resolve_dtype(config.dtype, checkpoint_dtype(config.model), device.type)
+    target = ModelRunner(load_model(config.model, dtype, device))
     draft = None
     if config.proposer == "draft":
-        draft = ModelRunner(load_model(config.draft_model, config.dtype))
+        draft = ModelRunner(load_model(config.draft_model, dtype, device))
+    budget = devices.kv_cache_budget_bytes(config, device)
+    logger.info("running on %s in %s (--dtype %s); KV cache budget %.2f GiB", devices.describe(device), dtype,
+                config.dtype, budget / devices.GIB)
+    config = replace(config, device=str(device), dtype=dtype, kv_cache_memory_bytes=budget)
     return Worker(config, target, draft)
 
 

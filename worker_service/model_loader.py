@@ -27,18 +27,19 @@ def _split_path(model_path: pathlib.Path) -> tuple[str, dict]:
     raise ModelLoadError(f"model path {model_path} is neither a checkpoint directory nor a .gguf file")
 
 
-def load_model(model_path: str | pathlib.Path, dtype: str = "float32") -> PreTrainedModel:
-    """Loads a causal LM in eval mode on the CPU (GGUF weights are dequantised to `dtype`)."""
+def load_model(model_path: str | pathlib.Path, dtype: str = "float32",
+               device: torch.device | str = "cpu") -> PreTrainedModel:
+    """Loads a causal LM in eval mode on `device` (GGUF weights are dequantised to `dtype`)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path, kwargs = _split_path(pathlib.Path(model_path))
     start = time.monotonic()
-    logger.info("loading model %s (%s)", model_path, dtype)
+    logger.info("loading model %s (%s on %s)", model_path, dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {model_path}: {exc}") from exc
-    model.eval().requires_grad_(False)
+    model.to(device).eval().requires_grad_(False)  # loaded on the CPU first: GGUF dequantises there
     logger.info("loaded %s in %.1f s", model_path, time.monotonic() - start)
     return model
 

@@ -43,7 +43,10 @@ class PackedBatch:
 
 
 def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -> PackedBatch:
-    """Builds the packed inputs and cache metadata for `chunks` (see SequenceChunk)."""
+    """Builds the packed inputs and cache metadata for `chunks` (see SequenceChunk).
+
+    The index lists are built on the host and each becomes one tensor on `device`: no per-sequence device work.
+    """
     input_ids, positions, logits_indices, starts, seq_lens = [], [], [], [0], []
     for chunk in chunks:
         num_tokens = len(chunk.token_ids)
@@ -53,14 +56,10 @@ def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -
         logits_indices.extend(range(offset + num_tokens - chunk.num_logits, offset + num_tokens))
         starts.append(offset + num_tokens)
         seq_lens.append(chunk.start_pos + num_tokens)
-    max_blocks = max(len(c.block_table) for c in chunks)
-    block_tables = torch.zeros((len(chunks), max_blocks), dtype=torch.int32)  # [B, M]
-    for i, chunk in enumerate(chunks):
-        block_tables[i, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
-    positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
-    block_tables = block_tables.to(device)
-    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
-    slot_mapping = compute_slot_mapping(block_tables, query_start_loc, positions_t, kv_cache.block_size)
+    block_tables = _block_tables(chunks, device)  # [B, M] int32
+    positions_t = torch.tensor(positions, dtype=torch.int64, device=device)  # [T]
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)  # [B+1]
+    slot_mapping = compute_slot_mapping(block_tables, query_start_loc, positions_t, kv_cache.block_size)  # [T]
     metadata = PagedMetadata(kv_cache=kv_cache, slot_mapping=slot_mapping, block_tables=block_tables,
                              query_start_loc=query_start_loc,
                              seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device))
@@ -68,6 +67,15 @@ def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -
                        positions=positions_t,
                        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
                        metadata=metadata)
+
+
+def _block_tables(chunks: list[SequenceChunk], device: torch.device) -> torch.Tensor:  # [B, M] int32
+    """The chunks' block tables padded with block 0 (never read: seq_lens bound every access) into one host
+    tensor, copied to `device` at once; pinned on CUDA, so the copy does not wait for the host."""
+    max_blocks = max(len(c.block_table) for c in chunks)
+    rows = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks]
+    host = torch.tensor(rows, dtype=torch.int32, pin_memory=device.type == "cuda")  # [B, M]
+    return host.to(device, non_blocking=True)
 
 
 class ModelRunner:
@@ -85,6 +93,7 @@ class ModelRunner:
 
     def init_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """(Re)allocates the KV cache; every cached K/V is dropped."""
+        self.kv_cache = None  # freed first: the old and the new cache may not both fit in the budget
         self.kv_cache = KVCache(self.kv_spec, num_blocks, block_size, self.device)
         logger.info("allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
                     self.kv_cache.num_bytes / 2**20)

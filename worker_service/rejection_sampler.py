@@ -58,7 +58,8 @@ def keyed_step_noise(
     if rows:
         keyed = keyed_exponential([seeds[b] for b, _ in rows], [positions[b] + i for b, i in rows],
                                   STREAM_TOKEN, num_vocab, device)  # [R, V]
-        noise[[b for b, _ in rows], [i for _, i in rows]] = keyed
+        seq_index = torch.tensor([b for b, _ in rows], device=device)  # [R]
+        noise[seq_index, torch.tensor([i for _, i in rows], device=device)] = keyed
     return noise
 
 

@@ -96,6 +96,6 @@ def sample_from_probs(
     else:
         noise = torch.ones_like(probs, dtype=torch.float32)  # [N, V]
         if rows:
-            noise[rows] = keyed_exponential([seeds[i] for i in rows], [positions[i] for i in rows], stream,
-                                            probs.shape[-1], probs.device)
+            noise[torch.tensor(rows, device=probs.device)] = keyed_exponential(
+                [seeds[i] for i in rows], [positions[i] for i in rows], stream, probs.shape[-1], probs.device)
     return race(probs.float(), noise)  # [N]

@@ -66,32 +66,43 @@ def _greedy(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
 def _rejection_sample(states: list[RequestState], probs: torch.Tensor, drafts: list[list[int]],
                       draft_probs: torch.Tensor | None) -> list[list[int]]:
     """Pads the rows to [B, K+1, V] and runs the sampler; K = 0 is a plain sampling step."""
-    num_seqs, num_vocab = len(states), probs.shape[-1]
-    num_spec = max(len(d) for d in drafts)
+    num_seqs, num_spec = len(states), max(len(d) for d in drafts)
     device = probs.device
-    if num_spec == 0:
-        target_probs = probs.unsqueeze(1)  # [B, 1, V]
-    else:
-        target_probs = torch.full((num_seqs, num_spec + 1, num_vocab), 1.0 / num_vocab, device=device)  # [B, K+1, V]
-        offsets = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]
-        for b, d in enumerate(drafts):
-            target_probs[b, : len(d) + 1] = probs[offsets[b]: offsets[b + 1]]
+    target_probs = _pad_rows(probs, drafts, num_spec)  # [B, K+1, V]
     draft_ids = torch.tensor([d + [0] * (num_spec - len(d)) for d in drafts], dtype=torch.int64,
                              device=device).view(num_seqs, num_spec)  # [B, K]
     num_draft_tokens = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=device)  # [B]
     is_greedy = torch.tensor([s.sampling.is_greedy for s in states], device=device)  # [B]
     if draft_probs is not None:
-        draft_probs = draft_probs[:, :num_spec].to(device)  # [B, K, V]
+        draft_probs = draft_probs[:, :num_spec]  # [B, K, V]
     output, num_emitted = _sampler(target_probs, draft_ids, num_draft_tokens, draft_probs, is_greedy,
                                    [s.sampling.seed for s in states], [s.num_tokens for s in states])
-    return [row[:n] for row, n in zip(output.tolist(), num_emitted.tolist())]
+    rows = torch.cat([num_emitted.unsqueeze(1), output], dim=1).tolist()  # [B, 1 + K+1]: one copy to the host
+    return [row[1: 1 + row[0]] for row in rows]
+
+
+def _pad_rows(probs: torch.Tensor, drafts: list[list[int]], num_spec: int) -> torch.Tensor:  # [B, K+1, V]
+    """Sequence b's 1 + len(drafts[b]) rows of `probs` (`[N, V]`) at [b, :len + 1], in one scatter; uniform
+    rows past them (never emitted)."""
+    if num_spec == 0:
+        return probs.unsqueeze(1)  # [B, 1, V]
+    num_vocab, device = probs.shape[-1], probs.device
+    seq_index = torch.tensor([b for b, d in enumerate(drafts) for _ in range(len(d) + 1)], device=device)  # [N]
+    pos_index = torch.tensor([j for d in drafts for j in range(len(d) + 1)], device=device)  # [N]
+    target_probs = torch.full((len(drafts), num_spec + 1, num_vocab), 1.0 / num_vocab, device=device)
+    target_probs[seq_index, pos_index] = probs
+    return target_probs
 
 
 def _logprobs(logits: torch.Tensor, rows_per_seq: list[int], token_ids: list[list[int]]) -> list[list[float]]:
+    """Each emitted token's log-probability in its row: one gather on the device, one copy to the host."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    starts = itertools.accumulate(rows_per_seq[:-1], initial=0)
+    rows = [start + j for start, tokens in zip(starts, token_ids) for j in range(len(tokens))]
+    columns = [t for tokens in token_ids for t in tokens]
+    flat = log_probs[torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device)].tolist()
     out, offset = [], 0
-    for n_rows, tokens in zip(rows_per_seq, token_ids):
-        rows = torch.arange(offset, offset + len(tokens))
-        out.append(log_probs[rows, torch.tensor(tokens)].tolist())
-        offset += n_rows
+    for tokens in token_ids:
+        out.append(flat[offset: offset + len(tokens)])
+        offset += len(tokens)
     return out

@@ -32,15 +32,17 @@ def _worker_address(value: str) -> str:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from worker_service.main import run_worker
-    from worker_service.model_loader import ModelLoadError
+    from worker_service.compat import check_versions
 
     try:
+        check_versions()  # before the model code imports what an old library lacks
+        from worker_service.main import run_worker
+
         credentials = security.server_credentials(security.server_tls_from_args(args))  # before the model
         config = worker_flags.config_from_args(args, str(models.resolve_model(args.model)), args.num_threads)
         check_metrics_port(args.metrics_port)
         return run_worker(config, args.host, args.port, credentials=credentials, metrics_port=args.metrics_port)
-    except (ModelLoadError, ValueError, OSError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:  # a ModelLoadError is a RuntimeError
         print(f"specdec worker: error: {exc}", file=sys.stderr)
         return 1
 

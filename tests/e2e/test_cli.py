@@ -64,5 +64,12 @@ def test_worker_configured_by_environment_variables_logs_json(tiny_pair):
             client.close()
         entries = [json.loads(line) for line in process.lines if line.startswith("{")]
     loading = [e for e in entries if e["logger"] == "worker_service.model_loader" and "loading model" in e["message"]]
-    assert loading and loading[0]["level"] == "INFO" and loading[0]["message"].endswith("(float16)")
+    assert loading and loading[0]["level"] == "INFO" and "(float16 on " in loading[0]["message"]
     assert {"time", "level", "logger", "message"} <= set(loading[0])
+
+
+def test_worker_on_a_cuda_device_the_host_lacks_exits_with_the_reason(tiny_pair):
+    args = ["worker", "--port", "0", "--model", str(tiny_pair.target_path), "--num-threads", "1", "--device", "cuda:64"]
+    out = subprocess.run([sys.executable, "-m", "specdec", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "specdec worker: error: --device cuda:64: " in out.stderr  # no CUDA here, or fewer than 65 devices

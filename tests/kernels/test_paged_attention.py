@@ -13,7 +13,6 @@ import kernels.paged_attention as pa
 from kernels._triton import HAS_TRITON
 
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: conftest sets TRITON_INTERPRET=1
 
 # (q_len, seq_len) per sequence; seq_len includes the query tokens.
 CASES = {
@@ -174,17 +173,17 @@ def test_dispatcher_falls_back_to_sdpa_without_the_c_kernel(monkeypatch):
     [("mixed", 4, (4, 2), 8), ("mixed", 16, (4, 1), 12), ("five_token_queries", 16, (2, 2), 8),
      ("four_lengths", 4, (4, 2), 8)],
 )
-def test_triton_matches_ref(name, block_size, heads, head_dim):
+def test_triton_matches_ref(name, block_size, heads, head_dim, triton_device):
     case = make_case(CASES[name], block_size, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
     expected = pa.paged_attention_sdpa(*case.args())
-    out = pa.paged_attention_triton(*case.args(DEVICE))
+    out = pa.paged_attention_triton(*case.args(triton_device))
     assert (out.cpu() - expected).abs().max() <= 1e-4
 
 
 @requires_triton
-def test_triton_bf16_matches_dense():
+def test_triton_bf16_matches_dense(triton_device):
     """bf16 caches and queries: the kernel loads them and computes in fp32."""
     case = make_case(CASES["mixed"], block_size=4, dtype=torch.bfloat16)
-    out = pa.paged_attention_triton(*case.args(DEVICE))
+    out = pa.paged_attention_triton(*case.args(triton_device))
     assert out.dtype == torch.bfloat16
     assert (out.cpu().double() - dense_attention(case)).abs().max() <= 3e-2

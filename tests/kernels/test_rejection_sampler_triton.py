@@ -1,4 +1,4 @@
-"""Rejection-sampling Triton kernels vs the PyTorch reference (TRITON_INTERPRET=1 on a CPU)."""
+"""Rejection-sampling Triton kernels vs the PyTorch reference (on `triton_device`: interpreted on a CPU, or CUDA)."""
 
 import pytest
 import torch
@@ -7,10 +7,10 @@ from kernels._triton import HAS_TRITON
 from kernels.rejection_sampler import rejection_sample_ref, rejection_sample_triton
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: conftest sets TRITON_INTERPRET=1
 
 
-def random_case(num_seqs: int, num_spec: int, num_vocab: int, has_draft_probs: bool, seed: int) -> tuple:
+def random_case(num_seqs: int, num_spec: int, num_vocab: int, has_draft_probs: bool, seed: int,
+                device: str) -> tuple:
     """Mixed greedy / random rows, proposal lengths 0..K, -1 padding, zeros in q,
     rows with p == q, and drafts that are often the target's argmax so every
     path runs."""
@@ -32,7 +32,7 @@ def random_case(num_seqs: int, num_spec: int, num_vocab: int, has_draft_probs: b
     uniform = torch.rand(num_seqs, num_spec, generator=gen)  # [B, K]
     noise = torch.empty(num_seqs, num_spec + 1, num_vocab).exponential_(generator=gen)  # [B, K+1, V]
     args = (target, drafts, num_draft, draft_probs if has_draft_probs else None, is_greedy, uniform, noise)
-    return tuple(a.to(DEVICE) if a is not None else None for a in args)
+    return tuple(a.to(device) if a is not None else None for a in args)
 
 
 @pytest.mark.parametrize("has_draft_probs", [True, False])
@@ -40,8 +40,9 @@ def random_case(num_seqs: int, num_spec: int, num_vocab: int, has_draft_probs: b
     "num_seqs, num_spec, num_vocab",
     [(300, 3, 6), (40, 0, 6), (50, 1, 7), (12, 4, 1500)],  # many rows per program; K = 0; 2 vocab blocks
 )
-def test_triton_matches_reference(num_seqs, num_spec, num_vocab, has_draft_probs):
-    args = random_case(num_seqs, num_spec, num_vocab, has_draft_probs, seed=num_seqs + num_spec)
+def test_triton_matches_reference(num_seqs, num_spec, num_vocab, has_draft_probs, triton_device):
+    args = random_case(num_seqs, num_spec, num_vocab, has_draft_probs, seed=num_seqs + num_spec,
+                       device=triton_device)
     want_tokens, want_emitted = rejection_sample_ref(*args)
     got_tokens, got_emitted = rejection_sample_triton(*args)
     assert torch.equal(got_tokens, want_tokens)
@@ -51,8 +52,8 @@ def test_triton_matches_reference(num_seqs, num_spec, num_vocab, has_draft_probs
         assert bool((want_emitted <= num_draft).any()) and bool((want_emitted == num_draft + 1).any())
 
 
-def test_triton_one_hot_drafts_emit_each_positions_race_winner():
-    target, drafts, num_draft, _, is_greedy, _, noise = random_case(64, 3, 40, False, seed=8)
+def test_triton_one_hot_drafts_emit_each_positions_race_winner(triton_device):
+    target, drafts, num_draft, _, is_greedy, _, noise = random_case(64, 3, 40, False, seed=8, device=triton_device)
     want = rejection_sample_ref(target, drafts, num_draft, None, is_greedy, None, noise)[0]
     raced = torch.where(target > 0, target / noise, -1.0).argmax(dim=-1)  # [B, K+1]
     y = torch.where(is_greedy.unsqueeze(1), target.argmax(dim=-1), raced)  # [B, K+1]
@@ -65,27 +66,27 @@ def test_triton_one_hot_drafts_emit_each_positions_race_winner():
         assert n == int(num_draft[b]) + 1 or int(drafts[b, n - 1]) != int(y[b, n - 1])
 
 
-def test_triton_greedy_exact_match_semantics():
+def test_triton_greedy_exact_match_semantics(triton_device):
     argmax = torch.tensor([[3, 1, 4, 0], [3, 1, 4, 0], [2, 2, 5, 1], [0, 5, 5, 3]])  # [B, K+1]
-    target = (torch.eye(6)[argmax] * 0.5 + 0.1).to(DEVICE)  # [B, K+1, V=6]
-    drafts = torch.tensor([[3, 1, 4], [3, 0, 4], [2, 2, 5], [4, -1, -1]], device=DEVICE)  # [B, K]
-    num_draft = torch.tensor([3, 3, 2, 0], device=DEVICE)  # [B]
-    is_greedy = torch.ones(4, dtype=torch.bool, device=DEVICE)
+    target = (torch.eye(6)[argmax] * 0.5 + 0.1).to(triton_device)  # [B, K+1, V=6]
+    drafts = torch.tensor([[3, 1, 4], [3, 0, 4], [2, 2, 5], [4, -1, -1]], device=triton_device)  # [B, K]
+    num_draft = torch.tensor([3, 3, 2, 0], device=triton_device)  # [B]
+    is_greedy = torch.ones(4, dtype=torch.bool, device=triton_device)
     output, num_emitted = rejection_sample_triton(
         target, drafts, num_draft, None, is_greedy,
-        torch.rand(4, 3, device=DEVICE), torch.ones(4, 4, 6, device=DEVICE),
+        torch.rand(4, 3, device=triton_device), torch.ones(4, 4, 6, device=triton_device),
     )
     assert output.tolist() == [[3, 1, 4, 0], [3, 1, -1, -1], [2, 2, 5, -1], [0, -1, -1, -1]]
     assert num_emitted.tolist() == [4, 2, 3, 1]
 
 
-def test_triton_ties_go_to_the_lowest_token_id():
+def test_triton_ties_go_to_the_lowest_token_id(triton_device):
     # Equal scores in different vocabulary blocks (V = 1500, blocks of 1024).
     target = torch.zeros(2, 1, 1500)  # [B=2, K+1=1, V]
     target[:, 0, [1300, 7, 1100]] = 1 / 3
     args = (target, torch.zeros(2, 0, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), None,
             torch.tensor([False, True]), torch.zeros(2, 0), torch.ones(2, 1, 1500))
-    args = tuple(a.to(DEVICE) if a is not None else None for a in args)
+    args = tuple(a.to(triton_device) if a is not None else None for a in args)
     assert rejection_sample_triton(*args)[0][:, 0].tolist() == [7, 7]
     assert rejection_sample_ref(*args)[0][:, 0].tolist() == [7, 7]
 
@@ -102,7 +103,7 @@ P = torch.tensor([[0.10, 0.00, 0.40, 0.20, 0.10, 0.20], [0.30, 0.30, 0.10, 0.10,
 
 
 @pytest.mark.parametrize("has_draft_probs", [True, False])
-def test_triton_is_lossless(has_draft_probs):
+def test_triton_is_lossless(has_draft_probs, triton_device):
     num_trials, num_spec = 4096, 2
     gen = torch.Generator().manual_seed(5)
     if has_draft_probs:
@@ -111,11 +112,11 @@ def test_triton_is_lossless(has_draft_probs):
         drafts = torch.tensor([0, 5]).expand(num_trials, -1)  # [N, K], n-gram guesses (q_1(5) > 0)
     num_draft = torch.randint(0, num_spec + 1, (num_trials,), generator=gen)  # [N]
     output, num_emitted = rejection_sample_triton(
-        Q.expand(num_trials, -1, -1).to(DEVICE), drafts.to(DEVICE), num_draft.to(DEVICE),
-        P.expand(num_trials, -1, -1).to(DEVICE) if has_draft_probs else None,
-        torch.zeros(num_trials, dtype=torch.bool, device=DEVICE),
-        torch.rand(num_trials, num_spec, generator=gen).to(DEVICE),
-        torch.empty(num_trials, num_spec + 1, 6).exponential_(generator=gen).to(DEVICE),
+        Q.expand(num_trials, -1, -1).to(triton_device), drafts.to(triton_device), num_draft.to(triton_device),
+        P.expand(num_trials, -1, -1).to(triton_device) if has_draft_probs else None,
+        torch.zeros(num_trials, dtype=torch.bool, device=triton_device),
+        torch.rand(num_trials, num_spec, generator=gen).to(triton_device),
+        torch.empty(num_trials, num_spec + 1, 6).exponential_(generator=gen).to(triton_device),
     )
     output, num_emitted = output.cpu(), num_emitted.cpu()
     for i in range(num_spec + 1):

@@ -10,7 +10,6 @@ from kernels._triton import HAS_TRITON
 from kernels.slot_mapping import compute_slot_mapping, slot_mapping_ref, slot_mapping_triton
 
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: conftest sets TRITON_INTERPRET=1
 
 
 def hand_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,21 +62,20 @@ def test_ref_matches_brute_force(seed, block_size):
 
 
 @requires_triton
-def test_triton_matches_hand_computed():
+def test_triton_matches_hand_computed(triton_device):
     block_tables, query_start_loc, positions, expected = hand_case()
-    slots = slot_mapping_triton(block_tables.to(DEVICE), query_start_loc.to(DEVICE), positions.to(DEVICE), 4)
+    slots = slot_mapping_triton(*(t.to(triton_device) for t in (block_tables, query_start_loc, positions)), 4)
     assert torch.equal(slots.cpu(), expected)
 
 
 @requires_triton
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_seqs", [1, 5, 40])
-def test_triton_matches_ref(num_seqs, block_size):
+def test_triton_matches_ref(num_seqs, block_size, triton_device):
     block_tables, query_start_loc, positions, _ = random_case(num_seqs, block_size, num_seqs)
     expected = slot_mapping_ref(block_tables, query_start_loc, positions, block_size)
-    slots = slot_mapping_triton(
-        block_tables.to(DEVICE), query_start_loc.to(DEVICE), positions.to(DEVICE), block_size
-    )
+    slots = slot_mapping_triton(*(t.to(triton_device) for t in (block_tables, query_start_loc, positions)),
+                                block_size)
     assert torch.equal(slots.cpu(), expected)
 
 

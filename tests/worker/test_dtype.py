@@ -46,7 +46,7 @@ def test_checkpoint_dtype(tiny_pair, bf16_checkpoint):
 
 
 def test_auto_loads_float32_on_the_cpu_and_the_config_says_so(bf16_checkpoint):
-    worker = build_worker(WorkerConfig(model=str(bf16_checkpoint), num_threads=1))
+    worker = build_worker(WorkerConfig(model=str(bf16_checkpoint), device="cpu", num_threads=1))
     assert worker.config.dtype == "float32"  # what Describe reports
     assert worker.target.model.dtype == torch.float32
 
@@ -54,7 +54,7 @@ def test_auto_loads_float32_on_the_cpu_and_the_config_says_so(bf16_checkpoint):
 def test_float16_loads_and_decodes_on_the_cpu(tiny_pair):
     """float16 works on the CPU (slower than float32 there, but exact enough): weights, KV cache and a
     speculative decode with drafts from a float16 draft model."""
-    config = WorkerConfig(model=str(tiny_pair.target_path), dtype="half", proposer="draft",
+    config = WorkerConfig(model=str(tiny_pair.target_path), dtype="half", device="cpu", proposer="draft",
                           draft_model=str(tiny_pair.draft_path), num_speculative_tokens=3, num_threads=1)
     worker = build_worker(config)
     assert worker.config.dtype == "float16"

@@ -10,6 +10,8 @@ bf16 arithmetic differs): what must not change is the output when speculation
 is turned on. That holds only because every layer, attention included
 (kernels/paged_attention_cpu.py), computes a row the same way whatever the
 number of rows in the step.
+
+The gpu tier runs the tiny pair on CUDA too (the Triton kernels, cuBLAS).
 """
 
 from dataclasses import dataclass
@@ -39,25 +41,28 @@ class Workload:
     max_tokens: int
     block_size: int
     num_blocks: int
+    device: str = "cpu"
 
 
-@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["tiny", pytest.param("tiny-cuda", marks=pytest.mark.gpu),
+                                        pytest.param("smollm2", marks=pytest.mark.slow)])
 def workload(request) -> Workload:
-    if request.param == "tiny":
+    if request.param.startswith("tiny"):
         pair = request.getfixturevalue("tiny_pair")
         # Repetitive prompts give n-gram matches; the last two have no repeated token at first.
         prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [40] * 20, [10, 11, 12, 10, 11, 12, 10], list(range(3, 33)),
                    [100, 101, 102]]
-        return Workload(pair.target_path, pair.draft_path, prompts, 40, 4, 600)
+        device = "cuda" if request.param == "tiny-cuda" else "cpu"
+        return Workload(pair.target_path, pair.draft_path, prompts, 40, 4, 600, device)
     path = request.getfixturevalue("smollm2_path")
     return Workload(path, path, chat_prompts(path, QUESTIONS), 32, 16, 100)
 
 
 def make_worker(work: Workload, dtype: str, proposer: str = "none", k: int = 0) -> Worker:
     config = WorkerConfig(model=str(work.target_path), dtype=dtype, proposer=proposer, num_speculative_tokens=k,
-                          draft_model=str(work.draft_path) if proposer == "draft" else None)
-    draft = ModelRunner(load_model(work.draft_path, dtype)) if proposer == "draft" else None
-    worker = Worker(config, ModelRunner(load_model(work.target_path, dtype)), draft)
+                          draft_model=str(work.draft_path) if proposer == "draft" else None, device=work.device)
+    draft = ModelRunner(load_model(work.draft_path, dtype, work.device)) if proposer == "draft" else None
+    worker = Worker(config, ModelRunner(load_model(work.target_path, dtype, work.device)), draft)
     worker.init_cache(work.num_blocks, work.block_size)
     return worker
 
@@ -95,6 +100,8 @@ def test_greedy_speculation_is_token_identical_to_plain_decoding(workload, plain
 def test_bf16_speculation_differs_without_the_batch_invariant_kernel(workload, plain, monkeypatch):
     """The check above has teeth: with SDPA attention (the fallback without a C compiler) bf16
     speculation changes some outputs of this very workload."""
+    if workload.device != "cpu":
+        pytest.skip("the batch-invariant C kernel is the CPU's")
     monkeypatch.setattr(cpu_kernel, "available", lambda: False)
     differ = 0
     for proposer, k in [("ngram", 3), ("ngram", 5), ("draft", 3), ("draft", 5)]:

@@ -18,15 +18,15 @@ SMOLLM2_ATOL = 5e-4
 def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Full-sequence logits from an unmodified copy of the model (sdpa, no cache). [L, V]"""
     with torch.inference_mode():
-        return model(torch.tensor([token_ids]), use_cache=False).logits[0].float()
+        return model(torch.tensor([token_ids], device=model.device), use_cache=False).logits[0].float()
 
 
 class Harness:
     """A ModelRunner with a shuffled block pool, plus a reference model loaded separately."""
 
-    def __init__(self, path, num_blocks=256, block_size=BLOCK_SIZE, seed=0):
-        self.runner = ModelRunner(load_model(path))
-        self.reference = load_model(path)
+    def __init__(self, path, num_blocks=256, block_size=BLOCK_SIZE, seed=0, device="cpu"):
+        self.runner = ModelRunner(load_model(path, "float32", device))
+        self.reference = load_model(path, "float32", device)
         self.runner.init_cache(num_blocks, block_size)
         self.block_size = block_size
         self.free = list(range(num_blocks))
@@ -80,8 +80,8 @@ def check_chunked_prefill(h: Harness, vocab: int, atol: float = ATOL):
     assert (got - want).abs().max().item() <= atol
 
 
-def test_tiny_llama_paged_matches_transformers(tiny_pair):
-    h = Harness(tiny_pair.target_path)
+def test_tiny_llama_paged_matches_transformers(tiny_pair, device):
+    h = Harness(tiny_pair.target_path, device=device)
     check_scenarios(h, vocab=h.runner.vocab_size)
     check_chunked_prefill(h, vocab=h.runner.vocab_size)
 

@@ -19,12 +19,13 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [40] * 20, [10, 11, 12, 10, 11, 12, 10], li
 MAX_TOKENS = 24
 
 
-def make_worker(pair, proposer="none", k=0, scorer="multi_query", draft_path=None) -> Worker:
+def make_worker(pair, proposer="none", k=0, scorer="multi_query", draft_path=None, device="cpu",
+                dtype="float32") -> Worker:
     draft_path = draft_path or pair.draft_path
     config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k, scorer=scorer,
-                          draft_model=str(draft_path) if proposer == "draft" else None)
-    draft = ModelRunner(load_model(draft_path)) if proposer == "draft" else None
-    worker = Worker(config, ModelRunner(load_model(pair.target_path)), draft)
+                          draft_model=str(draft_path) if proposer == "draft" else None, device=device, dtype=dtype)
+    draft = ModelRunner(load_model(draft_path, dtype, device)) if proposer == "draft" else None
+    worker = Worker(config, ModelRunner(load_model(pair.target_path, dtype, device)), draft)
     worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
     return worker
 

@@ -78,6 +78,7 @@ def test_describe(tiny_worker):
     # 4 layers x K,V x 16 tokens x 2 kv heads x 16 head dim x 4 bytes
     assert info.kv_bytes_per_block == 4 * 2 * 16 * 2 * 16 * 4
     assert info.num_blocks_capacity > NUM_BLOCKS
+    assert info.device == ("cuda:0" if torch.cuda.is_available() else "cpu")  # --device auto
 
 
 def test_batch_equals_each_alone(tiny_worker):

@@ -32,7 +32,8 @@ class DraftProposer(Proposer):
         """Samples num_drafts[i] tokens for states[i] (greedy or from the draft distribution p)."""
         num_spec = max(num_drafts, default=0)
         vocab = self.runner.vocab_size
-        draft_probs = torch.zeros((len(states), num_spec, vocab), dtype=torch.float32)  # [B, K, V]
+        draft_probs = torch.zeros((len(states), num_spec, vocab), dtype=torch.float32,
+                                  device=self.runner.device)  # [B, K, V]
         drafts: list[list[int]] = [[] for _ in states]
         active = [i for i, k in enumerate(num_drafts) if k > 0]
         first = True
@@ -47,7 +48,7 @@ class DraftProposer(Proposer):
                                        [states[i].sampling.is_greedy for i in active]).tolist()
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
-                draft_probs[i, pos] = probs[row]
+            draft_probs[torch.tensor(active, device=probs.device), pos] = probs
             first = False
         for i in active_rows(num_drafts):
             # K/V of drafts 1..k-1 are written; the last draft's is not.
