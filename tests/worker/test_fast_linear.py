@@ -7,7 +7,7 @@ it is decoded alone, in a batch, or verified with k drafts behind it.
 import pytest
 import torch
 
-from worker_service.fast_linear import PackedLinear, can_pack, pack_linears
+from worker_service.fast_linear import PackedLinear, SharedInputLinears, can_pack, fuse_shared_inputs, pack_linears
 from worker_service.model_loader import load_model
 
 BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -46,3 +46,29 @@ def test_pack_linears_replaces_every_linear(tiny_pair):
     assert can_pack(model)
     assert pack_linears(model) == num_linear > 0
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj_k_proj_v_proj, SharedInputLinears)
+    assert isinstance(layer.mlp.gate_proj_up_proj, SharedInputLinears)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_shared_input_group_gives_each_projection_its_own_output(bias):
+    """Fused q/k/v: each slice equals its own packed projection (bitwise here), and a projection handed
+    another tensor than its siblings computes that one, not the siblings' cached result."""
+    torch.manual_seed(0)
+    parent = torch.nn.Module()
+    for name, out_features in (("q_proj", 16), ("k_proj", 8), ("v_proj", 8)):
+        setattr(parent, name, torch.nn.Linear(32, out_features, bias=bias))
+    alone = {name: PackedLinear(getattr(parent, name)) for name in ("q_proj", "k_proj", "v_proj")}
+    assert fuse_shared_inputs(parent) == 1
+    x, other = torch.randn(5, 32), torch.randn(5, 32)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert torch.allclose(getattr(parent, name)(x), alone[name](x), atol=1e-6)
+    assert torch.allclose(parent.k_proj(other), alone["k_proj"](other), atol=1e-6)
+    assert torch.allclose(parent.v_proj(x), alone["v_proj"](x), atol=1e-6)
+
+
+def test_groups_of_different_inputs_are_not_fused():
+    parent = torch.nn.Module()
+    parent.gate_proj, parent.up_proj = torch.nn.Linear(32, 64), torch.nn.Linear(16, 64)
+    assert fuse_shared_inputs(parent) == 0 and type(parent.gate_proj) is torch.nn.Linear
