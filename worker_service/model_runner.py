@@ -14,6 +14,7 @@ import logging
 import torch
 from transformers import PreTrainedModel
 
+from kernels import paged_attention_cpu
 from kernels.slot_mapping import compute_slot_mapping
 from worker_service.attention import ATTENTION_NAME, PagedMetadata
 from worker_service.fast_linear import pack_linears
@@ -84,6 +85,8 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel):
         self.model = model
         model.set_attn_implementation(ATTENTION_NAME)
+        if model.device.type == "cpu":
+            paged_attention_cpu.available()  # builds the CPU attention kernel (or warns) now, not in a step
         pack_linears(model)  # CPU only; other devices keep nn.Linear
         self.device = model.device
         self.dtype = model.dtype
