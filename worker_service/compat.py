@@ -16,6 +16,9 @@ REQUIREMENTS = (
     ("transformers", "4.56", ("AttentionInterface", "PreTrainedModel.set_attn_implementation")),
     ("triton", "3.0", ("language.static_range", "language.math.div_rn")),  # optional: the GPU kernels
 )
+# Packages the worker runs without: one that is installed but does not import is left to its own fallback
+# (kernels/_triton.py: the PyTorch paths), not refused here.
+OPTIONAL = ("triton",)
 
 
 def check_versions() -> None:
@@ -28,12 +31,22 @@ def check_versions() -> None:
         except importlib.metadata.PackageNotFoundError:
             continue
         is_too_old = Version(found) < Version(oldest)
+        if package in OPTIONAL and not is_too_old and not _imports(package):
+            continue
         missing = [] if is_too_old else [a for a in attributes if not _has_attribute(package, a)]
         if is_too_old or missing:
             lacks = f", which has no {', '.join(f'{package}.{a}' for a in missing)}" if missing else ""
             problems.append(f"specdec needs {package} >= {oldest} (found {found}{lacks})")
     if problems:
         raise RuntimeError("; ".join(problems))
+
+
+def _imports(package: str) -> bool:
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        return False
+    return True
 
 
 def _has_attribute(package: str, dotted: str) -> bool:

@@ -1,6 +1,7 @@
 """The startup check of library versions: an old library is named with the version specdec needs."""
 
 import importlib.metadata
+import sys
 
 import pytest
 
@@ -23,3 +24,9 @@ def test_a_missing_attribute_is_named(monkeypatch):
     monkeypatch.setattr(compat, "REQUIREMENTS", (("torch", "2.1", ("nn.functional.no_such_function",)),))
     with pytest.raises(RuntimeError, match=r"which has no torch\.nn\.functional\.no_such_function"):
         compat.check_versions()
+
+
+def test_an_optional_library_that_does_not_import_is_left_to_its_fallback(monkeypatch):
+    """Triton installed but unimportable (as on some platforms): the worker runs the PyTorch paths."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    compat.check_versions()
