@@ -36,7 +36,7 @@ CONFIGS = {
     "plain-sync": ["--scheduling", "sync"],
     "ngram-async": ["--proposer", "ngram", "--num-speculative-tokens", "4", "--scheduling", "async"],
     "ngram-sync-preempt": ["--proposer", "ngram", "--num-speculative-tokens", "4", "--scheduling", "sync",
-                           "--num-kv-blocks", "24"],
+                           "--num-kv-blocks", "12"],
     "suffix-async": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "async"],
 }
 
