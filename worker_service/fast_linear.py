@@ -72,9 +72,11 @@ class SharedInputLinears(torch.nn.Module):
 
     The layer's code still calls each projection (a SharedInputSlice); the
     first call computes them all and the others take their slice, as long as
-    they are handed the very same tensor object (`is`): any other input is
-    computed afresh, so a caller that does not follow the pattern is slower,
-    never wrong.
+    they are handed the very same tensor object (`is`) and each takes its
+    slice once: anything else is computed afresh, so a caller that does not
+    follow the pattern is slower, never wrong. Once every slice is taken the
+    group lets go of the input and the outputs (after a long prefill they are
+    large, and the next step may be far off).
     """
 
     def __init__(self, linears: list[torch.nn.Linear]):
@@ -89,12 +91,15 @@ class SharedInputLinears(torch.nn.Module):
         self.fused = PackedLinear(fused)
         self.sizes = [linear.out_features for linear in linears]
         self._input: torch.Tensor | None = None
-        self._outputs: tuple[torch.Tensor, ...] = ()
+        self._outputs: list[torch.Tensor | None] = []
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        if x is not self._input:
-            self._input, self._outputs = x, self.fused(x).split(self.sizes, dim=-1)
-        return self._outputs[index]
+        if x is not self._input or self._outputs[index] is None:
+            self._input, self._outputs = x, list(self.fused(x).split(self.sizes, dim=-1))
+        out, self._outputs[index] = self._outputs[index], None
+        if all(o is None for o in self._outputs):
+            self._input, self._outputs = None, []
+        return out
 
 
 class SharedInputSlice(torch.nn.Module):

@@ -66,6 +66,10 @@ def test_shared_input_group_gives_each_projection_its_own_output(bias):
         assert torch.allclose(getattr(parent, name)(x), alone[name](x), atol=1e-6)
     assert torch.allclose(parent.k_proj(other), alone["k_proj"](other), atol=1e-6)
     assert torch.allclose(parent.v_proj(x), alone["v_proj"](x), atol=1e-6)
+    assert torch.allclose(parent.q_proj(x), alone["q_proj"](x), atol=1e-6)  # a slice asked for twice
+    group = parent.q_proj_k_proj_v_proj
+    parent.k_proj(x)  # v and q of this input were taken above; with k every slice is: the group holds nothing
+    assert group._input is None and group._outputs == []
 
 
 def test_groups_of_different_inputs_are_not_fused():
