@@ -54,30 +54,33 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _build_key(source: bytes, compiler: str) -> str:
+def _build_key(source: bytes, compiler: str, flags: tuple[str, ...]) -> str:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
         raise KernelBuildError(f"the C compiler {compiler} does not run: {exc}") from exc
     digest = hashlib.sha256()
-    for part in (source, " ".join(CFLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    for part in (source, " ".join(flags).encode(), version.encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=None)
-def load_library(name: str) -> ctypes.CDLL:
-    """The built library of kernels/csrc/NAME.c, compiling it first when no cached build fits."""
+def load_library(name: str, extra_cflags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The built library of kernels/csrc/NAME.c, compiling it first when no cached build fits.
+
+    `extra_cflags` follow CFLAGS (tests build for a narrower instruction set with e.g. `-mno-avx512f`)."""
     source_path = SOURCE_DIR / f"{name}.c"
     source = source_path.read_bytes()
     compiler = _compiler()
-    target = cache_dir() / "kernels" / f"{name}-{_build_key(source, compiler)}.so"
+    flags = CFLAGS + extra_cflags
+    target = cache_dir() / "kernels" / f"{name}-{_build_key(source, compiler, flags)}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(f".partial-{os.getpid()}")
         logger.info("building the %s kernel with %s", name, compiler)
-        result = subprocess.run([compiler, *CFLAGS, "-o", str(partial), str(source_path), "-lm"],
+        result = subprocess.run([compiler, *flags, "-o", str(partial), str(source_path), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             partial.unlink(missing_ok=True)

@@ -1,67 +1,49 @@
-"""Batch-invariant CPU linear layers: weights pre-packed for oneDNN.
+"""Batch-invariant CPU linear layers: weights packed once for our C kernel (kernels/linear_cpu.py).
 
-Why: profiling SmolLM2 decode steps on the CPU showed ~70% of a step in
-`aten::mm`. `F.linear` (MKL) in fp32 streams the weights at about half the
-memory bandwidth for one row, and gets 1.5-2x slower again from 2 to 8 rows,
-so a (k+1)-token verification step cost 1.3-1.5x a decode step. oneDNN with
-the weight reordered once for a small batch (`_reorder_linear_weight`) is
-nearly flat from 1 to 8 rows: a SmolLM2 forward at 500 tokens of context took
-53 ms for 1 query token and 68 ms for 5 with `F.linear`, and 52 / 49 ms
-packed (2-core AMD EPYC, median of 25; `bench/bench_spec.py` prints the step
-times it sees).
-
-Batch invariance: a row's result does not depend on how many rows share the
-call (checked bitwise for 2..64 rows in fp32 and 1..64 in bf16; in fp32 a
-lone row takes another kernel, so it is padded (see MIN_ROWS); `tests/worker/
-test_fast_linear.py`). With the batch-invariant attention kernel
-(kernels/paged_attention_cpu.py) a verification query's logits are bitwise
-those of step-by-step decoding, in fp32 and bf16.
+Why our own kernel: a library GEMM picks its kernel, blocking and summation
+order by the shape and the CPU, so a row's rounding depends on how many rows
+share the call. oneDNN's bf16 linear on the Intel (AMX) kind changed 17 of 40
+rows between a 40-row call and smaller ones, and greedy bf16 speculation then
+differed from plain decoding. kernels/csrc/linear_cpu.c computes every output
+element as one fixed chain of fp32 multiply-adds, so a verify query's logits
+are bitwise those of step-by-step decoding on any CPU, in fp32, bf16 and
+fp16 (with the batch-invariant attention, kernels/paged_attention_cpu.py;
+`tests/worker/test_fast_linear.py`, `tests/worker/test_forward_invariance.py`).
 
 Projections that read the same input are fused: q/k/v of attention and
 gate/up of the MLP become one packed matmul each (SHARED_INPUT_GROUPS), 4
-calls per layer instead of 7. A decode step makes ~200 small oneDNN calls,
-each with its own dispatch and thread fork/join: fusing took a SmolLM2 fp32
-decode step from 37 to 34 ms and bf16 from 31 to 28 ms (median of 25, same
-logits bitwise; 2-core AMD EPYC).
+calls per layer instead of 7, each with its own dispatch and thread fork/join.
 
-Other devices keep `torch.nn.Linear` (cuBLAS on a GPU).
+Other devices keep `torch.nn.Linear` (cuBLAS on a GPU), and so does a CPU
+without a C compiler (kernels/linear_cpu.py warns then).
 """
 
 import logging
 
 import torch
 
+from kernels import linear_cpu
+
 logger = logging.getLogger(__name__)
 
-# Fewer rows are padded to this many: in fp32 one row takes another kernel (not batch invariant),
-# and on the 2-core AMD EPYC we measured, 2 rows ran a SmolLM2 step ~15% slower than 3-4 rows (60 vs 52 ms).
-MIN_ROWS = 4
-BATCH_HINT = 8  # oneDNN picks the weight layout for this many rows; 1..64 all run fast with it
 # Sibling projections a `transformers` decoder layer calls one after another on the same tensor
 # (Llama, Mistral, Qwen2/3 names): each group is fused into one matmul (see SharedInputLinears).
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class PackedLinear(torch.nn.Module):
-    """`torch.nn.Linear` with its weight reordered for oneDNN; rows are computed independently."""
+    """`torch.nn.Linear` with its weight packed for kernels/linear_cpu.py; rows are computed independently."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        # An opaque oneDNN tensor: kept as a plain attribute (it has no storage to save or move).
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
-        bias = linear.bias.detach() if linear.bias is not None else None
+        self.register_buffer("packed_weight", linear_cpu.pack_weight(linear.weight.detach()),
+                             persistent=False)  # [G, in, GROUP_OUT]
+        bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None  # [out] fp32
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # [N, in]
-        num_rows = rows.shape[0]
-        if num_rows < MIN_ROWS:
-            rows = torch.nn.functional.pad(rows, (0, 0, 0, MIN_ROWS - num_rows))  # zero rows below: one op
-        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed_weight, self.bias,
-                                                 "none", [], "")  # [max(N, MIN_ROWS), out]
-        return out[:num_rows].view(*x.shape[:-1], self.out_features)
+        return linear_cpu.linear_cpu(x, self.packed_weight, self.out_features, self.bias)  # [..., out]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -134,12 +116,9 @@ def fuse_shared_inputs(model: torch.nn.Module) -> int:
 
 
 def can_pack(model: torch.nn.Module) -> bool:
-    """True for a CPU model in fp32, or bf16 where oneDNN has native bf16 kernels."""
-    if model.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if model.dtype == torch.float32:
-        return True
-    return model.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """True for a CPU model in a dtype the C kernel takes, once the kernel is built (it builds now)."""
+    return (model.device.type == "cpu" and model.dtype in linear_cpu.DTYPE_CODES
+            and linear_cpu.available())
 
 
 def pack_linears(model: torch.nn.Module) -> int:
@@ -154,6 +133,6 @@ def pack_linears(model: torch.nn.Module) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, PackedLinear(module))
     num_grouped = sum(len(m.sizes) for m in model.modules() if isinstance(m, SharedInputLinears))
-    logger.info("packed %d linear layers for oneDNN (%s), %d of them in %d fused groups", len(targets) + num_grouped,
+    logger.info("packed %d linear layers for the batch-invariant kernel (%s), %d of them in %d fused groups", len(targets) + num_grouped,
                 model.dtype, num_grouped, num_fused)
     return len(targets) + num_grouped

@@ -1,4 +1,4 @@
-"""oneDNN-packed linears: same results as `torch.nn.Linear`, and batch invariant.
+"""Packed CPU linears (kernels/linear_cpu.py): the numbers of `torch.nn.Linear`, and batch invariant.
 
 Batch invariance keeps a sequence's linear-layer results the same whether
 it is decoded alone, in a batch, or verified with k drafts behind it.
@@ -7,37 +7,87 @@ it is decoded alone, in a batch, or verified with k drafts behind it.
 import pytest
 import torch
 
+from kernels import cpu_build, linear_cpu
 from worker_service.fast_linear import PackedLinear, SharedInputLinears, can_pack, fuse_shared_inputs, pack_linears
 from worker_service.model_loader import load_model
 
-BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-DTYPES = [torch.float32] + ([torch.bfloat16] if BF16 else [])
-SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (64, 1000)]  # SmolLM2's (in, out) + a small one
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative to the output's scale
+SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (64, 1000), (5, 3)]  # SmolLM2's (in, out) + small
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 16, 17, 33, 64, 96, 127, 256, 512)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert linear_cpu.available(), "the C kernel must build on a machine with a C compiler"
+
+
+def rows_that_differ(linear, x: torch.Tensor, row_counts=ROW_COUNTS) -> list[str]:
+    """Where `linear` of the first n rows of `x` (and of row n-1 alone) is not bitwise its rows of all of `x`."""
+    full = linear(x)
+    differ = []
+    for n in row_counts:
+        if not torch.equal(linear(x[:n]), full[:n]):
+            differ.append(f"the first {n} rows")
+        if not torch.equal(linear(x[n - 1:n]), full[n - 1:n]):
+            differ.append(f"row {n - 1} alone")
+    return differ
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("in_features,out_features", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_nn_linear(in_features, out_features, bias):
+def test_packed_linear_matches_nn_linear(in_features, out_features, bias, dtype):
     torch.manual_seed(0)
-    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
     packed = PackedLinear(linear)
-    x = torch.randn(3, 7, in_features)
+    x = torch.randn(3, 7, in_features, dtype=dtype)
     with torch.inference_mode():
-        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+        got, want = packed(x), torch.nn.functional.linear(x.float(), linear.weight.float(),
+                                                          None if linear.bias is None else linear.bias.float())
+        assert got.dtype == dtype and got.shape == want.shape
+        assert (got.float() - want).abs().max() <= TOLERANCE[dtype] * max(1.0, want.abs().max().item())
         assert packed(x[0, :1]).shape == (1, out_features)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("in_features,out_features", SHAPES)
 def test_packed_linear_rows_do_not_depend_on_batch(dtype, in_features, out_features):
+    """1..512 rows, with 1 and 2 threads: every row bitwise as in the 512-row call."""
     torch.manual_seed(1)
-    packed = PackedLinear(torch.nn.Linear(in_features, out_features, bias=False).to(dtype))
-    x = torch.randn(40, in_features, dtype=dtype)
+    packed = PackedLinear(torch.nn.Linear(in_features, out_features, bias=True).to(dtype))
+    x = torch.randn(512, in_features, dtype=dtype)
+    threads = torch.get_num_threads()
     with torch.inference_mode():
-        full = packed(x)
-        for rows in (1, 2, 3, 5, 8, 17, 33):
-            assert torch.equal(packed(x[:rows]), full[:rows]), f"{rows} rows differ from the same rows in 40"
-            assert torch.equal(packed(x[rows - 1:rows]), full[rows - 1:rows]), f"row {rows - 1} alone differs"
+        assert rows_that_differ(packed, x) == []
+        try:
+            torch.set_num_threads(1)
+            assert rows_that_differ(packed, x, (1, 5, 512)) == []
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_a_strided_input_gives_the_same_rows():
+    torch.manual_seed(2)
+    packed = PackedLinear(torch.nn.Linear(64, 80).to(torch.bfloat16))
+    x = torch.randn(9, 64, dtype=torch.bfloat16)
+    strided = x.t().contiguous().t()  # same values, column-major memory
+    with torch.inference_mode():
+        assert torch.equal(packed(strided), packed(x))
+
+
+def test_the_invariance_check_has_teeth():
+    """rows_that_differ catches a linear whose summation order depends on the number of rows, as a library
+    GEMM's blocking does (built here so the check's teeth do not depend on this machine's libraries)."""
+    torch.manual_seed(3)
+    weight = torch.randn(64, 576)
+
+    def blocked_by_batch(x):  # sums the input features in two halves once more than 16 rows share the call
+        if x.shape[0] <= 16:
+            return x @ weight.t()
+        return x[:, :288] @ weight[:, :288].t() + x[:, 288:] @ weight[:, 288:].t()
+
+    assert rows_that_differ(blocked_by_batch, torch.randn(64, 576), (1, 16, 17, 33))
 
 
 def test_pack_linears_replaces_every_linear(tiny_pair):
@@ -76,3 +126,23 @@ def test_groups_of_different_inputs_are_not_fused():
     parent = torch.nn.Module()
     parent.gate_proj, parent.up_proj = torch.nn.Linear(32, 64), torch.nn.Linear(16, 64)
     assert fuse_shared_inputs(parent) == 0 and type(parent.gate_proj) is torch.nn.Linear
+
+
+# Instruction sets the kernel's code paths take: AVX-512 without AVX-512 BF16, AVX2 + FMA, and plain x86-64
+# (scalar fmaf). Where this CPU has more (-march=native), the default build takes the widest.
+NARROWER_BUILDS = {"avx512": ("-mno-avx512bf16",), "avx2": ("-march=x86-64-v3",), "scalar": ("-march=x86-64",)}
+
+
+@pytest.mark.parametrize("build", list(NARROWER_BUILDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_instruction_set_gives_the_same_bits(build, dtype):
+    """The kernel's arithmetic is fixed, not its instructions: a build for a narrower CPU gives bitwise this
+    build's results, so a row's output is the same on the Intel and AMD kinds too (denormals aside)."""
+    narrow = linear_cpu.bind(cpu_build.load_library("linear_cpu", NARROWER_BUILDS[build]))
+    for in_features, out_features in ((576, 192), (577, 70)):
+        torch.manual_seed(in_features)
+        weight = torch.randn(out_features, in_features, dtype=dtype)
+        packed, bias = linear_cpu.pack_weight(weight), torch.randn(out_features)
+        x = torch.randn(37, in_features, dtype=dtype)
+        want = linear_cpu.linear_cpu(x, packed, out_features, bias)
+        assert torch.equal(linear_cpu.linear_cpu(x, packed, out_features, bias, library=narrow), want)

@@ -7,9 +7,10 @@ the same logits.
 
 Plain decoding here is the same worker with k = 0 (not `transformers`, whose
 bf16 arithmetic differs): what must not change is the output when speculation
-is turned on. That holds only because every layer, attention included
-(kernels/paged_attention_cpu.py), computes a row the same way whatever the
-number of rows in the step.
+is turned on. That holds only because every layer, the linear layers
+(kernels/linear_cpu.py) and attention (kernels/paged_attention_cpu.py)
+included, computes a row the same way whatever the number of rows in the
+step.
 
 The gpu tier runs the tiny pair on CUDA too (the Triton kernels, cuBLAS).
 """
@@ -19,7 +20,7 @@ import pathlib
 
 import pytest
 
-import kernels.paged_attention_cpu as cpu_kernel
+from kernels import linear_cpu
 from tests.e2e.client import chat_prompts
 from tests.worker.driver import Driver
 from worker_service.config import WorkerConfig
@@ -97,12 +98,20 @@ def test_greedy_speculation_is_token_identical_to_plain_decoding(workload, plain
         assert accepted > 0
 
 
-def test_bf16_speculation_differs_without_the_batch_invariant_kernel(workload, plain, monkeypatch):
-    """The check above has teeth: with SDPA attention (the fallback without a C compiler) bf16
-    speculation changes some outputs of this very workload."""
+def test_bf16_speculation_differs_with_a_batch_dependent_linear(workload, plain, monkeypatch):
+    """The check above has teeth: when the linear layers' rows change with the number of rows in the call
+    (as a library GEMM's blocking may make them), bf16 speculation changes some outputs of this very
+    workload. The perturbation is built here, so the teeth do not depend on this machine's libraries."""
     if workload.device != "cpu":
-        pytest.skip("the batch-invariant C kernel is the CPU's")
-    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+        pytest.skip("the batch-invariant C kernels are the CPU's")
+    exact = linear_cpu.linear_cpu
+
+    def batch_dependent(x, packed_weight, out_features, bias):
+        if x.reshape(-1, x.shape[-1]).shape[0] > 1:
+            x = x * (1 + 2 ** -7)  # another rounding, as another kernel would give
+        return exact(x, packed_weight, out_features, bias)
+
+    monkeypatch.setattr(linear_cpu, "linear_cpu", batch_dependent)
     differ = 0
     for proposer, k in [("ngram", 3), ("ngram", 5), ("draft", 3), ("draft", 5)]:
         got, _ = generate(workload, make_worker(workload, "bfloat16", proposer, k), mixed_ks(k))

@@ -10,7 +10,7 @@ from worker_service.model_runner import ModelRunner, SequenceChunk
 
 BLOCK_SIZE = 4
 ATOL = 1e-4
-# oneDNN (worker_service/fast_linear.py) sums in another order than the MKL `transformers` uses;
+# Our CPU linear (kernels/linear_cpu.py) sums in another order than the library `transformers` uses;
 # over SmolLM2's 30 layers that moves logits of magnitude ~20 by up to ~2e-4 (1e-5 relative).
 SMOLLM2_ATOL = 5e-4
 
