@@ -5,9 +5,9 @@ headers, so a build takes about a second with the system C compiler (`cc`,
 or `$CC`), and it happens the first time a worker needs the kernel. The
 library is cached under `$SPECDEC_CACHE_DIR/kernels` (default
 `~/.cache/specdec/kernels`), named by a hash of everything that makes it: the
-source, the flags, the compiler's version and the CPU's instruction sets
-(`-march=native`), so a cache shared by different machines never hands one a
-library built for another.
+source and the headers beside it, the flags, the compiler's version and the
+CPU's instruction sets (`-march=native`), so a cache shared by different
+machines never hands one a library built for another.
 
 It links OpenMP by its soname, `libgomp.so.1`; torch's CPU wheel loads a
 library of that name first, so our kernels share torch's thread pool.
@@ -60,7 +60,8 @@ def _build_key(source: bytes, compiler: str, flags: tuple[str, ...]) -> str:
     except (OSError, subprocess.CalledProcessError) as exc:
         raise KernelBuildError(f"the C compiler {compiler} does not run: {exc}") from exc
     digest = hashlib.sha256()
-    for part in (source, " ".join(flags).encode(), version.encode(), _cpu_flags().encode()):
+    headers = b"".join(path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.h")))  # what the source includes
+    for part in (source, headers, " ".join(flags).encode(), version.encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]

@@ -32,6 +32,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "dtypes.h"
 #pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vectors between inline functions, never across the ABI */
 #if defined(__AVX512F__) || defined(__FMA__) || defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -47,8 +49,6 @@ typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef uint16_t half_vec_u16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef uint32_t vec_u32 __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef _Float16 vec_f16 __attribute__((vector_size(LANES * sizeof(_Float16))));
-
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 
 /* a * b + c, rounded once, lane by lane. */
 static inline vec fma_vec(vec a, vec b, vec c) {
@@ -85,21 +85,6 @@ static inline vec load_vec(int dtype, const void *base, int64_t offset) {
         v = __builtin_convertvector(h, vec);
     }
     return v;
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 static inline float load_scalar(int dtype, const void *base, int64_t offset) {

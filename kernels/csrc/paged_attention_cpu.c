@@ -22,29 +22,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dtypes.h"
+
 #define KEY_TILE 16
 #define ROW_TILE 32
 #define MAX_HEAD_DIM 256
 
 /* KEY_TILE floats as one GCC vector: element-wise arithmetic, so no reordering of a sum. */
 typedef float key_vector __attribute__((vector_size(KEY_TILE * sizeof(float))));
-
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* n elements of dtype at src (element offset) into floats. */
 static inline void load_row(int dtype, const void *src, int64_t offset, int n, float *dst) {
