@@ -22,11 +22,15 @@ import pathlib
 import shutil
 import subprocess
 
+import torch
+
 from worker_service.models import cache_dir
 
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
+# The dtypes our C kernels take, numbered as kernels/csrc/dtypes.h numbers them.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # -ffp-contract=off: no multiply-add is fused unless the source says fmaf, so the bits of a result do not
 # depend on how the compiler vectorised a loop (the batch invariance of kernels/csrc/paged_attention_cpu.c).
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")

@@ -19,11 +19,10 @@ import logging
 
 import torch
 
-from kernels.cpu_build import KernelBuildError, load_library
+from kernels.cpu_build import DTYPE_CODES, KernelBuildError, load_library
 
 logger = logging.getLogger(__name__)
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @functools.lru_cache(maxsize=1)
@@ -95,5 +94,5 @@ def linear_cpu(
             DTYPE_CODES[packed_weight.dtype], packed_weight.data_ptr(), out_features,
             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), torch.get_num_threads())
         if status != 0:
-            raise MemoryError(f"linear_cpu could not allocate scratch memory for {num_rows} rows")
+            raise MemoryError(f"linear_cpu failed (status {status}: 1 is no scratch memory) for {num_rows} rows")
     return out.view(*x.shape[:-1], out_features)

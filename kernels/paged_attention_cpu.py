@@ -19,11 +19,10 @@ import logging
 
 import torch
 
-from kernels.cpu_build import KernelBuildError, load_library
+from kernels.cpu_build import DTYPE_CODES, KernelBuildError, load_library
 
 logger = logging.getLogger(__name__)
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_DIM = 256  # kernels/csrc/paged_attention_cpu.c keeps rows of this many floats on the stack
 
 

@@ -1,4 +1,4 @@
-/* The dtypes our C kernels take (DTYPE_CODES in kernels/linear_cpu.py and kernels/paged_attention_cpu.py),
+/* The dtypes our C kernels take (DTYPE_CODES in kernels/cpu_build.py),
  * and bf16 <-> fp32 as torch converts them. */
 #ifndef SPECDEC_DTYPES_H
 #define SPECDEC_DTYPES_H
