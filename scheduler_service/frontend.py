@@ -66,8 +66,8 @@ class Frontend:
 
     At most `max_open_streams` Generate/Complete calls and HTTP completions run at once (each holds a
     thread while it streams); beyond that a call gets RESOURCE_EXHAUSTED at once. While draining (SIGTERM)
-    new calls get UNAVAILABLE. Health: serving while a worker serves, and never again once draining;
-    every change goes to the `on_health_changed` listeners.
+    new calls get UNAVAILABLE. Health: serving once the cluster is attached and while a worker serves,
+    and never again once draining; every change goes to the `on_health_changed` listeners.
     """
 
     def __init__(self, max_open_streams: int):
@@ -83,12 +83,15 @@ class Frontend:
         self._health_lock = threading.Lock()
 
     def attach(self, cluster: Cluster, tokenizer: ChatTokenizer) -> None:
-        """Called once a worker has described the model."""
-        self.cluster, self.tokenizer = cluster, tokenizer
+        """Called once a worker has described the model: from now on a request can be admitted."""
+        with self._health_lock:
+            self.cluster, self.tokenizer = cluster, tokenizer
+            self._health_changed()
 
     @property
     def is_serving(self) -> bool:
-        return self._is_worker_serving and not self.is_draining
+        """Whether a request would be admitted now: the cluster is attached, a worker serves, no drain."""
+        return self.cluster is not None and self._is_worker_serving and not self.is_draining
 
     def set_serving(self, is_worker_serving: bool) -> None:
         """The cluster's callback: whether at least one worker serves."""

@@ -32,7 +32,8 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     """Serves until SIGTERM/SIGINT (or `stop`). Prints `scheduler listening on HOST:PORT` once bound, and
     `http listening on HOST:PORT` for the HTTP API (--http-port).
 
-    Health is SERVING while at least one worker serves.
+    Health is SERVING once a worker has described the model (a request would be admitted) and while at
+    least one worker serves.
     """
     stop = stop or threading.Event()
     membership = Membership([parse_worker_spec(a) for a in opts.worker_addresses])

@@ -76,7 +76,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.frontend.attach(cluster, tokenizer)
 
     def set_serving(self, is_serving: bool) -> None:
-        """The cluster's callback: SERVING while at least one worker serves, and never again once draining."""
+        """The cluster's callback: SERVING (once attached) while a worker serves, never again once draining."""
         self.frontend.set_serving(is_serving)
 
     def begin_drain(self) -> None:

@@ -3,6 +3,7 @@
 import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -13,9 +14,11 @@ _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 class Process:
     """A specdec subcommand in a child process; its output lines are collected."""
 
-    def __init__(self, args: list[str], env: dict | None = None):
+    def __init__(self, args: list[str], env: dict | None = None, start_new_session: bool = False):
+        """start_new_session: in its own session and process group, as a supervisor starts it."""
         self.proc = subprocess.Popen([sys.executable, "-m", "specdec", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+                                     start_new_session=start_new_session)
         self.lines: list[str] = []
         self.cond = threading.Condition()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -62,3 +65,9 @@ def running(args: list[str], env: dict | None = None):
         yield process
     finally:
         process.stop()
+
+
+def free_port() -> int:
+    """A loopback port free now (for flags where 0 means off rather than any port)."""
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        return sock.getsockname()[1]

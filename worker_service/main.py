@@ -2,8 +2,10 @@
 
 from dataclasses import replace
 import logging
+import os
 import signal
 import threading
+import time
 
 import grpc
 import torch
@@ -20,6 +22,7 @@ from worker_service.worker import Worker
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_STEP_WAIT_S = 60.0   # the longest a step (a long prefill on a CPU) may take to finish on SIGTERM
+PARENT_GONE_EXIT_S = 5.0      # once the parent is gone, the longest the orderly shutdown may take
 
 
 def build_worker(config: WorkerConfig) -> Worker:
@@ -45,13 +48,17 @@ def build_worker(config: WorkerConfig) -> Worker:
 
 
 def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = True,
-               credentials: grpc.ServerCredentials | None = None, metrics_port: int = 0) -> int:
+               credentials: grpc.ServerCredentials | None = None, metrics_port: int = 0,
+               parent_fd: int | None = None) -> int:
     """Serves until SIGTERM/SIGINT. Prints `worker listening on HOST:PORT` once bound.
 
     credentials: TLS on the port (specdec.security.server_credentials; with a CA only clients with a
     certificate it signed get in); None: plaintext. metrics_port: Prometheus metrics at
-    http://HOST:PORT/metrics (0: off).
+    http://HOST:PORT/metrics (0: off). parent_fd: the read end of a pipe that the parent process holds
+    open (`specdec serve`); end of file on it means the parent is gone, and the worker exits.
     """
+    if parent_fd is not None:
+        os.fstat(parent_fd)  # OSError (EBADF) at once for a descriptor this process did not inherit
     server, servicer, bound_port = create_server(host, port, credentials=credentials)
     logger.info("%s on %s:%d", "plaintext" if credentials is None else "TLS", host, bound_port)
     try:
@@ -64,6 +71,8 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if parent_fd is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent_fd, stop), name="parent-watch", daemon=True).start()
     try:
         worker = servicer.run_compute(build_worker, config)  # torch stays on the compute thread
     except Exception:
@@ -86,3 +95,15 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
     if metrics_server is not None:
         metrics_server.shutdown()
     return 0
+
+
+def _exit_with_parent(parent_fd: int, stop: threading.Event) -> None:
+    """Blocks until the parent's end of the pipe closes (it exited, however it died), then shuts down: in
+    order if that is quick, else at once (a model still loading, a step that does not end)."""
+    while os.read(parent_fd, 1):  # nothing is ever written; b"" is end of file
+        pass
+    logger.warning("the process that started this worker is gone: shutting down")
+    stop.set()
+    time.sleep(PARENT_GONE_EXIT_S)
+    logger.error("the shutdown took over %.0f s: exiting now", PARENT_GONE_EXIT_S)
+    os._exit(1)

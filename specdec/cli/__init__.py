@@ -41,7 +41,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         credentials = security.server_credentials(security.server_tls_from_args(args))  # before the model
         config = worker_flags.config_from_args(args, str(models.resolve_model(args.model)), args.num_threads)
         check_metrics_port(args.metrics_port)
-        return run_worker(config, args.host, args.port, credentials=credentials, metrics_port=args.metrics_port)
+        return run_worker(config, args.host, args.port, credentials=credentials, metrics_port=args.metrics_port,
+                          parent_fd=args.parent_fd)
     except (ValueError, OSError, RuntimeError) as exc:  # a ModelLoadError is a RuntimeError
         print(f"specdec worker: error: {exc}", file=sys.stderr)
         return 1
@@ -96,6 +97,9 @@ def _add_worker(worker: argparse.ArgumentParser) -> None:
     security.add_server_tls_flags(worker, "the worker port")
     worker.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                         help="serve Prometheus metrics at http://HOST:PORT/metrics; 0: off")
+    worker.add_argument("--parent-fd", type=int, default=None, metavar="FD",
+                        help="exit when this inherited file descriptor reads end of file: `specdec serve` passes "
+                             "a pipe only it writes to, so that its workers end with it, even when it is killed")
     worker.set_defaults(func=cmd_worker)
 
 

@@ -26,9 +26,10 @@ logger = logging.getLogger(__name__)
 class WorkerProcess:
     """One worker process; `supervise` restarts it on its port when it dies after loading its model."""
 
-    def __init__(self, index: int, argv: list[str]):
+    def __init__(self, index: int, argv: list[str], parent_fd: int):
         self.index = index
-        self.argv = argv          # `specdec ...` arguments without --port
+        self.argv = argv          # `specdec ...` arguments without --port and --parent-fd
+        self.parent_fd = parent_fd  # the read end of the pipe whose end of file tells the worker to exit
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
         self.is_loaded = False
@@ -42,12 +43,14 @@ class WorkerProcess:
                 raise RuntimeError(f"worker {self.index}: the server is stopping")
             self.is_loaded = False
             # Its own session: a Ctrl-C in the terminal reaches only `specdec serve`, which stops the
-            # workers itself (otherwise they would exit first and be restarted as if they had crashed).
+            # workers itself (otherwise they would exit first and be restarted as if they had crashed). So
+            # that a SIGKILL of `serve` does not leave it running, it watches the pipe only `serve` writes to.
             # Every setting is on its command line: no SPECDEC_<FLAG> variable meant for `serve` (its client
             # port's TLS, say) may reach the worker.
             self.proc = proc = subprocess.Popen(
-                [sys.executable, "-m", "specdec", *self.argv, "--port", str(port)],
-                stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=flag_free_environ())
+                [sys.executable, "-m", "specdec", *self.argv, "--port", str(port), "--parent-fd", str(self.parent_fd)],
+                stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=flag_free_environ(),
+                pass_fds=(self.parent_fd,))
         for line in proc.stdout:
             self._echo(line)
             if line.startswith("worker listening on "):
@@ -113,6 +116,9 @@ def serve(args: argparse.Namespace) -> int:
               "is not a port range in 1..65535 (0: off)", file=sys.stderr)
         return 2
     workers: list[WorkerProcess] = []
+    # Every worker inherits the read end; the write end stays here only (os.pipe's are not inherited), so
+    # the workers read end of file when this process exits, however it ends.
+    parent_read_fd, parent_write_fd = os.pipe()
     stop = threading.Event()
     fatal: list[str] = []
 
@@ -129,7 +135,7 @@ def serve(args: argparse.Namespace) -> int:
         argv = _worker_argv(args, model_dir)
         for index in range(args.num_workers):
             metrics_port = args.worker_metrics_port + index if args.worker_metrics_port else 0
-            workers.append(WorkerProcess(index, [*argv, "--metrics-port", str(metrics_port)]))
+            workers.append(WorkerProcess(index, [*argv, "--metrics-port", str(metrics_port)], parent_read_fd))
             workers[-1].start()
         for worker in workers:
             threading.Thread(target=worker.supervise, args=(on_fatal,), daemon=True).start()
@@ -140,6 +146,8 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         for worker in workers:
             worker.stop()
+        os.close(parent_read_fd)
+        os.close(parent_write_fd)
     if fatal:
         print(f"specdec serve: error: {fatal[0]}", file=sys.stderr)
         code = 1

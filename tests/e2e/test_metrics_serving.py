@@ -1,19 +1,13 @@
 """`specdec serve --metrics-port P --worker-metrics-port Q`: both endpoints, scraped over HTTP, with the tiny pair."""
 
-import socket
-
 from specdec.v1 import generation_pb2 as pb
 from tests.e2e.client import greedy_request, serve, stream_all
+from tests.processes import free_port
 from tests.scheduler.test_metrics import Scrape
 from worker_service.metrics import METRICS as WORKER_METRICS
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40] * 12, [10, 11, 12, 10, 11, 12, 10]]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_scheduler_and_worker_metrics_ports(tiny_pair):

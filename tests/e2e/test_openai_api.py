@@ -3,7 +3,6 @@
 
 import http.client
 import json
-import socket
 
 import grpc
 import openai
@@ -11,7 +10,7 @@ import pytest
 
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
-from tests.processes import running
+from tests.processes import free_port, running
 
 KEY = "sk-http-test-5d1e9a"
 MESSAGES = [{"role": "user", "content": "w9 w10 w9 w10"}]
@@ -19,10 +18,6 @@ PROMPT_IDS = [5, 6, 7, 8, 5, 6, 7]   # repeats: the n-gram proposer drafts
 MAX_TOKENS = 12
 SERVED_MODEL_NAME = "tiny-llama"  # --served-model-name: what clients see instead of the checkpoint path
 
-
-def _free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return s.getsockname()[1]
 
 
 class Server:
@@ -56,7 +51,7 @@ class Server:
 def server(tiny_pair, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "api-keys"
     key_file.write_text(f"{KEY}\n")
-    args = ["serve", "--port", "0", "--http-port", str(_free_port()), "--api-key-file", str(key_file),
+    args = ["serve", "--port", "0", "--http-port", str(free_port()), "--api-key-file", str(key_file),
             "--model", str(tiny_pair.target_path), "--block-size", "4", "--num-threads", "1", "--max-model-len", "64",
             "--num-kv-blocks", "64", "--proposer", "ngram", "--num-speculative-tokens", "3",
             "--speculation-policy", "fixed", "--served-model-name", SERVED_MODEL_NAME]
