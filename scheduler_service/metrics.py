@@ -1,6 +1,7 @@
 """The scheduler's Prometheus metrics: one table of every name, the scrape-time collector, request latencies.
 
-Names mirror vLLM's (`vllm:` -> `specdec:`) and say their unit. Two kinds of source:
+Names mirror vLLM's (`vllm:` -> `specdec_`: no colon, which Prometheus keeps for recording rules) and
+say their unit. Two kinds of source:
 
 - counters and gauges the cluster already keeps (SchedulerStats, ClusterSnapshot,
   WorkerSnapshot) are read at scrape time by `ClusterCollector`, from one
@@ -9,10 +10,10 @@ Names mirror vLLM's (`vllm:` -> `specdec:`) and say their unit. Two kinds of sou
   cluster hands outputs to request streams (`Cluster.dispatch`, `abort`, `_fail`).
 
 Load gauges come twice, under different names, so that a `sum()` never counts
-a request twice: `specdec:num_requests_running` (and `_waiting`,
+a request twice: `specdec_num_requests_running` (and `_waiting`,
 `kv_cache_usage_perc`) are the scheduler's totals, without labels, as the
 Gateway API Inference Extension's model-server protocol reads them;
-`specdec:worker_num_requests_running{worker="HOST:PORT"}` (and so on) are the
+`specdec_worker_num_requests_running{worker="HOST:PORT"}` (and so on) are the
 same per worker. Counters are totals over every worker the scheduler has had,
 gone ones included, so they never go backwards when a worker leaves.
 """
@@ -46,7 +47,7 @@ class MetricInfo:
 
 
 def _info(name: str, kind: str, help_text: str, *labels: str) -> MetricInfo:
-    return MetricInfo(f"specdec:{name}", kind, labels, help_text)
+    return MetricInfo(f"specdec_{name}", kind, labels, help_text)
 
 
 METRICS = (
@@ -106,10 +107,10 @@ class RequestMetrics:
     """
 
     def __init__(self) -> None:
-        self.ttft = _histogram("specdec:time_to_first_token_seconds", TTFT_BUCKETS_S)
-        self.itl = _histogram("specdec:inter_token_latency_seconds", ITL_BUCKETS_S)
-        self.e2e = _histogram("specdec:e2e_request_latency_seconds", E2E_BUCKETS_S)
-        info = _BY_NAME["specdec:request_success_total"]
+        self.ttft = _histogram("specdec_time_to_first_token_seconds", TTFT_BUCKETS_S)
+        self.itl = _histogram("specdec_inter_token_latency_seconds", ITL_BUCKETS_S)
+        self.e2e = _histogram("specdec_e2e_request_latency_seconds", E2E_BUCKETS_S)
+        info = _BY_NAME["specdec_request_success_total"]
         self.finished = Counter(info.name, info.help, info.labels, registry=None)
         for reason in FINISH_REASONS:
             self.finished.labels(reason)  # every reason is scraped from the start, at 0
@@ -170,7 +171,7 @@ def _counter(name: str, value: float | None = None) -> CounterMetricFamily:
 
 
 def _load_gauges(snap: "ClusterSnapshot") -> Iterator[Metric]:
-    running, waiting, usage, serving = (_gauge(f"specdec:worker_{name}") for name in
+    running, waiting, usage, serving = (_gauge(f"specdec_worker_{name}") for name in
                                         ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                                          "serving"))
     for w in snap.workers:
@@ -180,9 +181,9 @@ def _load_gauges(snap: "ClusterSnapshot") -> Iterator[Metric]:
         serving.add_metric([w.address], float(w.state is WorkerState.SERVING))
     num_used_blocks = sum(w.num_total_blocks - w.num_free_blocks for w in snap.workers)
     num_total_blocks = sum(w.num_total_blocks for w in snap.workers)
-    yield _gauge("specdec:num_requests_running", sum(w.num_running for w in snap.workers))
-    yield _gauge("specdec:num_requests_waiting", sum(w.num_waiting for w in snap.workers) + snap.num_waiting_for_worker)
-    yield _gauge("specdec:kv_cache_usage_perc", _usage(num_used_blocks, num_total_blocks))
+    yield _gauge("specdec_num_requests_running", sum(w.num_running for w in snap.workers))
+    yield _gauge("specdec_num_requests_waiting", sum(w.num_waiting for w in snap.workers) + snap.num_waiting_for_worker)
+    yield _gauge("specdec_kv_cache_usage_perc", _usage(num_used_blocks, num_total_blocks))
     yield from (running, waiting, usage, serving)
 
 
@@ -204,14 +205,14 @@ def _counters(snap: "ClusterSnapshot") -> Iterator[Metric]:
                         ("worker_failures_total", snap.num_worker_failures),
                         ("moved_requests_total", snap.num_moved_requests),
                         ("engine_errors_total", snap.num_engine_errors)):
-        yield _counter(f"specdec:{name}", value)
-    per_pos = _counter("specdec:spec_decode_num_accepted_tokens_per_pos_total")
+        yield _counter(f"specdec_{name}", value)
+    per_pos = _counter("specdec_spec_decode_num_accepted_tokens_per_pos_total")
     k = max((w.config.num_speculative_tokens for w in snap.workers if w.config is not None), default=0)
     counts = st.num_accepted_tokens_per_pos
     for position in range(max(k, len(counts))):  # positions never accepted yet are scraped at 0
         per_pos.add_metric([str(position)], counts[position] if position < len(counts) else 0)
     yield per_pos
-    by_k = _counter("specdec:spec_decode_num_sequence_steps_by_k_total")
+    by_k = _counter("specdec_spec_decode_num_sequence_steps_by_k_total")
     for value, count in enumerate(st.num_sequence_steps_by_k):
         by_k.add_metric([str(value)], count)
     yield by_k

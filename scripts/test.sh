@@ -4,4 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+
+# promtool, for `promtool check metrics` on live /metrics: Debian's prometheus package, unpacked into .venv
+# (nothing installed system-wide, no service started).
+if [ ! -x .venv/bin/promtool ]; then
+    echo "test: fetching promtool (Debian's prometheus package)" >&2
+    tmp="$(mktemp -d)"
+    (cd "$tmp" && { apt-get download prometheus 2>/dev/null || { apt-get update -qq && apt-get download prometheus; }; })
+    dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/root"
+    cp "$tmp/root/usr/bin/promtool" .venv/bin/promtool
+    rm -rf "$tmp"
+fi
+
 exec .venv/bin/python -m pytest "$@"

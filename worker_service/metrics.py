@@ -6,14 +6,14 @@ from specdec.step import StepResult
 
 # (name, kind, help), as the README's table lists them; every worker metric is defined here.
 METRICS = (
-    ("specdec:worker_step_seconds", "histogram", "Whole step on the worker (state update, propose, score, verify)."),
-    ("specdec:worker_step_propose_seconds", "histogram",
+    ("specdec_worker_step_seconds", "histogram", "Whole step on the worker (state update, propose, score, verify)."),
+    ("specdec_worker_step_propose_seconds", "histogram",
      "Drafting (n-gram or suffix lookup, or the draft model) per step; about 0 for a plain step."),
-    ("specdec:worker_step_score_seconds", "histogram", "The target model's forward per step."),
-    ("specdec:worker_step_verify_seconds", "histogram", "Sampling and rejection sampling per step."),
-    ("specdec:worker_steps_total", "counter", "Steps run."),
-    ("specdec:worker_step_num_seqs", "histogram", "Sequences a step ran (prefill chunks included)."),
-    ("specdec:worker_speculating_seqs_total", "counter", "Sequence-steps that verified at least one draft."),
+    ("specdec_worker_step_score_seconds", "histogram", "The target model's forward per step."),
+    ("specdec_worker_step_verify_seconds", "histogram", "Sampling and rejection sampling per step."),
+    ("specdec_worker_steps_total", "counter", "Steps run."),
+    ("specdec_worker_step_num_seqs", "histogram", "Sequences a step ran (prefill chunks included)."),
+    ("specdec_worker_speculating_seqs_total", "counter", "Sequence-steps that verified at least one draft."),
 )
 _HELP = {name: help_text for name, _, help_text in METRICS}
 
@@ -31,14 +31,14 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self._step, self._propose, self._score, self._verify = (
             Histogram(name, _HELP[name], buckets=STEP_BUCKETS_S, registry=self.registry)
-            for name in ("specdec:worker_step_seconds", "specdec:worker_step_propose_seconds",
-                         "specdec:worker_step_score_seconds", "specdec:worker_step_verify_seconds"))
-        self._num_steps = Counter("specdec:worker_steps_total", _HELP["specdec:worker_steps_total"],
+            for name in ("specdec_worker_step_seconds", "specdec_worker_step_propose_seconds",
+                         "specdec_worker_step_score_seconds", "specdec_worker_step_verify_seconds"))
+        self._num_steps = Counter("specdec_worker_steps_total", _HELP["specdec_worker_steps_total"],
                                   registry=self.registry)
-        self._num_seqs = Histogram("specdec:worker_step_num_seqs", _HELP["specdec:worker_step_num_seqs"],
+        self._num_seqs = Histogram("specdec_worker_step_num_seqs", _HELP["specdec_worker_step_num_seqs"],
                                    buckets=NUM_SEQS_BUCKETS, registry=self.registry)
-        self._num_speculating = Counter("specdec:worker_speculating_seqs_total",
-                                        _HELP["specdec:worker_speculating_seqs_total"], registry=self.registry)
+        self._num_speculating = Counter("specdec_worker_speculating_seqs_total",
+                                        _HELP["specdec_worker_speculating_seqs_total"], registry=self.registry)
 
     def observe_step(self, result: StepResult) -> None:
         """Observes one step's timings (StepStats, in ms) and sizes."""

@@ -28,8 +28,8 @@ class Scrape:
 
     def __init__(self, port: int):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-            text = response.read().decode()
-        self.families = list(text_string_to_metric_families(text))
+            self.text = response.read().decode()
+        self.families = list(text_string_to_metric_families(self.text))
         self.samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in self.families for s in f.samples}
 
     def value(self, name: str, **labels) -> float:
@@ -88,42 +88,42 @@ def test_counters_and_histograms_follow_a_speculative_run(metrics_cluster):
     after = Scrape(port)
 
     # While the run went on, requests ran and held KV blocks; after it, nothing runs or holds a block.
-    assert during[0].value("specdec:num_requests_running") >= 1
-    assert during[0].value("specdec:kv_cache_usage_perc") > 0
-    assert after.value("specdec:num_requests_running") == after.value("specdec:num_requests_waiting") == 0
-    assert after.value("specdec:kv_cache_usage_perc") == 0.0
+    assert during[0].value("specdec_num_requests_running") >= 1
+    assert during[0].value("specdec_kv_cache_usage_perc") > 0
+    assert after.value("specdec_num_requests_running") == after.value("specdec_num_requests_waiting") == 0
+    assert after.value("specdec_kv_cache_usage_perc") == 0.0
     addresses = {w.address for w in workers}
-    assert set(after.by_label("specdec:worker_kv_cache_usage_perc", "worker")) == addresses
-    assert after.by_label("specdec:worker_serving", "worker") == {a: 1.0 for a in addresses}
+    assert set(after.by_label("specdec_worker_kv_cache_usage_perc", "worker")) == addresses
+    assert after.by_label("specdec_worker_serving", "worker") == {a: 1.0 for a in addresses}
 
     # Tokens: what the clients received, and every prompt (each request emitted its first token).
     num_received = sum(map(len, streams.tokens.values())) + len(stop_tokens) + len(abort_tokens)
-    assert after.value("specdec:generation_tokens_total") == num_received
+    assert after.value("specdec_generation_tokens_total") == num_received
     num_prompt_tokens = sum(map(len, streams.prompts.values())) + len(stop_prompt) + 5
-    assert after.value("specdec:prompt_tokens_total") == num_prompt_tokens
-    assert after.by_label("specdec:request_success_total", "finished_reason") == {"length": 6, "stop": 1,
+    assert after.value("specdec_prompt_tokens_total") == num_prompt_tokens
+    assert after.by_label("specdec_request_success_total", "finished_reason") == {"length": 6, "stop": 1,
                                                                                    "abort": 1}
 
     # Speculation: both workers' counts summed; per-position counts add up to the accepted total.
-    drafted = after.value("specdec:spec_decode_num_draft_tokens_total")
-    accepted = after.value("specdec:spec_decode_num_accepted_tokens_total")
-    num_drafts = after.value("specdec:spec_decode_num_drafts_total")
+    drafted = after.value("specdec_spec_decode_num_draft_tokens_total")
+    accepted = after.value("specdec_spec_decode_num_accepted_tokens_total")
+    num_drafts = after.value("specdec_spec_decode_num_drafts_total")
     assert drafted >= accepted > 0 and 0 < num_drafts <= drafted <= 3 * num_drafts
     assert (drafted, accepted) == (snap.stats.num_draft_tokens, snap.stats.num_accepted_tokens)
-    per_pos = after.by_label("specdec:spec_decode_num_accepted_tokens_per_pos_total", "position")
+    per_pos = after.by_label("specdec_spec_decode_num_accepted_tokens_per_pos_total", "position")
     assert set(per_pos) == {"0", "1", "2"} and sum(per_pos.values()) == accepted
     assert per_pos["0"] >= per_pos["1"] >= per_pos["2"] > 0  # accepted drafts are a prefix
     # The policy's chosen k: one count per decoding sequence-step, the same as GetServerInfo's histogram.
-    by_k = after.by_label("specdec:spec_decode_num_sequence_steps_by_k_total", "k")
+    by_k = after.by_label("specdec_spec_decode_num_sequence_steps_by_k_total", "k")
     assert by_k == {str(k): n for k, n in enumerate(snap.stats.num_sequence_steps_by_k)} and by_k.get("3", 0) > 0
 
     # Request latencies: one TTFT and one e2e per request; one ITL per token after each first token.
     num_requests = 8
-    assert after.value("specdec:time_to_first_token_seconds_count") == num_requests
-    assert after.value("specdec:e2e_request_latency_seconds_count") == num_requests
-    assert after.value("specdec:inter_token_latency_seconds_count") == num_received - num_requests
-    assert after.value("specdec:inter_token_latency_seconds_sum") > 0
-    assert after.value("specdec:e2e_request_latency_seconds_bucket", le="+Inf") == num_requests
+    assert after.value("specdec_time_to_first_token_seconds_count") == num_requests
+    assert after.value("specdec_e2e_request_latency_seconds_count") == num_requests
+    assert after.value("specdec_inter_token_latency_seconds_count") == num_received - num_requests
+    assert after.value("specdec_inter_token_latency_seconds_sum") > 0
+    assert after.value("specdec_e2e_request_latency_seconds_bucket", le="+Inf") == num_requests
 
     # Every documented metric is scraped, and nothing undocumented.
     assert after.exposed_names() == {m.name for m in METRICS}
@@ -139,12 +139,12 @@ def test_worker_failure_moves_requests_and_counters_keep_counting(metrics_cluste
     streams.assert_complete_and_exact()
     wait_idle(cluster)
     after = Scrape(port)
-    assert after.value("specdec:worker_failures_total") == 1
-    assert after.value("specdec:moved_requests_total") == cluster.snapshot().num_moved_requests > 0
-    assert after.by_label("specdec:worker_serving", "worker")[workers[0].address] == 0.0
+    assert after.value("specdec_worker_failures_total") == 1
+    assert after.value("specdec_moved_requests_total") == cluster.snapshot().num_moved_requests > 0
+    assert after.by_label("specdec_worker_serving", "worker")[workers[0].address] == 0.0
     # Every token once, moves included; the counters only went up.
-    assert after.value("specdec:generation_tokens_total") == 6 * 120
-    for name in ("specdec:generation_tokens_total", "specdec:spec_decode_num_accepted_tokens_total"):
+    assert after.value("specdec_generation_tokens_total") == 6 * 120
+    for name in ("specdec_generation_tokens_total", "specdec_spec_decode_num_accepted_tokens_total"):
         assert after.value(name) >= before.value(name)
 
 
@@ -155,24 +155,24 @@ def test_requests_waiting_for_a_worker_count_as_waiting_then_abort(metrics_clust
     wait_until(lambda: not serving(cluster), what="no worker to serve")
     handle = cluster.submit(Request("waits", [1, 2, 3], max_tokens=5))
     waiting = Scrape(port)
-    assert waiting.value("specdec:num_requests_waiting") == 1
-    assert sum(waiting.by_label("specdec:worker_num_requests_waiting", "worker").values()) == 0
+    assert waiting.value("specdec_num_requests_waiting") == 1
+    assert sum(waiting.by_label("specdec_worker_num_requests_waiting", "worker").values()) == 0
     with pytest.raises(Exception, match="no worker is available"):
         handle.get(timeout=10)  # fails after --worker-wait-timeout (0.5 s here)
     after = Scrape(port)
-    assert after.value("specdec:num_requests_waiting") == 0
-    assert after.value("specdec:request_success_total", finished_reason="abort") == 1
-    assert after.value("specdec:e2e_request_latency_seconds_count") == 1
-    assert after.value("specdec:time_to_first_token_seconds_count") == 0
+    assert after.value("specdec_num_requests_waiting") == 0
+    assert after.value("specdec_request_success_total", finished_reason="abort") == 1
+    assert after.value("specdec_e2e_request_latency_seconds_count") == 1
+    assert after.value("specdec_time_to_first_token_seconds_count") == 0
 
 
 def test_engine_errors_are_exported(metrics_cluster):
     cluster, workers, port = metrics_cluster
-    assert Scrape(port).value("specdec:engine_errors_total") == 0
+    assert Scrape(port).value("specdec_engine_errors_total") == 0
     with cluster.lock:
         engine = cluster._engines[workers[1].address]
         engine.num_engine_errors += 2  # as the engine's error handling counts them
-    assert Scrape(port).value("specdec:engine_errors_total") == 2
+    assert Scrape(port).value("specdec_engine_errors_total") == 2
 
 
 def test_stats_total_sums_per_position_counts_of_different_k():
@@ -191,7 +191,7 @@ def test_metrics_port_in_use_is_an_error(metrics_cluster):
     cluster, _, port = metrics_cluster
     with pytest.raises(OSError):
         start_metrics_server(cluster_registry(cluster), "127.0.0.1", port, "scheduler")
-    assert Scrape(port).value("specdec:num_requests_running") == 0
+    assert Scrape(port).value("specdec_num_requests_running") == 0
 
 
 @pytest.mark.parametrize("port", [-1, 65536])
