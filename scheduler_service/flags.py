@@ -55,7 +55,8 @@ def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None
                         "/health) on HOST:PORT, with the client port's TLS and API keys; 0: off (default)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the client APIs: GetServerInfo's model, /v1/models and the OpenAI "
-                        "`model` field (default: the workers' model id, the checkpoint path)")
+                        "`model` field (default: the model's name, its directory's or GGUF file's; a "
+                        "client may also name the workers' model id, its path)")
 
 
 def add_security_flags(p: argparse.ArgumentParser, with_worker_flags: bool = True) -> None:
@@ -89,8 +90,13 @@ def _security_options(args: argparse.Namespace) -> dict:
     return options
 
 
-def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses: list[str]) -> SchedulerOptions:
-    """The SchedulerOptions of parsed flags; raises ValueError for bad values or an unreadable key file."""
+def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses: list[str],
+                      model_name: str | None = None) -> SchedulerOptions:
+    """The SchedulerOptions of parsed flags; raises ValueError for bad values or an unreadable key file.
+
+    model_name: the model's own name (its directory's or GGUF file's), served when --served-model-name is not
+    given; None: the workers' model id.
+    """
     return SchedulerOptions(model_dir=model_dir, worker_addresses=tuple(worker_addresses), host=args.host,
                             port=args.port, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -103,5 +109,5 @@ def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses
                             worker_step_timeout_s=args.worker_step_timeout, take_over_workers=args.take_over_workers,
                             max_waiting_requests=args.max_waiting_requests, max_open_streams=args.max_open_streams,
                             shutdown_grace_period_s=args.shutdown_grace_period, metrics_port=args.metrics_port,
-                            http_port=args.http_port, served_model_name=args.served_model_name,
+                            http_port=args.http_port, served_model_name=args.served_model_name or model_name,
                             **_security_options(args))

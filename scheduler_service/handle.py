@@ -27,11 +27,15 @@ class ModelFacts:
     """What the API layer needs to know of the model the workers serve (from the first worker)."""
 
     model_id: str             # the workers' (every worker must serve the same)
-    served_model_name: str    # what clients see: --served-model-name, else model_id
+    served_model_name: str    # what clients see: --served-model-name (the CLI's default: the model's name)
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     proposer: str
     config: SchedulerConfig   # the first worker's scheduler config: the API's limits
+
+    def is_named(self, name: str) -> bool:
+        """Whether a client's model name means this model: the served name, or the workers' model id."""
+        return name in (self.served_model_name, self.model_id)
 
 
 class RequestHandle:

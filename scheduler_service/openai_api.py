@@ -146,8 +146,9 @@ class OpenAIApi:
 
     async def complete(self, body: ChatCompletionRequest | CompletionRequest, request: Request) -> Response:
         """Both completion endpoints: map, open a stream, then stream events or return the whole reply."""
-        model_id = self.frontend.require_cluster().facts.served_model_name
-        if body.model and body.model != model_id:  # absent: the served model
+        facts = self.frontend.require_cluster().facts
+        model_id = facts.served_model_name
+        if body.model and not facts.is_named(body.model):  # absent: the served model
             return _error(404, f"the model {body.model!r} does not exist: this server serves {model_id!r}",
                           "invalid_request_error", "model", "model_not_found")
         try:

@@ -20,6 +20,10 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec.cli import build_parser
+from worker_service import flags as worker_flags
+from worker_service.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
+
+DEFAULT_K = DEFAULT_NUM_SPECULATIVE_TOKENS[DEFAULT_PROPOSER]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEALTHCHECK = ROOT / "deploy" / "healthcheck.py"
@@ -43,12 +47,6 @@ def _docker_compose(*args: str, files=("compose.yaml",), env: dict | None = None
     return subprocess.run([_venv_tool("docker-compose"), *file_args, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60, env={**environ, **(env or {})})
 
-
-def readme_ngram_k() -> int:
-    """The k the README's Serving section suggests for the n-gram proposer."""
-    match = re.search(r"--proposer ngram --num-speculative-tokens (\d+)", (ROOT / "README.md").read_text())
-    assert match, "README.md suggests no k for --proposer ngram"
-    return int(match.group(1))
 
 
 def dockerfile_cache_dirs() -> dict[str, str]:
@@ -98,7 +96,7 @@ def test_compose_runs_two_workers_found_by_dns():
     worker = build_parser().parse_args(worker_service["command"])
     scheduler = build_parser().parse_args(scheduler_service["command"])
     assert (worker.command, worker.host, worker.port) == ("worker", "0.0.0.0", 50052)
-    assert worker.proposer == "ngram" and worker.num_speculative_tokens == readme_ngram_k()
+    assert (worker.proposer, worker.num_speculative_tokens) == (DEFAULT_PROPOSER, DEFAULT_K)  # serve's defaults
     # Replicas: no fixed container name or host port, which would clash.
     assert (worker_service.get("deploy") or {}).get("replicas", worker_service.get("scale")) == 2
     assert "container_name" not in worker_service and not worker_service.get("ports")
@@ -172,7 +170,8 @@ def test_worker_manifest_is_a_statefulset_behind_a_headless_service_with_a_pdb()
     container = _container(statefulset)
     args = build_parser().parse_args(container["args"])
     assert args.command == "worker" and args.host == "0.0.0.0"
-    assert args.proposer == "ngram" and args.num_speculative_tokens == readme_ngram_k()
+    config = worker_flags.config_from_args(args, "m", None)
+    assert (config.proposer, config.num_speculative_tokens) == (DEFAULT_PROPOSER, DEFAULT_K)  # serve's defaults
     assert service["spec"]["ports"][0]["port"] == args.port
     assert container["readinessProbe"]["grpc"] == {"port": args.port, "service": "specdec.v1.WorkerService"}
     for probe in ("startupProbe", "livenessProbe"):  # NOT_SERVING must not restart it

@@ -21,6 +21,7 @@ from specdec.cli import build_parser
 from tests.certs import TestCA
 from tests.test_deploy import (ANSWERS, HEALTHCHECK, K8S, K8S_MANIFESTS, ROOT, _container, _docker_compose,
                                _expand_env, _k8s_docs, _kubernetes_validate)
+from worker_service.config import DEFAULT_PROPOSER
 
 TLS_OVERLAY = K8S / "tls"
 HEALTHCHECK_FLAGS = ("--ca-file", "--cert-file", "--key-file")
@@ -92,7 +93,7 @@ def test_compose_tls_override_is_valid_and_mounts_every_file_it_names():
     assert security.server_tls_from_args(worker).requires_client_cert  # mutual TLS on the worker port
     assert security.server_tls_from_args(scheduler).certfile and scheduler.api_key_file
     assert scheduler.worker_ssl_ca_certs and scheduler.worker_ssl_certfile and scheduler.worker_ssl_server_name
-    assert worker.proposer == "ngram" and scheduler.worker == ["dns:///worker:50052"]  # the rest is unchanged
+    assert worker.proposer == DEFAULT_PROPOSER and scheduler.worker == ["dns:///worker:50052"]  # the rest is unchanged
     for name, service in services.items():
         mounted = {secret["target"] for secret in service["secrets"]}
         for path in _file_args(service["command"]) + _file_args(service["healthcheck"]["test"]):

@@ -4,6 +4,12 @@ from dataclasses import dataclass
 import re
 
 PROPOSERS = ("none", "ngram", "draft", "suffix")
+# k when --num-speculative-tokens is not given: per proposer, the best measured for the default model
+# (bench/bench_goodput.py; the README's Benchmarks). Copying proposers draft long runs cheaply when they match.
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"none": 0, "ngram": 5, "draft": 5, "suffix": 16}
+# What `specdec serve` and `specdec worker` speculate with unless --proposer says otherwise: the best measured
+# for the default model at batch 1 (the goodput policy keeps it from costing throughput under load).
+DEFAULT_PROPOSER = "suffix"
 SCORERS = ("multi_query", "batch_expansion")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")            # what a model runs in
 DTYPE_ALIASES = {"half": "float16"}
@@ -63,7 +69,8 @@ class WorkerConfig:
     device: str = "auto"                # check_device; build_worker resolves it (resolve_device)
     draft_model: str | None = None
     proposer: str = "none"
-    num_speculative_tokens: int = 0     # k: the most drafts per sequence and step
+    num_speculative_tokens: int | None = None  # k: the most drafts per sequence and step; None: the proposer's
+                                               # default (DEFAULT_NUM_SPECULATIVE_TOKENS)
     ngram_min: int = 1
     ngram_max: int = 4
     suffix_cache_tokens: int = 65536    # the suffix proposer's index of recent outputs (0: none)
@@ -83,6 +90,8 @@ class WorkerConfig:
             raise ValueError(f"scorer must be one of {SCORERS}, got {self.scorer!r}")
         if self.proposer == "draft" and not self.draft_model:
             raise ValueError("proposer 'draft' needs a draft model (--draft-model)")
+        if self.num_speculative_tokens is None:  # frozen: set once, here
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[self.proposer])
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.proposer != "none" and self.num_speculative_tokens == 0:

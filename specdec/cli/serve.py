@@ -130,7 +130,7 @@ def serve(args: argparse.Namespace) -> int:
         model_dir = str(models.resolve_model(args.model))
         # Every scheduler flag is checked, and the key and TLS files read, before any worker starts (the
         # workers' addresses are known once they listen).
-        options = scheduler_flags.options_from_args(args, model_dir, ["127.0.0.1:0"])
+        options = scheduler_flags.options_from_args(args, model_dir, ["127.0.0.1:0"], models.model_name(args.model))
         security.server_credentials(options.client_tls)
         argv = _worker_argv(args, model_dir)
         for index in range(args.num_workers):

@@ -11,6 +11,9 @@ import pytest
 from scheduler_service import flags as scheduler_flags
 from specdec.cli import build_parser, parsing
 from worker_service import flags as worker_flags
+from worker_service import models
+from worker_service.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
+from worker_service.models import DEFAULT_MODEL_NAME
 
 SUBCOMMANDS = ("worker", "scheduler", "serve", "generate")
 
@@ -177,3 +180,26 @@ def test_serve_passes_the_global_and_worker_flags_to_its_workers(monkeypatch):
     worker = build_parser().parse_args([*_worker_argv(args, "/models/m"), "--port", "0"])
     assert (worker.command, worker.log_level, worker.log_format) == ("worker", "DEBUG", "json")
     assert (worker.dtype, worker.proposer, worker.num_speculative_tokens) == ("float16", "ngram", 2)
+
+
+def test_without_flags_a_worker_speculates_with_the_default_proposer_and_its_k():
+    worker = worker_flags.config_from_args(build_parser().parse_args(["worker"]), "m", None)
+    assert worker.proposer == DEFAULT_PROPOSER != "none"
+    assert worker.num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS[DEFAULT_PROPOSER] > 0
+    ngram = worker_flags.config_from_args(build_parser().parse_args(["worker", "--proposer", "ngram"]), "m", None)
+    assert ngram.num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS["ngram"]  # each proposer's own k
+    plain = worker_flags.config_from_args(build_parser().parse_args(["worker", "--proposer", "none"]), "m", None)
+    assert (plain.proposer, plain.num_speculative_tokens) == ("none", 0)
+    serve = build_parser().parse_args(["serve"])
+    assert worker_flags.forwarded_argv(serve).count("--num-speculative-tokens") == 0  # the worker's default k
+    assert scheduler_flags.options_from_args(serve, "m", ["127.0.0.1:1"]).num_speculative_tokens is None
+
+
+@pytest.mark.parametrize("model, name", [(None, DEFAULT_MODEL_NAME), ("/models/SmolLM2-360M", "SmolLM2-360M"),
+                                         ("/models/llama/", "llama"), ("/gguf/tiny.Q8_0.gguf", "tiny.Q8_0")])
+def test_the_served_name_is_the_models_own_name_unless_a_flag_names_it(model, name):
+    assert models.model_name(model) == name
+    for argv, served in ([], name), (["--served-model-name", "mine"], "mine"):
+        args = build_parser().parse_args(["scheduler", "--worker", "10.0.0.1:1", *argv])
+        options = scheduler_flags.options_from_args(args, "/cache/x", args.worker, models.model_name(model))
+        assert options.served_model_name == served

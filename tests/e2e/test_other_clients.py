@@ -82,7 +82,7 @@ def test_node_client_streams_a_chat_completion(server, node_client, tiny_pair):
                     "--max-tokens", str(MAX_TOKENS), "--json", PROMPT)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])
-    assert result["model"] == str(tiny_pair.target_path)
+    assert result["model"] == tiny_pair.target_path.name  # the served name: its directory's
     assert isinstance(result["num_requests"], (int, float)) and result["num_requests"] >= 1
     assert result["token_ids"] == list(expected.token_ids) and len(expected.token_ids) > 1
     assert result["text"] == expected.text
@@ -100,7 +100,7 @@ def test_node_client_human_output(server, node_client, tiny_pair):
     done = run_node(node_client, "--address", server.address, "--temperature", "0", "--max-tokens", "5", PROMPT)
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected.text + "\n"
-    assert f"model {tiny_pair.target_path} (proposer ngram, k=3)" in done.stderr
+    assert f"model {tiny_pair.target_path.name} (proposer ngram, k=3)" in done.stderr
     assert f"finish reason {pb.FinishReason.Name(expected.finish_reason)}" in done.stderr
     assert f"completion {len(expected.token_ids)}" in done.stderr
 

@@ -33,7 +33,7 @@ def reference(smollm2_path, prompts):
 
 
 CONFIGS = {
-    "plain-sync": ["--scheduling", "sync"],
+    "plain-sync": ["--proposer", "none", "--scheduling", "sync"],
     "ngram-async": ["--proposer", "ngram", "--num-speculative-tokens", "4", "--scheduling", "async"],
     "ngram-sync-preempt": ["--proposer", "ngram", "--num-speculative-tokens", "4", "--scheduling", "sync",
                            "--num-kv-blocks", "12"],

@@ -34,8 +34,8 @@ def tiny_args(pair, *extra) -> list[str]:
 
 
 CONFIGS = {
-    "plain-sync": ["--scheduling", "sync"],
-    "plain-async": ["--scheduling", "async"],
+    "plain-sync": ["--proposer", "none", "--scheduling", "sync"],
+    "plain-async": ["--proposer", "none", "--scheduling", "async"],
     "ngram-async": ["--proposer", "ngram", "--num-speculative-tokens", "3", "--scheduling", "async"],
     "ngram-sync-preempt": ["--proposer", "ngram", "--num-speculative-tokens", "3", "--scheduling", "sync",
                            "--num-kv-blocks", "24"],
@@ -67,7 +67,8 @@ def test_concurrent_greedy_outputs_are_identical(tiny_pair, reference, name):
 def test_auto_disable_then_resume(tiny_pair, reference):
     """More than 2 running: steps carry k=0; once one request remains it speculates again (self-draft)."""
     args = tiny_args(tiny_pair, "--proposer", "draft", "--draft-model", str(tiny_pair.target_path),
-                     "--num-speculative-tokens", "3", "--speculative-disable-queue-size", "2", "--scheduling", "sync")
+                     "--num-speculative-tokens", "3", "--speculative-disable-queue-size", "2", "--scheduling", "sync",
+                     "--speculation-policy", "fixed")  # k from the queue rule alone, not from timings (goodput)
     with serve(args) as server:
         requests = [greedy_request(p, 4) for p in PROMPTS[:3]] + [greedy_request(PROMPTS[3], MAX_TOKENS)]
         results = stream_all(server.stub, requests)
@@ -81,7 +82,7 @@ def test_auto_disable_then_resume(tiny_pair, reference):
 
 @pytest.fixture(scope="module")
 def plain_server(tiny_pair):
-    with serve(tiny_args(tiny_pair, "--max-model-len", "64", "--num-kv-blocks", "64")) as server:
+    with serve(tiny_args(tiny_pair, "--proposer", "none", "--max-model-len", "64", "--num-kv-blocks", "64")) as server:
         yield server
 
 
@@ -144,7 +145,7 @@ def test_abort_and_cancellation_free_blocks(plain_server):
 
 def test_server_info_counters(plain_server):
     info = plain_server.info()
-    assert info.model.endswith("target") and info.proposer == "none" and info.max_model_len == 64
+    assert info.model == "target" and info.proposer == "none" and info.max_model_len == 64  # its directory's name
     assert info.counters.num_requests > 0 and info.counters.num_emitted_tokens > 0
     assert 0 < info.counters.worker_busy_seconds <= info.counters.active_wall_seconds
 

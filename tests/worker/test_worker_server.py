@@ -24,7 +24,7 @@ def health_status(address: str, service: str = "") -> int:
 @pytest.fixture(scope="module")
 def tiny_worker(tiny_pair):
     with running(["worker", "--host", "127.0.0.1", "--port", "0", "--model", str(tiny_pair.target_path),
-                  "--num-threads", "1"]) as proc:
+                  "--num-threads", "1", "--proposer", "none"]) as proc:
         address = proc.address()
         proc.wait_for("model loaded")
         assert health_status(address) == health_pb2.HealthCheckResponse.NOT_SERVING  # no cache yet

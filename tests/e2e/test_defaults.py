@@ -1,0 +1,71 @@
+"""What a new user gets: `specdec serve` with no flags but its ports (the README's first command) serves the
+embedded SmolLM2 under the model's own name, and speculates, with the output of plain decoding."""
+
+import http.client
+import json
+
+import grpc
+import pytest
+
+from specdec.v1 import generation_pb2 as pb
+from specdec.v1 import generation_pb2_grpc
+from tests.processes import free_port, running
+from worker_service.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
+from worker_service.models import DEFAULT_MODEL_NAME, default_model_path
+
+pytestmark = pytest.mark.slow
+
+# A prompt whose answer repeats its input: copying proposers have something to draft.
+MESSAGES = [{"role": "user", "content": "Repeat this sentence three times: the quick brown fox jumps over the "
+                                        "lazy dog near the river bank."}]
+MAX_TOKENS = 48
+
+
+def _call(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request(method, path, body=json.dumps(body) if body is not None else None,
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def _chat(port: int, **fields) -> tuple[int, dict]:
+    return _call(port, "POST", "/v1/chat/completions",
+                 {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0, **fields})
+
+
+def _serve(*flags: str):
+    http_port = free_port()
+    return http_port, running(["serve", "--port", "0", "--http-port", str(http_port), *flags])
+
+
+def test_serve_without_flags_speculates_losslessly_under_the_models_name():
+    http_port, server = _serve()
+    with server as process:
+        address = process.address(who="scheduler ")
+        process.wait_for("scheduler ready")
+        with grpc.insecure_channel(address) as channel:
+            info = generation_pb2_grpc.GenerationServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest())
+        assert (info.proposer, info.num_speculative_tokens) == (
+            DEFAULT_PROPOSER, DEFAULT_NUM_SPECULATIVE_TOKENS[DEFAULT_PROPOSER])
+        assert info.model == DEFAULT_MODEL_NAME
+        assert [m["id"] for m in _call(http_port, "GET", "/v1/models")[1]["data"]] == [DEFAULT_MODEL_NAME]
+
+        status, speculative = _chat(http_port, model=DEFAULT_MODEL_NAME)
+        assert status == 200, speculative
+        assert speculative["model"] == DEFAULT_MODEL_NAME
+        assert speculative["usage"]["speculative_decoding"]["draft_tokens"] > 0
+        assert _chat(http_port, model=str(default_model_path()))[0] == 200  # the model id (its path) too
+        assert _chat(http_port, model="gpt-4o")[0] == 404
+
+    http_port, server = _serve("--proposer", "none")
+    with server as process:
+        process.wait_for("scheduler ready")
+        status, plain = _chat(http_port)
+    assert status == 200, plain
+    assert plain["usage"]["speculative_decoding"]["draft_tokens"] == 0
+    assert speculative["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert speculative["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
