@@ -17,7 +17,10 @@ buffer far larger than the caches (all threads), and the bytes are every
 weight matrix the forward multiplies with (the embedding table counts once
 when it is tied to the output layer, and not otherwise: a lookup reads one
 row). The share reached = bound step time / the worker's measured decode step
-time (`StepStats.total_ms`, prefill excluded). Saves JSON under bench/results/.
+time (`StepStats.total_ms`, prefill excluded); it is measured with the fast
+CPU forward (worker_service/fast_forward.py) and, side by side, with
+`transformers`' decoder layers on the same kernels. Saves JSON under
+bench/results/.
 """
 
 import argparse
@@ -113,6 +116,12 @@ def main(args) -> None:
     # prefills); a few prompts suffice.
     some = [p for _, p in prompts[:: max(len(prompts) // 5, 1)]]
     step_ms = {label: plain_decode_step_ms(workers[f"{label} plain"], some, args.new_tokens) for label in DTYPES}
+    transformers_step_ms = {}
+    for label in DTYPES:
+        runner = workers[f"{label} plain"].target
+        runner.fast_forward, fast = None, runner.fast_forward
+        transformers_step_ms[label] = plain_decode_step_ms(workers[f"{label} plain"], some, args.new_tokens)
+        runner.fast_forward = fast
     bound_ms = {label: weights[label] / bandwidth * 1e3 for label in DTYPES}
 
     print(f"\nSmolLM2-135M, {torch.get_num_threads()} threads, batch 1, greedy, {len(prompts)} prompts "
@@ -133,10 +142,13 @@ def main(args) -> None:
     print(f"\nmemory bound: read bandwidth {bandwidth / 1e9:.1f} GB/s (torch.sum over 1 GiB)")
     for label in DTYPES:
         print(f"  {label}: {weights[label] / 1e6:.0f} MB of weights per forward -> bound {bound_ms[label]:.1f} ms "
-              f"per decode step; measured {step_ms[label]:.1f} ms: {bound_ms[label] / step_ms[label]:.0%} of the bound")
+              f"per decode step; measured {step_ms[label]:.1f} ms: {bound_ms[label] / step_ms[label]:.0%} of the bound "
+              f"(transformers' layers: {transformers_step_ms[label]:.1f} ms, "
+              f"{bound_ms[label] / transformers_step_ms[label]:.0%}; fast forward "
+              f"{transformers_step_ms[label] / step_ms[label]:.2f}x)")
     save("dtype", {"args": vars(args), "prompts": labels, "table": table, "differ": differ,
                    "read_bandwidth_bytes_s": bandwidth, "weight_bytes": weights, "bound_step_ms": bound_ms,
-                   "plain_decode_step_ms": step_ms})
+                   "plain_decode_step_ms": step_ms, "transformers_plain_decode_step_ms": transformers_step_ms})
 
 
 if __name__ == "__main__":

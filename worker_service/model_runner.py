@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from kernels import paged_attention_cpu
 from kernels.slot_mapping import compute_slot_mapping
+from worker_service import fast_forward
 from worker_service.attention import ATTENTION_NAME, PagedMetadata
 from worker_service.fast_linear import pack_linears
 from worker_service.kv_cache import KVCache, KVCacheSpec
@@ -88,6 +89,7 @@ class ModelRunner:
         if model.device.type == "cpu":
             paged_attention_cpu.available()  # builds the CPU attention kernel (or warns) now, not in a step
         pack_linears(model)  # CPU only; other devices keep nn.Linear
+        self.fast_forward = fast_forward.build(model)  # CPU Llama: the decoder layers as C calls; else None
         self.device = model.device
         self.dtype = model.dtype
         self.kv_spec = KVCacheSpec.from_config(model.config, model.dtype)
@@ -108,6 +110,9 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not initialised")
         batch = pack(chunks, self.kv_cache, self.device)
+        if self.fast_forward is not None:
+            hidden = self.fast_forward(batch.input_ids, batch.positions, batch.metadata, batch.logits_indices)
+            return self.model.lm_head(hidden).float()  # [N, V]
         hidden = self.model.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
                                   use_cache=False, paged_metadata=batch.metadata).last_hidden_state[0]  # [T, hidden]
         return self.model.lm_head(hidden[batch.logits_indices]).float()  # [N, V]

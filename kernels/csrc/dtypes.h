@@ -23,4 +23,24 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
+/* One element of a tensor of `dtype` at base[offset], as fp32 (and back, rounded as torch rounds). */
+static inline float load_scalar(int dtype, const void *base, int64_t offset) {
+    if (dtype == DTYPE_F32) return ((const float *)base)[offset];
+    if (dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)base)[offset]);
+    return (float)((const _Float16 *)base)[offset];
+}
+
+static inline void store_scalar(int dtype, void *base, int64_t offset, float value) {
+    if (dtype == DTYPE_F32) ((float *)base)[offset] = value;
+    else if (dtype == DTYPE_BF16) ((uint16_t *)base)[offset] = f32_to_bf16(value);
+    else ((_Float16 *)base)[offset] = (_Float16)value;
+}
+
+/* fp32 rounded to `dtype` and back: what storing an intermediate result in the model's dtype does. */
+static inline float round_to(int dtype, float value) {
+    if (dtype == DTYPE_F32) return value;
+    if (dtype == DTYPE_BF16) return bf16_to_f32(f32_to_bf16(value));
+    return (float)(_Float16)value;
+}
+
 #endif

@@ -87,18 +87,6 @@ static inline vec load_vec(int dtype, const void *base, int64_t offset) {
     return v;
 }
 
-static inline float load_scalar(int dtype, const void *base, int64_t offset) {
-    if (dtype == DTYPE_F32) return ((const float *)base)[offset];
-    if (dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)base)[offset]);
-    return (float)((const _Float16 *)base)[offset];
-}
-
-static inline void store_scalar(int dtype, void *base, int64_t offset, float value) {
-    if (dtype == DTYPE_F32) ((float *)base)[offset] = value;
-    else if (dtype == DTYPE_BF16) ((uint16_t *)base)[offset] = f32_to_bf16(value);
-    else ((_Float16 *)base)[offset] = (_Float16)value;
-}
-
 /* Rows x[0..num_rows) (fp32, row stride in) times one group's packed weights w [in, GROUP_OUT]:
  * acc[r][v] holds outputs v*LANES.. of row r. num_rows is a constant where this is inlined, so the
  * loops unroll and the accumulators stay in registers. */

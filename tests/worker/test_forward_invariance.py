@@ -20,10 +20,10 @@ BLOCK_SIZE = 4
 # (cached prefix, rows in the mixed step) per sequence: a fresh prefill, decodes, verify queries of 2..7 rows,
 # a prefill chunk over a cached prefix; 64 rows in all.
 LAYOUT = [(0, 21), (9, 1), (14, 6), (3, 1), (0, 1), (25, 7), (6, 2), (11, 10), (30, 1), (2, 4), (17, 5), (8, 5)]
-# Every dtype on the tiny model; SmolLM2 in the dtypes it is served in (fp16 on the CPU is slow: ~40 s).
-CASES = [("tiny", "float32"), ("tiny", "bfloat16"), ("tiny", "float16"),
-         pytest.param("smollm2", "float32", marks=pytest.mark.slow),
-         pytest.param("smollm2", "bfloat16", marks=pytest.mark.slow)]
+# Every dtype on the tiny model, with the fast forward (worker_service/fast_forward.py) and with transformers'
+# (the one other models run); SmolLM2 in the dtypes it is served in (fp16 on the CPU is slow).
+CASES = [("tiny", dtype, forward) for dtype in ("float32", "bfloat16", "float16") for forward in ("fast", "transformers")]
+CASES += [pytest.param("smollm2", dtype, "fast", marks=pytest.mark.slow) for dtype in ("float32", "bfloat16")]
 
 
 def one_row_at_a_time(runner: ModelRunner, tokens: list[int], blocks: list[int]) -> torch.Tensor:  # [L, V]
@@ -31,12 +31,15 @@ def one_row_at_a_time(runner: ModelRunner, tokens: list[int], blocks: list[int])
     return torch.cat([runner.forward([SequenceChunk([t], pos, blocks)]) for pos, t in enumerate(tokens)])
 
 
-@pytest.mark.parametrize("model, dtype", CASES)
-def test_a_row_alone_equals_the_row_in_a_mixed_batch_of_64(request, model, dtype):
+@pytest.mark.parametrize("model, dtype, forward", CASES)
+def test_a_row_alone_equals_the_row_in_a_mixed_batch_of_64(request, model, dtype, forward):
     assert sum(rows for _, rows in LAYOUT) == 64
     model_path = request.getfixturevalue("tiny_pair").target_path if model == "tiny" \
         else request.getfixturevalue("smollm2_path")
     runner = ModelRunner(load_model(model_path, dtype))
+    assert runner.fast_forward is not None
+    if forward == "transformers":
+        runner.fast_forward = None
     runner.init_cache(num_blocks=256, block_size=BLOCK_SIZE)
     rng = random.Random(0)
     free = list(range(256))

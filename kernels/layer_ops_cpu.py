@@ -1,0 +1,80 @@
+"""The row-wise ops of a Llama decoder layer as C kernels (kernels/csrc/layer_ops_cpu.c): residual add +
+RMSNorm, rotary embedding in place, SiLU(gate) * up. Batch invariant by construction (each row alone, in a
+fixed order), rounded as `transformers`' Llama code rounds. Built on first use like the other CPU kernels;
+``available()`` is False without a C compiler, and callers then keep the `transformers` forward.
+"""
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from kernels.cpu_build import DTYPE_CODES, KernelBuildError, load_library
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def _library():
+    """The C library, or None when it cannot be built here (logged once)."""
+    try:
+        library = load_library("layer_ops_cpu")
+    except (KernelBuildError, OSError) as exc:
+        logger.warning("the CPU decoder-layer kernels are unavailable; using the transformers forward: %s", exc)
+        return None
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    library.specdec_add_rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
+    library.specdec_rope.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32]
+    library.specdec_silu_mul.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, i32]
+    for function in (library.specdec_add_rms_norm, library.specdec_rope, library.specdec_silu_mul):
+        function.restype = i32
+    return library
+
+
+def available() -> bool:
+    """True when the C kernels are built (or build now) on this machine."""
+    return _library() is not None
+
+
+def _rows(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.stride(1) == 1 and t.dtype in DTYPE_CODES
+
+
+def add_rms_norm(x: torch.Tensor | None,  # [N, dim], or None: residual is the input as it is
+                 residual: torch.Tensor,  # [N, dim], updated in place to residual + x
+                 weight: torch.Tensor,  # [dim]
+                 eps: float) -> torch.Tensor:  # [N, dim]: RMSNorm(residual) * weight
+    """`residual += x` (rounded to the dtype), then the Llama RMSNorm of the sum."""
+    assert _rows(residual) and weight.is_contiguous() and weight.dtype == residual.dtype
+    assert x is None or (_rows(x) and x.shape == residual.shape and x.dtype == residual.dtype)
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    num_rows, dim = residual.shape
+    _library().specdec_add_rms_norm(DTYPE_CODES[residual.dtype], x.data_ptr() if x is not None else None,
+                                    x.stride(0) if x is not None else 0, residual.data_ptr(), residual.stride(0),
+                                    weight.data_ptr(), out.data_ptr(), out.stride(0), num_rows, dim, eps,
+                                    torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor,  # [N, >= num_heads * head_dim]: the heads to rotate at the start of each row
+          num_heads: int, head_dim: int,
+          cos: torch.Tensor, sin: torch.Tensor) -> None:  # [N, head_dim] each, x's dtype
+    """Rotates the first num_heads heads of every row in place (Llama's rotate_half convention)."""
+    assert _rows(x) and x.shape[1] >= num_heads * head_dim
+    assert cos.shape == sin.shape == (x.shape[0], head_dim) and cos.stride() == sin.stride() and cos.stride(1) == 1
+    assert cos.dtype == sin.dtype == x.dtype
+    status = _library().specdec_rope(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), x.shape[0], num_heads,
+                                     head_dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0), torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"rope: head_dim {head_dim} must be even and at most 1024")
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [N, 2 * dim] -> [N, dim]
+    """SiLU(gate) * up for rows holding gate then up (a fused gate/up projection's output)."""
+    assert _rows(gate_up) and gate_up.shape[1] % 2 == 0
+    num_rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((num_rows, dim), dtype=gate_up.dtype)
+    _library().specdec_silu_mul(DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0), num_rows, dim,
+                                out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return out
