@@ -12,11 +12,14 @@ _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 
 
 class Process:
-    """A specdec subcommand in a child process; its output lines are collected."""
+    """A specdec subcommand (or another program) in a child process; its output lines are collected."""
 
-    def __init__(self, args: list[str], env: dict | None = None, start_new_session: bool = False):
-        """start_new_session: in its own session and process group, as a supervisor starts it."""
-        self.proc = subprocess.Popen([sys.executable, "-m", "specdec", *args], stdout=subprocess.PIPE,
+    def __init__(self, args: list[str], env: dict | None = None, start_new_session: bool = False,
+                 program: list[str] | None = None):
+        """start_new_session: in its own session and process group, as a supervisor starts it; program: what
+        to run with `args` (default: `python -m specdec`)."""
+        program = program if program is not None else [sys.executable, "-m", "specdec"]
+        self.proc = subprocess.Popen([*program, *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
                                      start_new_session=start_new_session)
         self.lines: list[str] = []
