@@ -1,7 +1,9 @@
-"""gRPC client helpers for end-to-end tests."""
+"""gRPC (and plain HTTP) client helpers for end-to-end tests."""
 
 from concurrent.futures import ThreadPoolExecutor
 import contextlib
+import http.client
+import json
 import time
 
 import grpc
@@ -116,3 +118,15 @@ def chat_prompts(model_path, questions: list[str]) -> list[list[int]]:
     tokenizer = load_tokenizer(model_path)
     return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                           tokenize=True, return_dict=True)["input_ids"] for q in questions]
+
+
+def http_json(port: int, method: str, path: str, body: dict | None = None, timeout: float = 120.0) -> tuple[int, dict]:
+    """One HTTP call to 127.0.0.1:port with a JSON body (or none): the status and the decoded JSON reply."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, body=json.dumps(body) if body is not None else None,
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()

@@ -1,14 +1,12 @@
 """What a new user gets: `specdec serve` with no flags but its ports (the README's first command) serves the
 embedded SmolLM2 under the model's own name, and speculates, with the output of plain decoding."""
 
-import http.client
-import json
-
 import grpc
 import pytest
 
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
+from tests.e2e.client import http_json
 from tests.processes import free_port, running
 from worker_service.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
 from worker_service.models import DEFAULT_MODEL_NAME, default_model_path
@@ -21,19 +19,9 @@ MESSAGES = [{"role": "user", "content": "Repeat this sentence three times: the q
 MAX_TOKENS = 48
 
 
-def _call(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                     headers={"Content-Type": "application/json"})
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
-
 
 def _chat(port: int, **fields) -> tuple[int, dict]:
-    return _call(port, "POST", "/v1/chat/completions",
+    return http_json(port, "POST", "/v1/chat/completions",
                  {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0, **fields})
 
 
@@ -52,7 +40,7 @@ def test_serve_without_flags_speculates_losslessly_under_the_models_name():
         assert (info.proposer, info.num_speculative_tokens) == (
             DEFAULT_PROPOSER, DEFAULT_NUM_SPECULATIVE_TOKENS[DEFAULT_PROPOSER])
         assert info.model == DEFAULT_MODEL_NAME
-        assert [m["id"] for m in _call(http_port, "GET", "/v1/models")[1]["data"]] == [DEFAULT_MODEL_NAME]
+        assert [m["id"] for m in http_json(http_port, "GET", "/v1/models")[1]["data"]] == [DEFAULT_MODEL_NAME]
 
         status, speculative = _chat(http_port, model=DEFAULT_MODEL_NAME)
         assert status == 200, speculative

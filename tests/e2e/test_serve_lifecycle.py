@@ -6,8 +6,6 @@ The window between a worker serving and the client API taking requests is narrow
 narrow depends on the machine); the in-process test holds it open and checks both health endpoints in it.
 """
 
-import http.client
-import json
 import os
 import pathlib
 import signal
@@ -26,7 +24,7 @@ from scheduler_service.options import SchedulerOptions
 from scheduler_service.server import create_server
 from scheduler_service.tokenizer import ChatTokenizer
 from specdec.v1 import generation_pb2_grpc
-from tests.e2e.client import greedy_request
+from tests.e2e.client import greedy_request, http_json
 from tests.processes import Process, free_port, running
 from tests.sim_worker import SimWorkerServer
 
@@ -34,16 +32,6 @@ NUM_STARTS = 20
 POLL_S = 0.005          # as fast as a client that retries at once
 WORKER_EXIT_S = 10.0
 
-
-def _http(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                     headers={"Content-Type": "application/json"})
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
 
 
 def _wait_until(is_ready, timeout_s: float = 120.0) -> None:
@@ -60,7 +48,7 @@ def _grpc_health_serving(health) -> bool:
 
 def _http_health_serving(http_port: int) -> bool:
     try:
-        return _http(http_port, "GET", "/health")[0] == 200
+        return http_json(http_port, "GET", "/health")[0] == 200
     except ConnectionError:  # the HTTP port is not bound yet
         return False
 
@@ -91,7 +79,7 @@ def test_health_waits_for_the_client_api_after_a_worker_serves(tiny_pair):
             cluster.wait_for_facts(20)
             assert worker_serves.wait(20)
             assert not _grpc_health_serving(health)
-            assert _http(http_server.port, "GET", "/health")[0] == 503
+            assert http_json(http_server.port, "GET", "/health")[0] == 503
             with pytest.raises(grpc.RpcError) as refused:  # what health promises: not admitted yet
                 list(stub.Generate(greedy_request([5, 6], 2)))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -124,7 +112,7 @@ def test_health_serving_means_a_request_is_admitted_at_once(tiny_pair):
                     _wait_until(lambda: _http_health_serving(http_port))
                 stub = generation_pb2_grpc.GenerationServiceStub(channel)
                 responses = list(stub.Generate(greedy_request([5, 6, 7, 8], 2), timeout=60))
-                status, body = _http(http_port, "POST", "/v1/chat/completions",
+                status, body = http_json(http_port, "POST", "/v1/chat/completions",
                                      {"model": str(tiny_pair.target_path), "max_tokens": 2,
                                       "messages": [{"role": "user", "content": "w5 w6"}]})
             assert sum(len(r.token_ids) for r in responses) == 2, f"start {start}"
