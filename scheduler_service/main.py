@@ -60,8 +60,8 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
             stopper()
         raise
     servicer.attach(cluster, tokenizer)
-    logger.info("serving %s from %s; %s scheduling", facts.model_id, ", ".join(opts.worker_addresses),
-                facts.config.scheduling)
+    logger.info("serving %s (%s) from %s; %s scheduling", facts.served_model_name, facts.model_id,
+                ", ".join(opts.worker_addresses), facts.config.scheduling)
     announce("scheduler ready")
     stats_logger = StatsLogger(cluster.snapshot, opts.log_stats_interval_s)
     stats_logger.start()
