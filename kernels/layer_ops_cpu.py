@@ -1,7 +1,11 @@
 """The row-wise ops of a Llama decoder layer as C kernels (kernels/csrc/layer_ops_cpu.c): residual add +
-RMSNorm, rotary embedding in place, SiLU(gate) * up. Batch invariant by construction (each row alone, in a
-fixed order), rounded as `transformers`' Llama code rounds. Built on first use like the other CPU kernels;
-``available()`` is False without a C compiler, and callers then keep the `transformers` forward.
+RMSNorm, rotary embedding in place, SiLU(gate) * up, and the K/V write into the paged cache. Batch invariant
+by construction (each row alone, in a fixed order), rounded as `transformers`' Llama code rounds. Built on
+first use like the other CPU kernels; ``available()`` is False without a C compiler, and callers then keep
+the `transformers` forward.
+
+The functions below check their tensors and state each kernel's contract (the tests call them);
+worker_service/fast_forward.py checks its tensors once per step and calls ``c_library()`` directly.
 """
 
 import ctypes
@@ -16,8 +20,9 @@ logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1)
-def _library():
-    """The C library, or None when it cannot be built here (logged once)."""
+def c_library():
+    """The C library (its argument types declared), or None when it cannot be built here (logged once).
+    Callers that validated their tensors once may call its functions directly (worker_service/fast_forward.py)."""
     try:
         library = load_library("layer_ops_cpu")
     except (KernelBuildError, OSError) as exc:
@@ -27,14 +32,16 @@ def _library():
     library.specdec_add_rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
     library.specdec_rope.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32]
     library.specdec_silu_mul.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, i32]
-    for function in (library.specdec_add_rms_norm, library.specdec_rope, library.specdec_silu_mul):
+    library.specdec_write_kv.argtypes = [i32, ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
+    for function in (library.specdec_add_rms_norm, library.specdec_rope, library.specdec_silu_mul,
+                     library.specdec_write_kv):
         function.restype = i32
     return library
 
 
 def available() -> bool:
     """True when the C kernels are built (or build now) on this machine."""
-    return _library() is not None
+    return c_library() is not None
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -50,7 +57,7 @@ def add_rms_norm(x: torch.Tensor | None,  # [N, dim], or None: residual is the i
     assert x is None or (_rows(x) and x.shape == residual.shape and x.dtype == residual.dtype)
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     num_rows, dim = residual.shape
-    _library().specdec_add_rms_norm(DTYPE_CODES[residual.dtype], x.data_ptr() if x is not None else None,
+    c_library().specdec_add_rms_norm(DTYPE_CODES[residual.dtype], x.data_ptr() if x is not None else None,
                                     x.stride(0) if x is not None else 0, residual.data_ptr(), residual.stride(0),
                                     weight.data_ptr(), out.data_ptr(), out.stride(0), num_rows, dim, eps,
                                     torch.get_num_threads())
@@ -64,7 +71,7 @@ def rope_(x: torch.Tensor,  # [N, >= num_heads * head_dim]: the heads to rotate 
     assert _rows(x) and x.shape[1] >= num_heads * head_dim
     assert cos.shape == sin.shape == (x.shape[0], head_dim) and cos.stride() == sin.stride() and cos.stride(1) == 1
     assert cos.dtype == sin.dtype == x.dtype
-    status = _library().specdec_rope(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), x.shape[0], num_heads,
+    status = c_library().specdec_rope(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), x.shape[0], num_heads,
                                      head_dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0), torch.get_num_threads())
     if status != 0:
         raise ValueError(f"rope: head_dim {head_dim} must be even and at most 1024")
@@ -75,6 +82,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [N, 2 * dim] -> [N, dim]
     assert _rows(gate_up) and gate_up.shape[1] % 2 == 0
     num_rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((num_rows, dim), dtype=gate_up.dtype)
-    _library().specdec_silu_mul(DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0), num_rows, dim,
+    c_library().specdec_silu_mul(DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0), num_rows, dim,
                                 out.data_ptr(), out.stride(0), torch.get_num_threads())
     return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor,  # [N, KVH, D] each, rows of one stride, heads contiguous
+             slot_mapping: torch.Tensor,  # [N] int64
+             key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:  # [num_blocks, block_size, KVH, D]
+    """Stores row i's K and V at cache slot slot_mapping[i] (what KVCache.write does with index_copy_)."""
+    assert k.shape == v.shape and k.stride() == v.stride() and k.stride(1) == k.shape[2] and k.stride(2) == 1
+    assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.shape[2:] == k.shape[1:]
+    assert k.dtype == v.dtype == key_cache.dtype == value_cache.dtype in DTYPE_CODES
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == k.shape[:1]
+    c_library().specdec_write_kv(DTYPE_CODES[k.dtype], k.data_ptr(), v.data_ptr(), k.stride(0), k.shape[0],
+                               k.shape[1] * k.shape[2], slot_mapping.data_ptr(), key_cache.data_ptr(),
+                               value_cache.data_ptr())

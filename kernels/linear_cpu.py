@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1)
-def _library():
+def c_library():
     """The C library, or None when it cannot be built here (logged once)."""
     try:
         return bind(load_library("linear_cpu"))
@@ -47,12 +47,12 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
 
 def available() -> bool:
     """True when the C kernel is built (or builds now) on this machine."""
-    return _library() is not None
+    return c_library() is not None
 
 
 def group_out() -> int:
     """Outputs per packed weight group (the kernel's GROUP_OUT)."""
-    return _library().specdec_linear_group_out()
+    return c_library().specdec_linear_group_out()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:  # [G, in, GROUP_OUT], bf16: [G, in/2, GROUP_OUT, 2]
@@ -89,7 +89,7 @@ def linear_cpu(
     num_rows = rows.shape[0]
     out = torch.empty((num_rows, out_features), dtype=x.dtype)  # [N, out]
     if num_rows:
-        status = (library or _library()).specdec_linear(
+        status = (library or c_library()).specdec_linear(
             DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), num_rows, in_features,
             DTYPE_CODES[packed_weight.dtype], packed_weight.data_ptr(), out_features,
             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), torch.get_num_threads())

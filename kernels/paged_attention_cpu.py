@@ -27,7 +27,7 @@ MAX_HEAD_DIM = 256  # kernels/csrc/paged_attention_cpu.c keeps rows of this many
 
 
 @functools.lru_cache(maxsize=1)
-def _kernel():
+def kernel():
     """The C function, or None when it cannot be built here (logged once)."""
     try:
         library = load_library("paged_attention_cpu")
@@ -45,7 +45,7 @@ def _kernel():
 
 def available() -> bool:
     """True when the C kernel is built (or builds now) on this machine."""
-    return _kernel() is not None
+    return kernel() is not None
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -75,7 +75,7 @@ def paged_attention_cpu(
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)  # [T, H, D]
     if num_tokens == 0:
         return out
-    status = _kernel()(
+    status = kernel()(
         DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
         key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),

@@ -28,7 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kernels import layer_ops_cpu, linear_cpu, paged_attention_cpu
-from kernels.paged_attention import paged_attention
+from kernels.cpu_build import DTYPE_CODES
 from worker_service.attention import PagedMetadata
 from worker_service.fast_linear import PackedLinear, SharedInputLinears
 
@@ -39,18 +39,20 @@ MODEL_TYPES = ("llama",)  # decoder layers of exactly the shape below (SmolLM2, 
 
 @dataclass
 class _Linear:
-    """A packed projection's tensors, for a direct kernel call."""
+    """A packed projection: its kernel arguments, ready for a direct call."""
 
-    packed_weight: torch.Tensor
+    weight_dtype: int
+    weight: int            # packed weight's data pointer
+    in_features: int
     out_features: int
-    bias: torch.Tensor | None
+    bias: int | None       # fp32 bias's data pointer
+    tensors: tuple         # what the pointers point into, kept alive
 
     @classmethod
     def of(cls, module: PackedLinear) -> "_Linear":
-        return cls(module.packed_weight, module.out_features, module.bias)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_cpu.linear_cpu(x, self.packed_weight, self.out_features, self.bias)
+        bias = module.bias
+        return cls(DTYPE_CODES[module.packed_weight.dtype], module.packed_weight.data_ptr(), module.in_features,
+                   module.out_features, bias.data_ptr() if bias is not None else None, (module.packed_weight, bias))
 
 
 @dataclass
@@ -65,23 +67,31 @@ class _Layer:
 
 
 class FastLlamaForward:
-    """model.model's forward (the hidden states after the final norm) for a packed CPU Llama."""
+    """model.model's forward (the hidden states after the final norm) for a packed CPU Llama.
+
+    The tensors are checked here and once per step; the kernels are then called directly (their Python
+    wrappers' checks and allocations cost more than the kernels at batch 1), into buffers the step reuses
+    from layer to layer.
+    """
 
     def __init__(self, model: PreTrainedModel):
         config = model.config
         self.model = model
+        self.dtype = model.dtype
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.hidden = config.hidden_size
         self.eps = config.rms_norm_eps
         self.layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
-                layer.input_layernorm.weight.detach(), _Linear.of(attn.q_proj_k_proj_v_proj.fused),
-                _Linear.of(attn.o_proj), layer.post_attention_layernorm.weight.detach(),
+                layer.input_layernorm.weight.detach().contiguous(), _Linear.of(attn.q_proj_k_proj_v_proj.fused),
+                _Linear.of(attn.o_proj), layer.post_attention_layernorm.weight.detach().contiguous(),
                 _Linear.of(mlp.gate_proj_up_proj.fused), _Linear.of(mlp.down_proj), attn.scaling))
-        self.final_norm = model.model.norm.weight.detach()
+        self.final_norm = model.model.norm.weight.detach().contiguous()
+        self.intermediate = self.layers[0].gate_up.out_features // 2
 
     @staticmethod
     def supports(model: PreTrainedModel) -> str | None:
@@ -91,9 +101,13 @@ class FastLlamaForward:
             return f"a {config.model_type} model on {model.device.type}"
         if config.hidden_act != "silu" or getattr(config, "pretraining_tp", 1) != 1:
             return f"hidden_act {config.hidden_act}, pretraining_tp {getattr(config, 'pretraining_tp', 1)}"
-        if not (layer_ops_cpu.available() and paged_attention_cpu.available()):
+        if not (layer_ops_cpu.available() and paged_attention_cpu.available() and linear_cpu.available()):
             return "the C kernels are not built"
+        if model.dtype not in DTYPE_CODES:
+            return f"dtype {model.dtype}"
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if head_dim > paged_attention_cpu.MAX_HEAD_DIM or head_dim % 2:
+            return f"head_dim {head_dim}"
         qkv_sizes = [config.num_attention_heads * head_dim] + [config.num_key_value_heads * head_dim] * 2
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -107,26 +121,61 @@ class FastLlamaForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata,
                  rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; returns the normed hidden states of `rows` ([N] int64), [N, hidden]."""
-        num_tokens = input_ids.shape[0]
-        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        num_tokens, hidden, dtype = input_ids.shape[0], self.hidden, self.dtype
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_width, kv_width = heads * head_dim, kv_heads * head_dim
+        qkv_width = q_width + 2 * kv_width
         residual = self.model.model.embed_tokens(input_ids)  # [T, hidden], a fresh tensor: updated in place
         cos, sin = self.model.model.rotary_emb(residual[None], positions[None])  # [1, T, D] each
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         cache = meta.kv_cache
-        h = None
+        assert residual.is_contiguous() and residual.dtype == dtype == cache.spec.dtype and cos.dtype == dtype
+        assert cache.block_size * kv_width == cache.key_caches[0][0].numel()  # [blocks, block size, KVH, D]
+        tables, starts, lens, slots = (t.contiguous() for t in (meta.block_tables, meta.query_start_loc,
+                                                                 meta.seq_lens, meta.slot_mapping))
+        assert tables.dtype == starts.dtype == lens.dtype == torch.int32 and slots.dtype == torch.int64
+        # One buffer per intermediate, reused by every layer (each kernel writes its output whole).
+        x, h, attn = (torch.empty((num_tokens, width), dtype=dtype) for width in (hidden, hidden, q_width))
+        qkv = torch.empty((num_tokens, qkv_width), dtype=dtype)
+        gate_up, act = torch.empty((num_tokens, 2 * self.intermediate), dtype=dtype), \
+            torch.empty((num_tokens, self.intermediate), dtype=dtype)
+        code, size, threads = DTYPE_CODES[dtype], residual.element_size(), torch.get_num_threads()
+        ops, attention = layer_ops_cpu.c_library(), paged_attention_cpu.kernel()
+        matmul = linear_cpu.c_library().specdec_linear
+
+        def linear(layer: _Linear, source: torch.Tensor, target: torch.Tensor) -> None:
+            status = matmul(
+                code, source.data_ptr(), layer.in_features, num_tokens, layer.in_features, layer.weight_dtype,
+                layer.weight, layer.out_features, layer.bias, target.data_ptr(), layer.out_features, threads)
+            if status != 0:
+                raise MemoryError(f"linear_cpu failed (status {status}) for {num_tokens} rows")
+
+        q_ptr = qkv.data_ptr()
         for index, layer in enumerate(self.layers):
-            x = layer_ops_cpu.add_rms_norm(h, residual, layer.input_norm, self.eps)
-            qkv = layer.qkv(x)  # [T, q_width + 2 * kv_width]
-            layer_ops_cpu.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
-            q = qkv[:, :q_width].view(num_tokens, self.num_heads, self.head_dim)
-            k = qkv[:, q_width:q_width + kv_width].view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = qkv[:, q_width + kv_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
-            cache.write(index, k, v, meta.slot_mapping)
-            out = paged_attention(q, cache.key_caches[index], cache.value_caches[index], meta.block_tables,
-                                  meta.query_start_loc, meta.seq_lens, layer.scaling)  # [T, H, D]
-            h = layer.o_proj(out.view(num_tokens, q_width))
-            x = layer_ops_cpu.add_rms_norm(h, residual, layer.post_norm, self.eps)
-            h = layer.down(layer_ops_cpu.silu_mul(layer.gate_up(x)))
+            ops.specdec_add_rms_norm(code, h.data_ptr() if index else None, hidden, residual.data_ptr(), hidden,
+                                     layer.input_norm.data_ptr(), x.data_ptr(), hidden, num_tokens, hidden,
+                                     self.eps, threads)
+            linear(layer.qkv, x, qkv)
+            ops.specdec_rope(code, q_ptr, qkv_width, num_tokens, heads + kv_heads, head_dim, cos.data_ptr(),
+                             sin.data_ptr(), head_dim, threads)
+            key_cache, value_cache = cache.key_caches[index], cache.value_caches[index]
+            ops.specdec_write_kv(code, q_ptr + q_width * size, q_ptr + (q_width + kv_width) * size, qkv_width,
+                                 num_tokens, kv_width, slots.data_ptr(), key_cache.data_ptr(),
+                                 value_cache.data_ptr())
+            status = attention(code, q_ptr, qkv_width, head_dim, key_cache.data_ptr(), value_cache.data_ptr(),
+                               tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(),
+                               attn.data_ptr(), tables.shape[0], heads, kv_heads, head_dim, cache.block_size,
+                               float(layer.scaling), threads)
+            if status != 0:
+                raise ValueError(f"paged_attention_cpu failed (status {status})")
+            linear(layer.o_proj, attn, h)
+            ops.specdec_add_rms_norm(code, h.data_ptr(), hidden, residual.data_ptr(), hidden,
+                                     layer.post_norm.data_ptr(), x.data_ptr(), hidden, num_tokens, hidden,
+                                     self.eps, threads)
+            linear(layer.gate_up, x, gate_up)
+            ops.specdec_silu_mul(code, gate_up.data_ptr(), 2 * self.intermediate, num_tokens, self.intermediate,
+                                 act.data_ptr(), self.intermediate, threads)
+            linear(layer.down, act, h)
         # The last residual add and the final norm: only the rows whose logits are wanted.
         return layer_ops_cpu.add_rms_norm(h[rows], residual[rows], self.final_norm, self.eps)
 

@@ -1,5 +1,5 @@
-/* The row-wise ops of a decoder layer, fused: residual add + RMSNorm, rotary embedding of q and k, and
- * SiLU(gate) * up (kernels/layer_ops_cpu.py). Each replaces 5-15 small torch ops, each with its own
+/* The row-wise ops of a decoder layer, fused: residual add + RMSNorm, rotary embedding of q and k,
+ * SiLU(gate) * up, and the K/V write into the paged cache (kernels/layer_ops_cpu.py). Each replaces 5-15 small torch ops, each with its own
  * dispatch, allocation and pass over memory.
  *
  * Batch invariance: every row is computed alone, its elements in a fixed order, whatever the number of
@@ -82,6 +82,19 @@ int specdec_silu_mul(int dtype, const void *gate_up, int64_t gu_stride, int64_t 
             float silu = round_to(dtype, g / (1.0f + expf(-g)));
             store_scalar(dtype, out, r * out_stride + i, silu * u);
         }
+    }
+    return 0;
+}
+
+/* Stores each row's K and V heads (kv_width elements each, at k and v in the row) at its cache slot:
+ * key_cache and value_cache are [num_slots, kv_width] of the same dtype. */
+int specdec_write_kv(int dtype, const void *k, const void *v, int64_t row_stride, int64_t num_rows,
+                     int64_t kv_width, const int64_t *slot_mapping, void *key_cache, void *value_cache) {
+    int64_t size = dtype == DTYPE_F32 ? 4 : 2;
+    for (int64_t r = 0; r < num_rows; r++) {
+        int64_t slot = slot_mapping[r];
+        memcpy((char *)key_cache + slot * kv_width * size, (const char *)k + r * row_stride * size, kv_width * size);
+        memcpy((char *)value_cache + slot * kv_width * size, (const char *)v + r * row_stride * size, kv_width * size);
     }
     return 0;
 }

@@ -12,6 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from kernels import layer_ops_cpu
 from tests.tiny_models import tiny_llama
 from worker_service.fast_forward import FastLlamaForward
+from worker_service.kv_cache import KVCache, KVCacheSpec
 from worker_service.model_loader import load_model
 from worker_service.model_runner import ModelRunner, SequenceChunk
 
@@ -63,6 +64,20 @@ def test_silu_mul_is_silu_of_gate_times_up(dtype):
     gate_up = _random((37, 2 * 80), dtype, 4, scale=3.0)
     gate, up = gate_up.split(80, dim=1)
     torch.testing.assert_close(layer_ops_cpu.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_stores_each_row_at_its_slot_as_the_cache_does(dtype):
+    """The fast forward's K/V write equals KVCache.write (index_copy_) from the k and v parts of qkv rows."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16, dtype=dtype)
+    ours, theirs = KVCache(spec, 8, BLOCK_SIZE), KVCache(spec, 8, BLOCK_SIZE)
+    qkv = _random((5, (4 + 2 * 2) * 16), dtype, 10)
+    k, v = qkv[:, 64:96].view(5, 2, 16), qkv[:, 96:].view(5, 2, 16)
+    slots = torch.tensor([30, 3, 17, 0, 9])
+    theirs.write(0, k, v, slots)
+    layer_ops_cpu.write_kv(k, v, slots, ours.key_caches[0], ours.value_caches[0])
+    assert torch.equal(ours.key_caches[0], theirs.key_caches[0])
+    assert torch.equal(ours.value_caches[0], theirs.value_caches[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
