@@ -141,15 +141,7 @@ class FastLlamaForward:
             torch.empty((num_tokens, self.intermediate), dtype=dtype)
         code, size, threads = DTYPE_CODES[dtype], residual.element_size(), torch.get_num_threads()
         ops, attention = layer_ops_cpu.c_library(), paged_attention_cpu.kernel()
-        matmul = linear_cpu.c_library().specdec_linear
-
-        def linear(layer: _Linear, source: torch.Tensor, target: torch.Tensor) -> None:
-            status = matmul(
-                code, source.data_ptr(), layer.in_features, num_tokens, layer.in_features, layer.weight_dtype,
-                layer.weight, layer.out_features, layer.bias, target.data_ptr(), layer.out_features, threads)
-            if status != 0:
-                raise MemoryError(f"linear_cpu failed (status {status}) for {num_tokens} rows")
-
+        linear = project  # looked up once per step (a test replaces it to give the check teeth)
         q_ptr = qkv.data_ptr()
         for index, layer in enumerate(self.layers):
             ops.specdec_add_rms_norm(code, h.data_ptr() if index else None, hidden, residual.data_ptr(), hidden,
@@ -178,6 +170,16 @@ class FastLlamaForward:
             linear(layer.down, act, h)
         # The last residual add and the final norm: only the rows whose logits are wanted.
         return layer_ops_cpu.add_rms_norm(h[rows], residual[rows], self.final_norm, self.eps)
+
+
+def project(layer: _Linear, source: torch.Tensor, target: torch.Tensor) -> None:
+    """target = source @ W.T + b, row by row: the packed linear kernel called directly (contiguous rows)."""
+    status = linear_cpu.c_library().specdec_linear(
+        DTYPE_CODES[source.dtype], source.data_ptr(), layer.in_features, source.shape[0], layer.in_features,
+        layer.weight_dtype, layer.weight, layer.out_features, layer.bias, target.data_ptr(), layer.out_features,
+        torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"linear_cpu failed (status {status}) for {source.shape[0]} rows")
 
 
 def build(model: PreTrainedModel) -> FastLlamaForward | None:

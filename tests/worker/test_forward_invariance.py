@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from worker_service import fast_forward
 from worker_service.model_loader import load_model
 from worker_service.model_runner import ModelRunner, SequenceChunk
 
@@ -31,15 +32,9 @@ def one_row_at_a_time(runner: ModelRunner, tokens: list[int], blocks: list[int])
     return torch.cat([runner.forward([SequenceChunk([t], pos, blocks)]) for pos, t in enumerate(tokens)])
 
 
-@pytest.mark.parametrize("model, dtype, forward", CASES)
-def test_a_row_alone_equals_the_row_in_a_mixed_batch_of_64(request, model, dtype, forward):
+def rows_that_differ(runner: ModelRunner) -> list[int]:
+    """The rows of one mixed step of LAYOUT whose logits differ from the same rows decoded alone."""
     assert sum(rows for _, rows in LAYOUT) == 64
-    model_path = request.getfixturevalue("tiny_pair").target_path if model == "tiny" \
-        else request.getfixturevalue("smollm2_path")
-    runner = ModelRunner(load_model(model_path, dtype))
-    assert runner.fast_forward is not None
-    if forward == "transformers":
-        runner.fast_forward = None
     runner.init_cache(num_blocks=256, block_size=BLOCK_SIZE)
     rng = random.Random(0)
     free = list(range(256))
@@ -56,5 +51,29 @@ def test_a_row_alone_equals_the_row_in_a_mixed_batch_of_64(request, model, dtype
     alone_tables = [[free.pop() for _ in range(-(-len(s) // BLOCK_SIZE))] for s in sequences]
     alone = torch.cat([one_row_at_a_time(runner, s, t)[cached:]
                        for s, t, (cached, _) in zip(sequences, alone_tables, LAYOUT)])  # [64, V]
-    differ = [i for i in range(64) if not torch.equal(mixed[i], alone[i])]
+    return [i for i in range(64) if not torch.equal(mixed[i], alone[i])]
+
+
+@pytest.mark.parametrize("model, dtype, forward", CASES)
+def test_a_row_alone_equals_the_row_in_a_mixed_batch_of_64(request, model, dtype, forward):
+    model_path = request.getfixturevalue("tiny_pair").target_path if model == "tiny" \
+        else request.getfixturevalue("smollm2_path")
+    runner = ModelRunner(load_model(model_path, dtype))
+    assert runner.fast_forward is not None
+    if forward == "transformers":
+        runner.fast_forward = None
+    differ = rows_that_differ(runner)
     assert differ == [], f"rows {differ} of the mixed step differ from the same rows decoded alone"
+
+
+def test_the_check_catches_a_batch_dependent_linear_in_the_fast_forward(tiny_pair, monkeypatch):
+    """Teeth that do not depend on this machine: the fast forward's projections made to round multi-row
+    calls another way (as a library GEMM's blocking may) must make rows differ."""
+    exact = fast_forward.project
+
+    def batch_dependent(layer, source, target):
+        exact(layer, source * (1 + 2 ** -7) if source.shape[0] > 1 else source, target)
+
+    monkeypatch.setattr(fast_forward, "project", batch_dependent)
+    runner = ModelRunner(load_model(tiny_pair.target_path, "float32"))
+    assert rows_that_differ(runner) != []

@@ -23,6 +23,7 @@ import pytest
 from kernels import linear_cpu
 from tests.e2e.client import chat_prompts
 from tests.worker.driver import Driver
+from worker_service import fast_forward
 from worker_service.config import WorkerConfig
 from worker_service.model_loader import load_model
 from worker_service.model_runner import ModelRunner
@@ -104,14 +105,18 @@ def test_bf16_speculation_differs_with_a_batch_dependent_linear(workload, plain,
     workload. The perturbation is built here, so the teeth do not depend on this machine's libraries."""
     if workload.device != "cpu":
         pytest.skip("the batch-invariant C kernels are the CPU's")
-    exact = linear_cpu.linear_cpu
+    exact, exact_project = linear_cpu.linear_cpu, fast_forward.project
 
     def batch_dependent(x, packed_weight, out_features, bias):
         if x.reshape(-1, x.shape[-1]).shape[0] > 1:
             x = x * (1 + 2 ** -7)  # another rounding, as another kernel would give
         return exact(x, packed_weight, out_features, bias)
 
+    def batch_dependent_project(layer, source, target):  # the fast forward's direct kernel calls
+        exact_project(layer, source * (1 + 2 ** -7) if source.shape[0] > 1 else source, target)
+
     monkeypatch.setattr(linear_cpu, "linear_cpu", batch_dependent)
+    monkeypatch.setattr(fast_forward, "project", batch_dependent_project)
     differ = 0
     for proposer, k in [("ngram", 3), ("ngram", 5), ("draft", 3), ("draft", 5)]:
         got, _ = generate(workload, make_worker(workload, "bfloat16", proposer, k), mixed_ks(k))
