@@ -188,4 +188,6 @@ def build(model: PreTrainedModel) -> FastLlamaForward | None:
     if reason is not None:
         logger.info("the transformers forward runs this model (the fast CPU forward does not cover %s)", reason)
         return None
+    logger.info("the fast CPU forward runs this model (%d decoder layers as direct kernel calls)",
+                len(model.model.layers))
     return FastLlamaForward(model)
