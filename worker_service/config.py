@@ -4,8 +4,8 @@ from dataclasses import dataclass
 import re
 
 PROPOSERS = ("none", "ngram", "draft", "suffix")
-# k when --num-speculative-tokens is not given: per proposer, the best measured for the default model
-# (bench/bench_goodput.py; the README's Benchmarks). Copying proposers draft long runs cheaply when they match.
+# k when --num-speculative-tokens is not given, per proposer: suffix and ngram as measured for the default model
+# (bench/bench_goodput.py; the README's Benchmarks), draft the common choice (no draft model ships to measure).
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"none": 0, "ngram": 5, "draft": 5, "suffix": 16}
 # What `specdec serve` and `specdec worker` speculate with unless --proposer says otherwise: the best measured
 # for the default model at batch 1 (the goodput policy keeps it from costing throughput under load).

@@ -3,16 +3,16 @@
 `transformers`' decoder layer runs ~50 small torch ops per layer (RMSNorm's
 casts and reductions, rotate_half's slices and cat, SiLU, the residual adds),
 each with its Python, dispatch and allocation cost: ~10 ms of a 35 ms SmolLM2
-decode step on two cores, beside ~23 ms of matmuls. Here a layer is seven
-calls into our kernels, every one batch invariant (each row alone, in a fixed
-order):
+decode step on two cores, beside ~23 ms of matmuls. Here a layer is ten
+direct calls into our kernels, every one batch invariant (each row alone, in a
+fixed order), into buffers the step reuses:
 
     x = add_rms_norm(h, residual)          # residual += h; RMSNorm (kernels/layer_ops_cpu.py)
-    qkv = linear(x); rope_(q and k heads)  # fused q/k/v projection (kernels/linear_cpu.py)
-    write K/V; attn = paged_attention(q)   # kernels/paged_attention_cpu.py
-    h = linear(attn)                       # o_proj
+    qkv = project(x); rope(q and k heads)  # fused q/k/v projection (kernels/linear_cpu.py)
+    write_kv(k, v); attn = attention(q)    # the paged cache (kernels/paged_attention_cpu.py)
+    h = project(attn)                      # o_proj
     x = add_rms_norm(h, residual)
-    h = linear(silu_mul(linear(x)))        # fused gate/up, then down
+    h = project(silu_mul(project(x)))      # fused gate/up, then down
 
 It rounds where `transformers` rounds (fp32 math, intermediates kept in the
 model's dtype), so its logits equal the `transformers` forward's up to the
@@ -31,6 +31,7 @@ from kernels import layer_ops_cpu, linear_cpu, paged_attention_cpu
 from kernels.cpu_build import DTYPE_CODES
 from worker_service.attention import PagedMetadata
 from worker_service.fast_linear import PackedLinear, SharedInputLinears
+from worker_service.kv_cache import KVCacheSpec
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,8 @@ class FastLlamaForward:
         config = model.config
         self.model = model
         self.dtype = model.dtype
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        spec = KVCacheSpec.from_config(config, model.dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, spec.num_kv_heads, spec.head_dim
         self.hidden = config.hidden_size
         self.eps = config.rms_norm_eps
         self.layers = []
@@ -105,10 +105,10 @@ class FastLlamaForward:
             return "the C kernels are not built"
         if model.dtype not in DTYPE_CODES:
             return f"dtype {model.dtype}"
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        if head_dim > paged_attention_cpu.MAX_HEAD_DIM or head_dim % 2:
-            return f"head_dim {head_dim}"
-        qkv_sizes = [config.num_attention_heads * head_dim] + [config.num_key_value_heads * head_dim] * 2
+        spec = KVCacheSpec.from_config(config, model.dtype)
+        if spec.head_dim > paged_attention_cpu.MAX_HEAD_DIM or spec.head_dim % 2:
+            return f"head_dim {spec.head_dim}"
+        qkv_sizes = [config.num_attention_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, gate_up = getattr(attn, "q_proj_k_proj_v_proj", None), getattr(mlp, "gate_proj_up_proj", None)

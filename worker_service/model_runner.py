@@ -110,9 +110,10 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not initialised")
         batch = pack(chunks, self.kv_cache, self.device)
-        if self.fast_forward is not None:
+        if self.fast_forward is not None:  # the hidden states of the logits rows only: [N, hidden]
             hidden = self.fast_forward(batch.input_ids, batch.positions, batch.metadata, batch.logits_indices)
-            return self.model.lm_head(hidden).float()  # [N, V]
-        hidden = self.model.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
-                                  use_cache=False, paged_metadata=batch.metadata).last_hidden_state[0]  # [T, hidden]
-        return self.model.lm_head(hidden[batch.logits_indices]).float()  # [N, V]
+        else:
+            hidden = self.model.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
+                                      use_cache=False, paged_metadata=batch.metadata).last_hidden_state[0]
+            hidden = hidden[batch.logits_indices]  # [N, hidden]
+        return self.model.lm_head(hidden).float()  # [N, V]
