@@ -1,22 +1,23 @@
-"""fp32 vs bf16, plain vs n-gram speculation, side by side, and plain decoding against the memory bound.
+"""fp32, bf16, q8_0 and q4_1, plain vs n-gram speculation, side by side, and plain decoding against the memory
+bound.
 
     .venv/bin/python bench/bench_dtype.py [--prompts-per-category 5] [--new-tokens 128] [--k 5] [--repeats 1]
 
 SmolLM2-135M-Instruct at batch 1, greedy, on the first N prompts of five
 Spec-Bench categories (bench_spec.py's prompts and runner; every configuration
-runs on a prompt before the next prompt starts). Four configurations: plain
-fp32, plain bf16, n-gram k=K fp32, n-gram k=K bf16. Prints tokens/s, tokens
-per target forward and speedups; the number of outputs that differ from plain
-decoding in the same dtype (greedy speculation is lossless: expect 0 in both
-dtypes); and the memory-bandwidth bound of plain decoding:
+runs on a prompt before the next prompt starts). Two configurations per
+dtype: plain, and n-gram k=K (q4_1 is the shipped GGUF's blocks, its output
+layer q8_0). Prints tokens/s, tokens per target forward and speedups; the
+number of outputs that differ from plain decoding in the same dtype (greedy
+speculation is lossless: expect 0 in every dtype); and the memory-bandwidth
+bound of plain decoding:
 
     bound step time = bytes of weights one forward reads / measured read bandwidth
 
 where the bandwidth is the best of several full passes of `torch.sum` over a
 buffer far larger than the caches (all threads), and the bytes are every
-weight matrix the forward multiplies with (the embedding table counts once
-when it is tied to the output layer, and not otherwise: a lookup reads one
-row). The share reached = bound step time / the worker's measured decode step
+weight the forward multiplies with, as packed for the kernel (the embedding
+table not: a lookup reads one row). The share reached = bound step time / the worker's measured decode step
 time (`StepStats.total_ms`, prefill excluded); it is measured with the fast
 CPU forward (worker_service/fast_forward.py) and, side by side, with
 `transformers`' decoder layers on the same kernels. Saves JSON under
@@ -38,12 +39,13 @@ from bench import bench_spec  # noqa: E402
 from bench.common import chat_ids, load_questions, save  # noqa: E402
 from tests.worker.driver import Driver  # noqa: E402
 from worker_service.config import WorkerConfig  # noqa: E402
+from worker_service.fast_linear import PackedLinear  # noqa: E402
 from worker_service.model_loader import load_model, load_tokenizer  # noqa: E402
 from worker_service.model_runner import ModelRunner  # noqa: E402
 from worker_service.models import fetch_default_model  # noqa: E402
 from worker_service.worker import Worker  # noqa: E402
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "q8_0": "q8_0", "q4_1": "q4_1"}  # label: --dtype
 logger = logging.getLogger("bench.dtype")
 
 
@@ -62,28 +64,26 @@ def _timed(fn) -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the weights one forward reads: every parameter, less an untied embedding table."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the weights one forward of a packed model (ModelRunner's) reads: the packed linears' (blocks
+    for a quantized dtype) and every other parameter but the embedding table (a lookup reads one row)."""
+    packed = sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in model.modules()
+                 if isinstance(m, PackedLinear))
     embedding = model.get_input_embeddings().weight
-    output = model.get_output_embeddings().weight
-    if embedding.data_ptr() != output.data_ptr():
-        total -= embedding.numel() * embedding.element_size()
-    return total
+    return packed + sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
 
 
 def build(path: str, k: int) -> tuple[dict, dict, dict]:
     """({config name: fn(prompt, new_tokens) -> Run}, {dtype label: weight bytes}, {config name: Worker})."""
     configs, weights, workers = {}, {}, {}
     for label, dtype in DTYPES.items():
-        model = load_model(path, dtype)
-        weights[label] = weight_bytes(model)  # before packing: PackedLinear keeps no parameter
-        runner = ModelRunner(model)
+        runner = ModelRunner(load_model(path, dtype))
+        weights[label] = weight_bytes(runner.model)
         for name, proposer, num_spec in ((f"{label} plain", "none", 0), (f"{label} k={k}", "ngram", k)):
             config = WorkerConfig(model=path, dtype=dtype, proposer=proposer, num_speculative_tokens=num_spec)
             worker = Worker(config, runner)
             worker.init_cache(bench_spec.NUM_BLOCKS, bench_spec.BLOCK_SIZE)
             workers[name] = worker
-    for kind, num_spec in (("plain", 0), (f"k={k}", k)):  # fp32 plain, bf16 plain, fp32 k, bf16 k
+    for kind, num_spec in (("plain", 0), (f"k={k}", k)):  # every dtype's plain, then every dtype's k
         for label in DTYPES:
             name = f"{label} {kind}"
             configs[name] = lambda p, n, w=workers[name], s=num_spec: bench_spec.run_ours(w, s, p, n)

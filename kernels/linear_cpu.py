@@ -42,6 +42,7 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.specdec_linear.argtypes = [i32, ptr, i64, i64, i64, i32, ptr, i64, ptr, ptr, i64, i32]
     library.specdec_linear.restype = i32
     library.specdec_linear_group_out.restype = i32
+    library.specdec_linear_quant_block.restype = i32
     return library
 
 
@@ -71,17 +72,21 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:  # [G, in, GROUP_OUT], bf
 
 def linear_cpu(
     x: torch.Tensor,  # [..., in]
-    packed_weight: torch.Tensor,  # [G, in, GROUP_OUT], from pack_weight
+    packed_weight: torch.Tensor,  # pack_weight's, or for block-quantized weights kernels/quantized.pack's
     out_features: int,
     bias: torch.Tensor | None,  # [out] fp32, or None
     library: ctypes.CDLL | None = None,  # another build (bind()); default: this machine's
+    weight_code: int | None = None,  # kernels/csrc/dtypes.h; default: the packed weight's dtype's
 ) -> torch.Tensor:  # [..., out], x's dtype
     """Runs the C kernel (see the module docstring); ``available()`` must be True."""
     in_features = x.shape[-1]
     assert x.device.type == "cpu" and x.dtype in DTYPE_CODES and packed_weight.is_contiguous()
-    assert packed_weight.dtype in DTYPE_CODES and (packed_weight.dtype != torch.bfloat16 or x.dtype == torch.bfloat16)
-    pair = 2 if packed_weight.dim() == 4 else 1
-    assert packed_weight.shape[1] == -(-in_features // pair), "the packed weight has another number of inputs"
+    if weight_code is None:
+        assert packed_weight.dtype in DTYPE_CODES
+        assert packed_weight.dtype != torch.bfloat16 or x.dtype == torch.bfloat16
+        pair = 2 if packed_weight.dim() == 4 else 1
+        assert packed_weight.shape[1] == -(-in_features // pair), "the packed weight has another number of inputs"
+        weight_code = DTYPE_CODES[packed_weight.dtype]
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == out_features)
     rows = x.reshape(-1, in_features)  # [N, in]: a view where the layout allows
     if rows.stride(1) != 1:
@@ -91,7 +96,7 @@ def linear_cpu(
     if num_rows:
         status = (library or c_library()).specdec_linear(
             DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), num_rows, in_features,
-            DTYPE_CODES[packed_weight.dtype], packed_weight.data_ptr(), out_features,
+            weight_code, packed_weight.data_ptr(), out_features,
             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), torch.get_num_threads())
         if status != 0:
             raise MemoryError(f"linear_cpu failed (status {status}: 1 is no scratch memory) for {num_rows} rows")

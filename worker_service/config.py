@@ -12,8 +12,10 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = {"none": 0, "ngram": 5, "draft": 5, "suffix": 1
 DEFAULT_PROPOSER = "suffix"
 SCORERS = ("multi_query", "batch_expansion")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")            # what a model runs in
+# llama.cpp's weight blocks (kernels/quantized.py's FORMATS): fp32 activations and KV, the CPU only.
+QUANTIZED_DTYPES = ("q8_0", "q4_1")
 DTYPE_ALIASES = {"half": "float16"}
-DTYPE_CHOICES = ("auto", *DTYPE_NAMES, *DTYPE_ALIASES)      # what --dtype takes
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES, *QUANTIZED_DTYPES, *DTYPE_ALIASES)  # what --dtype takes
 DEVICE_SPELLINGS = "auto, cpu, cuda or cuda:N"              # what --device takes
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
@@ -23,15 +25,25 @@ def normalize_dtype(name: str) -> str:
     return DTYPE_ALIASES.get(name, name)
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: str | None, device_type: str) -> str:
+def resolve_dtype(requested: str, checkpoint_dtype: str | None, device_type: str,
+                  gguf_format: str | None = None) -> str:
     """The dtype a model runs in. "auto": the checkpoint's dtype on an accelerator (float32 when the
-    checkpoint names none we run), float32 on the CPU, where float32 is the fast and exact choice."""
+    checkpoint names none we run); on the CPU a GGUF's own block format when all its layers are in one of
+    QUANTIZED_DTYPES (`gguf_format`: the default model is a Q4_1 GGUF), else float32. A quantized dtype on
+    another device is a ValueError."""
     requested = normalize_dtype(requested)
+    if requested in QUANTIZED_DTYPES and device_type != "cpu":
+        raise ValueError(f"--dtype {requested} runs on the CPU only; on {device_type} use one of {DTYPE_NAMES}")
     if requested != "auto":
         return requested
-    if device_type != "cpu" and checkpoint_dtype in DTYPE_NAMES:
-        return checkpoint_dtype
-    return "float32"
+    if device_type != "cpu":
+        return checkpoint_dtype if checkpoint_dtype in DTYPE_NAMES else "float32"
+    return gguf_format if gguf_format in QUANTIZED_DTYPES else "float32"
+
+
+def activation_dtype(dtype: str) -> str:
+    """The torch dtype name activations and the KV cache have under a resolved dtype."""
+    return "float32" if dtype in QUANTIZED_DTYPES else dtype
 
 
 def check_device(name: str) -> str:

@@ -52,7 +52,7 @@ class _Linear:
     @classmethod
     def of(cls, module: PackedLinear) -> "_Linear":
         bias = module.bias
-        return cls(DTYPE_CODES[module.packed_weight.dtype], module.packed_weight.data_ptr(), module.in_features,
+        return cls(module.weight_code, module.packed_weight.data_ptr(), module.in_features,
                    module.out_features, bias.data_ptr() if bias is not None else None, (module.packed_weight, bias))
 
 

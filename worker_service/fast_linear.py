@@ -22,31 +22,51 @@ import logging
 
 import torch
 
-from kernels import linear_cpu
+from kernels import linear_cpu, quantized
+from kernels.cpu_build import DTYPE_CODES
+from kernels.quantized import BlockWeight
 
 logger = logging.getLogger(__name__)
 
 # Sibling projections a `transformers` decoder layer calls one after another on the same tensor
 # (Llama, Mistral, Qwen2/3 names): each group is fused into one matmul (see SharedInputLinears).
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+BLOCK_WEIGHT = "block_weight"  # the attribute of a torch.nn.Linear that holds its BlockWeight (block_weight())
+
+
+def block_weight(linear: torch.nn.Linear) -> BlockWeight | None:
+    """The block-quantized weight a linear is served with (worker_service/quantization.py sets it), or None."""
+    return getattr(linear, BLOCK_WEIGHT, None)
 
 
 class PackedLinear(torch.nn.Module):
-    """`torch.nn.Linear` with its weight packed for kernels/linear_cpu.py; rows are computed independently."""
+    """`torch.nn.Linear` with its weight packed for kernels/linear_cpu.py; rows are computed independently.
+
+    A linear that carries a BlockWeight (block_weight()) is packed from its blocks: its `weight` then holds
+    their dequantised values, which the kernel reproduces exactly."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", linear_cpu.pack_weight(linear.weight.detach()),
-                             persistent=False)  # [G, in, GROUP_OUT]
+        blocks = block_weight(linear)
+        if blocks is not None:
+            packed = quantized.pack(blocks, linear_cpu.group_out())  # [G, in / QBLOCK, record bytes]
+            self.weight_format, self.weight_code = blocks.format, quantized.FORMATS[blocks.format].code
+        else:
+            packed = linear_cpu.pack_weight(linear.weight.detach())  # [G, in, GROUP_OUT]
+            self.weight_format, self.weight_code = str(linear.weight.dtype).removeprefix("torch."), \
+                DTYPE_CODES[linear.weight.dtype]
+        self.register_buffer("packed_weight", packed, persistent=False)
         bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None  # [out] fp32
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_cpu.linear_cpu(x, self.packed_weight, self.out_features, self.bias)  # [..., out]
+        return linear_cpu.linear_cpu(x, self.packed_weight, self.out_features, self.bias,
+                                     weight_code=self.weight_code)  # [..., out]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weights={self.weight_format}")
 
 
 class SharedInputLinears(torch.nn.Module):
@@ -67,6 +87,8 @@ class SharedInputLinears(torch.nn.Module):
         fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
                                 device="meta")  # no initialisation: the parameters are set below
         fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if block_weight(linears[0]) is not None:  # fuse_shared_inputs groups only linears of one format
+            setattr(fused, BLOCK_WEIGHT, BlockWeight.cat([block_weight(linear) for linear in linears]))
         if fused.bias is not None:
             fused.bias = torch.nn.Parameter(torch.cat([linear.bias.detach() for linear in linears]),
                                             requires_grad=False)
@@ -105,7 +127,9 @@ def fuse_shared_inputs(model: torch.nn.Module) -> int:
             linears = [getattr(parent, name, None) for name in names]
             if not all(type(m) is torch.nn.Linear for m in linears):
                 continue
-            if len({(m.in_features, m.weight.dtype, m.bias is None) for m in linears}) != 1:
+            formats = {(m.in_features, m.weight.dtype, m.bias is None, getattr(block_weight(m), "format", None))
+                       for m in linears}
+            if len(formats) != 1:
                 continue
             group = SharedInputLinears(linears)
             setattr(parent, "_".join(names), group)

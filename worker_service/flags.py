@@ -30,7 +30,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "batch_expansion (k+1 single-token rows)")
     aliases = ", ".join(f"{alias} = {name}" for alias, name in DTYPE_ALIASES.items())
     p.add_argument("--dtype", choices=DTYPE_CHOICES, type=normalize_dtype, default="auto",
-                   help=f"weights and KV; auto: the checkpoint's dtype on a GPU, float32 on the CPU ({aliases})")
+                   help=f"weights and KV; auto: the checkpoint's dtype on a GPU; on the CPU a GGUF's own blocks "
+                        f"when they are q8_0 or q4_1 (the default model: q4_1), else float32; q8_0, q4_1: "
+                        f"llama.cpp's weight blocks, fp32 activations and KV, CPU only ({aliases})")
     p.add_argument("--device", type=_device, default="auto",
                    help=f"{DEVICE_SPELLINGS}: where the models run; auto: cuda:0 when there is a CUDA device")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")

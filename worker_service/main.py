@@ -16,6 +16,7 @@ from worker_service import device as devices
 from worker_service.config import WorkerConfig, resolve_dtype
 from worker_service.model_loader import checkpoint_dtype, load_model
 from worker_service.model_runner import ModelRunner
+from worker_service.quantization import gguf_format
 from worker_service.server import create_server
 from worker_service.worker import Worker
 
@@ -35,7 +36,8 @@ def build_worker(config: WorkerConfig) -> Worker:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = devices.use_device(config.device)
-    dtype = resolve_dtype(config.dtype, checkpoint_dtype(config.model), device.type)
+    dtype = resolve_dtype(config.dtype, checkpoint_dtype(config.model), device.type,
+                          gguf_format(config.model) if device.type == "cpu" else None)
     target = ModelRunner(load_model(config.model, dtype, device))
     draft = None
     if config.proposer == "draft":

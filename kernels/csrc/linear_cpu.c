@@ -27,6 +27,20 @@
  * accumulator vectors held in registers for the whole chain. Work units
  * (a group, a block of rows) run in parallel with OpenMP; a group's weights
  * stay in cache while its row tiles take turns.
+ *
+ * Block-quantized weights (llama.cpp's q8_0 and q4_1: blocks of QBLOCK
+ * inputs of one output share an fp16 scale d, and for q4_1 an fp16 minimum
+ * m) are dequantised in registers, a block at a time, to the fp32 value
+ * gguf-py and transformers dequantise them to: q8_0 w = d * q (q int8),
+ * q4_1 w = d * q + m (q 0..15). d * q is exact in fp32 (11 by at most 8
+ * significant bits), so fma(d, q, m) is that value too. The chain is then
+ * the fp32 chain above: a quantized linear gives bitwise what the fp32
+ * kernel gives on the dequantised weights, on any CPU. Inputs are fp32
+ * (others are widened first). Packed per group, per block of inputs, one
+ * record: d[GROUP_OUT] (fp16), for q4_1 m[GROUP_OUT] (fp16), then the
+ * values for input 0, 1, .., QBLOCK - 1: q8_0 GROUP_OUT int8 each; q4_1
+ * GROUP_OUT / 2 bytes each, in two halves of 16 bytes whose byte t holds
+ * output 32h + t in its low nibble and output 32h + 16 + t in its high one.
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,7 +49,7 @@
 
 #include "dtypes.h"
 #pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vectors between inline functions, never across the ABI */
-#if defined(__AVX512F__) || defined(__FMA__) || defined(__AVX512BF16__)
+#if defined(__AVX512F__) || defined(__FMA__) || defined(__AVX2__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -44,11 +58,15 @@
 #define GROUP_OUT (LANES * GROUP_VECTORS)
 #define ROW_TILE 4              /* rows a tile computes at once: 16 accumulators */
 #define ROW_BLOCK (ROW_TILE * 8) /* rows of one work unit */
+#define QBLOCK 32               /* inputs per quantization block (q8_0, q4_1) */
+#define PREFETCH_RECORDS 8      /* how far ahead tile_quantized fetches */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef uint16_t half_vec_u16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef uint32_t vec_u32 __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef _Float16 vec_f16 __attribute__((vector_size(LANES * sizeof(_Float16))));
+typedef int8_t vec_i8 __attribute__((vector_size(LANES)));
+typedef uint8_t vec_u8 __attribute__((vector_size(LANES)));
 
 /* a * b + c, rounded once, lane by lane. */
 static inline vec fma_vec(vec a, vec b, vec c) {
@@ -148,6 +166,120 @@ static inline __attribute__((always_inline)) void tile_bf16(int num_rows, const 
     }
 }
 
+/* Bytes of one packed record: a block of QBLOCK inputs times a group's outputs (see the header). */
+static inline int64_t record_bytes(int w_dtype) {
+    return w_dtype == DTYPE_Q8_0 ? GROUP_OUT * 2 + QBLOCK * GROUP_OUT : GROUP_OUT * 4 + QBLOCK * GROUP_OUT / 2;
+}
+
+/* The conversions below in vector instructions: GCC turns __builtin_convertvector into scalar ones here. */
+#if defined(__AVX512F__)
+static inline vec to_vec(__m512 v) { return (vec)v; }
+#elif defined(__AVX2__)
+static inline vec to_vec2(__m256 low, __m256 high) {
+    vec v;
+    memcpy(&v, &low, sizeof low);
+    memcpy((char *)&v + sizeof low, &high, sizeof high);
+    return v;
+}
+#endif
+
+/* LANES fp16 values at p, widened to fp32 (exact). */
+static inline vec load_f16(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return to_vec(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)));
+#elif defined(__AVX2__) && defined(__F16C__)
+    return to_vec2(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                   _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))));
+#else
+    vec_f16 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, vec);
+#endif
+}
+
+/* LANES int8 values at p as fp32 (exact). */
+static inline vec load_i8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return to_vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))));
+#elif defined(__AVX2__)
+    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    return to_vec2(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+#else
+    vec_i8 q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(q, vec);
+#endif
+}
+
+/* LANES bytes at p split into their low and high nibbles, as fp32. */
+static inline void load_nibbles(const uint8_t *p, vec *low, vec *high) {
+#if defined(__AVX512F__)
+    __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *low = to_vec(_mm512_cvtepi32_ps(_mm512_and_si512(u, _mm512_set1_epi32(15))));
+    *high = to_vec(_mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4)));
+#elif defined(__AVX2__)
+    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    __m256i u0 = _mm256_cvtepu8_epi32(bytes), u1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+    __m256i mask = _mm256_set1_epi32(15);
+    *low = to_vec2(_mm256_cvtepi32_ps(_mm256_and_si256(u0, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(u1, mask)));
+    *high = to_vec2(_mm256_cvtepi32_ps(_mm256_srli_epi32(u0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(u1, 4)));
+#else
+    vec_u8 bytes;
+    memcpy(&bytes, p, sizeof bytes);
+    vec_u32 u = __builtin_convertvector(bytes, vec_u32);
+    *low = __builtin_convertvector(u & 15u, vec);
+    *high = __builtin_convertvector(u >> 4, vec);
+#endif
+}
+
+/* tile() for block-quantized weights w (one group's records, w_dtype DTYPE_Q8_0 or DTYPE_Q4_1); in is a
+ * multiple of QBLOCK. Each weight is dequantised to its exact fp32 value, then the chain is tile()'s. */
+static inline __attribute__((always_inline)) void tile_quantized(int num_rows, const float *x, int64_t in,
+                                                                 int w_dtype, const uint8_t *w,
+                                                                 vec acc[ROW_TILE][GROUP_VECTORS]) {
+    for (int r = 0; r < num_rows; r++)
+        for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = (vec){0};
+    int64_t num_blocks = in / QBLOCK, record = record_bytes(w_dtype);
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint8_t *rec = w + b * record;
+        /* At one row a block's arithmetic is short beside its fetch from memory: ask for the record
+         * PREFETCH_RECORDS ahead now (past the group's end it is the next group's, which comes next). */
+        for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * record + line);
+        vec d[GROUP_VECTORS], m[GROUP_VECTORS];
+        for (int v = 0; v < GROUP_VECTORS; v++) d[v] = load_f16(rec + v * LANES * 2);
+        const float *xb = x + b * QBLOCK;
+        if (w_dtype == DTYPE_Q8_0) {
+            const uint8_t *q = rec + GROUP_OUT * 2;
+            for (int j = 0; j < QBLOCK; j++) {
+                vec wv[GROUP_VECTORS];
+                for (int v = 0; v < GROUP_VECTORS; v++)
+                    wv[v] = d[v] * load_i8(q + j * GROUP_OUT + v * LANES);  /* exact */
+                for (int r = 0; r < num_rows; r++) {
+                    vec xv = (vec){0} + xb[r * in + j];
+                    for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = fma_vec(xv, wv[v], acc[r][v]);
+                }
+            }
+        } else {
+            for (int v = 0; v < GROUP_VECTORS; v++) m[v] = load_f16(rec + GROUP_OUT * 2 + v * LANES * 2);
+            const uint8_t *q = rec + GROUP_OUT * 4;
+            for (int j = 0; j < QBLOCK; j++) {
+                vec wv[GROUP_VECTORS];
+                for (int half = 0; half < 2; half++) {
+                    vec low, high;
+                    load_nibbles(q + j * (GROUP_OUT / 2) + half * LANES, &low, &high);
+                    wv[2 * half] = fma_vec(d[2 * half], low, m[2 * half]);  /* = d * q + m: d * q is exact */
+                    wv[2 * half + 1] = fma_vec(d[2 * half + 1], high, m[2 * half + 1]);
+                }
+                for (int r = 0; r < num_rows; r++) {
+                    vec xv = (vec){0} + xb[r * in + j];
+                    for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = fma_vec(xv, wv[v], acc[r][v]);
+                }
+            }
+        }
+    }
+}
+
 static void store_tile(int num_rows, vec acc[ROW_TILE][GROUP_VECTORS], int64_t row0, int64_t out0,
                        int64_t out_features, const float *bias, int out_dtype, void *out, int64_t out_stride) {
     int64_t num_out = out_features - out0 < GROUP_OUT ? out_features - out0 : GROUP_OUT;
@@ -166,12 +298,24 @@ static void store_tile(int num_rows, vec acc[ROW_TILE][GROUP_VECTORS], int64_t r
 static void run_unit(const void *x, int64_t x_stride, int64_t in, int64_t row0, int64_t row_end, int w_dtype,
                      const void *w, int64_t g, int64_t out_features, const float *bias, int out_dtype, void *out,
                      int64_t out_stride) {
-    int64_t group_elements = (w_dtype == DTYPE_BF16 ? (in + 1) / 2 * 2 : in) * GROUP_OUT;
-    const void *group_w = (const char *)w + g * group_elements * (w_dtype == DTYPE_F32 ? 4 : 2);
+    int64_t group_bytes;
+    if (w_dtype == DTYPE_Q8_0 || w_dtype == DTYPE_Q4_1)
+        group_bytes = in / QBLOCK * record_bytes(w_dtype);
+    else
+        group_bytes = (w_dtype == DTYPE_BF16 ? (in + 1) / 2 * 2 : in) * GROUP_OUT * (w_dtype == DTYPE_F32 ? 4 : 2);
+    const void *group_w = (const char *)w + g * group_bytes;
     vec acc[ROW_TILE][GROUP_VECTORS];
     for (int64_t r = row0; r < row_end; r += ROW_TILE) {
         int num_rows = row_end - r < ROW_TILE ? (int)(row_end - r) : ROW_TILE;
-        if (w_dtype == DTYPE_BF16) {
+        if (w_dtype == DTYPE_Q8_0 || w_dtype == DTYPE_Q4_1) {
+            const float *xr = (const float *)x + r * in;
+            switch (num_rows) {
+                case 4: tile_quantized(4, xr, in, w_dtype, group_w, acc); break;
+                case 3: tile_quantized(3, xr, in, w_dtype, group_w, acc); break;
+                case 2: tile_quantized(2, xr, in, w_dtype, group_w, acc); break;
+                default: tile_quantized(1, xr, in, w_dtype, group_w, acc); break;
+            }
+        } else if (w_dtype == DTYPE_BF16) {
             const uint16_t *xr = (const uint16_t *)x + r * x_stride;
             switch (num_rows) { /* each case inlines the tile with a constant row count */
                 case 4: tile_bf16(4, xr, x_stride, in, group_w, acc); break;
@@ -195,13 +339,14 @@ static void run_unit(const void *x, int64_t x_stride, int64_t in, int64_t row0, 
 /* out[num_rows, out_features] (row stride out_stride) = x[num_rows, in] (row stride x_stride) @ w^T + bias.
  * w: packed as the header says, of w_dtype; bias: fp32 [out_features] or NULL. x and out have dtype
  * x_dtype, which must be bf16 when w_dtype is. Returns 0, 1 when scratch memory cannot be had, 2 for
- * bf16 weights with other inputs. */
+ * bf16 weights with other inputs, 3 for quantized weights whose in is not a multiple of QBLOCK. */
 int specdec_linear(int x_dtype, const void *x, int64_t x_stride, int64_t num_rows, int64_t in, int w_dtype,
                    const void *w, int64_t out_features, const float *bias, void *out, int64_t out_stride,
                    int num_threads) {
     const void *xs = x;
     float *scratch = NULL;
     if (w_dtype == DTYPE_BF16 && x_dtype != DTYPE_BF16) return 2;
+    if ((w_dtype == DTYPE_Q8_0 || w_dtype == DTYPE_Q4_1) && in % QBLOCK) return 3;
     if (w_dtype != DTYPE_BF16 && (x_dtype != DTYPE_F32 || x_stride != in)) { /* a packed fp32 copy (exact) */
         scratch = malloc((size_t)(num_rows * in) * sizeof(float));
         if (!scratch) return 1;
@@ -226,3 +371,6 @@ int specdec_linear(int x_dtype, const void *x, int64_t x_stride, int64_t num_row
 
 /* The group size pack_weight must use. */
 int specdec_linear_group_out(void) { return GROUP_OUT; }
+
+/* The inputs per quantization block of q8_0 and q4_1. */
+int specdec_linear_quant_block(void) { return QBLOCK; }

@@ -7,14 +7,31 @@ it is decoded alone, in a batch, or verified with k drafts behind it.
 import pytest
 import torch
 
-from kernels import cpu_build, linear_cpu
-from worker_service.fast_linear import PackedLinear, SharedInputLinears, can_pack, fuse_shared_inputs, pack_linears
+from kernels import cpu_build, linear_cpu, quantized
+from kernels.quantized import BlockWeight
+from worker_service.fast_linear import (BLOCK_WEIGHT, PackedLinear, SharedInputLinears, can_pack, fuse_shared_inputs,
+                                        pack_linears)
 from worker_service.model_loader import load_model
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative to the output's scale
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (64, 1000), (5, 3)]  # SmolLM2's (in, out) + small
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 16, 17, 33, 64, 96, 127, 256, 512)
+FORMATS = list(quantized.FORMATS)  # llama.cpp's block formats (--dtype q8_0, q4_1)
+QUANTIZED_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (64, 1000), (32, 5)]  # in: a multiple of 32
+
+
+def quantized_linear(in_features: int, out_features: int, format: str, bias: bool = True,
+                     seed: int = 0) -> tuple[PackedLinear, PackedLinear]:
+    """(the linear served from `format` blocks, the fp32 linear of the blocks' dequantised weights)."""
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    blocks = BlockWeight.quantize(linear.weight, format)
+    with torch.no_grad():
+        linear.weight.copy_(blocks.dequantize())
+    fp32 = PackedLinear(linear)
+    setattr(linear, BLOCK_WEIGHT, blocks)
+    return PackedLinear(linear), fp32
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,6 +82,45 @@ def test_packed_linear_rows_do_not_depend_on_batch(dtype, in_features, out_featu
             assert rows_that_differ(packed, x, (1, 5, 512)) == []
         finally:
             torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("in_features,out_features", QUANTIZED_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantized_linear_is_the_fp32_kernel_on_the_dequantised_weights(format, in_features, out_features, bias):
+    """The kernel dequantises each block to exactly gguf-py's fp32 values, then runs the fp32 chain: bitwise
+    the fp32 kernel's result (and close to F.linear's), at a quarter to a sixth of the bytes."""
+    served, fp32 = quantized_linear(in_features, out_features, format, bias)
+    assert served.weight_format == format and fp32.weight_format == "float32"
+    x = torch.randn(3, 7, in_features)
+    with torch.inference_mode():
+        got = served(x)
+        assert torch.equal(got, fp32(x))
+        blocks = served.packed_weight.numel()
+        assert blocks < fp32.packed_weight.numel() * 4 * 0.3  # q8_0: 8.5 bits a weight, q4_1: 5 (padding aside)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("in_features,out_features", QUANTIZED_SHAPES[:4])
+def test_quantized_linear_rows_do_not_depend_on_batch(format, in_features, out_features):
+    """1..512 rows, with 1 and 2 threads: every row bitwise as in the 512-row call."""
+    served, _ = quantized_linear(in_features, out_features, format, seed=1)
+    x = torch.randn(512, in_features)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        assert rows_that_differ(served, x) == []
+        try:
+            torch.set_num_threads(1)
+            assert rows_that_differ(served, x, (1, 5, 512)) == []
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_a_bf16_input_to_quantized_weights_is_widened_exactly():
+    served, _ = quantized_linear(64, 80, "q4_1", seed=4)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(served(x), served(x.float()).to(torch.bfloat16))
 
 
 def test_a_strided_input_gives_the_same_rows():
@@ -146,3 +202,15 @@ def test_every_instruction_set_gives_the_same_bits(build, dtype):
         x = torch.randn(37, in_features, dtype=dtype)
         want = linear_cpu.linear_cpu(x, packed, out_features, bias)
         assert torch.equal(linear_cpu.linear_cpu(x, packed, out_features, bias, library=narrow), want)
+
+
+@pytest.mark.parametrize("build", list(NARROWER_BUILDS))
+@pytest.mark.parametrize("format", FORMATS)
+def test_every_instruction_set_gives_the_same_bits_for_block_weights(build, format):
+    narrow = linear_cpu.bind(cpu_build.load_library("linear_cpu", NARROWER_BUILDS[build]))
+    served, _ = quantized_linear(576, 200, format, seed=5)
+    x = torch.randn(37, 576)
+    code = quantized.FORMATS[format].code
+    want = linear_cpu.linear_cpu(x, served.packed_weight, 200, served.bias, weight_code=code)
+    got = linear_cpu.linear_cpu(x, served.packed_weight, 200, served.bias, library=narrow, weight_code=code)
+    assert torch.equal(got, want)

@@ -23,8 +23,9 @@ BLOCK_SIZE = 4
 LAYOUT = [(0, 21), (9, 1), (14, 6), (3, 1), (0, 1), (25, 7), (6, 2), (11, 10), (30, 1), (2, 4), (17, 5), (8, 5)]
 # Every dtype on the tiny model, with the fast forward (worker_service/fast_forward.py) and with transformers'
 # (the one other models run); SmolLM2 in the dtypes it is served in (fp16 on the CPU is slow).
-CASES = [("tiny", dtype, forward) for dtype in ("float32", "bfloat16", "float16") for forward in ("fast", "transformers")]
-CASES += [pytest.param("smollm2", dtype, "fast", marks=pytest.mark.slow) for dtype in ("float32", "bfloat16")]
+CASES = [("tiny", dtype, forward) for dtype in ("float32", "bfloat16", "float16", "q8_0", "q4_1")
+         for forward in ("fast", "transformers")]
+CASES += [pytest.param("smollm2", dtype, "fast", marks=pytest.mark.slow) for dtype in ("float32", "bfloat16", "q4_1")]
 
 
 def one_row_at_a_time(runner: ModelRunner, tokens: list[int], blocks: list[int]) -> torch.Tensor:  # [L, V]

@@ -1,4 +1,5 @@
-"""Greedy speculation emits exactly plain decoding's tokens in every dtype, bf16 included.
+"""Greedy speculation emits exactly plain decoding's tokens in every dtype: bf16, and llama.cpp's q8_0 and
+q4_1 weight blocks, included.
 
 On the tiny seeded pair, and (slow tier) on the embedded SmolLM2 with itself
 as the draft model: in bf16 as in fp32 its drafts are then all accepted,
@@ -24,12 +25,12 @@ from kernels import linear_cpu
 from tests.e2e.client import chat_prompts
 from tests.worker.driver import Driver
 from worker_service import fast_forward
-from worker_service.config import WorkerConfig
+from worker_service.config import QUANTIZED_DTYPES, WorkerConfig
 from worker_service.model_loader import load_model
 from worker_service.model_runner import ModelRunner
 from worker_service.worker import Worker
 
-DTYPES = ["float32", "bfloat16"]
+DTYPES = ["float32", "bfloat16", "q8_0", "q4_1"]  # q8_0 / q4_1: llama.cpp's weight blocks, fp32 activations
 QUESTIONS = ["Repeat after me: the cat sat on the mat, the cat sat on the mat.", "List three prime numbers.",
              "What is the capital of France?", "Write the numbers from 1 to 12, separated by commas.",
              "Explain why the sky is blue in one sentence."]
@@ -79,15 +80,22 @@ def mixed_ks(k: int) -> list[int]:
     return [k, 1, 0, k, max(k - 1, 1)]
 
 
+def runs_on(dtype: str, device: str) -> bool:
+    return device == "cpu" or dtype not in QUANTIZED_DTYPES  # block weights: the CPU kernel's
+
+
 @pytest.fixture(scope="module")
 def plain(workload):
-    return {dtype: generate(workload, make_worker(workload, dtype), [0] * 5)[0] for dtype in DTYPES}
+    return {dtype: generate(workload, make_worker(workload, dtype), [0] * 5)[0] for dtype in DTYPES
+            if runs_on(dtype, workload.device)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_greedy_speculation_is_token_identical_to_plain_decoding(workload, plain, proposer, k, dtype):
+    if not runs_on(dtype, workload.device):
+        pytest.skip(f"{dtype} runs on the CPU only")
     got, results = generate(workload, make_worker(workload, dtype, proposer, k), mixed_ks(k))
     assert got == plain[dtype]
     outputs = [o for r in results for o in r.outputs]
@@ -99,18 +107,19 @@ def test_greedy_speculation_is_token_identical_to_plain_decoding(workload, plain
         assert accepted > 0
 
 
-def test_bf16_speculation_differs_with_a_batch_dependent_linear(workload, plain, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "q4_1"])
+def test_speculation_differs_with_a_batch_dependent_linear(workload, plain, monkeypatch, dtype):
     """The check above has teeth: when the linear layers' rows change with the number of rows in the call
-    (as a library GEMM's blocking may make them), bf16 speculation changes some outputs of this very
-    workload. The perturbation is built here, so the teeth do not depend on this machine's libraries."""
+    (as a library GEMM's blocking may make them), speculation changes some outputs of this very workload.
+    The perturbation is built here, so the teeth do not depend on this machine's libraries."""
     if workload.device != "cpu":
         pytest.skip("the batch-invariant C kernels are the CPU's")
     exact, exact_project = linear_cpu.linear_cpu, fast_forward.project
 
-    def batch_dependent(x, packed_weight, out_features, bias):
+    def batch_dependent(x, packed_weight, out_features, bias, **kwargs):
         if x.reshape(-1, x.shape[-1]).shape[0] > 1:
             x = x * (1 + 2 ** -7)  # another rounding, as another kernel would give
-        return exact(x, packed_weight, out_features, bias)
+        return exact(x, packed_weight, out_features, bias, **kwargs)
 
     def batch_dependent_project(layer, source, target):  # the fast forward's direct kernel calls
         exact_project(layer, source * (1 + 2 ** -7) if source.shape[0] > 1 else source, target)
@@ -119,8 +128,8 @@ def test_bf16_speculation_differs_with_a_batch_dependent_linear(workload, plain,
     monkeypatch.setattr(fast_forward, "project", batch_dependent_project)
     differ = 0
     for proposer, k in [("ngram", 3), ("ngram", 5), ("draft", 3), ("draft", 5)]:
-        got, _ = generate(workload, make_worker(workload, "bfloat16", proposer, k), mixed_ks(k))
-        differ += sum(a != b for a, b in zip(got, plain["bfloat16"]))
+        got, _ = generate(workload, make_worker(workload, dtype, proposer, k), mixed_ks(k))
+        differ += sum(a != b for a, b in zip(got, plain[dtype]))
         if differ:
             break
     assert differ > 0
