@@ -13,9 +13,12 @@ which is what the CPU kernel computes with (bitwise), so the `transformers`
 model stays the exact reference of what is served.
 """
 
+from dataclasses import dataclass
 import json
 import logging
+import mmap
 import pathlib
+import struct
 
 import gguf
 import numpy as np
@@ -55,22 +58,85 @@ def gguf_format(model_path: str | pathlib.Path) -> str | None:
     gguf_path = source_gguf(model_path)
     if gguf_path is None:
         return None
-    formats = {FORMAT_OF_GGML.get(tensor.tensor_type) for tensor in gguf.GGUFReader(gguf_path).tensors
-               if tensor.name.startswith("blk.") and len(tensor.shape) == 2}
+    _, tensors = _gguf_index(gguf_path)
+    formats = {FORMAT_OF_GGML.get(tensor.ggml_type) for name, tensor in tensors.items()
+               if name.startswith("blk.") and len(tensor.shape) == 2}
     return formats.pop() if len(formats) == 1 else None
+
+
+# Bytes of GGUF's scalar metadata value types (gguf.GGUFValueType), for skipping values; 8 is a string, 9 an array.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    ggml_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # innermost dimension first, as GGUF lists them
+    offset: int             # from the file's start
+
+
+def _gguf_index(gguf_path: pathlib.Path) -> tuple[dict[str, str | int], dict[str, _TensorInfo]]:
+    """A GGUF's scalar string/int metadata and its tensors' types, shapes and offsets, read in one pass.
+
+    (gguf.GGUFReader parses every metadata value into numpy views, ~4 s for the default model's 49k-token
+    vocabulary; this skips arrays.)"""
+    with open(gguf_path, "rb") as f:
+        data = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        values = struct.unpack_from("<" + fmt, data, pos)
+        pos += struct.calcsize("<" + fmt)
+        return values if len(values) > 1 else values[0]
+
+    def string() -> str:
+        nonlocal pos
+        length = take("Q")
+        pos += length
+        return bytes(data[pos - length:pos]).decode("utf-8", errors="replace")
+
+    def value(kind: int):
+        nonlocal pos
+        if kind == 8:
+            return string()
+        if kind == 9:
+            item_kind, count = take("IQ")
+            for _ in range(count):
+                value(item_kind)
+            return None
+        pos += _SCALAR_BYTES[kind]
+        fmt = {4: "I", 5: "i", 10: "Q", 11: "q"}.get(kind)
+        return struct.unpack_from("<" + fmt, data, pos - _SCALAR_BYTES[kind])[0] if fmt else None
+
+    if bytes(data[:4]) != b"GGUF":
+        raise ValueError(f"{gguf_path} is not a GGUF file")
+    pos = 4
+    _version, num_tensors, num_fields = take("IQQ")
+    metadata = {}
+    for _ in range(num_fields):
+        key = string()
+        metadata[key] = value(take("I"))
+    infos = []
+    for _ in range(num_tensors):
+        name = string()
+        shape = tuple(take("Q") for _ in range(take("I")))
+        infos.append((name, take("I"), shape, take("Q")))
+    alignment = metadata.get("general.alignment") or 32
+    start = -(-pos // alignment) * alignment
+    tensors = {name: _TensorInfo(gguf.GGMLQuantizationType(kind), shape, start + offset)
+               for name, kind, shape, offset in infos}
+    return metadata, tensors
 
 
 class _GGUFBlocks:
     """The block tensors of a GGUF file by `transformers` parameter name, in the rows transformers loads."""
 
     def __init__(self, gguf_path: pathlib.Path, model: PreTrainedModel):
-        reader = gguf.GGUFReader(gguf_path)
         self.path = gguf_path
-        self.tensors = {tensor.name: tensor for tensor in reader.tensors}
-        arch_field = reader.get_field("general.architecture")
-        arch_name = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
-        arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(arch_name)
-        self.arch_name = arch_name
+        metadata, self.tensors = _gguf_index(gguf_path)
+        self.arch_name = metadata.get("general.architecture")
+        arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(self.arch_name)
         self.names = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers) if arch is not None else None
         self.config = model.config
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -86,10 +152,12 @@ class _GGUFBlocks:
         if gguf_name == "output.weight" and gguf_name not in self.tensors and self.tied:
             gguf_name = "token_embd.weight"  # a tied output layer is the embedding
         tensor = self.tensors.get(gguf_name)
-        if tensor is None or FORMAT_OF_GGML.get(tensor.tensor_type) != format:
+        if tensor is None or FORMAT_OF_GGML.get(tensor.ggml_type) != format or len(tensor.shape) != 2:
             return None
-        in_features = int(tensor.shape[0])  # GGUF lists dimensions innermost first
-        blocks = BlockWeight(format, torch.from_numpy(np.array(tensor.data, dtype=np.uint8)), in_features)
+        in_features, out_features = tensor.shape
+        row_bytes = in_features // QBLOCK * FORMATS[format].block_bytes
+        raw = np.fromfile(self.path, dtype=np.uint8, count=out_features * row_bytes, offset=tensor.offset)
+        blocks = BlockWeight(format, torch.from_numpy(raw).view(out_features, row_bytes), in_features)
         rows = self._row_order(gguf_name, blocks.out_features)
         return blocks if rows is None else blocks.take_rows(rows)
 
@@ -131,9 +199,8 @@ def quantize_model(model: PreTrainedModel, format: str, model_path: str | pathli
         counts["from the GGUF" if blocks is not None else "quantized here"] += 1
         if blocks is None:
             blocks = BlockWeight.quantize(module.weight, wanted)
-            values = blocks.dequantize()
-        with torch.no_grad():
-            module.weight.copy_(values)  # in place: a tied embedding keeps sharing it
+            with torch.no_grad():
+                module.weight.copy_(blocks.dequantize())  # in place: a tied embedding keeps sharing it
         setattr(module, BLOCK_WEIGHT, blocks)
     logger.info("%s weights, linear layers: %s (the output layer in %s)", format,
                 ", ".join(f"{count} {how}" for how, count in counts.items() if count), OUTPUT_FORMAT)

@@ -129,3 +129,16 @@ def test_a_checkpoint_whose_gguf_is_gone_is_quantized_anew(tiny_pair, tmp_path, 
     assert "is gone or changed" in caplog.text
     model = load_model(checkpoint, "q8_0")
     assert getattr(model.model.layers[0].mlp.down_proj, BLOCK_WEIGHT).format == "q8_0"
+
+
+@pytest.mark.slow
+def test_the_gguf_index_agrees_with_gguf_py(smollm2_path):
+    """Our one-pass reader of a GGUF's tensor table (fast: it skips the vocabulary) against gguf-py's."""
+    gguf_path = quantization.source_gguf(smollm2_path)
+    metadata, tensors = quantization._gguf_index(gguf_path)
+    reader = gguf.GGUFReader(gguf_path)
+    assert metadata["general.architecture"] == "llama" and len(tensors) == len(reader.tensors)
+    for tensor in reader.tensors:
+        ours = tensors[tensor.name]
+        assert (ours.ggml_type, list(ours.shape), ours.offset) == \
+            (tensor.tensor_type, list(tensor.shape), tensor.data_offset)
