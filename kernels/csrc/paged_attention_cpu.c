@@ -6,16 +6,22 @@
  * the arithmetic of a row. Hence a verify step's row at position p gives
  * bitwise the output a one-row decode at p gives, in fp32, bf16 and fp16.
  *
- * Per row, over its keys 0..n-1 (n = its position + 1), two passes:
- *   s_j = sum_d (q_d * scale) k_jd          dimensions in order; 16 keys side by side
- *   m = max_j s_j;  l = sum_j e^(s_j - m)   16 lanes of every 16th key, then a fixed tree
- *   out = (sum_j e^(s_j - m) v_j) / l       keys in order; dimensions side by side
+ * A row's keys 0..n-1 (n = its position + 1) are split at fixed positions
+ * into parts of PART_KEYS keys (the split depends on n alone). Per part p,
+ * over its keys j, two passes:
+ *   s_j = sum_d (q_d * scale) k_jd             dimensions in order; 16 keys side by side
+ *   m_p = max_j s_j;  l_p = sum_j e^(s_j - m_p)  16 lanes of every 16th key, then a fixed tree
+ *   acc_p = sum_j e^(s_j - m_p) v_j             keys in order; dimensions side by side
+ * then, parts in order: M = max m_p, w_p = e^(m_p - M),
+ *   out = (sum_p w_p acc_p) / (sum_p w_p l_p)  (one part: w_0 = 1, out = acc_0 / l_0)
  * Every product and sum is written out (built with -ffp-contract=off, fmaf
  * where a fused multiply-add is meant), and exp is our own polynomial, so the
  * compiler's vectorisation choices cannot change a bit.
  *
  * Work items are (sequence, KV head, tile of up to ROW_TILE rows sharing that
- * KV head), run in parallel with OpenMP; each K/V vector is read once per tile.
+ * KV head, part), run in parallel with OpenMP, then the tiles' parts are
+ * combined; each K/V vector is read once per tile. The parts give a decode
+ * step (3 KV heads, one row tile each for SmolLM2) work for every thread.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,6 +33,7 @@
 #define KEY_TILE 16
 #define ROW_TILE 32
 #define MAX_HEAD_DIM 256
+#define PART_KEYS 128  /* keys of one work item (a multiple of KEY_TILE): a row's keys split at fixed positions */
 
 /* KEY_TILE floats as one GCC vector: element-wise arithmetic, so no reordering of a sum. */
 typedef float key_vector __attribute__((vector_size(KEY_TILE * sizeof(float))));
@@ -116,42 +123,46 @@ static void load_key_tile(const struct Args *a, const int32_t *table, int kv, in
     }
 }
 
-/* Rows `first_row .. first_row + num_rows - 1` of (sequence b, KV head kv): row r is query token
- * q_start + r / group of head kv * group + r % group. scores: ROW_TILE * (seq_lens[b] rounded up to KEY_TILE). */
-static void attend_tile(const struct Args *a, int b, int kv, int first_row, int num_rows, float *scores) {
+/* Rows `first_row .. first_row + num_rows - 1` of (sequence b, KV head kv) over keys part * PART_KEYS ..
+ * (part + 1) * PART_KEYS - 1 (those each row has): row r is query token q_start + r / group of head
+ * kv * group + r % group. Writes each row's partial result to partial + r * (D + 2): m (its scores' max),
+ * l (sum of e^(s_j - m)) and acc[D] (sum of e^(s_j - m) v_j); a row with no key here gets m = -inf, l = 0.
+ * scores: ROW_TILE * PART_KEYS floats. */
+static void attend_part(const struct Args *a, int b, int kv, int first_row, int num_rows, int part,
+                        float *scores, float *partial) {
     const int D = a->head_dim, group = a->num_heads / a->num_kv_heads;
     const int q_start = a->query_start_loc[b], q_len = a->query_start_loc[b + 1] - q_start;
     const int ctx_start = a->seq_lens[b] - q_len;  /* position of the sequence's first query token */
-    const int64_t stride = ((int64_t)a->seq_lens[b] + KEY_TILE - 1) / KEY_TILE * KEY_TILE;  /* of a scores row */
-    float q[ROW_TILE][MAX_HEAD_DIM], acc[ROW_TILE][MAX_HEAD_DIM], v[MAX_HEAD_DIM];
+    const int k0 = part * PART_KEYS;
+    float q[ROW_TILE][MAX_HEAD_DIM], v[MAX_HEAD_DIM];
     key_vector kt[MAX_HEAD_DIM];
-    int num_keys[ROW_TILE], token[ROW_TILE], head[ROW_TILE], max_keys = 0;
+    int end[ROW_TILE], max_end = k0;  /* row r's keys here: k0 .. end[r] - 1 */
     for (int r = 0; r < num_rows; r++) {
-        int row = first_row + r;
-        token[r] = q_start + row / group;
-        head[r] = kv * group + row % group;
-        num_keys[r] = ctx_start + row / group + 1;
-        if (num_keys[r] > max_keys) max_keys = num_keys[r];
-        load_row(a->dtype, a->query, token[r] * a->q_stride_t + head[r] * a->q_stride_h, D, q[r]);
+        int row = first_row + r, num_keys = ctx_start + row / group + 1;
+        end[r] = num_keys < k0 + PART_KEYS ? num_keys : k0 + PART_KEYS;
+        if (end[r] > max_end) max_end = end[r];
+        load_row(a->dtype, a->query, (q_start + row / group) * a->q_stride_t + (kv * group + row % group) * a->q_stride_h,
+                 D, q[r]);
         for (int d = 0; d < D; d++) q[r][d] = q[r][d] * a->scale;
-        memset(acc[r], 0, sizeof(float) * D);
     }
     const int32_t *table = a->block_tables + (int64_t)b * a->bt_stride;
     /* Pass 1: s_j = sum over d in order of q[d] * k_j[d] (q scaled), KEY_TILE keys side by side. */
-    for (int j0 = 0; j0 < max_keys; j0 += KEY_TILE) {
-        load_key_tile(a, table, kv, j0, max_keys, kt);
+    for (int j0 = k0; j0 < max_end; j0 += KEY_TILE) {
+        load_key_tile(a, table, kv, j0, max_end, kt);
         for (int r = 0; r < num_rows; r++) {
-            if (j0 >= num_keys[r]) continue;
+            if (j0 >= end[r]) continue;
             key_vector s = {0};
             for (int d = 0; d < D; d++) s = s + q[r][d] * kt[d];
-            memcpy(scores + r * stride + j0, &s, sizeof s);
+            memcpy(scores + r * PART_KEYS + (j0 - k0), &s, sizeof s);
         }
     }
-    /* Softmax weights in place; the denominator sums lane i = keys i, i + KEY_TILE, ..., then a fixed tree. */
-    float denom[ROW_TILE];
+    /* Softmax weights in place; l sums lane i = keys k0 + i, k0 + i + KEY_TILE, ..., then a fixed tree. */
     for (int r = 0; r < num_rows; r++) {
-        float *s = scores + r * stride, m = -INFINITY, lanes[KEY_TILE] = {0};
-        const int n = num_keys[r];
+        float *s = scores + r * PART_KEYS, *out = partial + r * (D + 2), m = -INFINITY, lanes[KEY_TILE] = {0};
+        const int n = end[r] - k0;
+        memset(out, 0, sizeof(float) * (D + 2));
+        out[0] = -INFINITY;
+        if (n <= 0) continue;
         for (int j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
         for (int j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - m);
         for (int j = n; j < (n + KEY_TILE - 1) / KEY_TILE * KEY_TILE; j++) s[j] = 0.0f;
@@ -159,25 +170,41 @@ static void attend_tile(const struct Args *a, int b, int kv, int first_row, int 
             for (int i = 0; i < KEY_TILE; i++) lanes[i] = lanes[i] + s[j0 + i];
         for (int width = KEY_TILE / 2; width > 0; width /= 2)
             for (int i = 0; i < width; i++) lanes[i] = lanes[i] + lanes[i + width];
-        denom[r] = lanes[0];
+        out[0] = m;
+        out[1] = lanes[0];
     }
-    /* Pass 2: acc[d] = sum over keys in order of p_j * v_j[d]. */
-    for (int j = 0; j < max_keys; j++) {
+    /* Pass 2: acc[d] = sum over the keys in order of p_j * v_j[d]. */
+    for (int j = k0; j < max_end; j++) {
         int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
         load_row(a->dtype, a->value_cache, (slot * a->num_kv_heads + kv) * D, D, v);
         for (int r = 0; r < num_rows; r++) {
-            if (j >= num_keys[r]) continue;
-            float p = scores[r * stride + j];
-            for (int d = 0; d < D; d++) acc[r][d] = fmaf(p, v[d], acc[r][d]);
+            if (j >= end[r]) continue;
+            float p = scores[r * PART_KEYS + (j - k0)], *acc = partial + r * (D + 2) + 2;
+            for (int d = 0; d < D; d++) acc[d] = fmaf(p, v[d], acc[d]);
         }
-    }
-    for (int r = 0; r < num_rows; r++) {
-        for (int d = 0; d < D; d++) acc[r][d] = acc[r][d] / denom[r];
-        store_row(a->dtype, a->out, ((int64_t)token[r] * a->num_heads + head[r]) * D, D, acc[r]);
     }
 }
 
-/* Returns 0, or -1 for a head_dim above MAX_HEAD_DIM (the caller checks first). */
+/* Row r's output from its num_parts partial results (attend_part's, PARTIAL_STRIDE(D) floats apart), in part
+ * order: M = max m_p, w_p = e^(m_p - M), out = (sum_p w_p acc_p) / (sum_p w_p l_p). With one part w_0 = 1
+ * exactly, so the output is acc / l. */
+static void combine_row(const struct Args *a, const float *partial, int64_t part_stride, int num_parts,
+                        int64_t out_offset) {
+    const int D = a->head_dim;
+    float acc[MAX_HEAD_DIM] = {0}, l = 0.0f, m = -INFINITY;
+    for (int p = 0; p < num_parts; p++) m = partial[p * part_stride] > m ? partial[p * part_stride] : m;
+    for (int p = 0; p < num_parts; p++) {
+        const float *part = partial + p * part_stride;
+        float w = exp_nonpositive(part[0] - m);  /* 0 for a part without keys (m_p = -inf) */
+        l = fmaf(w, part[1], l);
+        for (int d = 0; d < D; d++) acc[d] = fmaf(w, part[2 + d], acc[d]);
+    }
+    for (int d = 0; d < D; d++) acc[d] = acc[d] / l;
+    store_row(a->dtype, a->out, out_offset, D, acc);
+}
+
+/* Returns 0, -1 for a head_dim above MAX_HEAD_DIM (the caller checks first), -2 when scratch memory cannot
+ * be had. */
 int specdec_paged_attention(int dtype, const void *query, int64_t q_stride_t, int64_t q_stride_h,
                             const void *key_cache, const void *value_cache, const int32_t *block_tables,
                             int64_t bt_stride, const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
@@ -186,31 +213,60 @@ int specdec_paged_attention(int dtype, const void *query, int64_t q_stride_t, in
     if (head_dim > MAX_HEAD_DIM) return -1;
     struct Args a = {dtype, query, q_stride_t, q_stride_h, key_cache, value_cache, block_tables, bt_stride,
                      query_start_loc, seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale};
-    const int group = num_heads / num_kv_heads;
-    /* Work items: (sequence, KV head, row tile); tile_start[b] numbers sequence b's first item. */
-    int *tile_start = malloc(sizeof(int) * (num_seqs + 1));
-    int max_len = 1;
-    tile_start[0] = 0;
+    const int group = num_heads / num_kv_heads, D = head_dim;
+    /* Tiles: (sequence, KV head, tile of up to ROW_TILE rows); tile_start[b] numbers sequence b's first.
+     * Work items: (tile, part of PART_KEYS keys); part_start[b] numbers sequence b's first. The parts of a
+     * row are fixed by its own number of keys, so splitting them never changes with the batch. */
+    int *tile_start = malloc(sizeof(int) * (num_seqs + 1)), *part_start = malloc(sizeof(int) * (num_seqs + 1));
+    tile_start[0] = part_start[0] = 0;
+    int max_parts = 1;
     for (int b = 0; b < num_seqs; b++) {
         int rows = (query_start_loc[b + 1] - query_start_loc[b]) * group;
+        int parts = (seq_lens[b] + PART_KEYS - 1) / PART_KEYS;
+        if (parts > max_parts) max_parts = parts;
         tile_start[b + 1] = tile_start[b] + num_kv_heads * ((rows + ROW_TILE - 1) / ROW_TILE);
-        if (seq_lens[b] > max_len) max_len = seq_lens[b];
+        part_start[b + 1] = part_start[b] + (tile_start[b + 1] - tile_start[b]) * parts;
     }
-    const int num_items = tile_start[num_seqs];
+    const int num_tiles = tile_start[num_seqs], num_items = part_start[num_seqs];
+    const int64_t row_stride = D + 2, part_stride = ROW_TILE * row_stride;  /* of `partials` */
+    float *partials = malloc(sizeof(float) * (size_t)num_items * part_stride);
+    if (!partials) {
+        free(tile_start);
+        free(part_start);
+        return -2;
+    }
     #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)ROW_TILE * (max_len + KEY_TILE));
+        float *scores = malloc(sizeof(float) * (size_t)ROW_TILE * PART_KEYS);
         #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < num_items; item++) {
-            int b = find_sequence(tile_start, num_seqs, item);
+            int b = find_sequence(part_start, num_seqs, item);
             int rows = (query_start_loc[b + 1] - query_start_loc[b]) * group;
-            int tiles_per_head = (rows + ROW_TILE - 1) / ROW_TILE;
-            int local = item - tile_start[b], kv = local / tiles_per_head, tile = local % tiles_per_head;
-            int first = tile * ROW_TILE, n = rows - first < ROW_TILE ? rows - first : ROW_TILE;
-            attend_tile(&a, b, kv, first, n, scores);
+            int parts = (seq_lens[b] + PART_KEYS - 1) / PART_KEYS, tiles_per_head = (rows + ROW_TILE - 1) / ROW_TILE;
+            int local = item - part_start[b], tile_index = local / parts, part = local % parts;
+            int kv = tile_index / tiles_per_head, first = tile_index % tiles_per_head * ROW_TILE;
+            int n = rows - first < ROW_TILE ? rows - first : ROW_TILE;
+            attend_part(&a, b, kv, first, n, part, scores, partials + (int64_t)item * part_stride);
         }
         free(scores);
+        #pragma omp for schedule(static)
+        for (int tile = 0; tile < num_tiles; tile++) {
+            int b = find_sequence(tile_start, num_seqs, tile);
+            int rows = (query_start_loc[b + 1] - query_start_loc[b]) * group;
+            int parts = (seq_lens[b] + PART_KEYS - 1) / PART_KEYS, tiles_per_head = (rows + ROW_TILE - 1) / ROW_TILE;
+            int local = tile - tile_start[b], kv = local / tiles_per_head, first = local % tiles_per_head * ROW_TILE;
+            int n = rows - first < ROW_TILE ? rows - first : ROW_TILE;
+            const float *tile_partials = partials + ((int64_t)part_start[b] + (int64_t)local * parts) * part_stride;
+            for (int r = 0; r < n; r++) {
+                int row = first + r;
+                int64_t out_offset = ((int64_t)(query_start_loc[b] + row / group) * num_heads
+                                      + kv * group + row % group) * D;
+                combine_row(&a, tile_partials + r * row_stride, part_stride, parts, out_offset);
+            }
+        }
     }
+    free(partials);
+    free(part_start);
     free(tile_start);
     return 0;
 }

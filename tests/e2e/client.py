@@ -58,11 +58,15 @@ class InProcessApi:
             assert time.monotonic() < deadline, f"blocks still held: {info}"
             time.sleep(0.02)
 
-    def wait_live(self, num_requests: int, timeout: float = 60.0) -> None:
-        """Waits until the cluster holds `num_requests` accepted, unfinished requests."""
+    def wait_live(self, num_requests: int, timeout: float = 60.0, calls=()) -> None:
+        """Waits until the cluster holds `num_requests` accepted, unfinished requests; on a timeout the message
+        says how the given `calls` (gRPC futures) ended, if they did."""
         deadline = time.monotonic() + timeout
         while self.cluster.num_live_requests < num_requests:
-            assert time.monotonic() < deadline, f"{self.cluster.num_live_requests} of {num_requests} requests live"
+            if time.monotonic() >= deadline:
+                ended = [f"{c.code()}: {c.details()}" for c in calls if c.done()]
+                raise AssertionError(f"{self.cluster.num_live_requests} of {num_requests} requests live; "
+                                     f"{len(ended)} of {len(calls)} calls ended: {ended}")
             time.sleep(0.02)
 
 

@@ -170,7 +170,7 @@ def test_200_streams_opened_and_dropped_at_once(tiny_pair):
     (--max-open-streams 200); dropping all 200 at once frees every block."""
     with scheduler(tiny_pair, step_time_s=0.01, max_open_streams=200) as server:
         calls = [server.stub.Generate(greedy_request([i % 40 + 1, 5], 3000), timeout=120) for i in range(200)]
-        server.wait_live(200)
+        server.wait_live(200, calls=calls)
         start = time.monotonic()
         assert server.health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
             health_pb2.HealthCheckResponse.SERVING
@@ -188,7 +188,7 @@ def test_200_streams_opened_and_dropped_at_once(tiny_pair):
 def test_the_waiting_queue_is_bounded(tiny_pair):
     with scheduler(tiny_pair, step_time_s=0.01, max_num_seqs=1, max_waiting_requests=2) as server:
         calls = [server.stub.Generate(greedy_request([i + 1, 5], 3000), timeout=60) for i in range(3)]
-        server.wait_live(3)
+        server.wait_live(3, calls=calls)
         expect_status(lambda: server.stub.Complete(as_complete(greedy_request([9], 4)), timeout=10),
                       grpc.StatusCode.RESOURCE_EXHAUSTED, "2 requests are queued (--max-waiting-requests 2)")
         for call in calls:

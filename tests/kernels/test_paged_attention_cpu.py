@@ -27,6 +27,16 @@ def test_matches_dense(name, block_size, heads, head_dim, dtype):
     assert (out.double() - dense_attention(case)).abs().max() <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_matches_dense_over_several_key_parts(dtype):
+    """Rows with more keys than one work item takes (the kernel's PART_KEYS, 128): their parts' partial
+    softmaxes are combined; a verify query whose rows end in different parts; exactly one part's keys."""
+    case = make_case([(1, 300), (4, 259), (2, 129), (1, 128), (3, 700)], 16, num_heads=9, num_kv_heads=3,
+                     head_dim=64, dtype=dtype)
+    out = cpu_kernel.paged_attention_cpu(*case.args())
+    assert (out.double() - dense_attention(case)).abs().max() <= TOLERANCE[dtype]
+
+
 def test_takes_a_strided_query():
     """`transformers` hands attention a transposed [T, H, D] view of its [1, H, T, D] query."""
     case = make_case(CASES["mixed"], 4)
