@@ -14,10 +14,16 @@ Projections that read the same input are fused: q/k/v of attention and
 gate/up of the MLP become one packed matmul each (SHARED_INPUT_GROUPS), 4
 calls per layer instead of 7, each with its own dispatch and thread fork/join.
 
+A linear given llama.cpp's weight blocks (--dtype q8_0 / q4_1,
+worker_service/quantization.py) is packed from those blocks instead
+(kernels/quantized.py), and computes bitwise what the fp32 kernel computes on
+their dequantised weights.
+
 Other devices keep `torch.nn.Linear` (cuBLAS on a GPU), and so does a CPU
 without a C compiler (kernels/linear_cpu.py warns then).
 """
 
+import collections
 import logging
 
 import torch
@@ -157,6 +163,8 @@ def pack_linears(model: torch.nn.Module) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, PackedLinear(module))
     num_grouped = sum(len(m.sizes) for m in model.modules() if isinstance(m, SharedInputLinears))
-    logger.info("packed %d linear layers for the batch-invariant kernel (%s), %d of them in %d fused groups", len(targets) + num_grouped,
-                model.dtype, num_grouped, num_fused)
+    formats = collections.Counter(m.weight_format for m in model.modules() if isinstance(m, PackedLinear))
+    logger.info("packed %d linear layers for the batch-invariant kernel (weights: %s), %d of them in %d fused "
+                "groups", len(targets) + num_grouped, ", ".join(f"{n} {f}" for f, n in formats.items()),
+                num_grouped, num_fused)
     return len(targets) + num_grouped

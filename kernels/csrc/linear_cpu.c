@@ -233,8 +233,38 @@ static inline void load_nibbles(const uint8_t *p, vec *low, vec *high) {
 #endif
 }
 
+/* A record's scales d (and for q4_1 its minimums m), widened to fp32. */
+static inline __attribute__((always_inline)) void load_scales(int w_dtype, const uint8_t *rec,
+                                                              vec d[GROUP_VECTORS], vec m[GROUP_VECTORS]) {
+    for (int v = 0; v < GROUP_VECTORS; v++) {
+        d[v] = load_f16(rec + v * LANES * 2);
+        m[v] = w_dtype == DTYPE_Q4_1 ? load_f16(rec + GROUP_OUT * 2 + v * LANES * 2) : (vec){0};
+    }
+}
+
+/* Input j's weights of a record's outputs, dequantised to their exact fp32 values: q8_0 d * q, q4_1 d * q + m
+ * (= fma(d, q, m): d * q is exact). */
+static inline __attribute__((always_inline)) void dequantize_input(int w_dtype, const uint8_t *rec, int j,
+                                                                   const vec d[GROUP_VECTORS],
+                                                                   const vec m[GROUP_VECTORS],
+                                                                   vec wv[GROUP_VECTORS]) {
+    if (w_dtype == DTYPE_Q8_0) {
+        const uint8_t *q = rec + GROUP_OUT * 2 + j * GROUP_OUT;
+        for (int v = 0; v < GROUP_VECTORS; v++) wv[v] = d[v] * load_i8(q + v * LANES);
+    } else {
+        const uint8_t *q = rec + GROUP_OUT * 4 + j * (GROUP_OUT / 2);
+        for (int half = 0; half < 2; half++) {
+            vec low, high;
+            load_nibbles(q + half * LANES, &low, &high);
+            wv[2 * half] = fma_vec(d[2 * half], low, m[2 * half]);
+            wv[2 * half + 1] = fma_vec(d[2 * half + 1], high, m[2 * half + 1]);
+        }
+    }
+}
+
 /* tile() for block-quantized weights w (one group's records, w_dtype DTYPE_Q8_0 or DTYPE_Q4_1); in is a
- * multiple of QBLOCK. Each weight is dequantised to its exact fp32 value, then the chain is tile()'s. */
+ * multiple of QBLOCK. Each weight is dequantised to its exact fp32 value in registers, then the chain is
+ * tile()'s. */
 static inline __attribute__((always_inline)) void tile_quantized(int num_rows, const float *x, int64_t in,
                                                                  int w_dtype, const uint8_t *w,
                                                                  vec acc[ROW_TILE][GROUP_VECTORS]) {
@@ -247,34 +277,14 @@ static inline __attribute__((always_inline)) void tile_quantized(int num_rows, c
          * PREFETCH_RECORDS ahead now (past the group's end it is the next group's, which comes next). */
         for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * record + line);
         vec d[GROUP_VECTORS], m[GROUP_VECTORS];
-        for (int v = 0; v < GROUP_VECTORS; v++) d[v] = load_f16(rec + v * LANES * 2);
+        load_scales(w_dtype, rec, d, m);
         const float *xb = x + b * QBLOCK;
-        if (w_dtype == DTYPE_Q8_0) {
-            const uint8_t *q = rec + GROUP_OUT * 2;
-            for (int j = 0; j < QBLOCK; j++) {
-                vec wv[GROUP_VECTORS];
-                for (int v = 0; v < GROUP_VECTORS; v++)
-                    wv[v] = d[v] * load_i8(q + j * GROUP_OUT + v * LANES);  /* exact */
-                for (int r = 0; r < num_rows; r++) {
-                    vec xv = (vec){0} + xb[r * in + j];
-                    for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = fma_vec(xv, wv[v], acc[r][v]);
-                }
-            }
-        } else {
-            for (int v = 0; v < GROUP_VECTORS; v++) m[v] = load_f16(rec + GROUP_OUT * 2 + v * LANES * 2);
-            const uint8_t *q = rec + GROUP_OUT * 4;
-            for (int j = 0; j < QBLOCK; j++) {
-                vec wv[GROUP_VECTORS];
-                for (int half = 0; half < 2; half++) {
-                    vec low, high;
-                    load_nibbles(q + j * (GROUP_OUT / 2) + half * LANES, &low, &high);
-                    wv[2 * half] = fma_vec(d[2 * half], low, m[2 * half]);  /* = d * q + m: d * q is exact */
-                    wv[2 * half + 1] = fma_vec(d[2 * half + 1], high, m[2 * half + 1]);
-                }
-                for (int r = 0; r < num_rows; r++) {
-                    vec xv = (vec){0} + xb[r * in + j];
-                    for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = fma_vec(xv, wv[v], acc[r][v]);
-                }
+        for (int j = 0; j < QBLOCK; j++) {
+            vec wv[GROUP_VECTORS];
+            dequantize_input(w_dtype, rec, j, d, m, wv);
+            for (int r = 0; r < num_rows; r++) {
+                vec xv = (vec){0} + xb[r * in + j];
+                for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = fma_vec(xv, wv[v], acc[r][v]);
             }
         }
     }
