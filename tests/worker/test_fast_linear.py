@@ -22,8 +22,9 @@ QUANTIZED_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (64, 1000)
 
 
 def quantized_linear(in_features: int, out_features: int, format: str, bias: bool = True,
-                     seed: int = 0) -> tuple[PackedLinear, PackedLinear]:
-    """(the linear served from `format` blocks, the fp32 linear of the blocks' dequantised weights)."""
+                     seed: int = 0) -> tuple[PackedLinear, PackedLinear, torch.nn.Linear]:
+    """(the linear served from `format` blocks, the fp32 linear of the blocks' dequantised weights, the
+    torch.nn.Linear of those weights)."""
     torch.manual_seed(seed)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     blocks = BlockWeight.quantize(linear.weight, format)
@@ -31,7 +32,7 @@ def quantized_linear(in_features: int, out_features: int, format: str, bias: boo
         linear.weight.copy_(blocks.dequantize())
     fp32 = PackedLinear(linear)
     setattr(linear, BLOCK_WEIGHT, blocks)
-    return PackedLinear(linear), fp32
+    return PackedLinear(linear), fp32, linear
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,13 +74,17 @@ def test_packed_linear_rows_do_not_depend_on_batch(dtype, in_features, out_featu
     """1..512 rows, with 1 and 2 threads: every row bitwise as in the 512-row call."""
     torch.manual_seed(1)
     packed = PackedLinear(torch.nn.Linear(in_features, out_features, bias=True).to(dtype))
-    x = torch.randn(512, in_features, dtype=dtype)
+    assert_rows_do_not_depend_on_batch(packed, torch.randn(512, in_features, dtype=dtype))
+
+
+def assert_rows_do_not_depend_on_batch(linear, x: torch.Tensor) -> None:
+    """With 2 threads and with 1, every row of the first n of `x` bitwise as in the call on all of `x`."""
     threads = torch.get_num_threads()
     with torch.inference_mode():
-        assert rows_that_differ(packed, x) == []
+        assert rows_that_differ(linear, x) == []
         try:
             torch.set_num_threads(1)
-            assert rows_that_differ(packed, x, (1, 5, 512)) == []
+            assert rows_that_differ(linear, x, (1, 5, 512)) == []
         finally:
             torch.set_num_threads(threads)
 
@@ -90,12 +95,14 @@ def test_packed_linear_rows_do_not_depend_on_batch(dtype, in_features, out_featu
 def test_quantized_linear_is_the_fp32_kernel_on_the_dequantised_weights(format, in_features, out_features, bias):
     """The kernel dequantises each block to exactly gguf-py's fp32 values, then runs the fp32 chain: bitwise
     the fp32 kernel's result (and close to F.linear's), at a quarter to a sixth of the bytes."""
-    served, fp32 = quantized_linear(in_features, out_features, format, bias)
+    served, fp32, linear = quantized_linear(in_features, out_features, format, bias)
     assert served.weight_format == format and fp32.weight_format == "float32"
     x = torch.randn(3, 7, in_features)
     with torch.inference_mode():
         got = served(x)
         assert torch.equal(got, fp32(x))
+        reference = torch.nn.functional.linear(x, linear.weight, linear.bias)
+        assert (got - reference).abs().max() <= TOLERANCE[torch.float32] * max(1.0, reference.abs().max().item())
         blocks = served.packed_weight.numel()
         assert blocks < fp32.packed_weight.numel() * 4 * 0.3  # q8_0: 8.5 bits a weight, q4_1: 5 (padding aside)
 
@@ -104,20 +111,12 @@ def test_quantized_linear_is_the_fp32_kernel_on_the_dequantised_weights(format, 
 @pytest.mark.parametrize("in_features,out_features", QUANTIZED_SHAPES[:4])
 def test_quantized_linear_rows_do_not_depend_on_batch(format, in_features, out_features):
     """1..512 rows, with 1 and 2 threads: every row bitwise as in the 512-row call."""
-    served, _ = quantized_linear(in_features, out_features, format, seed=1)
-    x = torch.randn(512, in_features)
-    threads = torch.get_num_threads()
-    with torch.inference_mode():
-        assert rows_that_differ(served, x) == []
-        try:
-            torch.set_num_threads(1)
-            assert rows_that_differ(served, x, (1, 5, 512)) == []
-        finally:
-            torch.set_num_threads(threads)
+    served, _, _ = quantized_linear(in_features, out_features, format, seed=1)
+    assert_rows_do_not_depend_on_batch(served, torch.randn(512, in_features))
 
 
 def test_a_bf16_input_to_quantized_weights_is_widened_exactly():
-    served, _ = quantized_linear(64, 80, "q4_1", seed=4)
+    served, _, _ = quantized_linear(64, 80, "q4_1", seed=4)
     x = torch.randn(5, 64).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(served(x), served(x.float()).to(torch.bfloat16))
@@ -208,7 +207,7 @@ def test_every_instruction_set_gives_the_same_bits(build, dtype):
 @pytest.mark.parametrize("format", FORMATS)
 def test_every_instruction_set_gives_the_same_bits_for_block_weights(build, format):
     narrow = linear_cpu.bind(cpu_build.load_library("linear_cpu", NARROWER_BUILDS[build]))
-    served, _ = quantized_linear(576, 200, format, seed=5)
+    served, _, _ = quantized_linear(576, 200, format, seed=5)
     x = torch.randn(37, 576)
     code = quantized.FORMATS[format].code
     want = linear_cpu.linear_cpu(x, served.packed_weight, 200, served.bias, weight_code=code)
