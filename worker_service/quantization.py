@@ -26,8 +26,8 @@ import torch
 from transformers import PreTrainedModel
 
 from kernels.quantized import FORMAT_OF_GGML, FORMATS, QBLOCK, BlockWeight
+from specdec.cache import SOURCE_FILE
 from worker_service.fast_linear import BLOCK_WEIGHT
-from worker_service.models import SOURCE_FILE
 
 logger = logging.getLogger(__name__)
 
