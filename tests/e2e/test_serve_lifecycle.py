@@ -113,11 +113,11 @@ def test_health_serving_means_a_request_is_admitted_at_once(tiny_pair):
                 stub = generation_pb2_grpc.GenerationServiceStub(channel)
                 responses = list(stub.Generate(greedy_request([5, 6, 7, 8], 2), timeout=60))
                 status, body = http_json(http_port, "POST", "/v1/chat/completions",
-                                     {"model": str(tiny_pair.target_path), "max_tokens": 2,
+                                     {"model": str(tiny_pair.target_path), "max_tokens": 2, "temperature": 0,
                                       "messages": [{"role": "user", "content": "w5 w6"}]})
             assert sum(len(r.token_ids) for r in responses) == 2, f"start {start}"
             assert status == 200, f"start {start}: {body}"
-            assert body["usage"]["completion_tokens"] == 2
+            assert body["usage"]["completion_tokens"] == 2, f"start {start}: {body}"
 
 
 def _children(pid: int) -> list[int]:
