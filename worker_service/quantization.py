@@ -80,8 +80,12 @@ def _gguf_index(gguf_path: pathlib.Path) -> tuple[dict[str, str | int], dict[str
 
     (gguf.GGUFReader parses every metadata value into numpy views, ~4 s for the default model's 49k-token
     vocabulary; this skips arrays.)"""
-    with open(gguf_path, "rb") as f:
-        data = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    with open(gguf_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        with memoryview(mapped) as data:  # released before the mapping closes
+            return _parse_index(gguf_path, data)
+
+
+def _parse_index(gguf_path: pathlib.Path, data: memoryview) -> tuple[dict[str, str | int], dict[str, _TensorInfo]]:
     pos = 0
 
     def take(fmt: str):
