@@ -30,12 +30,12 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from bench.common import save  # noqa: E402
-from scheduler_service.cluster import Cluster  # noqa: E402
-from scheduler_service.engine import WorkerState  # noqa: E402
-from scheduler_service.membership import Membership, parse_worker_spec  # noqa: E402
-from scheduler_service.options import SchedulerOptions  # noqa: E402
-from scheduler_service.request import Request  # noqa: E402
-from scheduler_service.tokenizer import ChatTokenizer  # noqa: E402
+from scheduler_service.cluster.cluster import Cluster  # noqa: E402
+from scheduler_service.cluster.engine import WorkerState  # noqa: E402
+from scheduler_service.cluster.membership import Membership, parse_worker_spec  # noqa: E402
+from scheduler_service.cluster.options import SchedulerOptions  # noqa: E402
+from scheduler_service.core.request import Request  # noqa: E402
+from scheduler_service.frontends.tokenizer import ChatTokenizer  # noqa: E402
 from worker_service.models import fetch_default_model  # noqa: E402
 
 logger = logging.getLogger("bench")

@@ -4,7 +4,7 @@ import json
 import pathlib
 import re
 
-from scheduler_service.metrics import METRICS as SCHEDULER_METRICS
+from scheduler_service.process.metrics import METRICS as SCHEDULER_METRICS
 from worker_service.metrics import METRICS as WORKER_METRICS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-from scheduler_service import flags as scheduler_flags
+from scheduler_service.process import flags as scheduler_flags
 from specdec import security
 from specdec.cli import logs, parsing
 from specdec.metrics_server import check_metrics_port
@@ -22,7 +22,7 @@ def _add_model_flag(p: argparse.ArgumentParser, help_text: str) -> None:
 
 
 def _worker_address(value: str) -> str:
-    from scheduler_service.membership import parse_worker_spec
+    from scheduler_service.cluster.membership import parse_worker_spec
 
     try:
         parse_worker_spec(value)
@@ -49,7 +49,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
-    from scheduler_service.main import run_scheduler
+    from scheduler_service.process.main import run_scheduler
 
     try:
         model_dir = str(models.resolve_model(args.model))

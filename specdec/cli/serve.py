@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 
-from scheduler_service import flags as scheduler_flags
+from scheduler_service.process import flags as scheduler_flags
 from specdec import security
 from specdec.cli.parsing import flag_free_environ
 from worker_service import flags as worker_flags
@@ -106,7 +106,7 @@ def _worker_argv(args: argparse.Namespace, model_dir: str) -> list[str]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from scheduler_service.main import run_scheduler
+    from scheduler_service.process.main import run_scheduler
 
     if args.num_workers < 1:
         print(f"specdec serve: error: --num-workers must be >= 1, got {args.num_workers}", file=sys.stderr)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from scheduler_service import flags as scheduler_flags
+from scheduler_service.process import flags as scheduler_flags
 from specdec.cli import build_parser, parsing
 from worker_service import flags as worker_flags
 from worker_service import models

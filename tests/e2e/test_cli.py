@@ -8,13 +8,13 @@ import sys
 import grpc
 import pytest
 
-from scheduler_service.worker_client import WorkerClient
+from scheduler_service.cluster.worker_client import WorkerClient
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from tests.certs import TestCA
 from tests.processes import running
 
-STATS_LINE = (r"INFO scheduler_service.stats_logger: Avg prompt throughput: \d+\.\d tokens/s, Avg generation "
+STATS_LINE = (r"INFO scheduler_service.process.stats_logger: Avg prompt throughput: \d+\.\d tokens/s, Avg generation "
               r"throughput: \d+\.\d tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: \d+\.\d%, "
               r"acceptance rate: \d+\.\d% \(tokens per speculating step \d\.\d\d\)")
 
@@ -47,7 +47,7 @@ def test_serve_configured_by_environment_variables(tiny_pair, server_cert):
         assert out.returncode == 0, out.stderr
         assert "completion 24" in out.stderr
         process.wait_for(STATS_LINE, timeout=5)  # well before the default interval (10 s) would log it
-        process.wait_for(r"DEBUG scheduler_service\.scheduler: released ", timeout=30)
+        process.wait_for(r"DEBUG scheduler_service\.core\.scheduler: released ", timeout=30)
 
 
 def test_worker_configured_by_environment_variables_logs_json(tiny_pair):

@@ -15,13 +15,13 @@ import grpc
 from grpc_health.v1 import health_pb2
 import pytest
 
-from scheduler_service.cluster import Cluster
-from scheduler_service.main import drain
-from scheduler_service.membership import Membership, parse_worker_spec
-from scheduler_service.options import SchedulerOptions
-from scheduler_service.pipeline import StepPipeline
-from scheduler_service.server import create_server
-from scheduler_service.tokenizer import ChatTokenizer
+from scheduler_service.cluster.cluster import Cluster
+from scheduler_service.process.main import drain
+from scheduler_service.cluster.membership import Membership, parse_worker_spec
+from scheduler_service.cluster.options import SchedulerOptions
+from scheduler_service.cluster.pipeline import StepPipeline
+from scheduler_service.frontends.server import create_server
+from scheduler_service.frontends.tokenizer import ChatTokenizer
 from specdec.v1 import generation_pb2 as pb
 from tests.e2e.client import InProcessApi, as_complete, expect_status, greedy_request
 from tests.sim_worker import SimWorkerServer, reference_output
@@ -263,7 +263,7 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(tiny_pair):
 
 def test_an_error_in_cluster_maintenance_is_counted_and_maintenance_goes_on(tiny_pair, monkeypatch):
     """The watchdog raising once: counted as an engine error; waiting requests still expire afterwards."""
-    from scheduler_service.watchdog import Watchdog
+    from scheduler_service.cluster.watchdog import Watchdog
 
     tick = Watchdog.tick
     failed = set()  # every cluster's watchdog (the module's api_server runs one too) fails its first round

@@ -17,15 +17,15 @@ import time
 
 import pytest
 
-from scheduler_service.cluster import Cluster
-from scheduler_service.flags import add_flags, add_security_flags, options_from_args
-from scheduler_service.http_server import HttpServer
-from scheduler_service.main import drain
-from scheduler_service.membership import Membership, parse_worker_spec
-from scheduler_service.openai_api import create_app
-from scheduler_service.options import SchedulerOptions
-from scheduler_service.server import create_server
-from scheduler_service.tokenizer import ChatTokenizer
+from scheduler_service.cluster.cluster import Cluster
+from scheduler_service.process.flags import add_flags, add_security_flags, options_from_args
+from scheduler_service.frontends.http_server import HttpServer
+from scheduler_service.process.main import drain
+from scheduler_service.cluster.membership import Membership, parse_worker_spec
+from scheduler_service.frontends.openai_api import create_app
+from scheduler_service.cluster.options import SchedulerOptions
+from scheduler_service.frontends.server import create_server
+from scheduler_service.frontends.tokenizer import ChatTokenizer
 from specdec.security import TlsFiles
 from specdec.v1 import generation_pb2 as pb
 from tests.certs import TestCA

@@ -16,13 +16,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 
-from scheduler_service.cluster import Cluster
-from scheduler_service.http_server import HttpServer
-from scheduler_service.membership import Membership, parse_worker_spec
-from scheduler_service.openai_api import create_app
-from scheduler_service.options import SchedulerOptions
-from scheduler_service.server import create_server
-from scheduler_service.tokenizer import ChatTokenizer
+from scheduler_service.cluster.cluster import Cluster
+from scheduler_service.frontends.http_server import HttpServer
+from scheduler_service.cluster.membership import Membership, parse_worker_spec
+from scheduler_service.frontends.openai_api import create_app
+from scheduler_service.cluster.options import SchedulerOptions
+from scheduler_service.frontends.server import create_server
+from scheduler_service.frontends.tokenizer import ChatTokenizer
 from specdec.v1 import generation_pb2_grpc
 from tests.e2e.client import greedy_request, http_json
 from tests.processes import Process, free_port, running

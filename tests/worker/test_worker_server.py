@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec import step
-from scheduler_service.worker_client import WorkerClient
+from scheduler_service.cluster.worker_client import WorkerClient
 from tests.e2e.client import expect_status
 from tests.processes import running
 from tests.worker.driver import Driver

@@ -1,0 +1,126 @@
+"""Speculation policy: the one owner of each sequence's draft length k, step by step.
+
+Each step the scheduler asks `plan_step` for the k of every decoding sequence;
+it reserves exactly that many lookahead slots and sends the same k to the
+worker, which may propose fewer (no match, the end of the model length) but
+never more. Two policies (SPECULATION_POLICIES in config.py):
+
+- "goodput" (default): the k per sequence that maximises expected emitted
+  tokens per second of the step (goodput.py: objective, cost model, estimator).
+  A sequence left at k = 0 is probed with one draft every `probe_interval`
+  steps, so speculation comes back when the text turns repetitive.
+- "fixed": every decoding sequence gets its full cap.
+
+Both keep the seed design's hard limit: with more than
+`speculative_disable_queue_size` running requests every k is 0 (the worker
+then runs a plain step), and speculation resumes once the load falls.
+"""
+
+from dataclasses import dataclass
+
+from scheduler_service.core.goodput import (WORKER_DECAY, AcceptanceEstimate, Candidate, StepCostModel,
+                                       choose_num_drafts, INITIAL_ACCEPTANCE)
+from scheduler_service.core.request import Request
+
+DEFAULT_PROBE_INTERVAL = 16
+
+
+@dataclass
+class StepShape:
+    """What a step ran, for the cost model: decode query rows (1 + drafts each), prefill rows,
+    sequences, and the sum over rows of the context each attends to."""
+
+    num_rows: int = 0
+    num_prefill_rows: int = 0
+    num_seqs: int = 0
+    num_attended: int = 0
+
+    def add(self, num_rows: int, num_context_tokens: int, is_decode: bool) -> None:
+        """Adds a sequence's chunk. Only decode rows count as attended context: a prefill chunk's
+        attention goes with its rows' coefficient (the two grow together and cannot be told apart)."""
+        self.num_seqs += 1
+        if is_decode:
+            self.num_rows += num_rows
+            self.num_attended += num_rows * num_context_tokens
+        else:
+            self.num_prefill_rows += num_rows
+
+
+class SpeculationPolicy:
+    """Decides every sequence's k for every step, and learns from what the steps returned."""
+
+    def __init__(self, num_speculative_tokens: int, speculative_disable_queue_size: int | None,
+                 policy: str = "goodput", probe_interval: int = DEFAULT_PROBE_INTERVAL) -> None:
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        self.num_speculative_tokens = num_speculative_tokens
+        self.speculative_disable_queue_size = speculative_disable_queue_size
+        self.is_goodput = policy == "goodput"
+        self.probe_interval = probe_interval
+        self.cost_model = StepCostModel()
+        self.worker_acceptance = AcceptanceEstimate(decay=WORKER_DECAY)  # the prior of every sequence
+
+    def is_disabled_for_step(self, num_running: int) -> bool:
+        """Whether the running-queue size switches speculation off for a step."""
+        limit = self.speculative_disable_queue_size
+        return limit is not None and num_running > limit
+
+    def num_speculative_tokens_for(self, request: Request, max_model_len: int) -> int:
+        """The request's k cap: min(server k, its override), or 0 when it opted out.
+
+        Lowered near the end, as drafts past max_tokens or max_model_len would be
+        wasted work and KV slots.
+        """
+        if not request.is_speculation_enabled:
+            return 0
+        k = self.num_speculative_tokens
+        if request.num_speculative_tokens is not None:
+            k = min(k, request.num_speculative_tokens)
+        return min(k, max(request.num_tokens_left(max_model_len) - 1, 0))
+
+    def plan_step(self, decodes: list[Request], other: StepShape, num_running: int,
+                  max_model_len: int) -> dict[str, int]:
+        """k per decoding request (request id -> k) for a step that also runs `other` (prefill chunks)."""
+        if self.is_disabled_for_step(num_running) or self.num_speculative_tokens == 0:
+            return {r.request_id: 0 for r in decodes}
+        caps = [self.num_speculative_tokens_for(r, max_model_len) for r in decodes]
+        cost = self.cost_model.coefficients() if self.is_goodput else None
+        if cost is None:  # "fixed", or the cost model has not seen enough steps yet
+            return {r.request_id: cap for r, cap in zip(decodes, caps)}
+        candidates = [self._candidate(r, cap) for r, cap in zip(decodes, caps)]
+        ks = choose_num_drafts(candidates, cost, other.num_prefill_rows, other.num_seqs,
+                               num_base_tokens=len(decodes))
+        plan = {}
+        for request, cap, k in zip(decodes, caps, ks):
+            estimate = self._estimate(request)
+            if k == 0 and cap > 0 and estimate.num_steps_without_drafts >= self.probe_interval:
+                k = 1  # probe: acceptance may have come back
+            estimate.num_steps_without_drafts = 0 if k > 0 else estimate.num_steps_without_drafts + 1
+            plan[request.request_id] = k
+        return plan
+
+    def _estimate(self, request: Request) -> AcceptanceEstimate:
+        if request.acceptance is None:
+            request.acceptance = AcceptanceEstimate()
+        return request.acceptance
+
+    def _candidate(self, request: Request, cap: int) -> Candidate:
+        estimate, prior = self._estimate(request), self.worker_acceptance
+        acceptance = tuple(estimate.acceptance(m, prior.acceptance(m, INITIAL_ACCEPTANCE)) for m in range(cap))
+        delivery = tuple(estimate.delivery(m, prior.delivery(m, 1.0)) for m in range(cap))
+        return Candidate(cap, request.num_computed_tokens, delivery, acceptance)
+
+    def observe_sequence(self, request: Request, num_requested: int, num_drafts: int, num_accepted: int) -> None:
+        """A sequence's step result: k requested, drafts proposed, drafts accepted."""
+        if num_requested > 0:
+            self._estimate(request).observe(num_requested, num_drafts, num_accepted)
+            self.worker_acceptance.observe(num_requested, num_drafts, num_accepted)
+
+    def observe_step(self, shape: StepShape, step_ms: float) -> float | None:
+        """A step's measured time; returns what the model predicted for it beforehand (None: no model yet)."""
+        if step_ms <= 0:  # a worker that does not measure (simulated workers)
+            return None
+        features = (shape.num_rows, shape.num_prefill_rows, shape.num_seqs, shape.num_attended)
+        predicted = self.cost_model.predict_ms(*features)
+        self.cost_model.observe(*features, step_ms)
+        return predicted

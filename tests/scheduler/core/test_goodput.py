@@ -1,0 +1,170 @@
+"""The goodput policy as pure functions (cost model, acceptance estimates, choice of k), then in the scheduler."""
+
+import pytest
+
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.goodput import (AcceptanceEstimate, Candidate, CostCoefficients, StepCostModel,
+                                       choose_num_drafts, expected_accepted)
+from scheduler_service.core.policy import SpeculationPolicy, StepShape
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import Scheduler
+from specdec.step import StepStats
+from tests.scheduler.core.test_scheduler import FakeWorker, reference_output, run, streamed
+
+K = 5
+CHEAP_ROWS = CostCoefficients(c0=40.0, c_row=0.2, c_prefill=1.0, c_seq=0.0, c_ctx=0.0)  # CPU, batch 1
+DEAR_ROWS = CostCoefficients(c0=5.0, c_row=4.0, c_prefill=1.0, c_seq=0.0, c_ctx=0.0)  # a row ~ a step
+
+
+def candidate(acceptance: float, cap: int = K, context: int = 100, delivery: float = 1.0) -> Candidate:
+    return Candidate(cap, context, (delivery,) * cap, (acceptance,) * cap)
+
+
+def test_expensive_rows_and_low_acceptance_choose_zero():
+    assert choose_num_drafts([candidate(0.1)] * 8, DEAR_ROWS, 0, 0, num_base_tokens=8) == [0] * 8
+
+
+def test_cheap_rows_and_high_acceptance_choose_the_full_k():
+    assert choose_num_drafts([candidate(0.9)] * 4, CHEAP_ROWS, 0, 0, num_base_tokens=4) == [K] * 4
+
+
+def test_k_follows_each_sequence_acceptance_and_its_cap():
+    mid = CostCoefficients(c0=20.0, c_row=1.0, c_prefill=1.0, c_seq=0.0, c_ctx=0.0)
+    ks = choose_num_drafts([candidate(0.95), candidate(0.05), candidate(0.95, cap=2)], mid, 0, 0, 3)
+    assert ks[0] > 0 and ks[1] == 0 and ks[2] == 2
+    # Position by position: a sequence whose first draft is always accepted but never the second gets k = 1.
+    one = Candidate(K, 100, (1.0,) * K, (0.99, 0.01, 0.01, 0.01, 0.01))
+    assert choose_num_drafts([one], mid, 0, 0, 1) == [1]
+
+
+def test_drafts_the_proposer_rarely_delivers_cost_little():
+    """A suffix-like proposer: confident drafts, but long ones seldom. A large k is cheap where rows cost."""
+    mid = CostCoefficients(c0=20.0, c_row=1.0, c_prefill=1.0, c_seq=0.0, c_ctx=0.0)
+    rare_but_good = Candidate(16, 100, tuple(0.9 ** j for j in range(16)), (0.9,) * 16)
+    always_but_poor = Candidate(16, 100, (1.0,) * 16, (0.3,) * 16)
+    assert choose_num_drafts([rare_but_good, always_but_poor], mid, 0, 0, 2)[0] >= 10
+
+
+def test_long_contexts_make_draft_rows_dearer():
+    cost = CostCoefficients(c0=20.0, c_row=0.5, c_prefill=1.0, c_seq=0.0, c_ctx=2.0)
+    short, long = candidate(0.8, context=100), candidate(0.8, context=8000)
+    ks = choose_num_drafts([short, long], cost, 0, 0, 2)
+    assert ks[0] >= 3 and ks[1] == 0
+
+
+def test_choice_is_the_best_over_all_k_vectors():
+    """Brute force over every k vector of two sequences: the greedy prefix scan finds the maximum."""
+    cost = CostCoefficients(c0=10.0, c_row=1.5, c_prefill=1.0, c_seq=0.5, c_ctx=0.1)
+    cands = [Candidate(4, 300, (0.9, 0.8, 0.5, 0.3), (0.9, 0.7, 0.5, 0.2)), Candidate(3, 50, (1.0,) * 3, (0.6,) * 3)]
+
+    def goodput(ks):
+        tokens = 2 + sum(expected_accepted(c, k) for c, k in zip(cands, ks))
+        rows = sum(1 + sum(c.delivery[:k]) for c, k in zip(cands, ks))
+        attended = sum((1 + sum(c.delivery[:k])) * c.num_context_tokens for c, k in zip(cands, ks))
+        return tokens / cost.step_ms(rows, 0, 2, attended)
+
+    best = max(((a, b) for a in range(5) for b in range(4)), key=goodput)
+    assert goodput(choose_num_drafts(cands, cost, 0, 0, 2)) == pytest.approx(goodput(best))
+
+
+def test_acceptance_estimate_by_position():
+    estimate = AcceptanceEstimate(decay=1.0)
+    for _ in range(10):
+        estimate.observe(num_requested=3, num_drafts=3, num_accepted=1)  # first accepted, second rejected
+    assert estimate.acceptance(0, prior=0.5, weight=0.0) == 1.0
+    assert estimate.acceptance(1, prior=0.5, weight=0.0) == 0.0
+    assert estimate.acceptance(2, prior=0.5, weight=0.0) == 0.5   # never checked: the prior
+    estimate.observe(num_requested=4, num_drafts=2, num_accepted=2)  # the proposer found only two
+    assert [estimate.delivery(m, prior=1.0, weight=0.0) for m in range(4)] == [1.0, 1.0, 10 / 11, 0.0]
+
+
+def test_cost_model_learns_a_linear_step_time():
+    model = StepCostModel(decay=1.0)
+    assert model.coefficients() is None
+    shapes = [(1, 0, 1, 100), (6, 0, 1, 600), (16, 0, 8, 4000), (40, 300, 9, 90000), (3, 0, 2, 50),
+              (64, 0, 16, 20000), (1, 500, 2, 130000), (8, 100, 3, 9000)]
+    for rows, prefill_rows, seqs, attended in shapes:
+        model.observe(rows, prefill_rows, seqs, attended,
+                      10 + 2 * rows + 0.25 * prefill_rows + 0.5 * seqs + 3 * attended / 1024)
+    c = model.coefficients()
+    assert (c.c0, c.c_row, c.c_prefill, c.c_seq, c.c_ctx) == pytest.approx((10, 2, 0.25, 0.5, 3), rel=1e-2)
+    assert model.predict_ms(10, 0, 2, 2048) == pytest.approx(10 + 20 + 1 + 6, rel=1e-2)
+
+
+def test_cost_model_stays_sane_after_a_long_steady_stretch():
+    """Hundreds of identical one-row steps, then prefills: the one-row prediction stays right and no
+    marginal cost goes negative (recursive least squares with forgetting overshot here by 3x)."""
+    model = StepCostModel()
+    for step in range(300):
+        model.observe(1 + step % 2 * 5, 0, 1, (1 + step % 2 * 5) * 900, 50.0 + step % 2 * 2.0)
+    for prefill_rows in (900, 400, 1200):
+        model.observe(0, prefill_rows, 1, 0, 40.0 + 1.6 * prefill_rows)
+        assert model.predict_ms(1, 0, 1, 900) == pytest.approx(50.0, rel=0.1)
+        assert model.predict_ms(6, 0, 1, 5400) == pytest.approx(52.0, rel=0.1)
+    c = model.coefficients()
+    assert min(c.c_row, c.c_prefill, c.c_seq, c.c_ctx) >= 0 and c.c_prefill == pytest.approx(1.6, rel=0.2)
+
+
+def fitted_policy(cost: CostCoefficients, probe_interval: int = 4) -> SpeculationPolicy:
+    policy = SpeculationPolicy(K, None, "goodput", probe_interval=probe_interval)
+    for rows in (1, 3, 6, 2, 5, 1, 4, 6):
+        policy.observe_step(StepShape(rows, 0, 1, rows * 100), cost.step_ms(rows, 0, 1, rows * 100))
+    return policy
+
+
+def test_a_sequence_at_zero_is_probed_again():
+    policy = fitted_policy(DEAR_ROWS)
+    request = Request("r", [1, 2, 3], max_tokens=100)
+    for _ in range(20):
+        policy.observe_sequence(request, K, K, 0)  # nothing accepted
+    ks = [policy.plan_step([request], StepShape(), 1, 1000)["r"] for _ in range(10)]
+    assert ks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    for _ in range(10):  # the text turned repetitive: every draft accepted
+        policy.observe_sequence(request, 1, 1, 1)
+        policy.observe_sequence(request, K, K, K)
+    assert policy.plan_step([request], StepShape(), 1, 1000)["r"] > 0
+
+
+class TimedWorker(FakeWorker):
+    """The simulated worker, reporting a step time linear in its query rows (what the cost model fits)."""
+
+    def __init__(self, block_size: int, ms_per_row: float, num_accepted):
+        super().__init__(block_size, num_accepted)
+        self.ms_per_row = ms_per_row
+
+    def execute(self, step):
+        result = super().execute(step)
+        num_new = {r.request_id: r.num_new_tokens for r in step.new_requests}
+        num_new.update({c.request_id: c.num_new_tokens for c in step.cached_requests})
+        rows = sum(num_new.values()) + sum(o.num_draft_tokens for o in result.outputs)
+        result.stats = StepStats(total_ms=10.0 + self.ms_per_row * rows)
+        return result
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_scheduler_sends_the_policy_k_and_reserves_exactly_that(scheduling):
+    """Every step's k per sequence is the lookahead reserved for it; the table covers it; outputs exact."""
+    config = SchedulerConfig(num_kv_blocks=200, block_size=4, num_speculative_tokens=K, scheduling=scheduling)
+    scheduler = Scheduler(config)
+    # r0 accepts everything, r1 nothing: the goodput policy soon gives r1 k = 0 and r0 the full k.
+    worker = TimedWorker(4, ms_per_row=4.0, num_accepted=lambda step_id, rid: K if rid == "r0" else 0)
+    for i in range(2):
+        scheduler.add_request(Request(f"r{i}", [1, 2, 3 + i], max_tokens=60))
+    ks_by_id: dict[str, list[int]] = {"r0": [], "r1": []}
+
+    def on_step(step):
+        plan = scheduler._in_flight[-1]
+        for c in step.cached_requests:
+            assert c.num_speculative_tokens == plan.scheduled[c.request_id].num_lookahead_slots
+            ks_by_id[c.request_id].append(c.num_speculative_tokens)
+        for n in step.new_requests:
+            assert n.num_speculative_tokens == plan.scheduled[n.request_id].num_lookahead_slots == 0
+
+    outputs = run(scheduler, worker, on_step=on_step)
+    for i in range(2):
+        assert streamed(outputs[f"r{i}"]) == reference_output([1, 2, 3 + i], 60)
+    assert ks_by_id["r1"][-5:].count(0) >= 3 and K in ks_by_id["r0"][-5:]
+    stats = scheduler.stats
+    assert stats.num_predicted_steps > 0 and stats.step_time_abs_error_s < 0.1 * stats.measured_step_s
+    assert sum(stats.num_sequence_steps_by_k) == sum(len(v) for v in ks_by_id.values())
+    assert scheduler.num_free_blocks == config.num_kv_blocks
