@@ -21,7 +21,8 @@ def _sampling_from_proto(m: pb.RequestSampling, request_id: str) -> step.Request
 def step_request_to_proto(r: step.StepRequest) -> pb.ExecuteModelRequest:
     new = [pb.NewRequest(request_id=n.request_id, token_ids=n.token_ids, num_prompt_tokens=n.num_prompt_tokens,
                          sampling=_sampling_to_proto(n.sampling), block_ids=n.block_ids,
-                         num_new_tokens=n.num_new_tokens, num_speculative_tokens=n.num_speculative_tokens)
+                         num_new_tokens=n.num_new_tokens, num_speculative_tokens=n.num_speculative_tokens,
+                         num_computed_tokens=n.num_computed_tokens)
            for n in r.new_requests]
     cached = [pb.CachedRequest(request_id=c.request_id, new_block_ids=c.new_block_ids,
                                num_blocks_kept=c.num_blocks_kept, num_new_tokens=c.num_new_tokens,
@@ -37,7 +38,8 @@ def step_request_from_proto(m: pb.ExecuteModelRequest) -> step.StepRequest:
                            num_prompt_tokens=n.num_prompt_tokens,
                            sampling=_sampling_from_proto(n.sampling, n.request_id),
                            block_ids=list(n.block_ids), num_new_tokens=n.num_new_tokens,
-                           num_speculative_tokens=n.num_speculative_tokens)
+                           num_speculative_tokens=n.num_speculative_tokens,
+                           num_computed_tokens=n.num_computed_tokens)
            for n in m.new_requests]
     cached = [step.CachedRequest(request_id=c.request_id, new_block_ids=list(c.new_block_ids),
                                  num_blocks_kept=c.num_blocks_kept, num_new_tokens=c.num_new_tokens,
@@ -49,7 +51,8 @@ def step_request_from_proto(m: pb.ExecuteModelRequest) -> step.StepRequest:
 
 def step_result_to_proto(r: step.StepResult) -> pb.ExecuteModelResponse:
     outputs = [pb.SequenceOutput(request_id=o.request_id, token_ids=o.token_ids, logprobs=o.logprobs,
-                                 num_draft_tokens=o.num_draft_tokens, num_accepted_tokens=o.num_accepted_tokens)
+                                 num_draft_tokens=o.num_draft_tokens, num_accepted_tokens=o.num_accepted_tokens,
+                                 num_kv_written_tokens=o.num_kv_written_tokens)
                for o in r.outputs]
     s = r.stats
     stats = pb.StepStats(propose_ms=s.propose_ms, score_ms=s.score_ms, verify_ms=s.verify_ms,
@@ -60,7 +63,8 @@ def step_result_to_proto(r: step.StepResult) -> pb.ExecuteModelResponse:
 def step_result_from_proto(m: pb.ExecuteModelResponse) -> step.StepResult:
     outputs = [step.SequenceOutput(request_id=o.request_id, token_ids=list(o.token_ids),
                                    logprobs=list(o.logprobs), num_draft_tokens=o.num_draft_tokens,
-                                   num_accepted_tokens=o.num_accepted_tokens)
+                                   num_accepted_tokens=o.num_accepted_tokens,
+                                   num_kv_written_tokens=o.num_kv_written_tokens)
                for o in m.outputs]
     s = m.stats
     stats = step.StepStats(propose_ms=s.propose_ms, score_ms=s.score_ms, verify_ms=s.verify_ms,

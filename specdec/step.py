@@ -57,6 +57,7 @@ class NewRequest:
     block_ids: list[int]
     num_new_tokens: int           # tokens to compute this step
     num_speculative_tokens: int = 0  # this step's k (lookahead slots reserved); the worker may propose fewer
+    num_computed_tokens: int = 0  # KV already in the first blocks (a prefix-cache hit); computing starts here
 
 
 @dataclass
@@ -85,6 +86,7 @@ class SequenceOutput:
     logprobs: list[float] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_kv_written_tokens: int = 0  # positions [0, n) with every model's KV written: cacheable full blocks
 
 
 @dataclass

@@ -4,7 +4,10 @@
 it as a real Worker gRPC service on 127.0.0.1, optionally taking a fixed time
 per step (cluster tests, and bench/bench_scheduler_capacity.py). The model:
 the next token is a function of the last token and the position; drafts are
-right `num_accepted` times, then wrong.
+right `num_accepted` times, then wrong. Its "KV" of a position is a key chained
+over every token up to it (as a real model's KV depends on the whole prefix), and
+it checks before each step that the request's blocks still hold its own keys: a
+block overwritten, or a prefix-cache hit on other tokens, fails the step.
 """
 
 from collections import defaultdict
@@ -52,6 +55,15 @@ class _WorkerState:
     num_computed: int
     block_ids: list[int]
     num_speculative_tokens: int
+    keys: list[int]               # the KV key of each computed position
+
+    def keys_from(self, start: int, token_ids: list[int]) -> list[int]:
+        """The keys of `token_ids` written from position `start` on (after the computed ones before it)."""
+        key, keys = self.keys[start - 1] if start else 0, []
+        for token_id in token_ids:
+            key = hash((key, token_id))
+            keys.append(key)
+        return keys
 
 
 class FakeWorker:
@@ -62,7 +74,7 @@ class FakeWorker:
         self.is_checking_kv = is_checking_kv  # off in benchmarks: the check reads every computed position
         self.num_accepted = num_accepted
         self.states: dict[str, _WorkerState] = {}
-        self.kv: dict[tuple[int, int], tuple[str, int]] = {}  # (block id, offset) -> (request id, token)
+        self.kv: dict[tuple[int, int], int] = {}  # (block id, offset) -> the key of what was written there
         self.num_emitted_by_id: dict[str, int] = defaultdict(int)
 
     def execute(self, step: StepRequest) -> StepResult:
@@ -71,8 +83,10 @@ class FakeWorker:
         scheduled = []
         for new in step.new_requests:
             assert new.request_id not in self.states, "a NewRequest for a request the worker holds"
-            self.states[new.request_id] = _WorkerState(list(new.token_ids), 0, list(new.block_ids),
-                                                       new.num_speculative_tokens)
+            state = _WorkerState(list(new.token_ids), 0, list(new.block_ids), new.num_speculative_tokens, [])
+            state.keys = state.keys_from(0, state.token_ids[:new.num_computed_tokens])  # a prefix-cache hit
+            state.num_computed = new.num_computed_tokens
+            self.states[new.request_id] = state
             scheduled.append((new.request_id, new.num_new_tokens))
         for cached in step.cached_requests:
             state = self.states[cached.request_id]
@@ -90,26 +104,29 @@ class FakeWorker:
         assert 1 <= num_new <= num_pending
         end = state.num_computed + num_new
         if end < len(state.token_ids):  # a prefill chunk short of the end: nothing emitted
-            self._write(request_id, state, state.num_computed, state.token_ids[state.num_computed:end])
+            state.keys += self._write(state, state.num_computed, state.token_ids[state.num_computed:end])
             state.num_computed = end
-            return SequenceOutput(request_id, [])
+            return SequenceOutput(request_id, [], num_kv_written_tokens=end)
         k = state.num_speculative_tokens if num_pending == 1 else 0
         true_next = reference_output(state.token_ids, k + 1)
         num_accepted = min(k, self.num_accepted(step.step_id, request_id))
         drafts = true_next[:num_accepted] + [(t + 1) % VOCAB_SIZE for t in true_next[num_accepted:k]]
         # The scheduler must have reserved every slot written: known tokens and k lookahead slots.
         assert len(state.block_ids) * self.block_size >= end + k, "block table does not cover the step"
-        self._write(request_id, state, state.num_computed, state.token_ids[state.num_computed:end] + drafts)
+        keys = self._write(state, state.num_computed, state.token_ids[state.num_computed:end] + drafts)
+        state.keys += keys[:end - state.num_computed + num_accepted]  # rejected drafts' keys are not the tokens'
         emitted = true_next[:num_accepted + 1]
         state.token_ids += emitted
         state.num_computed = end + num_accepted
         self.num_emitted_by_id[request_id] += len(emitted)
-        return SequenceOutput(request_id, emitted, num_draft_tokens=k, num_accepted_tokens=num_accepted)
+        return SequenceOutput(request_id, emitted, num_draft_tokens=k, num_accepted_tokens=num_accepted,
+                              num_kv_written_tokens=state.num_computed)
 
-    def _write(self, request_id: str, state: _WorkerState, start: int, token_ids: list[int]) -> None:
-        for position, token_id in enumerate(token_ids, start=start):
-            block_id = state.block_ids[position // self.block_size]
-            self.kv[(block_id, position % self.block_size)] = (request_id, token_id)
+    def _write(self, state: _WorkerState, start: int, token_ids: list[int]) -> list[int]:
+        keys = state.keys_from(start, token_ids)
+        for position, key in enumerate(keys, start=start):
+            self.kv[(state.block_ids[position // self.block_size], position % self.block_size)] = key
+        return keys
 
     def _check_kv(self, request_id: str, state: _WorkerState) -> None:
         if not self.is_checking_kv:
@@ -117,7 +134,7 @@ class FakeWorker:
         for position in range(state.num_computed):
             block_id = state.block_ids[position // self.block_size]
             slot = self.kv.get((block_id, position % self.block_size))
-            assert slot == (request_id, state.token_ids[position]), f"KV of {request_id} overwritten at {position}"
+            assert slot == state.keys[position], f"KV of {request_id} at {position} is not its own"
 
 
 class SimWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):

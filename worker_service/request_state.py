@@ -62,12 +62,17 @@ def new_state(r: step.NewRequest, vocab_size: int, num_blocks: int) -> RequestSt
     _check_blocks(r.block_ids, num_blocks, r.request_id)
     if r.num_speculative_tokens < 0:
         raise InvalidStepError(f"request {r.request_id!r}: num_speculative_tokens must be >= 0")
+    if not 0 <= r.num_computed_tokens < len(r.token_ids):
+        raise InvalidStepError(f"request {r.request_id!r}: num_computed_tokens {r.num_computed_tokens} must be in "
+                               f"[0, {len(r.token_ids) - 1}] (at least the last token is computed)")
     sampling = r.sampling
     if sampling.seed is None:  # a scheduler that sends none: key this request's randomness by a fresh seed
         sampling = replace(sampling, seed=secrets.randbits(63))
     return RequestState(request_id=r.request_id, token_ids=list(r.token_ids), num_prompt_tokens=r.num_prompt_tokens,
                         sampling=sampling, block_table=list(r.block_ids),
-                        num_speculative_tokens=r.num_speculative_tokens, scheduled_new_tokens=r.num_new_tokens)
+                        num_speculative_tokens=r.num_speculative_tokens, scheduled_new_tokens=r.num_new_tokens,
+                        # A prefix-cache hit: the blocks hold every model's KV of these positions.
+                        num_computed_tokens=r.num_computed_tokens, num_draft_computed_tokens=r.num_computed_tokens)
 
 
 def check_cached(c: step.CachedRequest, state: RequestState | None, num_blocks: int) -> None:

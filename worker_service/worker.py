@@ -152,10 +152,17 @@ class Worker:
             state.num_computed_tokens += state.scheduled_new_tokens
         for row, i in enumerate(sampling_rows):
             self._accept(scheduled[i], drafts[i], result, row, outputs[scheduled[i].request_id])
+        for state in scheduled:
+            outputs[state.request_id].num_kv_written_tokens = self._num_kv_written_tokens(state)
         t3 = time.perf_counter()
         stats.propose_ms, stats.score_ms, stats.verify_ms = ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
         stats.num_speculating_seqs = sum(1 for d in drafts if d)
         return list(outputs.values())
+
+    def _num_kv_written_tokens(self, state: RequestState) -> int:
+        """Positions whose KV every model has written: the target's computed tokens, the proposer's if it has KV."""
+        num_proposer = self.proposer.num_kv_tokens(state) if self.proposer is not None else None
+        return state.num_computed_tokens if num_proposer is None else min(state.num_computed_tokens, num_proposer)
 
     @staticmethod
     def _chunk(state: RequestState, drafts: list[int]) -> SequenceChunk:

@@ -6,9 +6,13 @@ speculation state and step loop). The cluster
 - keeps one engine per worker address the membership names (static
   addresses, and every address a `dns:///` name resolves to, re-resolved
   every refresh interval); a worker whose address disappears leaves;
-- places each new request on the serving worker with the most headroom
-  (queued + running requests, then free KV blocks); a request stays there
-  unless its worker leaves;
+- places each new request on a serving worker (`_rank`): by default
+  (--routing cache-aware) the one whose prefix cache holds the longest prefix
+  of its tokens, among the workers with at most --routing-max-imbalance more
+  requests than the least busy; without a cached prefix (or with
+  --routing least-loaded), the one with the most headroom (queued + running
+  requests, then free KV blocks). A request stays there unless its worker
+  leaves; a worker's cache goes with its scheduler when it leaves;
 - moves the unfinished requests of a worker that left to the others: they
   resume by recompute from prompt + the tokens already streamed, so the
   client's stream just continues (keyed sampling makes the output the same);
@@ -272,8 +276,7 @@ class Cluster:
         Raises ValueError when every serving worker refuses it (its KV pool is too small).
         """
         request, error = handle.request, None
-        available = [e for e in self._engines.values() if e.is_available]
-        for engine in sorted(available, key=WorkerEngine.headroom_key):
+        for engine in self._rank([e for e in self._engines.values() if e.is_available], request):
             try:
                 if request.arrival_index is None:  # never scheduled: a new request
                     engine.scheduler.add_request(request)
@@ -291,6 +294,18 @@ class Cluster:
         handle.wait_deadline = min(time.monotonic() + wait_s, handle.client_deadline or float("inf"))
         self._waiting.append(handle)
         logger.info("no worker serves: %s waits (at most %.0f s)", request.request_id, wait_s)
+
+    def _rank(self, engines: list[WorkerEngine], request: Request) -> list[WorkerEngine]:
+        """The engines in the order to try: see the module docstring (cache-aware routing)."""
+        ranked = sorted(engines, key=WorkerEngine.headroom_key)
+        if self.options.routing != "cache-aware" or len(ranked) < 2:
+            return ranked
+        max_load = ranked[0].num_requests + self.options.routing_max_imbalance
+        num_cached = {e.address: len(e.scheduler.cached_prefix(request)) for e in ranked if e.num_requests <= max_load}
+        best = max(ranked, key=lambda e: num_cached.get(e.address, -1))  # the first of equals: most headroom
+        if num_cached[best.address] == 0:
+            return ranked
+        return [best, *(e for e in ranked if e is not best)]
 
     def _place_or_fail(self, handle: RequestHandle) -> None:
         try:

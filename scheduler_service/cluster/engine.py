@@ -70,6 +70,7 @@ class WorkerSnapshot:
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
+    num_cached_blocks: int           # in its prefix cache
 
 
 @dataclass(frozen=True)
@@ -147,12 +148,17 @@ class WorkerEngine:
             num_engine_errors=self.num_engine_errors, last_error=self.last_error,
             num_running=len(s.running) if s else 0, num_waiting=len(s.waiting) if s else 0,
             num_free_blocks=s.num_free_blocks if s else 0,
-            num_total_blocks=self.config.num_kv_blocks if s and self.config else 0)
+            num_total_blocks=self.config.num_kv_blocks if s and self.config else 0,
+            num_cached_blocks=s.block_manager.num_cached_blocks if s else 0)
+
+    @property
+    def num_requests(self) -> int:
+        """Queued + running requests (its load, for routing). Serving; lock held."""
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
 
     def headroom_key(self) -> tuple[int, int]:
         """Smaller is more headroom: queued + running requests, then fewer free KV blocks. Lock held."""
-        s = self.scheduler
-        return len(s.waiting) + len(s.running), -s.num_free_blocks
+        return self.num_requests, -self.scheduler.num_free_blocks
 
     def _run(self) -> None:
         while not self._is_stopped:

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.config import ROUTING_POLICIES, SchedulerConfig
 from specdec.security import TlsFiles
 from specdec.metrics_server import check_metrics_port
 
@@ -26,6 +26,9 @@ class SchedulerOptions:
     speculative_disable_queue_size: int | None = None
     speculation_policy: str = "goodput"
     scheduling: str = "async"
+    enable_prefix_caching: bool = True
+    routing: str = "cache-aware"            # where a new request goes (ROUTING_POLICIES)
+    routing_max_imbalance: int = 4          # cache-aware: skip workers with this many more requests than the least busy
     worker_refresh_interval_s: float = 10.0
     worker_wait_timeout_s: float = 60.0
     first_worker_timeout_s: float = 600.0   # the process exits when no worker answers in time
@@ -64,6 +67,10 @@ class SchedulerOptions:
             raise ValueError(f"--shutdown-grace-period must be >= 0, got {self.shutdown_grace_period_s}")
         if self.log_stats_interval_s < 0:
             raise ValueError(f"--log-stats-interval must be >= 0 (0: off), got {self.log_stats_interval_s}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if self.routing_max_imbalance < 0:
+            raise ValueError(f"--routing-max-imbalance must be >= 0, got {self.routing_max_imbalance}")
         if self.worker_server_name and not self.worker_tls.is_enabled:
             raise ValueError("--worker-ssl-server-name needs TLS to the workers (--worker-ssl-ca-certs, ...)")
         check_metrics_port(self.metrics_port)
@@ -86,4 +93,5 @@ def scheduler_config(opts: SchedulerOptions, info) -> SchedulerConfig:
                            num_speculative_tokens=k if info.proposer != "none" else 0,
                            speculative_disable_queue_size=opts.speculative_disable_queue_size,
                            speculation_policy=opts.speculation_policy,
-                           scheduling=opts.scheduling)
+                           scheduling=opts.scheduling, enable_prefix_caching=opts.enable_prefix_caching,
+                           kv_cache_facts=(info.model_id, info.dtype, info.proposer, info.draft_model_id))

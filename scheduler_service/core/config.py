@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 SCHEDULING_MODES = ("sync", "async")
 SPECULATION_POLICIES = ("goodput", "fixed")  # policy.py: how each sequence's k is chosen
+ROUTING_POLICIES = ("cache-aware", "least-loaded")  # cluster.py: which worker a new request goes to
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ class SchedulerConfig:
     speculative_disable_queue_size: int | None = None  # None = never auto-disable
     speculation_policy: str = "goodput"
     scheduling: str = "sync"
+    enable_prefix_caching: bool = True
+    # What besides the tokens makes the worker's KV what it is (model, dtype, draft model): the root of the
+    # prefix cache's hash chains (block_hash.cache_root), so KV of another model or dtype is never a hit.
+    kv_cache_facts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 import enum
 
+from scheduler_service.core.block_hash import BlockHashes
 from scheduler_service.core.detokenizer import IncrementalDetokenizer
 from scheduler_service.core.goodput import AcceptanceEstimate
 from specdec.step import RequestSampling, SequenceOutput
@@ -55,9 +56,11 @@ class Request:
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
     num_moves: int = 0                             # times it resumed on another worker (bounded by the cluster)
+    num_cached_tokens: int | None = None           # prompt tokens found in the prefix cache when first scheduled
     is_held_by_worker: bool = False
     acceptance: AcceptanceEstimate | None = field(default=None, repr=False)  # the policy's, by draft position
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
+    block_hashes: BlockHashes | None = field(default=None, repr=False)  # of its committed full blocks (the scheduler's)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -188,7 +191,7 @@ class Request:
         """This step's output with the usage counts so far."""
         return RequestOutput(self.request_id, new_token_ids, text, self.finish_reason, self.num_prompt_tokens,
                              self.num_output_tokens, self.num_draft_tokens, self.num_accepted_tokens,
-                             logprobs or [])
+                             logprobs or [], self.num_cached_tokens or 0)
 
     def reset_for_recompute(self) -> None:
         """Forgets all KV state after preemption; the output already streamed is kept."""
@@ -221,6 +224,11 @@ class ScheduledTokens:
     is_sampling: bool  # computes every known token, so the worker emits 1..1+num_lookahead_slots tokens
     num_context_tokens: int = 0  # KV positions before the chunk (as assumed when scheduled)
 
+    @property
+    def num_positions(self) -> int:
+        """The KV positions the step may have written: [0, context + new tokens + lookahead slots)."""
+        return self.num_context_tokens + self.num_new_tokens + self.num_lookahead_slots
+
     def can_emit(self, num_emitted: int) -> bool:
         """Whether a worker may emit `num_emitted` tokens for this part (validates results)."""
         if not self.is_sampling:
@@ -241,3 +249,4 @@ class RequestOutput:
     num_draft_tokens: int
     num_accepted_tokens: int
     logprobs: list[float] = field(default_factory=list)  # one per new token, when requested
+    num_cached_tokens: int = 0       # prompt tokens whose KV came from the prefix cache

@@ -10,6 +10,12 @@ Async mode: `schedule()` may run while the previous step is in flight. The
 scheduler then assumes every draft of that step is accepted, and `update()`
 corrects the counters when the real result arrives. Blocks a step in flight
 may write are never freed before its result has been applied.
+
+Prefix caching (block_manager.py): a request leaving the waiting queue starts
+with the cached blocks of its longest cached prefix and computes from there;
+after each result, the full blocks of committed tokens whose KV the worker
+reports written (every model's) are offered to the cache, a finishing request's
+included, before its blocks are released.
 """
 
 from bisect import insort
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from itertools import zip_longest
 import logging
 
+from scheduler_service.core.block_hash import BlockHashes, cache_root
 from scheduler_service.core.block_manager import BlockManager
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.detokenizer import IncrementalDetokenizer, Tokenizer
@@ -47,6 +54,11 @@ class SchedulerStats:
     num_emitted_tokens: int = 0              # tokens delivered to clients
     num_sequence_steps: int = 0              # (request, step) pairs that delivered tokens
     num_preemptions: int = 0
+    # The prefix cache, in tokens: tokens of requests as they left the waiting queue, and of those the ones
+    # found cached (vLLM's prefix_cache_queries / _hits); cached blocks evicted for new use.
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
+    num_prefix_cache_evictions: int = 0
     # The cost model's step-time prediction (made before the step's time was known) against the measured
     # time, over the steps it predicted.
     num_predicted_steps: int = 0
@@ -120,7 +132,8 @@ class Scheduler:
                  stats: SchedulerStats | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self._cache_root = cache_root(*config.kv_cache_facts)
         self.policy = SpeculationPolicy(config.num_speculative_tokens, config.speculative_disable_queue_size,
                                         config.speculation_policy)
         self.stats = stats if stats is not None else SchedulerStats()  # passed on: counters outlive a scheduler
@@ -290,17 +303,43 @@ class Scheduler:
     def _schedule_waiting(self, plan: _Step) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs and plan.num_tokens_left > 0:
             request = self.waiting[0]
+            cached_block_ids = self.cached_prefix(request)
+            request.num_computed_tokens = num_cached = len(cached_block_ids) * self.config.block_size
             num_new, num_lookahead = self._plan_tokens(request, plan)
-            if not self.block_manager.can_allocate(num_new + num_lookahead):
+            num_tokens_total = num_cached + num_new + num_lookahead
+            if not self.block_manager.can_allocate(num_tokens_total, cached_block_ids):
+                request.num_computed_tokens = 0
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            block_ids = self.block_manager.allocate(request.request_id, num_new + num_lookahead)
+            block_ids = self.block_manager.allocate(request.request_id, num_tokens_total, cached_block_ids)
             request.status = RequestStatus.RUNNING
             insort(self.running, request, key=lambda r: r.arrival_index)
             request.is_held_by_worker = True
+            self._count_cache_query(request, num_cached)
             plan.new_requests.append(NewRequest(request.request_id, request.all_token_ids, request.num_prompt_tokens,
-                                                request.sampling, block_ids, num_new, num_lookahead))
+                                                request.sampling, block_ids, num_new, num_lookahead, num_cached))
             self._commit(request, plan, num_new, num_lookahead)
+
+    def cached_prefix(self, request: Request) -> list[int]:
+        """The cached blocks this worker holds of the request's longest cached prefix (a routing hint too)."""
+        if not self.block_manager.enable_prefix_caching:
+            return []
+        return self.block_manager.cached_prefix(self._block_hashes(request), request.num_tokens)
+
+    def _block_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of the request's full blocks of committed tokens, under this worker's root."""
+        hashes = request.block_hashes
+        if hashes is None or hashes.root != self._cache_root or hashes.block_size != self.config.block_size:
+            hashes = request.block_hashes = BlockHashes(self._cache_root, self.config.block_size)
+        if len(hashes.hashes) < request.num_tokens // self.config.block_size:
+            hashes.extend(request.all_token_ids)
+        return hashes.hashes
+
+    def _count_cache_query(self, request: Request, num_cached: int) -> None:
+        self.stats.num_prefix_cache_queries += request.num_tokens
+        self.stats.num_prefix_cache_hits += num_cached
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached
 
     def _plan_tokens(self, request: Request, plan: _Step) -> tuple[int, int]:
         """(num_new_tokens, num_lookahead_slots) of the request this step.
@@ -354,6 +393,7 @@ class Scheduler:
         self._in_flight.append(plan)
         self._next_step_id += 1
         self.stats.num_steps += 1
+        self.stats.num_prefix_cache_evictions += self.block_manager.take_num_evictions()
         if self.policy.num_speculative_tokens > 0 and self.policy.is_disabled_for_step(plan.num_running):
             self.stats.num_steps_speculation_disabled += 1
         self.stats.count_ks([s.num_lookahead_slots for rid, s in plan.scheduled.items()
@@ -387,6 +427,9 @@ class Scheduler:
             if not scheduled.can_emit(num_emitted):
                 raise ValueError(f"step {step.step_id}: worker emitted {num_emitted} tokens for {request_id!r} "
                                  f"(scheduled {scheduled})")
+            if output is not None and not 0 <= output.num_kv_written_tokens <= scheduled.num_positions:
+                raise ValueError(f"step {step.step_id}: worker reports KV written for {output.num_kv_written_tokens} "
+                                 f"positions of {request_id!r}; the step reached {scheduled.num_positions}")
         return outputs_by_id
 
     def _apply_output(self, request: Request, scheduled: ScheduledTokens,
@@ -394,6 +437,8 @@ class Scheduler:
         new_token_ids, status = request.apply_step_output(scheduled, output, self.config.max_model_len)
         if output is not None:
             self.stats.count_speculation(output.num_draft_tokens, output.num_accepted_tokens)
+            # Before a finishing request releases its blocks: the KV of its committed tokens stays reusable.
+            self._cache_blocks(request, output.num_kv_written_tokens)
         if not new_token_ids:
             return None  # a prefill chunk short of the prompt's end
         if request.num_output_tokens == len(new_token_ids):  # its first tokens: the prompt is processed
@@ -405,6 +450,12 @@ class Scheduler:
         self.stats.num_sequence_steps += 1
         logprobs = output.logprobs[: len(new_token_ids)] if output is not None else []
         return request.make_output(new_token_ids, text, logprobs)
+
+    def _cache_blocks(self, request: Request, num_kv_written_tokens: int) -> None:
+        """Offers the request's full blocks of committed tokens with every model's KV written to the cache."""
+        if self.block_manager.enable_prefix_caching and self.block_manager.has_blocks(request.request_id):
+            num_written = min(num_kv_written_tokens, request.num_tokens)  # tokens after a stop are not committed
+            self.block_manager.cache_blocks(request.request_id, self._block_hashes(request), num_written)
 
     def _is_in_flight(self, request_id: str) -> bool:
         return any(request_id in step.scheduled for step in self._in_flight)

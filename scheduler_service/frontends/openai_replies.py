@@ -1,7 +1,9 @@
 """OpenAI's response objects from RequestOutputs: whole replies, stream chunks, usage, logprobs and errors.
 
-Usage carries the request's speculative-decoding counters in an extension
-field, `usage.speculative_decoding = {"draft_tokens", "accepted_tokens"}`.
+Usage carries the prompt tokens found in the prefix cache as OpenAI does
+(`usage.prompt_tokens_details.cached_tokens`), and the request's
+speculative-decoding counters in an extension field,
+`usage.speculative_decoding = {"draft_tokens", "accepted_tokens"}`.
 """
 
 import time
@@ -43,6 +45,7 @@ def usage(o: RequestOutput) -> dict:
     """Token counts, with the speculative counters of this request as an extension field."""
     return {"prompt_tokens": o.num_prompt_tokens, "completion_tokens": o.num_completion_tokens,
             "total_tokens": o.num_prompt_tokens + o.num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": o.num_cached_tokens},
             USAGE_EXTENSION: {"draft_tokens": o.num_draft_tokens, "accepted_tokens": o.num_accepted_tokens}}
 
 

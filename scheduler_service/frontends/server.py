@@ -27,7 +27,8 @@ _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "l
 
 def _usage(o: RequestOutput) -> pb.Usage:
     return pb.Usage(prompt_tokens=o.num_prompt_tokens, completion_tokens=o.num_completion_tokens,
-                    draft_tokens=o.num_draft_tokens, accepted_tokens=o.num_accepted_tokens)
+                    draft_tokens=o.num_draft_tokens, accepted_tokens=o.num_accepted_tokens,
+                    cached_prompt_tokens=o.num_cached_tokens)
 
 
 def _counters(st: SchedulerStats, busy: BusyStats, num_failures: int, num_moved: int = 0,
@@ -44,14 +45,15 @@ def _counters(st: SchedulerStats, busy: BusyStats, num_failures: int, num_moved:
         num_accepted_tokens_per_pos=st.num_accepted_tokens_per_pos,
         num_sequence_steps_by_k=st.num_sequence_steps_by_k, num_predicted_steps=st.num_predicted_steps,
         predicted_step_seconds=st.predicted_step_s, measured_step_seconds=st.measured_step_s,
-        step_time_abs_error_seconds=st.step_time_abs_error_s)
+        step_time_abs_error_seconds=st.step_time_abs_error_s, prefix_cache_queries=st.num_prefix_cache_queries,
+        prefix_cache_hits=st.num_prefix_cache_hits, num_prefix_cache_evictions=st.num_prefix_cache_evictions)
 
 
 def _workers(snap: ClusterSnapshot) -> list[pb.WorkerStatus]:
     return [pb.WorkerStatus(address=w.address, state=w.state.value, num_running=w.num_running,
                             num_waiting=w.num_waiting, num_free_kv_blocks=w.num_free_blocks,
                             num_kv_blocks=w.num_total_blocks, counters=_counters(w.stats, w.busy, w.num_failures),
-                            last_error=w.last_error or "")
+                            last_error=w.last_error or "", num_cached_kv_blocks=w.num_cached_blocks)
             for w in snap.workers]
 
 
@@ -155,7 +157,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             speculative_disable_queue_size=c.speculative_disable_queue_size or 0, counters=counters,
             num_running=sum(w.num_running for w in snap.workers),
             num_waiting=sum(w.num_waiting for w in snap.workers) + snap.num_waiting_for_worker,
-            workers=_workers(snap))
+            workers=_workers(snap), enable_prefix_caching=c.enable_prefix_caching, routing=cluster.options.routing,
+            num_cached_kv_blocks=sum(w.num_cached_blocks for w in serving))
 
 
 # Server threads beyond the streaming calls' bound: health checks, GetServerInfo, Abort, reflection.

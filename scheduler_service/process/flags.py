@@ -2,8 +2,8 @@
 
 import argparse
 
-from scheduler_service.core.config import SCHEDULING_MODES, SPECULATION_POLICIES
 from scheduler_service.cluster.options import SchedulerOptions
+from scheduler_service.core.config import ROUTING_POLICIES, SCHEDULING_MODES, SPECULATION_POLICIES
 from specdec import security
 
 
@@ -31,6 +31,16 @@ def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None
                         "times, acceptance by draft position); fixed: always the full k")
     p.add_argument("--scheduling", choices=SCHEDULING_MODES, default="async",
                    help="async: step N+1 is scheduled while the worker runs step N")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes a worker has computed before (shared system prompts, "
+                        "earlier chat turns); --no-enable-prefix-caching recomputes every prompt")
+    p.add_argument("--routing", choices=ROUTING_POLICIES, default="cache-aware",
+                   help="which worker a new request goes to: cache-aware, the one holding its longest cached "
+                        "prefix among those not much busier than the least busy (--routing-max-imbalance); "
+                        "least-loaded, the one with the fewest requests, then the most free KV blocks")
+    p.add_argument("--routing-max-imbalance", type=int, default=4, metavar="N",
+                   help="cache-aware routing passes over a worker running or queueing more than N requests more "
+                        "than the least busy one")
     p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                    help="while requests run, log throughput, queue, KV usage and acceptance every SECONDS; 0: off")
     p.add_argument("--worker-refresh-interval", type=float, default=10.0, metavar="SECONDS",
@@ -103,7 +113,9 @@ def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses
                             max_model_len=args.max_model_len, num_speculative_tokens=args.num_speculative_tokens,
                             speculative_disable_queue_size=args.speculative_disable_queue_size,
                             speculation_policy=args.speculation_policy,
-                            scheduling=args.scheduling, worker_refresh_interval_s=args.worker_refresh_interval,
+                            scheduling=args.scheduling, enable_prefix_caching=args.enable_prefix_caching,
+                            routing=args.routing, routing_max_imbalance=args.routing_max_imbalance,
+                            worker_refresh_interval_s=args.worker_refresh_interval,
                             log_stats_interval_s=args.log_stats_interval,
                             worker_wait_timeout_s=args.worker_wait_timeout,
                             worker_step_timeout_s=args.worker_step_timeout, take_over_workers=args.take_over_workers,

@@ -79,6 +79,11 @@ METRICS = (
           "Measured worker step time of the steps the cost model predicted (compare with the predicted total)."),
     _info("num_steps_speculation_disabled_total", "counter", "Steps run without drafts because of the queue size."),
     _info("num_preemptions_total", "counter", "Requests preempted (recomputed later) for lack of KV blocks."),
+    _info("prefix_cache_queries_total", "counter",
+          "Tokens of requests leaving a waiting queue (new, preempted or moved), looked up in the prefix cache."),
+    _info("prefix_cache_hits_total", "counter", "Of those, tokens whose KV was found cached (not computed)."),
+    _info("prefix_cache_evictions_total", "counter", "Cached KV blocks whose KV was dropped to hold other tokens."),
+    _info("prefix_cache_blocks", "gauge", "KV blocks in the serving workers' prefix caches (in use or free)."),
     _info("worker_failures_total", "counter", "Times a worker left by failing (crash, hang, broken stream)."),
     _info("moved_requests_total", "counter", "Requests moved to another worker after theirs left."),
     _info("engine_errors_total", "counter", "Unexpected exceptions the worker engines and the cluster's maintenance caught."),
@@ -182,6 +187,7 @@ def _load_gauges(snap: ClusterSnapshot) -> Iterator[Metric]:
     yield _gauge("specdec_num_requests_running", sum(w.num_running for w in snap.workers))
     yield _gauge("specdec_num_requests_waiting", sum(w.num_waiting for w in snap.workers) + snap.num_waiting_for_worker)
     yield _gauge("specdec_kv_cache_usage_perc", _usage(num_used_blocks, num_total_blocks))
+    yield _gauge("specdec_prefix_cache_blocks", sum(w.num_cached_blocks for w in snap.workers))
     yield from (running, waiting, usage, serving)
 
 
@@ -200,6 +206,9 @@ def _counters(snap: ClusterSnapshot) -> Iterator[Metric]:
                         ("spec_decode_measured_step_seconds_total", st.measured_step_s),
                         ("num_steps_speculation_disabled_total", st.num_steps_speculation_disabled),
                         ("num_preemptions_total", st.num_preemptions),
+                        ("prefix_cache_queries_total", st.num_prefix_cache_queries),
+                        ("prefix_cache_hits_total", st.num_prefix_cache_hits),
+                        ("prefix_cache_evictions_total", st.num_prefix_cache_evictions),
                         ("worker_failures_total", snap.num_worker_failures),
                         ("moved_requests_total", snap.num_moved_requests),
                         ("engine_errors_total", snap.num_engine_errors)):

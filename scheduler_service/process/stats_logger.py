@@ -3,9 +3,12 @@
 Every interval, from the change in the cluster's counters since the last line:
 
     Avg prompt throughput: 85.3 tokens/s, Avg generation throughput: 41.0 tokens/s, Running: 3 reqs,
-    Waiting: 0 reqs, KV cache usage: 4.7%, acceptance rate: 62.5% (tokens per speculating step 2.88)
+    Waiting: 0 reqs, KV cache usage: 4.7%, Prefix cache hit rate: 81.2%, acceptance rate: 62.5%
+    (tokens per speculating step 2.88)
 
-Prompt tokens count when their request emits its first token. The acceptance
+Prompt tokens count when their request emits its first token. The prefix cache
+hit rate is hits / queries in tokens over the interval ("-" when no request
+left a waiting queue). The acceptance
 rate is accepted / drafted tokens; the tokens per speculating step are what a
 step with drafts delivered per sequence (its accepted drafts + the one token
 the target always adds; GetServerInfo's mean_accepted_length counts every
@@ -40,7 +43,8 @@ def format_stats_line(previous: ClusterSnapshot, current: ClusterSnapshot, elaps
     seconds = max(elapsed_s, 1e-9)
     line = (f"Avg prompt throughput: {num_prompt_tokens / seconds:.1f} tokens/s, "
             f"Avg generation throughput: {num_generated_tokens / seconds:.1f} tokens/s, "
-            f"Running: {num_running} reqs, Waiting: {num_waiting} reqs, KV cache usage: {100 * kv_usage:.1f}%, ")
+            f"Running: {num_running} reqs, Waiting: {num_waiting} reqs, KV cache usage: {100 * kv_usage:.1f}%, "
+            f"Prefix cache hit rate: {_hit_rate(before, now)}, ")
     num_draft_tokens = now.num_draft_tokens - before.num_draft_tokens
     num_drafts = now.num_drafts - before.num_drafts
     if not num_draft_tokens or not num_drafts:
@@ -48,6 +52,12 @@ def format_stats_line(previous: ClusterSnapshot, current: ClusterSnapshot, elaps
     num_accepted_tokens = now.num_accepted_tokens - before.num_accepted_tokens
     return line + (f"acceptance rate: {100 * num_accepted_tokens / num_draft_tokens:.1f}% "
                    f"(tokens per speculating step {1 + num_accepted_tokens / num_drafts:.2f})")
+
+
+def _hit_rate(before, now) -> str:
+    num_queries = now.num_prefix_cache_queries - before.num_prefix_cache_queries
+    num_hits = now.num_prefix_cache_hits - before.num_prefix_cache_hits
+    return f"{100 * num_hits / num_queries:.1f}%" if num_queries else "-"
 
 
 class StatsLogger:

@@ -42,9 +42,10 @@ def env_var(action: argparse.Action) -> str | None:
     """SPECDEC_<FLAG> for an option that can come from the environment; None for the others."""
     if not action.option_strings or action.default is argparse.SUPPRESS:
         return None  # positionals, --help, --version, and the subcommand copies of the global flags
-    if action.nargs == 0 and not isinstance(action.const, bool):
+    is_on_off = isinstance(action, argparse.BooleanOptionalAction)   # --x / --no-x: SPECDEC_X
+    if action.nargs == 0 and not isinstance(action.const, bool) and not is_on_off:
         return None  # count/const actions: no switch semantics to map a variable onto
-    long_option = max(action.option_strings, key=len)
+    long_option = action.option_strings[0] if is_on_off else max(action.option_strings, key=len)
     name = ENV_PREFIX + long_option.lstrip("-").upper().replace("-", "_")
     return None if name in OWN_MEANING_ENV else name
 
@@ -115,6 +116,8 @@ def _convert(action: argparse.Action, text: str):
 
 def env_value(action: argparse.Action, text: str):
     """The option's value from its variable's text: a switch's bool, a repeatable flag's list, else one value."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return _parse_switch(text)
     if action.nargs == 0:
         return action.const if _parse_switch(text) else not action.const
     if isinstance(action, argparse._AppendAction):

@@ -89,16 +89,18 @@ class CompleteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     draft_tokens: int
     accepted_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage")
@@ -147,7 +149,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("num_requests", "num_drafted_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate", "mean_accepted_length", "num_steps", "num_steps_speculation_disabled", "num_preemptions", "worker_busy_seconds", "active_wall_seconds", "num_worker_failures", "num_moved_requests", "num_accepted_tokens_per_pos", "num_sequence_steps_by_k", "num_predicted_steps", "predicted_step_seconds", "measured_step_seconds", "step_time_abs_error_seconds")
+    __slots__ = ("num_requests", "num_drafted_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate", "mean_accepted_length", "num_steps", "num_steps_speculation_disabled", "num_preemptions", "worker_busy_seconds", "active_wall_seconds", "num_worker_failures", "num_moved_requests", "num_accepted_tokens_per_pos", "num_sequence_steps_by_k", "num_predicted_steps", "predicted_step_seconds", "measured_step_seconds", "step_time_abs_error_seconds", "prefix_cache_queries", "prefix_cache_hits", "num_prefix_cache_evictions")
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +169,9 @@ class Counters(_message.Message):
     PREDICTED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEASURED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_ABS_ERROR_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     num_requests: float
     num_drafted_tokens: float
     num_accepted_tokens: float
@@ -186,10 +191,13 @@ class Counters(_message.Message):
     predicted_step_seconds: float
     measured_step_seconds: float
     step_time_abs_error_seconds: float
-    def __init__(self, num_requests: _Optional[float] = ..., num_drafted_tokens: _Optional[float] = ..., num_accepted_tokens: _Optional[float] = ..., num_emitted_tokens: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_steps: _Optional[float] = ..., num_steps_speculation_disabled: _Optional[float] = ..., num_preemptions: _Optional[float] = ..., worker_busy_seconds: _Optional[float] = ..., active_wall_seconds: _Optional[float] = ..., num_worker_failures: _Optional[float] = ..., num_moved_requests: _Optional[float] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[float]] = ..., num_sequence_steps_by_k: _Optional[_Iterable[float]] = ..., num_predicted_steps: _Optional[float] = ..., predicted_step_seconds: _Optional[float] = ..., measured_step_seconds: _Optional[float] = ..., step_time_abs_error_seconds: _Optional[float] = ...) -> None: ...
+    prefix_cache_queries: float
+    prefix_cache_hits: float
+    num_prefix_cache_evictions: float
+    def __init__(self, num_requests: _Optional[float] = ..., num_drafted_tokens: _Optional[float] = ..., num_accepted_tokens: _Optional[float] = ..., num_emitted_tokens: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_steps: _Optional[float] = ..., num_steps_speculation_disabled: _Optional[float] = ..., num_preemptions: _Optional[float] = ..., worker_busy_seconds: _Optional[float] = ..., active_wall_seconds: _Optional[float] = ..., num_worker_failures: _Optional[float] = ..., num_moved_requests: _Optional[float] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[float]] = ..., num_sequence_steps_by_k: _Optional[_Iterable[float]] = ..., num_predicted_steps: _Optional[float] = ..., predicted_step_seconds: _Optional[float] = ..., measured_step_seconds: _Optional[float] = ..., step_time_abs_error_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[float] = ..., prefix_cache_hits: _Optional[float] = ..., num_prefix_cache_evictions: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "state", "num_running", "num_waiting", "num_free_kv_blocks", "num_kv_blocks", "counters", "last_error")
+    __slots__ = ("address", "state", "num_running", "num_waiting", "num_free_kv_blocks", "num_kv_blocks", "counters", "last_error", "num_cached_kv_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +206,7 @@ class WorkerStatus(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: str
     num_running: int
@@ -206,10 +215,11 @@ class WorkerStatus(_message.Message):
     num_kv_blocks: int
     counters: Counters
     last_error: str
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., last_error: _Optional[str] = ...) -> None: ...
+    num_cached_kv_blocks: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., last_error: _Optional[str] = ..., num_cached_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model", "proposer", "num_speculative_tokens", "max_model_len", "max_num_seqs", "block_size", "num_kv_blocks", "num_free_kv_blocks", "scheduling", "speculative_disable_queue_size", "counters", "num_running", "num_waiting", "workers", "speculation_policy")
+    __slots__ = ("model", "proposer", "num_speculative_tokens", "max_model_len", "max_num_seqs", "block_size", "num_kv_blocks", "num_free_kv_blocks", "scheduling", "speculative_disable_queue_size", "counters", "num_running", "num_waiting", "workers", "speculation_policy", "enable_prefix_caching", "routing", "num_cached_kv_blocks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +235,9 @@ class GetServerInfoResponse(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     proposer: str
     num_speculative_tokens: int
@@ -240,4 +253,7 @@ class GetServerInfoResponse(_message.Message):
     num_waiting: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     speculation_policy: str
-    def __init__(self, model: _Optional[str] = ..., proposer: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., scheduling: _Optional[str] = ..., speculative_disable_queue_size: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., speculation_policy: _Optional[str] = ...) -> None: ...
+    enable_prefix_caching: bool
+    routing: str
+    num_cached_kv_blocks: int
+    def __init__(self, model: _Optional[str] = ..., proposer: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., scheduling: _Optional[str] = ..., speculative_disable_queue_size: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., speculation_policy: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., routing: _Optional[str] = ..., num_cached_kv_blocks: _Optional[int] = ...) -> None: ...

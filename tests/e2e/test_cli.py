@@ -16,7 +16,7 @@ from tests.processes import running
 
 STATS_LINE = (r"INFO scheduler_service.process.stats_logger: Avg prompt throughput: \d+\.\d tokens/s, Avg generation "
               r"throughput: \d+\.\d tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: \d+\.\d%, "
-              r"acceptance rate: \d+\.\d% \(tokens per speculating step \d\.\d\d\)")
+              r"Prefix cache hit rate: (\d+\.\d%|-), acceptance rate: \d+\.\d% \(tokens per speculating step \d\.\d\d\)")
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,9 @@ def test_bad_requests_get_invalid_argument_and_worker_keeps_serving(tiny_worker)
     # This worker has no proposer (its k is 0): a step asking for drafts is refused.
     drafts = step.NewRequest("drafts", [5, 6], 2, greedy, [9], 2, num_speculative_tokens=3)
     expect_invalid(client, step.StepRequest(4, new_requests=[drafts]), "num_speculative_tokens 3 exceeds this worker's 0")
+    # A prefix-cache hit leaves at least the last token to compute.
+    all_cached = step.NewRequest("cached", [5, 6, 7, 8], 4, greedy, [10], 0, num_computed_tokens=4)
+    expect_invalid(client, step.StepRequest(5, new_requests=[all_cached]), "num_computed_tokens 4 must be in [0, 3]")
     # Still serving, and the rejected steps left no state behind.
     expect_invalid(client, step.StepRequest(6, cached_requests=[step.CachedRequest("short", [], 0, 1)]),
                    "unknown request id 'short'")

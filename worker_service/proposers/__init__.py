@@ -1,10 +1,11 @@
 """Proposers: where the draft tokens of a speculative step come from.
 
-Every proposer has the same three methods, so the worker treats them alike:
+Every proposer has the same methods, so the worker treats them alike:
 `propose` (up to num_drafts[i] tokens for states[i], possibly fewer, never
 more), `after_verify` (what a proposer keeps once the step's drafts were
-checked) and `release` (the worker drops these requests: finished, preempted
-or a new session).
+checked), `release` (the worker drops these requests: finished, preempted
+or a new session) and `num_kv_tokens` (how far a proposer with a KV cache of
+its own has written it: the prefix cache may only keep blocks every model wrote).
 """
 
 from dataclasses import dataclass
@@ -31,3 +32,7 @@ class Proposer:
 
     def release(self, states: list) -> None:
         """Called with the requests the worker drops, before their state is forgotten."""
+
+    def num_kv_tokens(self, state) -> int | None:
+        """Positions [0, n) of `state` whose KV this proposer has written in its own cache; None: it has none."""
+        return None

@@ -63,6 +63,10 @@ class DraftProposer(Proposer):
         start = state.num_tokens + len(drafts) - 1
         return SequenceChunk([drafts[-1]], start, state.block_table)
 
+    def num_kv_tokens(self, state: RequestState) -> int:
+        """The draft model's KV covers the sequence up to here (it catches up lazily, at its next proposal)."""
+        return state.num_draft_computed_tokens
+
     def after_verify(self, state: RequestState, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         """Keeps the draft KV that is still valid after `num_accepted` of `num_drafts` drafts were accepted."""
         if num_drafts > 0:
