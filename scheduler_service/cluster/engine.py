@@ -80,13 +80,15 @@ class EngineHooks:
     Every callback is called with `lock` held.
     """
 
-    lock: threading.RLock                                     # guards the cluster and every engine's scheduler
+    lock: threading.RLock                  # guards the cluster and every engine's scheduler
     options: SchedulerOptions
-    tokenizer: Tokenizer | None                               # for the schedulers' detokenizers
-    config_for: Callable[[DescribeResponse], SchedulerConfig]  # a worker's Describe reply -> its config; ValueError: refused
+    tokenizer: Tokenizer | None            # for the schedulers' detokenizers
+    # A worker's Describe reply -> its scheduler config; ValueError when the worker cannot join.
+    config_for: Callable[[DescribeResponse], SchedulerConfig]
     on_serving: Callable[["WorkerEngine"], None]
-    on_left: Callable[["WorkerEngine", list[Request], str | None], None]   # (engine, its requests, internal error)
-    dispatch: Callable[[list[RequestOutput]], None]           # a step's outputs to their streams
+    # (engine, its unfinished requests, the internal error that made it leave or None)
+    on_left: Callable[["WorkerEngine", list[Request], str | None], None]
+    dispatch: Callable[[list[RequestOutput]], None]   # a step's outputs to their streams
 
 
 class WorkerEngine:

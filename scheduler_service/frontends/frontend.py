@@ -12,10 +12,10 @@ from typing import Callable, Iterator
 
 import grpc
 
-from scheduler_service.frontends.api import InvalidRequestError, build_request
 from scheduler_service.cluster.cluster import Cluster
 from scheduler_service.cluster.handle import EngineError, RequestHandle
 from scheduler_service.core.request import RequestOutput
+from scheduler_service.frontends.api import InvalidRequestError, build_request
 from scheduler_service.frontends.tokenizer import ChatTokenizer
 from specdec.v1 import generation_pb2 as pb
 

@@ -25,12 +25,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 import grpc
 
+from scheduler_service.cluster.handle import EngineError
+from scheduler_service.core.request import RequestOutput
 from scheduler_service.frontends.auth import ApiKeys, bearer_token
 from scheduler_service.frontends.frontend import Frontend, Stream
-from scheduler_service.cluster.handle import EngineError
 from scheduler_service.frontends.openai_protocol import ChatCompletionRequest, CompletionRequest, InvalidParamError
 from scheduler_service.frontends.openai_replies import Reply, engine_error_body, error_body, http_status
-from scheduler_service.core.request import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from scheduler_service.cluster.cluster import Cluster, ClusterSnapshot
-from scheduler_service.frontends.frontend import Frontend
 from scheduler_service.cluster.handle import EngineError
 from scheduler_service.cluster.pipeline import BusyStats
 from scheduler_service.core.request import RequestOutput
 from scheduler_service.core.scheduler import SchedulerStats
+from scheduler_service.frontends.frontend import Frontend
 from scheduler_service.frontends.tokenizer import ChatTokenizer
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc

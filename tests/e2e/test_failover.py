@@ -1,4 +1,5 @@
-"""Two real worker processes behind one scheduler process (tiny model): a worker killed mid-stream loses nothing.
+"""Two real worker processes behind one scheduler process (tiny model): a worker killed mid-stream loses nothing,
+and the requests it held resume from the prefix the survivor has cached.
 
 The reference is the undisturbed output of one in-process worker (greedy and
 seeded sampling at temperature 0.8): with randomness keyed by (seed,
@@ -79,8 +80,10 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, reference, how):
     workers = [start_worker(tiny_pair) for _ in range(2)]
     addresses = [w.address() for w in workers]
     try:
+        # Least-loaded routing: the restarted worker must take work, which cache-aware routing would send to
+        # the survivor, holding every prompt's prefix by then (tests/scheduler/cluster/test_routing.py).
         with running(["scheduler", "--port", "0", "--model", str(tiny_pair.target_path), "--block-size", "4",
-                      "--worker-step-timeout", str(STEP_TIMEOUT_S),
+                      "--worker-step-timeout", str(STEP_TIMEOUT_S), "--routing", "least-loaded",
                       "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
             channel = grpc.insecure_channel(scheduler.address(who="scheduler "))
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
@@ -138,6 +141,73 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, reference, how):
                                                                         ignore_eos=True))
                 assert list(stub.Complete(request).token_ids) == reference[i][:8]
             assert worker_status(stub, addresses[0]).counters.num_requests > placed_before  # it takes work
+            channel.close()
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+SYSTEM = [(13 * j + 5) % 240 + 3 for j in range(37)]   # a shared system prompt: 9 full blocks of 4
+SHARED_PROMPTS = [SYSTEM + p for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def shared_reference(tiny_pair):
+    """The shared-prefix requests, each alone on an in-process worker (no cache, no speculation)."""
+    worker = Worker(WorkerConfig(model=str(tiny_pair.target_path)), ModelRunner(load_model(tiny_pair.target_path)))
+    worker.init_cache(512, 4)
+    return [Driver(worker.execute, 4, 512).generate(
+                [prompt], MAX_TOKENS, step.RequestSampling(temperature=0.0 if seed is None else 0.8, seed=seed),
+                prefix=f"ref{i}-")[0]
+            for i, (prompt, seed) in enumerate(zip(SHARED_PROMPTS, SEEDS))]
+
+
+def test_requests_moved_after_a_kill_resume_from_the_survivor_s_cached_prefix(tiny_pair, shared_reference):
+    """Both workers hold the shared prefix (the requests arrive together, before either has cached it, so they
+    spread by headroom); one is killed mid-stream: its requests move, find the prefix in the survivor's cache, and finish exactly."""
+    workers = [start_worker(tiny_pair) for _ in range(2)]
+    addresses = [w.address() for w in workers]
+    try:
+        with running(["scheduler", "--port", "0", "--model", str(tiny_pair.target_path), "--block-size", "4",
+                      "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
+            channel = grpc.insecure_channel(scheduler.address(who="scheduler "))
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            scheduler.wait_for("scheduler ready")
+            wait_until(lambda: all(worker_status(stub, a).state == "serving" for a in addresses),
+                       what="both workers to serve")
+            tokens: list[list[int]] = [[] for _ in SHARED_PROMPTS]
+            finish: list = [None] * len(SHARED_PROMPTS)
+
+            def consume(i: int) -> None:
+                request = pb.GenerateRequest(request_id=f"s{i}", prompt_token_ids=SHARED_PROMPTS[i],
+                                             sampling=sampling(SEEDS[i]))
+                try:
+                    for response in stub.Generate(request):
+                        tokens[i] += response.token_ids
+                        finish[i] = response.finish_reason
+                except grpc.RpcError as exc:
+                    finish[i] = exc
+
+            threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(SHARED_PROMPTS))]
+            for thread in threads:
+                thread.start()
+            wait_until(lambda: all(len(t) >= 4 for t in tokens), what="every stream to begin")
+            before = {a: worker_status(stub, a) for a in addresses}
+            assert all(s.num_running > 0 and s.num_cached_kv_blocks >= 9 for s in before.values()), before
+            victim = max(addresses, key=lambda a: before[a].num_running)
+            survivor = next(a for a in addresses if a != victim)
+            workers[addresses.index(victim)].proc.send_signal(signal.SIGKILL)
+            for thread in threads:
+                thread.join(120)
+            assert finish == [pb.FINISH_REASON_LENGTH] * len(SHARED_PROMPTS), finish
+            for i, expected in enumerate(shared_reference):
+                assert tokens[i] == expected, f"request {i} (seed {SEEDS[i]}) differs from the undisturbed run"
+            after = worker_status(stub, survivor)
+            num_moved = stub.GetServerInfo(pb.GetServerInfoRequest()).counters.num_moved_requests
+            assert num_moved >= 1
+            # Each moved request found at least the system prompt's 9 blocks on the survivor.
+            hits = after.counters.prefix_cache_hits - before[survivor].counters.prefix_cache_hits
+            assert hits >= 36 * num_moved
             channel.close()
     finally:
         for worker in workers:

@@ -16,12 +16,12 @@ from grpc_health.v1 import health_pb2
 import pytest
 
 from scheduler_service.cluster.cluster import Cluster
-from scheduler_service.process.main import drain
 from scheduler_service.cluster.membership import Membership, parse_worker_spec
 from scheduler_service.cluster.options import SchedulerOptions
 from scheduler_service.cluster.pipeline import StepPipeline
 from scheduler_service.frontends.server import create_server
 from scheduler_service.frontends.tokenizer import ChatTokenizer
+from scheduler_service.process.main import drain
 from specdec.v1 import generation_pb2 as pb
 from tests.e2e.client import InProcessApi, as_complete, expect_status, greedy_request
 from tests.sim_worker import SimWorkerServer, reference_output

@@ -88,6 +88,8 @@ def test_chat_greedy_matches_grpc_whole_and_streamed(server):
     assert whole.usage.completion_tokens == len(expected.token_ids) == MAX_TOKENS
     assert whole.usage.prompt_tokens == expected.usage.prompt_tokens
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + MAX_TOKENS
+    # The gRPC call above left the prompt's full blocks (below its last token) in the prefix cache.
+    assert whole.usage.prompt_tokens_details.cached_tokens == (whole.usage.prompt_tokens - 1) // 4 * 4 > 0
     assert _speculative(whole.usage) == {"draft_tokens": expected.usage.draft_tokens,
                                          "accepted_tokens": expected.usage.accepted_tokens}
 

@@ -18,14 +18,14 @@ import time
 import pytest
 
 from scheduler_service.cluster.cluster import Cluster
-from scheduler_service.process.flags import add_flags, add_security_flags, options_from_args
-from scheduler_service.frontends.http_server import HttpServer
-from scheduler_service.process.main import drain
 from scheduler_service.cluster.membership import Membership, parse_worker_spec
-from scheduler_service.frontends.openai_api import create_app
 from scheduler_service.cluster.options import SchedulerOptions
+from scheduler_service.frontends.http_server import HttpServer
+from scheduler_service.frontends.openai_api import create_app
 from scheduler_service.frontends.server import create_server
 from scheduler_service.frontends.tokenizer import ChatTokenizer
+from scheduler_service.process.flags import add_flags, add_security_flags, options_from_args
+from scheduler_service.process.main import drain
 from specdec.security import TlsFiles
 from specdec.v1 import generation_pb2 as pb
 from tests.certs import TestCA

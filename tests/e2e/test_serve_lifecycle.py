@@ -17,10 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 
 from scheduler_service.cluster.cluster import Cluster
-from scheduler_service.frontends.http_server import HttpServer
 from scheduler_service.cluster.membership import Membership, parse_worker_spec
-from scheduler_service.frontends.openai_api import create_app
 from scheduler_service.cluster.options import SchedulerOptions
+from scheduler_service.frontends.http_server import HttpServer
+from scheduler_service.frontends.openai_api import create_app
 from scheduler_service.frontends.server import create_server
 from scheduler_service.frontends.tokenizer import ChatTokenizer
 from specdec.v1 import generation_pb2_grpc

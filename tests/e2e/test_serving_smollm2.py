@@ -65,3 +65,33 @@ def test_chat_messages_and_text(smollm2_path):
         done = server.stub.Complete(as_complete(chat))
     assert done.finish_reason == pb.FINISH_REASON_STOP
     assert done.text.startswith("The capital of France is") and "Paris" not in done.text
+
+
+@pytest.mark.parametrize("name", ["plain-sync", "ngram-async", "suffix-async"])
+def test_a_second_turn_reuses_the_first_and_still_matches_transformers(smollm2_path, name):
+    """Turn 2 sent with turn 1's answer in the history finds turn 1's prompt and answer in the prefix cache;
+    its greedy output is still `transformers`' own."""
+    from worker_service.model_loader import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_path)
+    model = load_model(smollm2_path)
+    turns = [("List three prime numbers.", "Now add them up."),
+             ("What is the capital of France?", "And of Italy?")]
+    with serve(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *CONFIGS[name]]) as server:
+        for first, second in turns:
+            turn1 = chat_prompts(smollm2_path, [first])[0]
+            answer, _ = stream_all(server.stub, [pb.GenerateRequest(
+                prompt_token_ids=turn1, sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))])[0]
+            history = [{"role": "user", "content": first},
+                       {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
+                       {"role": "user", "content": second}]
+            turn2 = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"]
+            tokens, last = stream_all(server.stub, [pb.GenerateRequest(
+                prompt_token_ids=turn2, sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))])[0]
+            with torch.inference_mode():
+                expected = model.generate(torch.tensor([turn2]), max_new_tokens=MAX_TOKENS, do_sample=False)
+            assert tokens == expected[0, len(turn2):].tolist()
+            assert last.usage.cached_prompt_tokens >= len(turn1) // 16 * 16 > 0
+        info = server.wait_idle()
+    assert info.counters.prefix_cache_hits > 0 and info.num_free_kv_blocks == info.num_kv_blocks

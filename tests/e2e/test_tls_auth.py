@@ -15,12 +15,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 
-from scheduler_service.frontends.auth import security_hooks
 from scheduler_service.cluster.cluster import Cluster
 from scheduler_service.cluster.membership import Membership, parse_worker_spec
 from scheduler_service.cluster.options import SchedulerOptions
-from scheduler_service.frontends.server import create_server
 from scheduler_service.cluster.worker_client import WorkerClient
+from scheduler_service.frontends.auth import security_hooks
+from scheduler_service.frontends.server import create_server
 from specdec import security
 from specdec.security import TlsFiles
 from specdec.v1 import generation_pb2 as pb

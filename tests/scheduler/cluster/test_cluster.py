@@ -15,8 +15,8 @@ import pytest
 from scheduler_service.cluster import cluster as cluster_module
 from scheduler_service.cluster import watchdog
 from scheduler_service.cluster.cluster import Cluster
-from scheduler_service.cluster.handle import EngineError
 from scheduler_service.cluster.engine import WorkerState
+from scheduler_service.cluster.handle import EngineError
 from scheduler_service.cluster.membership import Membership, parse_worker_spec
 from scheduler_service.cluster.options import SchedulerOptions
 from scheduler_service.core.request import Request

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.cluster.pipeline import StepPipeline
+from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request, RequestOutput
 from scheduler_service.core.scheduler import Scheduler
 from specdec.step import SequenceOutput, StepRequest, StepResult

@@ -10,11 +10,11 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
-from scheduler_service.process import flags as scheduler_flags
-from scheduler_service.process.metrics import METRICS, RequestMetrics, cluster_registry
 from scheduler_service.cluster.options import SchedulerOptions
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import SchedulerStats
+from scheduler_service.process import flags as scheduler_flags
+from scheduler_service.process.metrics import METRICS, RequestMetrics, cluster_registry
 from specdec.cli import build_parser
 from specdec.cli.serve import serve
 from specdec.metrics_server import start_metrics_server
@@ -206,3 +206,19 @@ def test_serve_forwards_a_metrics_port_per_worker_and_rejects_a_range_past_65535
                                       "--num-workers", "2"])
     assert scheduler_flags.options_from_args(args, "", ["127.0.0.1:1"]).metrics_port == 9090
     assert serve(args) == 2 and "--worker-metrics-port" in capsys.readouterr().err
+
+
+def test_prefix_cache_metrics_count_tokens_hits_and_cached_blocks(metrics_cluster):
+    cluster, _, port = metrics_cluster
+    system = [(3 * j + 1) % 50 for j in range(24)]                      # 6 full blocks of 4
+    first = Streams(cluster, {"first": system + [1]}, max_tokens=5)
+    first.join()
+    then = Streams(cluster, {"then": system + [2, 3]}, max_tokens=5)
+    then.join()
+    then.assert_complete_and_exact()
+    snap = wait_idle(cluster)
+    scrape = Scrape(port)
+    assert scrape.value("specdec_prefix_cache_queries_total") == 25 + 26 == snap.stats.num_prefix_cache_queries
+    assert scrape.value("specdec_prefix_cache_hits_total") == 24 == snap.stats.num_prefix_cache_hits
+    assert scrape.value("specdec_prefix_cache_blocks") == sum(w.num_cached_blocks for w in snap.workers) >= 6
+    assert scrape.value("specdec_prefix_cache_evictions_total") == 0
