@@ -42,7 +42,7 @@ from scheduler_service.cluster.watchdog import Watchdog
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.detokenizer import Tokenizer
 from scheduler_service.core.request import Request, RequestOutput, RequestStatus
-from scheduler_service.core.scheduler import SchedulerStats
+from scheduler_service.core.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,8 @@ from scheduler_service.cluster.worker_client import WorkerClient
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.detokenizer import Tokenizer
 from scheduler_service.core.request import Request, RequestOutput
-from scheduler_service.core.scheduler import Scheduler, SchedulerStats
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.stats import SchedulerStats
 from specdec.security import channel_credentials
 from specdec.v1.worker_pb2 import DescribeResponse
 

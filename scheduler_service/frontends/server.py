@@ -12,7 +12,7 @@ from scheduler_service.cluster.cluster import Cluster, ClusterSnapshot
 from scheduler_service.cluster.handle import EngineError
 from scheduler_service.cluster.pipeline import BusyStats
 from scheduler_service.core.request import RequestOutput
-from scheduler_service.core.scheduler import SchedulerStats
+from scheduler_service.core.stats import SchedulerStats
 from scheduler_service.frontends.frontend import Frontend
 from scheduler_service.frontends.tokenizer import ChatTokenizer
 from specdec.v1 import generation_pb2 as pb

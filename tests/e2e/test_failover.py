@@ -69,6 +69,40 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "the condition") ->
         time.sleep(0.05)
 
 
+def connect(scheduler: Process, addresses: list[str]):
+    """A channel and stub to the scheduler, once it is ready and both workers serve."""
+    channel = grpc.insecure_channel(scheduler.address(who="scheduler "))
+    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+    scheduler.wait_for("scheduler ready")
+    wait_until(lambda: all(worker_status(stub, a).state == "serving" for a in addresses), what="both workers to serve")
+    return channel, stub
+
+
+class Streams:
+    """Streams every prompt (greedy or seeded, as SEEDS says) at once, each on a thread of its own."""
+
+    def __init__(self, stub, prompts: list[list[int]], id_prefix: str):
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.finish: list = [None] * len(prompts)
+        self.threads = [threading.Thread(target=self._consume, args=(stub, i, f"{id_prefix}{i}", prompt))
+                        for i, prompt in enumerate(prompts)]
+        for thread in self.threads:
+            thread.start()
+
+    def _consume(self, stub, i: int, request_id: str, prompt: list[int]) -> None:
+        request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling(SEEDS[i]))
+        try:
+            for response in stub.Generate(request):
+                self.tokens[i] += response.token_ids
+                self.finish[i] = response.finish_reason
+        except grpc.RpcError as exc:
+            self.finish[i] = exc
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(120)
+
+
 STEP_TIMEOUT_S = 3.0
 
 
@@ -85,29 +119,9 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, reference, how):
         with running(["scheduler", "--port", "0", "--model", str(tiny_pair.target_path), "--block-size", "4",
                       "--worker-step-timeout", str(STEP_TIMEOUT_S), "--routing", "least-loaded",
                       "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
-            channel = grpc.insecure_channel(scheduler.address(who="scheduler "))
-            stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            scheduler.wait_for("scheduler ready")
-            wait_until(lambda: all(worker_status(stub, a).state == "serving" for a in addresses),
-                       what="both workers to serve")
-
-            chunks: list[list[list[int]]] = [[] for _ in PROMPTS]
-            finish: list = [None] * len(PROMPTS)
-
-            def consume(i: int) -> None:
-                request = pb.GenerateRequest(request_id=f"r{i}", prompt_token_ids=PROMPTS[i],
-                                             sampling=sampling(SEEDS[i]))
-                try:
-                    for response in stub.Generate(request):
-                        chunks[i].append(list(response.token_ids))
-                        finish[i] = response.finish_reason
-                except grpc.RpcError as exc:
-                    finish[i] = exc
-
-            threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(PROMPTS))]
-            for thread in threads:
-                thread.start()
-            wait_until(lambda: all(sum(map(len, c)) >= 4 for c in chunks), what="every stream to begin")
+            channel, stub = connect(scheduler, addresses)
+            streams = Streams(stub, PROMPTS, "r")
+            wait_until(lambda: all(len(t) >= 4 for t in streams.tokens), what="every stream to begin")
             before = {a: worker_status(stub, a) for a in addresses}
             assert all(s.num_running > 0 for s in before.values()), before  # spread over both workers
             failed_at = time.monotonic()
@@ -116,13 +130,11 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, reference, how):
             if how == "SIGSTOP":  # declared failed by the step timeout (health checks would take longer)
                 assert time.monotonic() - failed_at < STEP_TIMEOUT_S + 2.0
                 assert "no step result" in worker_status(stub, addresses[0]).last_error
-            for thread in threads:
-                thread.join(120)
+            streams.join()
 
-            assert finish == [pb.FINISH_REASON_LENGTH] * len(PROMPTS), finish
-            tokens = [[t for chunk in c for t in chunk] for c in chunks]
+            assert streams.finish == [pb.FINISH_REASON_LENGTH] * len(PROMPTS), streams.finish
             for i, expected in enumerate(reference):
-                assert tokens[i] == expected, f"request {i} (seed {SEEDS[i]}) differs from the undisturbed run"
+                assert streams.tokens[i] == expected, f"request {i} (seed {SEEDS[i]}) differs from the undisturbed run"
             info = stub.GetServerInfo(pb.GetServerInfoRequest())
             assert info.counters.num_moved_requests >= 1 and info.counters.num_worker_failures >= 1
             wait_until(lambda: (s := worker_status(stub, addresses[1])).num_free_kv_blocks == s.num_kv_blocks > 0,
@@ -164,44 +176,25 @@ def shared_reference(tiny_pair):
 
 def test_requests_moved_after_a_kill_resume_from_the_survivor_s_cached_prefix(tiny_pair, shared_reference):
     """Both workers hold the shared prefix (the requests arrive together, before either has cached it, so they
-    spread by headroom); one is killed mid-stream: its requests move, find the prefix in the survivor's cache, and finish exactly."""
+    spread by headroom); one is killed mid-stream: its requests move, find the prefix in the survivor's cache,
+    and finish exactly."""
     workers = [start_worker(tiny_pair) for _ in range(2)]
     addresses = [w.address() for w in workers]
     try:
         with running(["scheduler", "--port", "0", "--model", str(tiny_pair.target_path), "--block-size", "4",
                       "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
-            channel = grpc.insecure_channel(scheduler.address(who="scheduler "))
-            stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            scheduler.wait_for("scheduler ready")
-            wait_until(lambda: all(worker_status(stub, a).state == "serving" for a in addresses),
-                       what="both workers to serve")
-            tokens: list[list[int]] = [[] for _ in SHARED_PROMPTS]
-            finish: list = [None] * len(SHARED_PROMPTS)
-
-            def consume(i: int) -> None:
-                request = pb.GenerateRequest(request_id=f"s{i}", prompt_token_ids=SHARED_PROMPTS[i],
-                                             sampling=sampling(SEEDS[i]))
-                try:
-                    for response in stub.Generate(request):
-                        tokens[i] += response.token_ids
-                        finish[i] = response.finish_reason
-                except grpc.RpcError as exc:
-                    finish[i] = exc
-
-            threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(SHARED_PROMPTS))]
-            for thread in threads:
-                thread.start()
-            wait_until(lambda: all(len(t) >= 4 for t in tokens), what="every stream to begin")
+            channel, stub = connect(scheduler, addresses)
+            streams = Streams(stub, SHARED_PROMPTS, "s")
+            wait_until(lambda: all(len(t) >= 4 for t in streams.tokens), what="every stream to begin")
             before = {a: worker_status(stub, a) for a in addresses}
             assert all(s.num_running > 0 and s.num_cached_kv_blocks >= 9 for s in before.values()), before
             victim = max(addresses, key=lambda a: before[a].num_running)
             survivor = next(a for a in addresses if a != victim)
             workers[addresses.index(victim)].proc.send_signal(signal.SIGKILL)
-            for thread in threads:
-                thread.join(120)
-            assert finish == [pb.FINISH_REASON_LENGTH] * len(SHARED_PROMPTS), finish
+            streams.join()
+            assert streams.finish == [pb.FINISH_REASON_LENGTH] * len(SHARED_PROMPTS), streams.finish
             for i, expected in enumerate(shared_reference):
-                assert tokens[i] == expected, f"request {i} (seed {SEEDS[i]}) differs from the undisturbed run"
+                assert streams.tokens[i] == expected, f"request {i} (seed {SEEDS[i]}) differs from the undisturbed run"
             after = worker_status(stub, survivor)
             num_moved = stub.GetServerInfo(pb.GetServerInfoRequest()).counters.num_moved_requests
             assert num_moved >= 1

@@ -12,7 +12,7 @@ import pytest
 
 from scheduler_service.cluster.options import SchedulerOptions
 from scheduler_service.core.request import Request
-from scheduler_service.core.scheduler import SchedulerStats
+from scheduler_service.core.stats import SchedulerStats
 from scheduler_service.process import flags as scheduler_flags
 from scheduler_service.process.metrics import METRICS, RequestMetrics, cluster_registry
 from specdec.cli import build_parser

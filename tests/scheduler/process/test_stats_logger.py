@@ -7,7 +7,7 @@ import threading
 from scheduler_service.cluster.cluster import ClusterSnapshot
 from scheduler_service.cluster.engine import WorkerSnapshot, WorkerState
 from scheduler_service.cluster.pipeline import BusyStats
-from scheduler_service.core.scheduler import SchedulerStats
+from scheduler_service.core.stats import SchedulerStats
 from scheduler_service.process.stats_logger import StatsLogger, format_stats_line
 from tests.scheduler.cluster.test_cluster import Streams, make_cluster, prompts, serving, wait_idle, wait_until
 from tests.sim_worker import SimWorkerServer, partial_acceptance
