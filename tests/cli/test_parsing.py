@@ -127,6 +127,15 @@ def test_switches_take_yes_and_no_words(monkeypatch, value, expected):
     assert build_parser().parse_args(["generate", "hi"]).no_speculation is expected
 
 
+@pytest.mark.parametrize("value, expected", [("yes", True), ("false", False)])
+def test_an_on_off_flag_takes_its_positive_name_in_the_environment(monkeypatch, value, expected):
+    """--enable-prefix-caching / --no-enable-prefix-caching: SPECDEC_ENABLE_PREFIX_CACHING; the command line wins."""
+    monkeypatch.setenv("SPECDEC_ENABLE_PREFIX_CACHING", value)
+    assert build_parser().parse_args(["scheduler", "--worker", "h:1"]).enable_prefix_caching is expected
+    argv = ["scheduler", "--worker", "h:1", "--no-enable-prefix-caching" if expected else "--enable-prefix-caching"]
+    assert build_parser().parse_args(argv).enable_prefix_caching is not expected
+
+
 @pytest.mark.parametrize("name, value, message", [
     ("SPECDEC_PORT", "abc", "environment variable SPECDEC_PORT='abc': invalid int value: 'abc'"),
     ("SPECDEC_PROPOSER", "medusa", "environment variable SPECDEC_PROPOSER='medusa': invalid choice: 'medusa'"),
