@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from tests.tiny_models import make_tiny_pair  # noqa: E402
+from tests.tiny_models import make_tiny_pair, save_tiny_eagle3_head  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,6 +42,13 @@ def triton_device(request) -> str:
 def tiny_pair(tmp_path_factory):
     """A seeded tiny Llama target and a smaller draft sharing its vocabulary, saved as checkpoints."""
     return make_tiny_pair(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle3_head(tmp_path_factory):
+    """A random EAGLE-3 head (SpecForge layout) for the tiny target: it drafts, and nothing it drafts is
+    accepted unless the target agrees."""
+    return save_tiny_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Tiny seeded Llama models for tests: a target and a smaller draft with the same vocabulary."""
 
 from dataclasses import dataclass
+import json
 import pathlib
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -53,3 +54,45 @@ def make_tiny_pair(directory: pathlib.Path) -> TinyPair:
     draft.save_pretrained(pair.draft_path)
     save_tiny_tokenizer(pair.target_path)
     return pair
+
+
+def save_tiny_eagle3_head(directory: pathlib.Path, target_hidden: int = 64, vocab_size: int = VOCAB_SIZE,
+                          draft_vocab_size: int = 200, naming: str = "specforge", seed: int = 7,
+                          drop: str | None = None, aux_layers: list[int] | None = None) -> pathlib.Path:
+    """A randomly initialised EAGLE-3 head for the tiny target, in SpecForge's (`midlayer.`) or vLLM
+    speculators' (`model.layers.0.`) naming; `drop` leaves one tensor out. Draft id i is target id i + 3."""
+    from safetensors.torch import save_file
+
+    hidden, heads, kv_heads = 64, 4, 2
+    head_dim = hidden // heads
+    generator = torch.Generator().manual_seed(seed)
+
+    def weight(*shape):
+        return torch.randn(*shape, generator=generator) * 0.15
+
+    layer = {"input_layernorm.weight": torch.ones(hidden), "hidden_norm.weight": torch.ones(hidden),
+             "post_attention_layernorm.weight": torch.ones(hidden),
+             "self_attn.q_proj.weight": weight(heads * head_dim, 2 * hidden),
+             "self_attn.k_proj.weight": weight(kv_heads * head_dim, 2 * hidden),
+             "self_attn.v_proj.weight": weight(kv_heads * head_dim, 2 * hidden),
+             "self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+             "mlp.gate_proj.weight": weight(2 * hidden, hidden), "mlp.up_proj.weight": weight(2 * hidden, hidden),
+             "mlp.down_proj.weight": weight(hidden, 2 * hidden)}
+    prefix = "midlayer." if naming == "specforge" else "model.layers.0."
+    tensors = {prefix + name: t for name, t in layer.items()}
+    tensors.update({"fc.weight": weight(hidden, 3 * target_hidden), "norm.weight": torch.ones(hidden),
+                    "lm_head.weight": weight(draft_vocab_size, hidden),
+                    "d2t": torch.full((draft_vocab_size,), 3, dtype=torch.int64),
+                    "t2d": torch.tensor([3 <= i < 3 + draft_vocab_size for i in range(vocab_size)])})
+    if drop is not None:
+        del tensors[drop]
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "intermediate_size": 2 * hidden, "num_hidden_layers": 1,
+              "vocab_size": vocab_size, "draft_vocab_size": draft_vocab_size, "rms_norm_eps": 1e-6,
+              "max_position_embeddings": 512, "rope_theta": 10000.0, "target_hidden_size": target_hidden}
+    if aux_layers is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory

@@ -3,10 +3,10 @@
 from dataclasses import dataclass
 import re
 
-PROPOSERS = ("none", "ngram", "draft", "suffix")
+PROPOSERS = ("none", "ngram", "draft", "suffix", "eagle3")
 # k when --num-speculative-tokens is not given, per proposer: suffix and ngram as measured for the default model
 # (bench/bench_goodput.py; the README's Benchmarks), draft the common choice (no draft model ships to measure).
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"none": 0, "ngram": 5, "draft": 5, "suffix": 16}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"none": 0, "ngram": 5, "draft": 5, "suffix": 16, "eagle3": 5}
 # What `specdec serve` and `specdec worker` speculate with unless --proposer says otherwise: the best measured
 # for the default model at batch 1 (the goodput policy keeps it from costing throughput under load).
 DEFAULT_PROPOSER = "suffix"
@@ -100,8 +100,9 @@ class WorkerConfig:
             raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
         if self.scorer not in SCORERS:
             raise ValueError(f"scorer must be one of {SCORERS}, got {self.scorer!r}")
-        if self.proposer == "draft" and not self.draft_model:
-            raise ValueError("proposer 'draft' needs a draft model (--draft-model)")
+        if self.proposer in ("draft", "eagle3") and not self.draft_model:
+            raise ValueError(f"proposer {self.proposer!r} needs a draft model (--draft-model: "
+                             f"{'a checkpoint' if self.proposer == 'draft' else 'an EAGLE-3 head directory'})")
         if self.num_speculative_tokens is None:  # frozen: set once, here
             object.__setattr__(self, "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[self.proposer])
         if self.num_speculative_tokens < 0:

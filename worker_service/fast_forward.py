@@ -119,8 +119,10 @@ class FastLlamaForward:
         return None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata,
-                 rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; returns the normed hidden states of `rows` ([N] int64), [N, hidden]."""
+                 rows: torch.Tensor, aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, positions: [T]; returns the normed hidden states of `rows` ([N] int64), [N, hidden], and
+        the residual stream entering each of `aux_layers` for every row, [T, len(aux_layers) x hidden] (None
+        without aux_layers)."""
         num_tokens, hidden, dtype = input_ids.shape[0], self.hidden, self.dtype
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
@@ -143,10 +145,13 @@ class FastLlamaForward:
         ops, attention = layer_ops_cpu.c_library(), paged_attention_cpu.kernel()
         linear = project  # looked up once per step (a test replaces it to give the check teeth)
         q_ptr = qkv.data_ptr()
+        aux = torch.empty((num_tokens, len(aux_layers) * hidden), dtype=dtype) if aux_layers else None
         for index, layer in enumerate(self.layers):
             ops.specdec_add_rms_norm(code, h.data_ptr() if index else None, hidden, residual.data_ptr(), hidden,
                                      layer.input_norm.data_ptr(), x.data_ptr(), hidden, num_tokens, hidden,
                                      self.eps, threads)
+            for slot in (j for j, i in enumerate(aux_layers) if i == index):  # the stream entering this layer
+                aux[:, slot * hidden:(slot + 1) * hidden] = residual
             linear(layer.qkv, x, qkv)
             ops.specdec_rope(code, q_ptr, qkv_width, num_tokens, heads + kv_heads, head_dim, cos.data_ptr(),
                              sin.data_ptr(), head_dim, threads)
@@ -169,7 +174,7 @@ class FastLlamaForward:
                                  act.data_ptr(), self.intermediate, threads)
             linear(layer.down, act, h)
         # The last residual add and the final norm: only the rows whose logits are wanted.
-        return layer_ops_cpu.add_rms_norm(h[rows], residual[rows], self.final_norm, self.eps)
+        return layer_ops_cpu.add_rms_norm(h[rows], residual[rows], self.final_norm, self.eps), aux
 
 
 def project(layer: _Linear, source: torch.Tensor, target: torch.Tensor) -> None:

@@ -13,10 +13,12 @@ FORWARDED = ("draft_model", "proposer", "num_speculative_tokens", "ngram_min", "
 def add_flags(p: argparse.ArgumentParser) -> None:
     """Adds the model, speculation and KV-memory flags (not --model, --host, --port or --num-threads)."""
     p.add_argument("--draft-model", default=None,
-                   help="draft model (same vocabulary) for --proposer draft (default: none)")
+                   help="draft model (same vocabulary) for --proposer draft, or an EAGLE-3 head directory for "
+                        "--proposer eagle3 (default: none)")
     p.add_argument("--proposer", choices=PROPOSERS, default=DEFAULT_PROPOSER,
-                   help="none (plain decoding), ngram (prompt lookup), draft (a smaller model) or suffix (the "
-                        "request's own tokens and recent outputs on the worker)")
+                   help="none (plain decoding), ngram (prompt lookup), draft (a smaller model), suffix (the "
+                        "request's own tokens and recent outputs on the worker) or eagle3 (an EAGLE-3 head reading "
+                        "the target's hidden states, --draft-model)")
     defaults = ", ".join(f"{name} {k}" for name, k in DEFAULT_NUM_SPECULATIVE_TOKENS.items() if k)
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help=f"most drafts per sequence and step (default: the proposer's: {defaults})")

@@ -14,6 +14,7 @@ from specdec.announce import announce
 from specdec.metrics_server import start_metrics_server
 from worker_service import device as devices
 from worker_service.config import WorkerConfig, resolve_dtype
+from worker_service.eagle3 import TargetFacts, load_head
 from worker_service.model_loader import checkpoint_dtype, load_model
 from worker_service.model_runner import ModelRunner
 from worker_service.quantization import gguf_format
@@ -27,7 +28,7 @@ PARENT_GONE_EXIT_S = 5.0      # once the parent is gone, the longest the orderly
 
 
 def build_worker(config: WorkerConfig) -> Worker:
-    """Loads the target (and draft) model on the worker's device and wraps them in a Worker.
+    """Loads the target (and draft model or EAGLE-3 head) on the worker's device and wraps them in a Worker.
 
     Its config carries what Describe reports: the device (--device resolved), the dtype the models run in
     ("auto" resolved from the target's checkpoint) and the KV budget (on CUDA, from --gpu-memory-utilization).
@@ -39,14 +40,18 @@ def build_worker(config: WorkerConfig) -> Worker:
     dtype = resolve_dtype(config.dtype, checkpoint_dtype(config.model), device.type,
                           gguf_format(config.model) if device.type == "cpu" else None)
     target = ModelRunner(load_model(config.model, dtype, device))
-    draft = None
+    draft = head = None
     if config.proposer == "draft":
         draft = ModelRunner(load_model(config.draft_model, dtype, device))
+    if config.proposer == "eagle3":
+        model = target.model
+        facts = TargetFacts(model.config.hidden_size, model.config.vocab_size, model.config.num_hidden_layers)
+        head = load_head(config.draft_model, facts, model.model.embed_tokens, device)
     budget = devices.kv_cache_budget_bytes(config, device)
     logger.info("running on %s in %s (--dtype %s); KV cache budget %.2f GiB", devices.describe(device), dtype,
                 config.dtype, budget / devices.GIB)
     config = replace(config, device=str(device), dtype=dtype, kv_cache_memory_bytes=budget)
-    return Worker(config, target, draft)
+    return Worker(config, target, draft, head)
 
 
 def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = True,

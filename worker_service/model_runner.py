@@ -95,6 +95,10 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.from_config(model.config, model.dtype)
         self.vocab_size = model.config.vocab_size
         self.kv_cache: KVCache | None = None
+        # Layers whose input (the residual stream entering them) a forward keeps for an EAGLE-3 head, and what
+        # the last forward kept: [T, len(aux_layers) x hidden], every packed row (proposers/eagle3.py).
+        self.aux_layers: tuple[int, ...] = ()
+        self.last_aux_hidden: torch.Tensor | None = None
 
     def init_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """(Re)allocates the KV cache; every cached K/V is dropped."""
@@ -111,9 +115,14 @@ class ModelRunner:
             raise RuntimeError("the KV cache is not initialised")
         batch = pack(chunks, self.kv_cache, self.device)
         if self.fast_forward is not None:  # the hidden states of the logits rows only: [N, hidden]
-            hidden = self.fast_forward(batch.input_ids, batch.positions, batch.metadata, batch.logits_indices)
+            hidden, self.last_aux_hidden = self.fast_forward(batch.input_ids, batch.positions, batch.metadata,
+                                                             batch.logits_indices, self.aux_layers)
         else:
-            hidden = self.model.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
-                                      use_cache=False, paged_metadata=batch.metadata).last_hidden_state[0]
-            hidden = hidden[batch.logits_indices]  # [N, hidden]
+            out = self.model.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
+                                   use_cache=False, paged_metadata=batch.metadata,
+                                   output_hidden_states=bool(self.aux_layers))
+            hidden = out.last_hidden_state[0][batch.logits_indices]  # [N, hidden]
+            # hidden_states[i]: the input of layer i ([0] the embeddings)
+            self.last_aux_hidden = (torch.cat([out.hidden_states[i][0] for i in self.aux_layers], dim=-1)
+                                    if self.aux_layers else None)
         return self.model.lm_head(hidden).float()  # [N, V]

@@ -12,7 +12,9 @@ import time
 from specdec import step
 from worker_service.config import WorkerConfig
 from worker_service.model_runner import ModelRunner, SequenceChunk
+from worker_service.eagle3 import Eagle3Head
 from worker_service.proposers.draft import DraftProposer
+from worker_service.proposers.eagle3 import Eagle3Proposer
 from worker_service.proposers.ngram import NgramProposer
 from worker_service.proposers.suffix import SuffixProposer
 from worker_service.request_state import (InvalidStepError, RequestState, apply_cached, check_cached,
@@ -24,12 +26,14 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    """Holds the target (and draft) model runners and the requests' cached state."""
+    """Holds the target (and draft model or EAGLE-3 head) and the requests' cached state."""
 
-    def __init__(self, config: WorkerConfig, target: ModelRunner, draft: ModelRunner | None = None):
+    def __init__(self, config: WorkerConfig, target: ModelRunner, draft: ModelRunner | None = None,
+                 head: Eagle3Head | None = None):
         self.config = config
         self.target = target
         self.draft = draft
+        self.head = head
         self.proposer = self._make_proposer()
         self.score = SCORERS[config.scorer]
         model_limit = getattr(target.model.config, "max_position_embeddings", None) or 2048
@@ -50,6 +54,10 @@ class Worker:
             return DraftProposer(self.draft)
         if self.config.proposer == "suffix":
             return SuffixProposer(self.config.suffix_cache_tokens)
+        if self.config.proposer == "eagle3":
+            if self.head is None:
+                raise ValueError("proposer 'eagle3' needs an EAGLE-3 head")
+            return Eagle3Proposer(self.head, self.target)
         return None
 
     @property
@@ -57,9 +65,12 @@ class Worker:
         return self.block_size is not None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        """Target + draft KV bytes of one block."""
-        runners = [r for r in (self.target, self.draft) if r is not None]
-        return sum(r.kv_spec.bytes_per_block(block_size) for r in runners)
+        """Target + draft (or head) KV bytes of one block."""
+        return sum(owner.kv_spec.bytes_per_block(block_size) for owner in self._kv_owners())
+
+    def _kv_owners(self) -> list:
+        """Every model with a paged KV cache on the same block ids."""
+        return [owner for owner in (self.target, self.draft, self.head) if owner is not None]
 
     def drop_requests(self) -> None:
         """Forgets every request (a new scheduler session starts)."""
@@ -77,9 +88,8 @@ class Worker:
             raise InvalidStepError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
         if (num_blocks, block_size) != (self.num_blocks, self.block_size):
             self.drop_requests()
-            for runner in (self.target, self.draft):
-                if runner is not None:
-                    runner.init_cache(num_blocks, block_size)
+            for owner in self._kv_owners():
+                owner.init_cache(num_blocks, block_size)
             self.num_blocks, self.block_size = num_blocks, block_size
         return self.kv_bytes_per_block(block_size) * num_blocks
 
@@ -152,6 +162,9 @@ class Worker:
             state.num_computed_tokens += state.scheduled_new_tokens
         for row, i in enumerate(sampling_rows):
             self._accept(scheduled[i], drafts[i], result, row, outputs[scheduled[i].request_id])
+        if self.proposer is not None:  # positions committed this step: the chunk's tokens and accepted drafts
+            self.proposer.after_step(scheduled, chunks, [s.num_computed_tokens - c.start_pos
+                                                         for s, c in zip(scheduled, chunks)])
         for state in scheduled:
             outputs[state.request_id].num_kv_written_tokens = self._num_kv_written_tokens(state)
         t3 = time.perf_counter()

@@ -44,14 +44,18 @@ CONFIGS = {
     "suffix-sync": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "sync"],
     "suffix-async-preempt": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "async",
                              "--num-kv-blocks", "24"],
+    "eagle3-async-preempt": ["--proposer", "eagle3", "--num-speculative-tokens", "3", "--scheduling", "async",
+                             "--num-kv-blocks", "24", "--speculation-policy", "fixed"],
 }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_concurrent_greedy_outputs_are_identical(tiny_pair, reference, name):
+def test_concurrent_greedy_outputs_are_identical(tiny_pair, tiny_eagle3_head, reference, name):
     args = CONFIGS[name]
     if "draft" in name:
         args = [*args, "--draft-model", str(tiny_pair.draft_path)]
+    if "eagle3" in name:
+        args = [*args, "--draft-model", str(tiny_eagle3_head)]
     with serve(tiny_args(tiny_pair, *args)) as server:
         results = stream_all(server.stub, [greedy_request(p, MAX_TOKENS) for p in PROMPTS])
         assert [tokens for tokens, _ in results] == reference

@@ -20,9 +20,10 @@ class Driver:
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  sampling: step.RequestSampling | list[step.RequestSampling] | None = None,
-                 num_speculative_tokens: int | list[int] = 0, prefix: str = "r") -> list[list[int]]:
+                 num_speculative_tokens: int | list[int] = 0, prefix: str = "r", keep: bool = False) -> list[list[int]]:
         """`sampling`: one for all requests, or one per prompt (default greedy); every decode step has
-        k = num_speculative_tokens, one for all or one per prompt (the tables always have room for it)."""
+        k = num_speculative_tokens, one for all or one per prompt (the tables always have room for it).
+        `keep`: the worker keeps the requests at the end (ids `{prefix}{i}`), else they are finished."""
         sampling = sampling or step.RequestSampling(temperature=0.0)
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ks = num_speculative_tokens if isinstance(num_speculative_tokens, list) else [num_speculative_tokens] * len(
@@ -45,6 +46,6 @@ class Driver:
             request = step.StepRequest(next(self.step_ids), cached_requests=cached)
             for c in cached:  # keep the whole table: num_blocks_kept = its current length
                 c.num_blocks_kept = -(-(len(prompts[ids.index(c.request_id)]) + max_tokens + 8) // self.block_size)
-        finished = step.StepRequest(next(self.step_ids), finished_request_ids=ids)
-        self.execute(finished)
+        if not keep:
+            self.execute(step.StepRequest(next(self.step_ids), finished_request_ids=ids))
         return [outputs[rid][:max_tokens] for rid in ids]

@@ -3,8 +3,9 @@
 Every proposer has the same methods, so the worker treats them alike:
 `propose` (up to num_drafts[i] tokens for states[i], possibly fewer, never
 more), `after_verify` (what a proposer keeps once the step's drafts were
-checked), `release` (the worker drops these requests: finished, preempted
-or a new session) and `num_kv_tokens` (how far a proposer with a KV cache of
+checked), `after_step` (the step's committed positions, once a step),
+`release` (the worker drops these requests: finished, preempted or a new
+session) and `num_kv_tokens` (how far a proposer with a KV cache of
 its own has written it: the prefix cache may only keep blocks every model wrote).
 """
 
@@ -29,6 +30,10 @@ class Proposer:
 
     def after_verify(self, state, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         """Called after each sampling step of `state` (its emitted tokens are already appended)."""
+
+    def after_step(self, states: list, chunks: list, num_committed: list[int]) -> None:
+        """Called once a step, after acceptance, with the step's states, their target chunks and how many of each
+        chunk's positions were committed (its known tokens and the accepted drafts)."""
 
     def release(self, states: list) -> None:
         """Called with the requests the worker drops, before their state is forgotten."""

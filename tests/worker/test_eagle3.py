@@ -1,0 +1,131 @@
+"""EAGLE-3 heads: loading both stacks' layouts, refusing heads that do not fit, the target's auxiliary hidden
+states, the head's catch-up on its own paged KV, and lossless output (tiny target, random tiny heads)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdec import step
+from tests.tiny_models import save_tiny_eagle3_head
+from tests.worker.driver import Driver
+from worker_service.config import WorkerConfig
+from worker_service.eagle3 import HeadError, TargetFacts, load_head
+from worker_service.model_loader import load_model
+from worker_service.model_runner import ModelRunner, SequenceChunk
+from worker_service.worker import Worker
+
+BLOCK_SIZE, NUM_BLOCKS = 4, 400
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [40] * 12, [10, 11, 12, 10, 11, 12, 10], list(range(3, 23)), [100, 101, 102]]
+
+
+def facts(model) -> TargetFacts:
+    return TargetFacts(model.config.hidden_size, model.config.vocab_size, model.config.num_hidden_layers)
+
+
+def make_worker(pair, head_dir=None, k=4, dtype="float32") -> Worker:
+    proposer = "eagle3" if head_dir is not None else "none"
+    config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k if head_dir else 0,
+                          draft_model=str(head_dir) if head_dir else None, dtype=dtype)
+    target = ModelRunner(load_model(pair.target_path, dtype))
+    head = None
+    if head_dir is not None:
+        head = load_head(head_dir, facts(target.model), target.model.model.embed_tokens, target.device)
+    worker = Worker(config, target, None, head)
+    worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    return worker
+
+
+@pytest.mark.parametrize("naming", ["specforge", "speculators"])
+def test_both_stacks_layouts_load(tiny_pair, tmp_path, naming):
+    model = load_model(tiny_pair.target_path)
+    head = load_head(save_tiny_eagle3_head(tmp_path / naming, naming=naming), facts(model),
+                     model.model.embed_tokens, model.device)
+    assert head.aux_layers == (2, 2, 1)                    # 2, L/2, L-3 of the 4-layer target
+    assert head.draft_to_target[:3].tolist() == [3, 4, 5]
+    configured = load_head(save_tiny_eagle3_head(tmp_path / "aux", aux_layers=[0, 1, 3]), facts(model),
+                           model.model.embed_tokens, model.device)
+    assert configured.aux_layers == (0, 1, 3)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(target_hidden=32), "it reads hidden states of size 32 (fc takes 96); the target's hidden size is 64"),
+    (dict(vocab_size=300), "vocabulary 300; the target's is 256"),
+    (dict(drop="midlayer.self_attn.k_proj.weight"), "missing tensor midlayer.self_attn.k_proj.weight"),
+    (dict(drop="d2t"), "missing tensor d2t"),
+    (dict(drop="midlayer.input_layernorm.weight"), "no decoder layer: missing tensor midlayer.input_layernorm"),
+    (dict(aux_layers=[0, 1, 4]), "it reads target layers [0, 1, 4]; the target has 4 layers"),
+])
+def test_a_head_that_does_not_fit_is_refused_naming_both_values(tiny_pair, tmp_path, kwargs, message):
+    model = load_model(tiny_pair.target_path)
+    with pytest.raises(HeadError, match=None) as info:
+        load_head(save_tiny_eagle3_head(tmp_path / "head", **kwargs), facts(model), model.model.embed_tokens,
+                  model.device)
+    assert message in str(info.value)
+
+
+def test_the_fast_forward_keeps_the_stream_entering_the_chosen_layers(tiny_pair):
+    runner = ModelRunner(load_model(tiny_pair.target_path))
+    runner.init_cache(64, BLOCK_SIZE)
+    assert runner.fast_forward is not None
+    runner.aux_layers = (2, 0, 3)
+    tokens = list(range(3, 20))
+    runner.forward([SequenceChunk(tokens, 0, list(range(5)))])
+    with torch.inference_mode():  # transformers' own forward (SDPA) on a fresh copy: hidden_states[i] enters layer i
+        states = load_model(tiny_pair.target_path)(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    expected = torch.cat([states[i][0] for i in (2, 0, 3)], dim=-1)       # [T, 3 x hidden]
+    torch.testing.assert_close(runner.last_aux_hidden, expected, rtol=1e-4, atol=1e-4)
+    runner.fast_forward = None                                              # transformers' forward keeps them too
+    runner.forward([SequenceChunk(tokens, 0, list(range(5, 10)))])
+    torch.testing.assert_close(runner.last_aux_hidden, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    return save_tiny_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_eagle3_equals_plain_decoding_with_mixed_k(tiny_pair, head_dir, dtype):
+    plain = Driver(make_worker(tiny_pair, dtype=dtype).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 24)
+    worker = make_worker(tiny_pair, head_dir, k=5, dtype=dtype)
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
+    assert driver.generate(PROMPTS, 24, num_speculative_tokens=[1, 2, 3, 4, 5]) == plain
+    assert sum(o.num_draft_tokens for r in driver.results for o in r.outputs) > 0
+
+
+def test_seeded_eagle3_equals_plain_seeded_alone_and_batched(tiny_pair, head_dir):
+    sampling = [step.RequestSampling(temperature=0.9, top_p=0.95, seed=100 + i) for i in range(len(PROMPTS))]
+    plain = Driver(make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 20, sampling)
+    worker = make_worker(tiny_pair, head_dir)
+    batched = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 20, sampling, 4, prefix="b")
+    alone = [Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate([p], 20, [s], 3, prefix=f"a{i}-")[0]
+             for i, (p, s) in enumerate(zip(PROMPTS, sampling))]
+    assert batched == alone == plain
+
+
+def test_after_steps_the_next_proposal_equals_a_fresh_runs(tiny_pair, head_dir):
+    """The head's K/V after prefill, rejections and a cache hit's start equals a fresh prefill's over the
+    same tokens: its next drafts are the same (a catch-up that skips positions fails this)."""
+    worker = make_worker(tiny_pair, head_dir, k=3)
+    Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS[:3], 9, num_speculative_tokens=3, keep=True)
+    fresh = make_worker(tiny_pair, head_dir, k=3)
+    Driver(fresh.execute, BLOCK_SIZE, NUM_BLOCKS).generate([worker.requests[f"r{i}"].token_ids[:-1] for i in range(3)],
+                                                           1, keep=True, prefix="f")
+    for i in range(3):
+        stepped, fresh_state = worker.requests[f"r{i}"], fresh.requests[f"f{i}"]
+        assert fresh_state.token_ids == stepped.token_ids             # greedy: the same sampled last token
+        a = worker.proposer.propose([stepped], [3]).draft_token_ids
+        b = fresh.proposer.propose([fresh_state], [3]).draft_token_ids
+        assert a == b and len(a[0]) == 3
+
+
+def test_a_worker_process_with_a_bad_head_exits_at_start_saying_why(tiny_pair, tmp_path):
+    bad = save_tiny_eagle3_head(tmp_path / "bad", vocab_size=300)
+    result = subprocess.run([sys.executable, "-m", "specdec", "worker", "--port", "0", "--model",
+                             str(tiny_pair.target_path), "--proposer", "eagle3", "--draft-model", str(bad)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == (f"specdec worker: error: EAGLE-3 head {bad}: vocabulary 300; "
+                                                      "the target's is 256")
