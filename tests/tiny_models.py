@@ -58,9 +58,11 @@ def make_tiny_pair(directory: pathlib.Path) -> TinyPair:
 
 def save_tiny_eagle3_head(directory: pathlib.Path, target_hidden: int = 64, vocab_size: int = VOCAB_SIZE,
                           draft_vocab_size: int = 200, naming: str = "specforge", seed: int = 7,
-                          drop: str | None = None, aux_layers: list[int] | None = None) -> pathlib.Path:
+                          drop: str | None = None, aux_layers: list[int] | None = None,
+                          d2t: list[int] | None = None) -> pathlib.Path:
     """A randomly initialised EAGLE-3 head for the tiny target, in SpecForge's (`midlayer.`) or vLLM
-    speculators' (`model.layers.0.`) naming; `drop` leaves one tensor out. Draft id i is target id i + 3."""
+    speculators' (`model.layers.0.`) naming; `drop` leaves one tensor out. Draft id i is target id i + 3,
+    or i + d2t[i]."""
     from safetensors.torch import save_file
 
     hidden, heads, kv_heads = 64, 4, 2
@@ -82,7 +84,7 @@ def save_tiny_eagle3_head(directory: pathlib.Path, target_hidden: int = 64, voca
     tensors = {prefix + name: t for name, t in layer.items()}
     tensors.update({"fc.weight": weight(hidden, 3 * target_hidden), "norm.weight": torch.ones(hidden),
                     "lm_head.weight": weight(draft_vocab_size, hidden),
-                    "d2t": torch.full((draft_vocab_size,), 3, dtype=torch.int64),
+                    "d2t": torch.tensor(d2t or [3] * draft_vocab_size, dtype=torch.int64),
                     "t2d": torch.tensor([3 <= i < 3 + draft_vocab_size for i in range(vocab_size)])})
     if drop is not None:
         del tensors[drop]

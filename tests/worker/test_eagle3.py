@@ -105,17 +105,26 @@ def test_seeded_eagle3_equals_plain_seeded_alone_and_batched(tiny_pair, head_dir
     assert batched == alone == plain
 
 
-def test_after_steps_the_next_proposal_equals_a_fresh_runs(tiny_pair, head_dir):
-    """The head's K/V after prefill, rejections and a cache hit's start equals a fresh prefill's over the
-    same tokens: its next drafts are the same (a catch-up that skips positions fails this)."""
+def test_after_steps_the_next_proposal_equals_a_fresh_runs(tiny_pair, tmp_path):
+    """The head's K/V after a prefill, rejected drafts, and all drafts accepted with a bonus token equals a
+    fresh prefill's over the same tokens: the same features and drafts for the next step (a catch-up that skips
+    or misplaces positions fails this). The head maps 3 of 4 draft ids to token 124, which the target repeats
+    after [9] * 5, so runs of drafts are accepted there."""
+    head_dir = save_tiny_eagle3_head(tmp_path / "head", d2t=[124 - i for i in range(150)] + [3] * 50)
+    prompts = [[9] * 5, PROMPTS[0], PROMPTS[3]]
     worker = make_worker(tiny_pair, head_dir, k=3)
-    Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS[:3], 9, num_speculative_tokens=3, keep=True)
+    stepped_driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
+    stepped_driver.generate(prompts, 14, num_speculative_tokens=3, keep=True)
+    outputs = [o for r in stepped_driver.results for o in r.outputs]
+    assert any(o.num_accepted_tokens == o.num_draft_tokens == 3 for o in outputs)    # all accepted + bonus
+    assert any(o.num_accepted_tokens < o.num_draft_tokens for o in outputs)          # and rejections
     fresh = make_worker(tiny_pair, head_dir, k=3)
-    Driver(fresh.execute, BLOCK_SIZE, NUM_BLOCKS).generate([worker.requests[f"r{i}"].token_ids[:-1] for i in range(3)],
-                                                           1, keep=True, prefix="f")
-    for i in range(3):
+    Driver(fresh.execute, BLOCK_SIZE, NUM_BLOCKS).generate(
+        [worker.requests[f"r{i}"].token_ids[:-1] for i in range(len(prompts))], 1, keep=True, prefix="f")
+    for i in range(len(prompts)):
         stepped, fresh_state = worker.requests[f"r{i}"], fresh.requests[f"f{i}"]
         assert fresh_state.token_ids == stepped.token_ids             # greedy: the same sampled last token
+        assert torch.equal(worker.proposer._next[f"r{i}"].feature, fresh.proposer._next[f"f{i}"].feature)
         a = worker.proposer.propose([stepped], [3]).draft_token_ids
         b = fresh.proposer.propose([fresh_state], [3]).draft_token_ids
         assert a == b and len(a[0]) == 3

@@ -55,8 +55,9 @@ class Eagle3Proposer(Proposer):
             features[i] = nxt.feature
         for depth in range(1, max((num_drafts[i] for i in active), default=0)):
             rows = [i for i in active if num_drafts[i] > depth]
-            # The draft at depth d sits at position num_tokens + d - 1; the head there reads it, predicts the next.
-            chunks = [SequenceChunk([drafts[i][-1]], states[i].num_tokens + depth - 1, states[i].block_table)
+            # Draft d (1-based) is the token at position num_tokens + d - 1; the head reads it one position
+            # earlier (at p, the token at p + 1), with its own pre-norm output at the position before as feature.
+            chunks = [SequenceChunk([drafts[i][-1]], states[i].num_tokens + depth - 2, states[i].block_table)
                       for i in rows]
             normed, prenorm = self._run(chunks, torch.stack([features[i] for i in rows]))
             for row, (i, token) in enumerate(zip(rows, self.head.draft_tokens(normed))):
