@@ -138,3 +138,27 @@ def test_a_worker_process_with_a_bad_head_exits_at_start_saying_why(tiny_pair, t
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1] == (f"specdec worker: error: EAGLE-3 head {bad}: vocabulary 300; "
                                                       "the target's is 256")
+
+
+def test_a_resumed_request_on_cached_blocks_drafts_as_a_fresh_run(tiny_pair, tmp_path):
+    """Preempted (the worker drops it) and sent again with a prefix-cache hit on its old blocks: the head's
+    K/V below the hit is what the blocks hold, and its next drafts equal a fresh run's."""
+    head_dir = save_tiny_eagle3_head(tmp_path / "head", d2t=[124 - i for i in range(150)] + [3] * 50)
+    worker = make_worker(tiny_pair, head_dir, k=3)
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
+    driver.generate([[9] * 5], 13, num_speculative_tokens=3, keep=True)
+    old = worker.requests["r0"]
+    tokens, table = old.token_ids[:-1], list(old.block_table)
+    worker.execute(step.StepRequest(next(driver.step_ids), finished_request_ids=["r0"]))  # preempted
+    num_cached = (len(tokens) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert worker.proposer.num_kv_tokens(old) >= num_cached                # the head wrote those blocks too
+    again = step.NewRequest("again", tokens, len(tokens), step.RequestSampling(temperature=0.0), table,
+                            len(tokens) - num_cached, 3, num_computed_tokens=num_cached)
+    worker.execute(step.StepRequest(next(driver.step_ids), new_requests=[again]))
+    fresh = make_worker(tiny_pair, head_dir, k=3)
+    Driver(fresh.execute, BLOCK_SIZE, NUM_BLOCKS).generate([tokens], 1, keep=True, prefix="f")
+    resumed, fresh_state = worker.requests["again"], fresh.requests["f0"]
+    assert resumed.token_ids == fresh_state.token_ids
+    assert torch.equal(worker.proposer._next["again"].feature, fresh.proposer._next["f0"].feature)
+    assert (worker.proposer.propose([resumed], [3]).draft_token_ids
+            == fresh.proposer.propose([fresh_state], [3]).draft_token_ids)
