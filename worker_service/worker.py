@@ -11,8 +11,8 @@ import time
 
 from specdec import step
 from worker_service.config import WorkerConfig
-from worker_service.model_runner import ModelRunner, SequenceChunk
 from worker_service.eagle3 import Eagle3Head
+from worker_service.model_runner import ModelRunner, SequenceChunk
 from worker_service.proposers.draft import DraftProposer
 from worker_service.proposers.eagle3 import Eagle3Proposer
 from worker_service.proposers.ngram import NgramProposer
