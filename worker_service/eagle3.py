@@ -87,7 +87,6 @@ class Eagle3Head(torch.nn.Module):
                  aux_layers: tuple[int, ...], target_embedding: torch.nn.Embedding):
         super().__init__()
         hidden = config.hidden_size
-        self.config = config
         self.aux_layers = aux_layers
         self.fc = _linear(tensors["fc.weight"])
         self.embed_tokens = (torch.nn.Embedding.from_pretrained(tensors["embed_tokens.weight"])

@@ -252,12 +252,13 @@ class Scheduler:
 
     def cached_prefix(self, request: Request) -> list[int]:
         """The cached blocks this worker holds of the request's longest cached prefix (a routing hint too)."""
-        if not self.block_manager.enable_prefix_caching:
-            return []
         return self.block_manager.cached_prefix(self._block_hashes(request), request.num_tokens)
 
     def _block_hashes(self, request: Request) -> list[bytes]:
-        """The hashes of the request's full blocks of committed tokens, under this worker's root."""
+        """The hashes of the request's full blocks of committed tokens, under this worker's root (none, and no
+        hashing, with prefix caching off)."""
+        if not self.block_manager.enable_prefix_caching:
+            return []
         hashes = request.block_hashes
         if hashes is None or hashes.root != self._cache_root or hashes.block_size != self.config.block_size:
             hashes = request.block_hashes = BlockHashes(self._cache_root, self.config.block_size)
@@ -383,7 +384,7 @@ class Scheduler:
 
     def _cache_blocks(self, request: Request, num_kv_written_tokens: int) -> None:
         """Offers the request's full blocks of committed tokens with every model's KV written to the cache."""
-        if self.block_manager.enable_prefix_caching and self.block_manager.has_blocks(request.request_id):
+        if self.block_manager.has_blocks(request.request_id):
             num_written = min(num_kv_written_tokens, request.num_tokens)  # tokens after a stop are not committed
             self.block_manager.cache_blocks(request.request_id, self._block_hashes(request), num_written)
 

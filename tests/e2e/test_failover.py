@@ -17,6 +17,7 @@ import pytest
 from specdec import step
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
+from tests.e2e.test_prefix_caching import SYSTEM  # a shared system prompt: 9 full blocks of 4
 from tests.processes import Process, running
 from tests.worker.driver import Driver
 from worker_service.config import WorkerConfig
@@ -159,7 +160,6 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, reference, how):
             worker.stop()
 
 
-SYSTEM = [(13 * j + 5) % 240 + 3 for j in range(37)]   # a shared system prompt: 9 full blocks of 4
 SHARED_PROMPTS = [SYSTEM + p for p in PROMPTS]
 
 
