@@ -30,6 +30,11 @@ def run(server) -> tuple[list[list[int]], list[pb.GenerateResponse]]:
     return [first] + [tokens for tokens, _ in results], [last for _, last in results]
 
 
+def greedy_only(outputs: list[list[int]]) -> list[list[int]]:
+    """The cold request's and the greedy workload requests' outputs (run's order: cold, then greedy/seeded pairs)."""
+    return [outputs[0], *outputs[1::2]]
+
+
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def uncached(request, tiny_pair):
     """The outputs of a server without prefix caching (plain decoding), per dtype."""
@@ -62,6 +67,11 @@ def test_outputs_with_cache_hits_equal_outputs_without_caching(tiny_pair, uncach
     with serve(tiny_args(tiny_pair, *args)) as server:
         outputs, lasts = run(server)
         info = server.wait_idle()
+    if "draft" in name:
+        # Model drafts are accepted with probability q/p: a seeded request's tokens then depend on which positions
+        # were drafted, which the goodput policy's k and async preemption vary from run to run, cache or not
+        # (worker_service/rejection_sampler.py). Greedy ones must still match.
+        outputs, expected = greedy_only(outputs), greedy_only(expected)
     assert outputs == expected
     assert info.enable_prefix_caching and info.routing == "cache-aware"
     # Every workload request finds at least the system prompt's 9 blocks (the cold request left them).
