@@ -52,7 +52,7 @@ def step_request_from_proto(m: pb.ExecuteModelRequest) -> step.StepRequest:
 def step_result_to_proto(r: step.StepResult) -> pb.ExecuteModelResponse:
     outputs = [pb.SequenceOutput(request_id=o.request_id, token_ids=o.token_ids, logprobs=o.logprobs,
                                  num_draft_tokens=o.num_draft_tokens, num_accepted_tokens=o.num_accepted_tokens,
-                                 num_kv_written_tokens=o.num_kv_written_tokens)
+                                 num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer)
                for o in r.outputs]
     s = r.stats
     stats = pb.StepStats(propose_ms=s.propose_ms, score_ms=s.score_ms, verify_ms=s.verify_ms,
@@ -64,7 +64,7 @@ def step_result_from_proto(m: pb.ExecuteModelResponse) -> step.StepResult:
     outputs = [step.SequenceOutput(request_id=o.request_id, token_ids=list(o.token_ids),
                                    logprobs=list(o.logprobs), num_draft_tokens=o.num_draft_tokens,
                                    num_accepted_tokens=o.num_accepted_tokens,
-                                   num_kv_written_tokens=o.num_kv_written_tokens)
+                                   num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer)
                for o in m.outputs]
     s = m.stats
     stats = step.StepStats(propose_ms=s.propose_ms, score_ms=s.score_ms, verify_ms=s.verify_ms,

@@ -87,6 +87,7 @@ class SequenceOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_kv_written_tokens: int = 0  # positions [0, n) with every model's KV written: cacheable full blocks
+    proposer: str = ""  # the proposer whose drafts were scored ("" without drafts)
 
 
 @dataclass

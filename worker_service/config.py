@@ -7,6 +7,9 @@ PROPOSERS = ("none", "ngram", "draft", "suffix", "eagle3")
 # k when --num-speculative-tokens is not given, per proposer: suffix and ngram as measured for the default model
 # (bench/bench_goodput.py; the README's Benchmarks), draft the common choice (no draft model ships to measure).
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"none": 0, "ngram": 5, "draft": 5, "suffix": 16, "eagle3": 5}
+# Proposers that may run together (`--proposer eagle3,suffix`): the copy-like ones, whose drafts carry no
+# draft probabilities (proposers/combined.py); none and draft run alone.
+COMBINABLE_PROPOSERS = ("ngram", "suffix", "eagle3")
 # What `specdec serve` and `specdec worker` speculate with unless --proposer says otherwise: the best measured
 # for the default model at batch 1 (the goodput policy keeps it from costing throughput under load).
 DEFAULT_PROPOSER = "suffix"
@@ -18,6 +21,22 @@ DTYPE_ALIASES = {"half": "float16"}
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES, *QUANTIZED_DTYPES, *DTYPE_ALIASES)  # what --dtype takes
 DEVICE_SPELLINGS = "auto, cpu, cuda or cuda:N"              # what --device takes
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+def proposer_names(proposer: str) -> tuple[str, ...]:
+    """The proposers of a --proposer value ("eagle3,suffix" -> ("eagle3", "suffix")); ValueError names a bad one."""
+    names = tuple(name.strip() for name in proposer.split(","))
+    for name in names:
+        if name not in PROPOSERS:
+            raise ValueError(f"invalid proposer {name!r}: choose one of {', '.join(PROPOSERS)}, or several of "
+                             f"{', '.join(COMBINABLE_PROPOSERS)} joined by commas")
+    if len(names) > 1:
+        alone = [n for n in names if n not in COMBINABLE_PROPOSERS]
+        if alone:
+            raise ValueError(f"proposer {alone[0]!r} runs alone; combine only {', '.join(COMBINABLE_PROPOSERS)}")
+        if len(set(names)) < len(names):
+            raise ValueError(f"proposer list {proposer!r} names one proposer twice")
+    return names
 
 
 def normalize_dtype(name: str) -> str:
@@ -96,15 +115,16 @@ class WorkerConfig:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))  # frozen: set once, here
-        if self.proposer not in PROPOSERS:
-            raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
+        object.__setattr__(self, "proposer", ",".join(proposer_names(self.proposer)))  # one spelling
         if self.scorer not in SCORERS:
             raise ValueError(f"scorer must be one of {SCORERS}, got {self.scorer!r}")
-        if self.proposer in ("draft", "eagle3") and not self.draft_model:
-            raise ValueError(f"proposer {self.proposer!r} needs a draft model (--draft-model: "
-                             f"{'a checkpoint' if self.proposer == 'draft' else 'an EAGLE-3 head directory'})")
+        needs_model = [n for n in self.proposer_names if n in ("draft", "eagle3")]
+        if needs_model and not self.draft_model:
+            raise ValueError(f"proposer {needs_model[0]!r} needs a draft model (--draft-model: "
+                             f"{'a checkpoint' if needs_model[0] == 'draft' else 'an EAGLE-3 head directory'})")
         if self.num_speculative_tokens is None:  # frozen: set once, here
-            object.__setattr__(self, "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[self.proposer])
+            object.__setattr__(self, "num_speculative_tokens",
+                               max(DEFAULT_NUM_SPECULATIVE_TOKENS[n] for n in self.proposer_names))
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.proposer != "none" and self.num_speculative_tokens == 0:
@@ -120,3 +140,7 @@ class WorkerConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def proposer_names(self) -> tuple[str, ...]:
+        return proposer_names(self.proposer)

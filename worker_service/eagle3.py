@@ -141,9 +141,10 @@ class Eagle3Head(torch.nn.Module):
         prenorm = residual + self.mlp(self.post_attention_layernorm(residual))
         return self.norm(prenorm), prenorm
 
-    def draft_tokens(self, normed: torch.Tensor) -> list[int]:
-        """The head's argmax for each row, as target token ids."""
-        return self.draft_to_target[self.lm_head(normed).argmax(dim=-1)].tolist()
+    def draft_tokens(self, normed: torch.Tensor) -> tuple[list[int], list[float]]:
+        """The head's argmax for each row, as target token ids, and its probability (the head's confidence)."""
+        probs, ids = torch.softmax(self.lm_head(normed).float(), dim=-1).max(dim=-1)  # [T], [T]
+        return self.draft_to_target[ids].tolist(), probs.tolist()
 
 
 def _linear(weight: torch.Tensor) -> torch.nn.Linear:

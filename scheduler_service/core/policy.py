@@ -18,8 +18,8 @@ then runs a plain step), and speculation resumes once the load falls.
 
 from dataclasses import dataclass
 
-from scheduler_service.core.goodput import (WORKER_DECAY, AcceptanceEstimate, Candidate, StepCostModel,
-                                       choose_num_drafts, INITIAL_ACCEPTANCE)
+from scheduler_service.core.goodput import (INITIAL_ACCEPTANCE, SEQUENCE_DECAY, WORKER_DECAY, AcceptanceEstimate,
+                                            Candidate, StepCostModel, choose_num_drafts)
 from scheduler_service.core.request import Request
 
 DEFAULT_PROBE_INTERVAL = 16
@@ -59,6 +59,8 @@ class SpeculationPolicy:
         self.probe_interval = probe_interval
         self.cost_model = StepCostModel()
         self.worker_acceptance = AcceptanceEstimate(decay=WORKER_DECAY)  # the prior of every sequence
+        # With several proposers on the worker: acceptance learnt per proposer (the one that drafted each step).
+        self.worker_acceptance_by_proposer: dict[str, AcceptanceEstimate] = {}
 
     def is_disabled_for_step(self, num_running: int) -> bool:
         """Whether the running-queue size switches speculation off for a step."""
@@ -105,16 +107,29 @@ class SpeculationPolicy:
         return request.acceptance
 
     def _candidate(self, request: Request, cap: int) -> Candidate:
+        """Delivery from every step of the request; acceptance from the steps of the proposer that drafted its
+        last drafts (the worker picks a proposer per step, and keeps picking the one that does well)."""
         estimate, prior = self._estimate(request), self.worker_acceptance
+        by_proposer = request.acceptance_by_proposer.get(request.last_proposer)
+        if by_proposer is not None:
+            estimate, prior = by_proposer, self.worker_acceptance_by_proposer[request.last_proposer]
         acceptance = tuple(estimate.acceptance(m, prior.acceptance(m, INITIAL_ACCEPTANCE)) for m in range(cap))
+        estimate, prior = self._estimate(request), self.worker_acceptance
         delivery = tuple(estimate.delivery(m, prior.delivery(m, 1.0)) for m in range(cap))
         return Candidate(cap, request.num_computed_tokens, delivery, acceptance)
 
-    def observe_sequence(self, request: Request, num_requested: int, num_drafts: int, num_accepted: int) -> None:
-        """A sequence's step result: k requested, drafts proposed, drafts accepted."""
+    def observe_sequence(self, request: Request, num_requested: int, num_drafts: int, num_accepted: int,
+                         proposer: str = "") -> None:
+        """A sequence's step result: k requested, drafts proposed, drafts accepted, by which proposer."""
         if num_requested > 0:
             self._estimate(request).observe(num_requested, num_drafts, num_accepted)
             self.worker_acceptance.observe(num_requested, num_drafts, num_accepted)
+            if num_drafts > 0 and proposer:
+                request.last_proposer = proposer
+                for estimates, decay in ((request.acceptance_by_proposer, SEQUENCE_DECAY),
+                                         (self.worker_acceptance_by_proposer, WORKER_DECAY)):
+                    estimates.setdefault(proposer, AcceptanceEstimate(decay=decay)).observe(
+                        num_requested, num_drafts, num_accepted)
 
     def observe_step(self, shape: StepShape, step_ms: float) -> float | None:
         """A step's measured time; returns what the model predicted for it beforehand (None: no model yet)."""

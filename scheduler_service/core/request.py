@@ -59,6 +59,11 @@ class Request:
     num_cached_tokens: int | None = None           # prompt tokens found in the prefix cache when first scheduled
     is_held_by_worker: bool = False
     acceptance: AcceptanceEstimate | None = field(default=None, repr=False)  # the policy's, by draft position
+    # With several proposers: the policy's estimate per proposer, and the one that drafted last.
+    acceptance_by_proposer: dict[str, AcceptanceEstimate] = field(default_factory=dict, repr=False)
+    last_proposer: str = ""
+    # proposer -> (draft tokens, accepted tokens) of this request
+    drafts_by_proposer: dict[str, tuple[int, int]] = field(default_factory=dict)
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
     block_hashes: BlockHashes | None = field(default=None, repr=False)  # of its committed full blocks (the scheduler's)
 
@@ -165,6 +170,10 @@ class Request:
         if output is not None:
             self.num_draft_tokens += output.num_draft_tokens
             self.num_accepted_tokens += output.num_accepted_tokens
+            if output.num_draft_tokens and output.proposer:
+                drafted, accepted = self.drafts_by_proposer.get(output.proposer, (0, 0))
+                self.drafts_by_proposer[output.proposer] = (drafted + output.num_draft_tokens,
+                                                            accepted + output.num_accepted_tokens)
         return self._append_output_tokens(token_ids, max_model_len)
 
     def _append_output_tokens(self, token_ids: list[int],
@@ -191,7 +200,7 @@ class Request:
         """This step's output with the usage counts so far."""
         return RequestOutput(self.request_id, new_token_ids, text, self.finish_reason, self.num_prompt_tokens,
                              self.num_output_tokens, self.num_draft_tokens, self.num_accepted_tokens,
-                             logprobs or [], self.num_cached_tokens or 0)
+                             logprobs or [], self.num_cached_tokens or 0, dict(self.drafts_by_proposer))
 
     def reset_for_recompute(self) -> None:
         """Forgets all KV state after preemption; the output already streamed is kept."""
@@ -250,3 +259,4 @@ class RequestOutput:
     num_accepted_tokens: int
     logprobs: list[float] = field(default_factory=list)  # one per new token, when requested
     num_cached_tokens: int = 0       # prompt tokens whose KV came from the prefix cache
+    drafts_by_proposer: dict[str, tuple[int, int]] = field(default_factory=dict)  # (drafted, accepted)

@@ -342,7 +342,9 @@ class Scheduler:
             request = self._requests[request_id]
             if output is not None and not request.is_finished:
                 self.policy.observe_sequence(request, scheduled.num_lookahead_slots, num_drafts,
-                                             output.num_accepted_tokens)
+                                             output.num_accepted_tokens, output.proposer)
+        self.stats.worker_step_s += result.stats.total_ms / 1e3
+        self.stats.propose_s += result.stats.propose_ms / 1e3
         predicted_ms = self.policy.observe_step(shape, result.stats.total_ms)
         if predicted_ms is not None:
             self.stats.count_prediction(predicted_ms, result.stats.total_ms)
@@ -367,7 +369,7 @@ class Scheduler:
                       output: SequenceOutput | None) -> RequestOutput | None:
         new_token_ids, status = request.apply_step_output(scheduled, output, self.config.max_model_len)
         if output is not None:
-            self.stats.count_speculation(output.num_draft_tokens, output.num_accepted_tokens)
+            self.stats.count_speculation(output.num_draft_tokens, output.num_accepted_tokens, output.proposer)
             # Before a finishing request releases its blocks: the KV of its committed tokens stays reusable.
             self._cache_blocks(request, output.num_kv_written_tokens)
         if not new_token_ids:

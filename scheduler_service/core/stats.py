@@ -1,7 +1,7 @@
 """The scheduler's counters: what one worker's scheduler has done since start (GetServerInfo, Prometheus,
 the stats line read them, summed over workers)."""
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from itertools import zip_longest
 
 
@@ -20,6 +20,10 @@ class SchedulerStats:
     # [i]: (request, step) pairs that accepted draft position i; a pair that accepted n drafts counts at
     # 0..n-1 (accepted drafts are a prefix), so the sum is num_accepted_tokens. A tuple: snapshots share it.
     num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # The same by the proposer that drafted (several proposers at once): proposer -> count / per-position
+    # counts. Replaced, never changed in place, as the tuples are.
+    num_draft_tokens_by_proposer: dict[str, int] = field(default_factory=dict)
+    num_accepted_tokens_per_pos_by_proposer: dict[str, tuple[int, ...]] = field(default_factory=dict)
     num_prompt_tokens: int = 0               # prompts of requests that emitted their first token
     num_emitted_tokens: int = 0              # tokens delivered to clients
     num_sequence_steps: int = 0              # (request, step) pairs that delivered tokens
@@ -35,6 +39,9 @@ class SchedulerStats:
     predicted_step_s: float = 0.0
     measured_step_s: float = 0.0
     step_time_abs_error_s: float = 0.0
+    # Every step's time as the worker measured it, and its proposing part (StepStats.propose_ms).
+    worker_step_s: float = 0.0
+    propose_s: float = 0.0
 
     @classmethod
     def total(cls, stats: list["SchedulerStats"]) -> "SchedulerStats":
@@ -42,6 +49,9 @@ class SchedulerStats:
         def add(values):
             if isinstance(values[0], tuple):
                 return tuple(map(sum, zip_longest(*values, fillvalue=0)))
+            if isinstance(values[0], dict):
+                keys = sorted({key for value in values for key in value})
+                return {key: add([value[key] for value in values if key in value]) for key in keys}
             return sum(values)
         if not stats:
             return cls()
@@ -61,15 +71,25 @@ class SchedulerStats:
         self.measured_step_s += measured_ms / 1e3
         self.step_time_abs_error_s += abs(predicted_ms - measured_ms) / 1e3
 
-    def count_speculation(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """Adds one (request, step) pair's drafts and accepted drafts."""
+    def count_speculation(self, num_draft_tokens: int, num_accepted_tokens: int, proposer: str = "") -> None:
+        """Adds one (request, step) pair's drafts and accepted drafts, and the proposer that drafted them."""
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
         if num_draft_tokens > 0:
             self.num_drafts += 1
-        if num_accepted_tokens > 0:
-            per_pos = list(self.num_accepted_tokens_per_pos)
-            per_pos += [0] * (num_accepted_tokens - len(per_pos))
-            for position in range(num_accepted_tokens):
-                per_pos[position] += 1
-            self.num_accepted_tokens_per_pos = tuple(per_pos)
+        self.num_accepted_tokens_per_pos = _count_positions(self.num_accepted_tokens_per_pos, num_accepted_tokens)
+        if num_draft_tokens > 0 and proposer:
+            by_proposer = dict(self.num_draft_tokens_by_proposer)
+            by_proposer[proposer] = by_proposer.get(proposer, 0) + num_draft_tokens
+            self.num_draft_tokens_by_proposer = by_proposer
+            per_pos = dict(self.num_accepted_tokens_per_pos_by_proposer)
+            per_pos[proposer] = _count_positions(per_pos.get(proposer, ()), num_accepted_tokens)
+            self.num_accepted_tokens_per_pos_by_proposer = per_pos
+
+
+def _count_positions(per_pos: tuple[int, ...], num_accepted_tokens: int) -> tuple[int, ...]:
+    """Per-position counts with one more pair that accepted positions 0..num_accepted_tokens-1."""
+    counts = list(per_pos) + [0] * (num_accepted_tokens - len(per_pos))
+    for position in range(num_accepted_tokens):
+        counts[position] += 1
+    return tuple(counts)

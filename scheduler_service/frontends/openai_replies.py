@@ -46,7 +46,9 @@ def usage(o: RequestOutput) -> dict:
     return {"prompt_tokens": o.num_prompt_tokens, "completion_tokens": o.num_completion_tokens,
             "total_tokens": o.num_prompt_tokens + o.num_completion_tokens,
             "prompt_tokens_details": {"cached_tokens": o.num_cached_tokens},
-            USAGE_EXTENSION: {"draft_tokens": o.num_draft_tokens, "accepted_tokens": o.num_accepted_tokens}}
+            USAGE_EXTENSION: {"draft_tokens": o.num_draft_tokens, "accepted_tokens": o.num_accepted_tokens,
+                              "by_proposer": {name: {"draft_tokens": drafted, "accepted_tokens": accepted}
+                                              for name, (drafted, accepted) in sorted(o.drafts_by_proposer.items())}}}
 
 
 class Reply:

@@ -28,7 +28,9 @@ _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "l
 def _usage(o: RequestOutput) -> pb.Usage:
     return pb.Usage(prompt_tokens=o.num_prompt_tokens, completion_tokens=o.num_completion_tokens,
                     draft_tokens=o.num_draft_tokens, accepted_tokens=o.num_accepted_tokens,
-                    cached_prompt_tokens=o.num_cached_tokens)
+                    cached_prompt_tokens=o.num_cached_tokens,
+                    proposers=[pb.ProposerUsage(proposer=name, draft_tokens=drafted, accepted_tokens=accepted)
+                               for name, (drafted, accepted) in sorted(o.drafts_by_proposer.items())])
 
 
 def _counters(st: SchedulerStats, busy: BusyStats, num_failures: int, num_moved: int = 0,
@@ -46,7 +48,8 @@ def _counters(st: SchedulerStats, busy: BusyStats, num_failures: int, num_moved:
         num_sequence_steps_by_k=st.num_sequence_steps_by_k, num_predicted_steps=st.num_predicted_steps,
         predicted_step_seconds=st.predicted_step_s, measured_step_seconds=st.measured_step_s,
         step_time_abs_error_seconds=st.step_time_abs_error_s, prefix_cache_queries=st.num_prefix_cache_queries,
-        prefix_cache_hits=st.num_prefix_cache_hits, num_prefix_cache_evictions=st.num_prefix_cache_evictions)
+        prefix_cache_hits=st.num_prefix_cache_hits, num_prefix_cache_evictions=st.num_prefix_cache_evictions,
+        worker_step_seconds=st.worker_step_s, propose_seconds=st.propose_s)
 
 
 def _workers(snap: ClusterSnapshot) -> list[pb.WorkerStatus]:

@@ -71,6 +71,11 @@ METRICS = (
           "Sequence-steps that accepted the draft at this position (0..K-1); a step that accepted n drafts counts "
           "at 0..n-1, so the positions sum to the accepted total.",
           "position"),
+    _info("spec_decode_num_draft_tokens_by_proposer_total", "counter",
+          "Draft tokens proposed, by the proposer that drafted them (each step scores one proposer's drafts per "
+          "sequence).", "proposer"),
+    _info("spec_decode_num_accepted_tokens_per_pos_by_proposer_total", "counter",
+          "spec_decode_num_accepted_tokens_per_pos_total split by the proposer that drafted.", "proposer", "position"),
     _info("spec_decode_num_sequence_steps_by_k_total", "counter",
           "Decoding sequence-steps by the draft length k (0..K) the speculation policy chose.", "k"),
     _info("spec_decode_predicted_step_seconds_total", "counter",
@@ -218,6 +223,15 @@ def _counters(snap: ClusterSnapshot) -> Iterator[Metric]:
     counts = st.num_accepted_tokens_per_pos
     for position in range(max(k, len(counts))):  # positions never accepted yet are scraped at 0
         per_pos.add_metric([str(position)], counts[position] if position < len(counts) else 0)
+    yield per_pos
+    drafted = _counter("specdec_spec_decode_num_draft_tokens_by_proposer_total")
+    for proposer, count in sorted(st.num_draft_tokens_by_proposer.items()):
+        drafted.add_metric([proposer], count)
+    yield drafted
+    per_pos = _counter("specdec_spec_decode_num_accepted_tokens_per_pos_by_proposer_total")
+    for proposer, counts in sorted(st.num_accepted_tokens_per_pos_by_proposer.items()):
+        for position in range(max(k, len(counts))):
+            per_pos.add_metric([proposer, str(position)], counts[position] if position < len(counts) else 0)
     yield per_pos
     by_k = _counter("specdec_spec_decode_num_sequence_steps_by_k_total")
     for value, count in enumerate(st.num_sequence_steps_by_k):

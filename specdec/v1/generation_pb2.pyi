@@ -89,18 +89,30 @@ class CompleteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "cached_prompt_tokens", "proposers")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSERS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     draft_tokens: int
     accepted_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    proposers: _containers.RepeatedCompositeFieldContainer[ProposerUsage]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., proposers: _Optional[_Iterable[_Union[ProposerUsage, _Mapping]]] = ...) -> None: ...
+
+class ProposerUsage(_message.Message):
+    __slots__ = ("proposer", "draft_tokens", "accepted_tokens")
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    proposer: str
+    draft_tokens: int
+    accepted_tokens: int
+    def __init__(self, proposer: _Optional[str] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage")
@@ -149,7 +161,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("num_requests", "num_drafted_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate", "mean_accepted_length", "num_steps", "num_steps_speculation_disabled", "num_preemptions", "worker_busy_seconds", "active_wall_seconds", "num_worker_failures", "num_moved_requests", "num_accepted_tokens_per_pos", "num_sequence_steps_by_k", "num_predicted_steps", "predicted_step_seconds", "measured_step_seconds", "step_time_abs_error_seconds", "prefix_cache_queries", "prefix_cache_hits", "num_prefix_cache_evictions")
+    __slots__ = ("num_requests", "num_drafted_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate", "mean_accepted_length", "num_steps", "num_steps_speculation_disabled", "num_preemptions", "worker_busy_seconds", "active_wall_seconds", "num_worker_failures", "num_moved_requests", "num_accepted_tokens_per_pos", "num_sequence_steps_by_k", "num_predicted_steps", "predicted_step_seconds", "measured_step_seconds", "step_time_abs_error_seconds", "prefix_cache_queries", "prefix_cache_hits", "num_prefix_cache_evictions", "worker_step_seconds", "propose_seconds")
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +184,8 @@ class Counters(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_requests: float
     num_drafted_tokens: float
     num_accepted_tokens: float
@@ -194,7 +208,9 @@ class Counters(_message.Message):
     prefix_cache_queries: float
     prefix_cache_hits: float
     num_prefix_cache_evictions: float
-    def __init__(self, num_requests: _Optional[float] = ..., num_drafted_tokens: _Optional[float] = ..., num_accepted_tokens: _Optional[float] = ..., num_emitted_tokens: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_steps: _Optional[float] = ..., num_steps_speculation_disabled: _Optional[float] = ..., num_preemptions: _Optional[float] = ..., worker_busy_seconds: _Optional[float] = ..., active_wall_seconds: _Optional[float] = ..., num_worker_failures: _Optional[float] = ..., num_moved_requests: _Optional[float] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[float]] = ..., num_sequence_steps_by_k: _Optional[_Iterable[float]] = ..., num_predicted_steps: _Optional[float] = ..., predicted_step_seconds: _Optional[float] = ..., measured_step_seconds: _Optional[float] = ..., step_time_abs_error_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[float] = ..., prefix_cache_hits: _Optional[float] = ..., num_prefix_cache_evictions: _Optional[float] = ...) -> None: ...
+    worker_step_seconds: float
+    propose_seconds: float
+    def __init__(self, num_requests: _Optional[float] = ..., num_drafted_tokens: _Optional[float] = ..., num_accepted_tokens: _Optional[float] = ..., num_emitted_tokens: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_steps: _Optional[float] = ..., num_steps_speculation_disabled: _Optional[float] = ..., num_preemptions: _Optional[float] = ..., worker_busy_seconds: _Optional[float] = ..., active_wall_seconds: _Optional[float] = ..., num_worker_failures: _Optional[float] = ..., num_moved_requests: _Optional[float] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[float]] = ..., num_sequence_steps_by_k: _Optional[_Iterable[float]] = ..., num_predicted_steps: _Optional[float] = ..., predicted_step_seconds: _Optional[float] = ..., measured_step_seconds: _Optional[float] = ..., step_time_abs_error_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[float] = ..., prefix_cache_hits: _Optional[float] = ..., num_prefix_cache_evictions: _Optional[float] = ..., worker_step_seconds: _Optional[float] = ..., propose_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("address", "state", "num_running", "num_waiting", "num_free_kv_blocks", "num_kv_blocks", "counters", "last_error", "num_cached_kv_blocks")

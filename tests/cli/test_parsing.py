@@ -138,7 +138,7 @@ def test_an_on_off_flag_takes_its_positive_name_in_the_environment(monkeypatch, 
 
 @pytest.mark.parametrize("name, value, message", [
     ("SPECDEC_PORT", "abc", "environment variable SPECDEC_PORT='abc': invalid int value: 'abc'"),
-    ("SPECDEC_PROPOSER", "medusa", "environment variable SPECDEC_PROPOSER='medusa': invalid choice: 'medusa'"),
+    ("SPECDEC_PROPOSER", "medusa", "environment variable SPECDEC_PROPOSER='medusa': invalid proposer 'medusa': choose one of"),
     ("SPECDEC_TAKE_OVER_WORKERS", "maybe", "environment variable SPECDEC_TAKE_OVER_WORKERS='maybe': expected one of"),
     ("SPECDEC_LOG_LEVEL", "loud", "environment variable SPECDEC_LOG_LEVEL='loud': invalid choice"),
 ])

@@ -51,9 +51,9 @@ def reference(tiny_pair):
     return outputs
 
 
-def start_worker(pair, port: int = 0) -> Process:
+def start_worker(pair, port: int = 0, args: list[str] = WORKER_ARGS) -> Process:
     process = Process(["worker", "--host", "127.0.0.1", "--port", str(port), "--model", str(pair.target_path),
-                       *WORKER_ARGS])
+                       *args])
     process.wait_for("model loaded")
     return process
 
@@ -107,12 +107,16 @@ class Streams:
 STEP_TIMEOUT_S = 3.0
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP", "SIGTERM"])
-def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, reference, how):
+@pytest.mark.parametrize("how, proposer", [("SIGKILL", "ngram"), ("SIGSTOP", "ngram"), ("SIGTERM", "ngram"),
+                                           ("SIGKILL", "eagle3,suffix")])
+def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, tiny_eagle3_head, reference, how, proposer):
     """Killed (its stream fails), stopped (no step result: the step timeout finds it) or terminated (it finishes
     its step in flight and leaves): its requests move and every stream completes exactly; then a worker
-    restarted at the same address takes work again."""
-    workers = [start_worker(tiny_pair) for _ in range(2)]
+    restarted at the same address takes work again. With an EAGLE-3 head and suffix at once too."""
+    args = [*WORKER_ARGS[:2], "--proposer", proposer, "--num-speculative-tokens", "3"]
+    if "eagle3" in proposer:
+        args += ["--draft-model", str(tiny_eagle3_head)]
+    workers = [start_worker(tiny_pair, args=args) for _ in range(2)]
     addresses = [w.address() for w in workers]
     try:
         # Least-loaded routing: the restarted worker must take work, which cache-aware routing would send to
@@ -145,7 +149,7 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, reference, how):
             port = int(addresses[0].rsplit(":", 1)[1])
             workers[0].proc.kill()  # a stopped process too (SIGKILL works on it)
             assert workers[0].proc.wait(60) == (0 if how == "SIGTERM" else -9)  # SIGTERM: a clean exit
-            workers[0] = start_worker(tiny_pair, port)  # a restarted pod: same address
+            workers[0] = start_worker(tiny_pair, port, args)  # a restarted pod: same address
             wait_until(lambda: worker_status(stub, addresses[0]).state == "serving", what="the worker to rejoin")
             placed_before = worker_status(stub, addresses[0]).counters.num_requests
             for i in range(4):

@@ -46,6 +46,7 @@ CONFIGS = {
                              "--num-kv-blocks", "24"],
     "eagle3-async-preempt": ["--proposer", "eagle3", "--num-speculative-tokens", "3", "--scheduling", "async",
                              "--num-kv-blocks", "24", "--speculation-policy", "fixed"],
+    "eagle3,suffix-sync": ["--proposer", "eagle3,suffix", "--num-speculative-tokens", "4", "--scheduling", "sync"],
 }
 
 
@@ -66,6 +67,12 @@ def test_concurrent_greedy_outputs_are_identical(tiny_pair, tiny_eagle3_head, re
             assert info.counters.num_preemptions > 0
         if not name.startswith("plain"):
             assert info.counters.num_drafted_tokens > 0
+        if "," in name:  # several proposers: each request's usage says which drafted, summing to its totals
+            usages = [last.usage for _, last in results]
+            assert {p.proposer for u in usages for p in u.proposers} <= {"eagle3", "suffix"}
+            assert all(sum(p.draft_tokens for p in u.proposers) == u.draft_tokens for u in usages)
+            assert all(sum(p.accepted_tokens for p in u.proposers) == u.accepted_tokens for u in usages)
+            assert sum(p.draft_tokens for u in usages for p in u.proposers) > 0
 
 
 def test_auto_disable_then_resume(tiny_pair, reference):

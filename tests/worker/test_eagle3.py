@@ -24,8 +24,8 @@ def facts(model) -> TargetFacts:
     return TargetFacts(model.config.hidden_size, model.config.vocab_size, model.config.num_hidden_layers)
 
 
-def make_worker(pair, head_dir=None, k=4, dtype="float32") -> Worker:
-    proposer = "eagle3" if head_dir is not None else "none"
+def make_worker(pair, head_dir=None, k=4, dtype="float32", proposer="eagle3") -> Worker:
+    proposer = proposer if head_dir is not None else "none"
     config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k if head_dir else 0,
                           draft_model=str(head_dir) if head_dir else None, dtype=dtype)
     target = ModelRunner(load_model(pair.target_path, dtype))
@@ -113,12 +113,14 @@ def test_after_steps_the_next_proposal_equals_a_fresh_runs(tiny_pair, tmp_path):
     head_dir = save_tiny_eagle3_head(tmp_path / "head", d2t=[124 - i for i in range(150)] + [3] * 50)
     prompts = [[9] * 5, PROMPTS[0], PROMPTS[3]]
     worker = make_worker(tiny_pair, head_dir, k=3)
+    worker.proposer.min_confidence = 0.0  # full-length chains from the random head
     stepped_driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
     stepped_driver.generate(prompts, 14, num_speculative_tokens=3, keep=True)
     outputs = [o for r in stepped_driver.results for o in r.outputs]
     assert any(o.num_accepted_tokens == o.num_draft_tokens == 3 for o in outputs)    # all accepted + bonus
     assert any(o.num_accepted_tokens < o.num_draft_tokens for o in outputs)          # and rejections
     fresh = make_worker(tiny_pair, head_dir, k=3)
+    fresh.proposer.min_confidence = 0.0
     Driver(fresh.execute, BLOCK_SIZE, NUM_BLOCKS).generate(
         [worker.requests[f"r{i}"].token_ids[:-1] for i in range(len(prompts))], 1, keep=True, prefix="f")
     for i in range(len(prompts)):
@@ -145,6 +147,7 @@ def test_a_resumed_request_on_cached_blocks_drafts_as_a_fresh_run(tiny_pair, tmp
     K/V below the hit is what the blocks hold, and its next drafts equal a fresh run's."""
     head_dir = save_tiny_eagle3_head(tmp_path / "head", d2t=[124 - i for i in range(150)] + [3] * 50)
     worker = make_worker(tiny_pair, head_dir, k=3)
+    worker.proposer.min_confidence = 0.0
     driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
     driver.generate([[9] * 5], 13, num_speculative_tokens=3, keep=True)
     old = worker.requests["r0"]
@@ -156,9 +159,29 @@ def test_a_resumed_request_on_cached_blocks_drafts_as_a_fresh_run(tiny_pair, tmp
                             len(tokens) - num_cached, 3, num_computed_tokens=num_cached)
     worker.execute(step.StepRequest(next(driver.step_ids), new_requests=[again]))
     fresh = make_worker(tiny_pair, head_dir, k=3)
+    fresh.proposer.min_confidence = 0.0
     Driver(fresh.execute, BLOCK_SIZE, NUM_BLOCKS).generate([tokens], 1, keep=True, prefix="f")
     resumed, fresh_state = worker.requests["again"], fresh.requests["f0"]
     assert resumed.token_ids == fresh_state.token_ids
     assert torch.equal(worker.proposer._next["again"].feature, fresh.proposer._next["f0"].feature)
     assert (worker.proposer.propose([resumed], [3]).draft_token_ids
             == fresh.proposer.propose([fresh_state], [3]).draft_token_ids)
+
+
+def test_a_chain_stops_where_the_heads_confidence_runs_out(tiny_pair, head_dir):
+    """The random head is unsure of most tokens: with the default threshold its chains end early (at least one
+    draft each), without one they run to k; the drafts they share are the same."""
+    drafts = {}
+    for threshold in (None, 0.0):
+        worker = make_worker(tiny_pair, head_dir, k=5)
+        if threshold is not None:
+            worker.proposer.min_confidence = threshold
+        driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
+        driver.generate(PROMPTS, 1, keep=True)
+        states = [worker.requests[f"r{i}"] for i in range(len(PROMPTS))]
+        proposal = worker.proposer.propose(states, [5] * len(states))
+        drafts[threshold] = proposal.draft_token_ids
+        assert all(0 < s <= len(d) for s, d in zip(proposal.scores, proposal.draft_token_ids))
+    assert all(len(d) == 5 for d in drafts[0.0])
+    assert any(len(d) < 5 for d in drafts[None]) and all(len(d) >= 1 for d in drafts[None])
+    assert all(full[:len(short)] == short for short, full in zip(drafts[None], drafts[0.0]))

@@ -20,6 +20,8 @@ class Proposal:
 
     draft_token_ids: list[list[int]]
     draft_probs: torch.Tensor | None = None  # [B, K, V] for model drafts; None for token-copy (one-hot) drafts
+    scores: list[float] | None = None  # per sequence, the proposer's own estimate of its accepted drafts
+    sources: list[str] | None = None   # per sequence, the proposer that drafted (several proposers at once)
 
 
 class Proposer:

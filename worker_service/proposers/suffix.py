@@ -247,9 +247,10 @@ class SuffixProposer(Proposer):
         self._own: dict[str, TokenIndex] = {}  # request id -> index over its prompt + emitted tokens (seq id 0)
 
     def propose(self, states: list[RequestState], num_drafts: list[int]) -> Proposal:
-        return Proposal([self._propose_one(s, k) if k > 0 else [] for s, k in zip(states, num_drafts)])
+        drafts = [self._propose_one(s, k) if k > 0 else Draft() for s, k in zip(states, num_drafts)]
+        return Proposal([d.token_ids for d in drafts], scores=[d.score for d in drafts])
 
-    def _propose_one(self, state: RequestState, k: int) -> list[int]:
+    def _propose_one(self, state: RequestState, k: int) -> Draft:
         own = self._own.setdefault(state.request_id, TokenIndex())
         own.extend(0, state.token_ids[own.num_tokens:])
         tail = state.token_ids[-MAX_MATCH_TOKENS:]
@@ -259,7 +260,7 @@ class SuffixProposer(Proposer):
             if other.score > best.score:
                 self.outputs.touch(other.seq_ids)
                 best = other
-        return best.token_ids
+        return best
 
     def release(self, states: list[RequestState]) -> None:
         """Drops the requests' own indexes; their outputs go to the global index."""

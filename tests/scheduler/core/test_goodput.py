@@ -168,3 +168,23 @@ def test_scheduler_sends_the_policy_k_and_reserves_exactly_that(scheduling):
     assert stats.num_predicted_steps > 0 and stats.step_time_abs_error_s < 0.1 * stats.measured_step_s
     assert sum(stats.num_sequence_steps_by_k) == sum(len(v) for v in ks_by_id.values())
     assert scheduler.num_free_blocks == config.num_kv_blocks
+
+
+def test_acceptance_is_learnt_per_proposer_and_k_follows_the_one_drafting():
+    """Several proposers on the worker: the policy keeps an estimate per proposer, and a sequence's candidate
+    uses the estimate of the proposer that drafted its last drafts (a poor one does not drag a good one down)."""
+    policy = SpeculationPolicy(K, None)
+    request = Request("r", [1, 2, 3], max_tokens=50)
+    for _ in range(20):
+        policy.observe_sequence(request, K, K, K, proposer="suffix")      # suffix: always all accepted
+        policy.observe_sequence(request, K, K, 0, proposer="eagle3")      # eagle3: never
+    assert request.last_proposer == "eagle3"
+    low = policy._candidate(request, K).acceptance
+    policy.observe_sequence(request, K, K, K, proposer="suffix")
+    high = policy._candidate(request, K).acceptance
+    assert low[0] < 0.2 and min(high) > 0.8  # later positions of eagle3 were never tried: the prior
+    assert set(policy.worker_acceptance_by_proposer) == {"suffix", "eagle3"}
+    # Without a proposer name (a single proposer), the one estimate of every step is used, as before.
+    single = Request("s", [1, 2, 3], max_tokens=50)
+    policy.observe_sequence(single, K, K, K)
+    assert single.acceptance_by_proposer == {} and single.last_proposer == ""

@@ -285,3 +285,20 @@ def test_pipeline_accounts_busy_and_idle_time():
     pipeline.apply(worker.execute(sent.pop()))
     assert pipeline.stats.active_wall_s == 1.0
     assert pipeline.stats.worker_busy_s == 0.5
+
+
+def test_stats_count_drafts_by_proposer_and_sum_over_workers():
+    from scheduler_service.core.stats import SchedulerStats
+
+    a, b = SchedulerStats(), SchedulerStats()
+    a.count_speculation(4, 2, "eagle3")
+    a.count_speculation(5, 5, "suffix")
+    b.count_speculation(3, 1, "eagle3")
+    b.count_speculation(2, 0, "")          # a single proposer's worker reports no name: only the totals count
+    snapshot = a.num_accepted_tokens_per_pos_by_proposer
+    a.count_speculation(1, 1, "eagle3")    # counters are replaced, never changed in place: snapshots stay
+    assert snapshot == {"eagle3": (1, 1), "suffix": (1, 1, 1, 1, 1)}
+    total = SchedulerStats.total([a, b])
+    assert total.num_draft_tokens_by_proposer == {"eagle3": 8, "suffix": 5}
+    assert total.num_accepted_tokens_per_pos_by_proposer == {"eagle3": (3, 1), "suffix": (1, 1, 1, 1, 1)}
+    assert total.num_draft_tokens == 15 and sum(total.num_accepted_tokens_per_pos) == total.num_accepted_tokens
