@@ -1,4 +1,4 @@
-"""The `specdec` command: serve, worker, scheduler, generate.
+"""The `specdec` command: serve, worker, scheduler, generate, train-draft.
 
 The top layer: it imports both services (each defines its own flags and builds
 its config from them) and the shared protocol; nothing imports it.
@@ -72,6 +72,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return generate(args)
 
 
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from specdec.cli.train_draft import train_draft
+
+    return train_draft(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = parsing.SpecdecArgumentParser(prog="specdec", description=__doc__.splitlines()[0],
                                            formatter_class=parsing.DefaultsHelpFormatter, epilog=parsing.ENV_EPILOG)
@@ -86,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Starts worker processes and the scheduler. The workers listen on 127.0.0.1 in plaintext; "
                     "--ssl-* and --api-key-file protect the client port."))
     _add_generate(parsing.add_subcommand(sub, "generate", "stream a completion from a running server"))
+    _add_train_draft(parsing.add_subcommand(
+        sub, "train-draft", "train an EAGLE-3 draft head for a model",
+        description="Generates the target's own responses to prompts from redistributable package text and "
+                    "prompts it writes itself, then trains an EAGLE-3 head on its hidden states. Resumable."))
     return parser
 
 
@@ -159,6 +169,14 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     keys.add_argument("--api-key-file", default=None, metavar="PATH",
                       help=f"file with the API key (its first key) (default: ${security.API_KEY_ENV}, if set)")
     gen.set_defaults(func=cmd_generate)
+
+
+def _add_train_draft(train: argparse.ArgumentParser) -> None:
+    from specdec.cli import train_draft
+
+    _add_model_flag(train, "the target: checkpoint directory or .gguf file")
+    train_draft.add_flags(train)
+    train.set_defaults(func=cmd_train_draft)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,215 @@
+"""`specdec train-draft`: prompts -> the target's responses and features (our worker) -> an EAGLE-3 head.
+
+Every stage leaves its result in the work directory, so a run that stops resumes where it was: the prompts
+(`prompts.jsonl`), the conversations in shards (`shard-NNNNN.pt`, one per generation batch) and the training
+checkpoint (`checkpoint.pt`, every `checkpoint_every` steps). The seed fixes the prompts, the self-written
+prompts' sampling, the split, the initial weights and the batch order, so a run can be repeated.
+"""
+
+from dataclasses import asdict, dataclass, field
+import json
+import logging
+import math
+import pathlib
+import platform
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+from specdec import step
+from worker_service.config import WorkerConfig
+from worker_service.draft_training import card, dataset, prompts
+from worker_service.draft_training.generation import generate
+from worker_service.draft_training.head import TrainableHead, head_config
+from worker_service.draft_training.trainer import Trainer
+from worker_service.eagle3 import default_aux_layers
+
+logger = logging.getLogger(__name__)
+
+SENTINEL = "\u0000specdec-user-turn\u0000"
+SELF_PROMPT_MAX_TOKENS = 96
+MAX_PROMPT_TOKENS = 1024  # longer prompts (from files) are left out: the KV cache is sized for this
+BLOCK_SIZE = 16
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (no prompts, no target); the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run; the defaults are the recipe of the head shipped for the default model."""
+
+    model: str                              # the target's checkpoint directory
+    output: str                             # where the head is written
+    work_dir: str                           # prompts, shards, checkpoint (resume from here)
+    sources: tuple[str, ...] = prompts.SOURCES
+    prompt_files: tuple[str, ...] = ()
+    num_prompts: int = 1100                 # from the packaged sources and files
+    num_self_prompts: int = 900             # written by the target
+    max_new_tokens: int = 192
+    generation_batch_size: int = 64
+    dtype: str = "auto"
+    device: str = "auto"
+    num_threads: int | None = None
+    draft_vocab_coverage: float = 0.98
+    max_draft_vocab_size: int = 8192
+    num_steps: int = 6                      # draft steps unrolled in training (EAGLE-3's training-time test)
+    epochs: int = 3
+    learning_rate: float = 1e-3
+    batch_tokens: int = 1024
+    eval_fraction: float = 0.05
+    checkpoint_every: int = 100
+    seed: int = 0
+    meta: dict = field(default_factory=dict)  # recorded in training.json (e.g. the command line)
+
+    def __post_init__(self):
+        unknown = [s for s in self.sources if s not in prompts.SOURCES]
+        if unknown:
+            raise ValueError(f"unknown prompt source {unknown[0]!r}; choose from {', '.join(prompts.SOURCES)}")
+        for name in ("max_new_tokens", "generation_batch_size", "max_draft_vocab_size", "num_steps", "epochs",
+                     "batch_tokens", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.draft_vocab_coverage <= 1 or not 0 < self.eval_fraction < 1:
+            raise ValueError("draft_vocab_coverage must be in (0, 1] and eval_fraction in (0, 1)")
+
+
+def run(config: TrainConfig) -> dict:
+    """The whole recipe (resuming what the work directory holds); returns the summary written next to the head."""
+    from transformers import AutoTokenizer
+
+    from worker_service.main import build_worker
+
+    work = pathlib.Path(config.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    timings = {}
+    start = time.perf_counter()
+    try:
+        worker = build_worker(WorkerConfig(model=config.model, dtype=config.dtype, device=config.device,
+                                           proposer="none", num_threads=config.num_threads))
+        tokenizer = AutoTokenizer.from_pretrained(config.model)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise TrainingError(f"cannot load the target {config.model}: {exc}") from exc
+    blocks_per_request = -(-(MAX_PROMPT_TOKENS + max(config.max_new_tokens, SELF_PROMPT_MAX_TOKENS) + 1) // BLOCK_SIZE)
+    worker.init_cache(config.generation_batch_size * blocks_per_request, BLOCK_SIZE)
+    stop_ids = _stop_token_ids(worker, tokenizer)
+    prompt_list = _prompts(config, work, worker, tokenizer, stop_ids)
+    timings["prompts_min"] = (time.perf_counter() - start) / 60
+    conversations = _conversations(config, work, worker, tokenizer, stop_ids, prompt_list)
+    timings["responses_min"] = (time.perf_counter() - start) / 60 - timings["prompts_min"]
+    draft_to_target, coverage = dataset.draft_vocabulary(conversations, config.draft_vocab_coverage,
+                                                         config.max_draft_vocab_size)
+    train, held_out = dataset.split(conversations, config.eval_fraction, config.seed)
+    target = worker.target.model
+    aux_layers = default_aux_layers(target.config.num_hidden_layers)
+    torch.manual_seed(config.seed)
+    head = TrainableHead(head_config(target.config, len(draft_to_target), aux_layers),
+                         target.model.embed_tokens.weight, _lm_head_weight(target), target.model.norm.weight,
+                         draft_to_target).to(worker.target.device)
+    del worker
+    trainer = Trainer(head, config, work / "checkpoint.pt")
+    t_train = time.perf_counter()
+    accuracy = trainer.fit(train, held_out)
+    timings["train_min"] = (time.perf_counter() - t_train) / 60
+    head.save(pathlib.Path(config.output))
+    summary = {"target_name": pathlib.Path(config.model).name, "machine": _machine(),
+               "num_threads": torch.get_num_threads(), "config": {k: v for k, v in asdict(config).items() if k != "meta"},
+               **config.meta, "sources": prompts.licences(prompt_list), "num_conversations": len(conversations),
+               "num_train_tokens": sum(len(c.token_ids) for c in train),
+               "num_response_tokens": sum(len(c.token_ids) - c.num_prompt_tokens for c in conversations),
+               "draft_vocab_size": len(draft_to_target), "draft_vocab_coverage": round(coverage, 4),
+               "held_out_accuracy_by_position": accuracy, "minutes": {k: round(v, 1) for k, v in timings.items()}}
+    (pathlib.Path(config.output) / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (pathlib.Path(config.output) / "README.md").write_text(card.render(summary))
+    return summary
+
+
+def _machine() -> str:
+    """The CPU's model name (what `lscpu` shows), for the card."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _lm_head_weight(model) -> torch.Tensor:
+    weight = model.lm_head.weight if hasattr(model.lm_head, "weight") else None
+    return weight if weight is not None and weight.dim() == 2 else model.model.embed_tokens.weight
+
+
+def _stop_token_ids(worker, tokenizer) -> set[int]:
+    eos = worker.target.model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+
+def _chat(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+
+
+def _prompts(config, work, worker, tokenizer, stop_ids) -> list[prompts.Prompt]:
+    path = work / "prompts.jsonl"
+    if path.exists():
+        return [prompts.Prompt(**json.loads(line)) for line in path.read_text().splitlines()]
+    collected = prompts.collect(list(config.sources), list(config.prompt_files), config.num_prompts, config.seed)
+    if "self" in config.sources and config.num_self_prompts:
+        collected += _self_prompts(config, worker, tokenizer, stop_ids)
+    random.Random(config.seed).shuffle(collected)
+    if not collected:
+        raise TrainingError("no prompts: the sources and files gave none")
+    partial = path.with_suffix(".partial")
+    partial.write_text("".join(json.dumps(asdict(p)) + "\n" for p in collected))
+    partial.replace(path)
+    logger.info("%d prompts (%s)", len(collected), ", ".join(f"{s}: {e['num_prompts']}" for s, e in
+                                                            _by_kind(collected).items()))
+    return collected
+
+
+def _by_kind(collected):
+    kinds = {}
+    for p in collected:
+        kinds.setdefault(p.source.split(":")[0], {"num_prompts": 0})["num_prompts"] += 1
+    return kinds
+
+
+def _self_prompts(config, worker, tokenizer, stop_ids) -> list[prompts.Prompt]:
+    """Prompts the target writes from an empty user turn of its chat template (sampled, keyed by the seed)."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
+    turn = tokenizer(rendered.split(SENTINEL)[0], add_special_tokens=False)["input_ids"]
+    progress = tqdm(total=config.num_self_prompts, desc="self-written prompts", unit="prompt")
+    written = generate(worker, [turn] * config.num_self_prompts, SELF_PROMPT_MAX_TOKENS, stop_ids,
+                       lambda i: step.RequestSampling(temperature=1.0, top_p=0.95, seed=config.seed * 100003 + i),
+                       config.generation_batch_size, on_batch=lambda done: progress.update(len(done)))
+    progress.close()
+    texts = {tokenizer.decode(c.token_ids[c.num_prompt_tokens:], skip_special_tokens=True).strip() for c in written}
+    return [prompts.Prompt(t, "self", "the target's own output") for t in sorted(texts) if len(t) >= 20]
+
+
+def _conversations(config, work, worker, tokenizer, stop_ids, prompt_list) -> list:
+    """The target's greedy responses with their features; shards already in the work directory are kept."""
+    worker.target.aux_layers = default_aux_layers(worker.target.model.config.num_hidden_layers)
+    size = config.generation_batch_size
+    encoded = [ids for ids in (_chat(tokenizer, p.text) for p in prompt_list) if len(ids) <= MAX_PROMPT_TOKENS]
+    if len(encoded) < len(prompt_list):
+        logger.info("left out %d prompts longer than %d tokens", len(prompt_list) - len(encoded), MAX_PROMPT_TOKENS)
+    shards = [work / f"shard-{i:05d}.pt" for i in range(math.ceil(len(encoded) / size))]
+    progress = tqdm(total=len(encoded), desc="target responses", unit="conversation")
+    for index, shard in enumerate(shards):
+        if not shard.exists():
+            done = generate(worker, encoded[index * size:(index + 1) * size], config.max_new_tokens, stop_ids,
+                            lambda i: step.RequestSampling(temperature=0.0), size)
+            dataset.save_shard(shard, done)
+        progress.update(min(size, len(encoded) - index * size))
+    progress.close()
+    conversations = [c for c in dataset.load_shards(shards) if len(c.token_ids) - c.num_prompt_tokens >= 2]
+    if not conversations:
+        raise TrainingError("an empty corpus: the target answered no prompt with two tokens or more")
+    return conversations

@@ -1,0 +1,133 @@
+"""The training loop of a head: unrolled steps, a weighted loss, held-out accuracy by position, checkpoints.
+
+The loss of step j is the cross-entropy of the draft vocabulary against the token the target wrote at that
+position (its greedy choice: the responses are the target's own), weighted 0.8^j as EAGLE-3 weights its steps.
+Held-out accuracy at position j is how often step j's argmax is that token, with the earlier tokens right: the
+chance that draft j + 1 is accepted given the drafts before it were.
+"""
+
+import logging
+import math
+import pathlib
+import random
+
+import torch
+from tqdm import tqdm
+
+from worker_service.draft_training import dataset
+from worker_service.draft_training.head import TrainableHead
+
+logger = logging.getLogger(__name__)
+
+STEP_WEIGHT = 0.8
+WARMUP_FRACTION = 0.05
+
+
+class Trainer:
+    def __init__(self, head: TrainableHead, config, checkpoint: pathlib.Path):
+        self.head = head
+        self.config = config
+        self.checkpoint = checkpoint
+        self.device = head.lm_head.weight.device
+        self.optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate, betas=(0.9, 0.95),
+                                           weight_decay=0.0)
+        # target id -> draft id, or IGNORE outside the draft vocabulary
+        self.target_to_draft = torch.full((config_vocab(head),), dataset.IGNORE, dtype=torch.int64,
+                                          device=self.device)
+        self.target_to_draft[head.draft_to_target] = torch.arange(len(head.draft_to_target), device=self.device)
+
+    def fit(self, train: list, held_out: list) -> list[float]:
+        """Trains for the configured epochs (resuming a checkpoint); returns held-out accuracy by position."""
+        config = self.config
+        epochs = [self._epoch_batches(train, epoch) for epoch in range(config.epochs)]
+        total = sum(map(len, epochs))
+        done = self._resume()
+        progress = tqdm(total=total, initial=done, desc="training", unit="batch")
+        step = 0
+        for batches in epochs:
+            for batch in batches:
+                if step >= done:
+                    self._set_lr(step, total)
+                    loss, accuracy = self._train_step(batch)
+                    progress.set_postfix(loss=f"{loss:.3f}", acc0=f"{accuracy:.2f}")
+                    progress.update()
+                    if (step + 1) % config.checkpoint_every == 0 and step + 1 < total:
+                        self._save(step + 1)
+                        logger.info("step %d/%d: held-out accuracy by position %s", step + 1, total,
+                                    _fmt(self.evaluate(held_out)))
+                step += 1
+        progress.close()
+        self._save(total)
+        accuracy = self.evaluate(held_out)
+        logger.info("held-out accuracy by position %s", _fmt(accuracy))
+        return accuracy
+
+    def _epoch_batches(self, train: list, epoch: int) -> list:
+        batches = dataset.batches(train, self.config.batch_tokens)
+        random.Random(self.config.seed * 1000 + epoch).shuffle(batches)
+        return batches
+
+    def _set_lr(self, step: int, total: int) -> None:
+        warmup = max(1, int(WARMUP_FRACTION * total))
+        scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(
+            math.pi * (step - warmup) / max(1, total - warmup)))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.learning_rate * scale
+
+    def _losses(self, batch: list) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        tokens, features, labels = dataset.collate(batch, self.config.num_steps, self.device)
+        logits = self.head(tokens, features, self.config.num_steps)
+        loss, weights, counts = 0.0, 0.0, []
+        for j, (step_logits, label) in enumerate(zip(logits, labels)):
+            draft_label = torch.where(label >= 0, self.target_to_draft[label.clamp(min=0)], dataset.IGNORE)
+            if (draft_label >= 0).any():
+                loss = loss + STEP_WEIGHT ** j * torch.nn.functional.cross_entropy(
+                    step_logits.flatten(0, 1), draft_label.flatten(), ignore_index=dataset.IGNORE)
+                weights += STEP_WEIGHT ** j
+            predicted = self.head.draft_to_target[step_logits.argmax(-1)]
+            valid = label >= 0
+            counts.append((int((predicted == label)[valid].sum()), int(valid.sum())))
+        return loss / max(weights, 1e-9), counts
+
+    def _train_step(self, batch: list) -> tuple[float, float]:
+        self.head.train()
+        loss, counts = self._losses(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        if isinstance(loss, torch.Tensor):
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.head.parameters(), 0.5)
+            self.optimizer.step()
+        return float(loss.detach() if isinstance(loss, torch.Tensor) else loss), counts[0][0] / max(counts[0][1], 1)
+
+    @torch.no_grad()
+    def evaluate(self, held_out: list) -> list[float]:
+        """Held-out accuracy by draft position (see the module docstring)."""
+        self.head.eval()
+        totals = [[0, 0] for _ in range(self.config.num_steps)]
+        for batch in dataset.batches(held_out, self.config.batch_tokens):
+            for total, (correct, count) in zip(totals, self._losses(batch)[1]):
+                total[0] += correct
+                total[1] += count
+        return [round(correct / max(count, 1), 4) for correct, count in totals]
+
+    def _save(self, step: int) -> None:
+        partial = self.checkpoint.with_suffix(".partial")
+        torch.save({"step": step, "head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}, partial)
+        partial.replace(self.checkpoint)
+
+    def _resume(self) -> int:
+        if not self.checkpoint.exists():
+            return 0
+        state = torch.load(self.checkpoint, map_location=self.device)
+        self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        logger.info("resuming training at step %d (%s)", state["step"], self.checkpoint)
+        return state["step"]
+
+
+def config_vocab(head: TrainableHead) -> int:
+    return head.config["vocab_size"]
+
+
+def _fmt(accuracy: list[float]) -> str:
+    return " ".join(f"{j + 1}:{a:.3f}" for j, a in enumerate(accuracy))
