@@ -80,7 +80,9 @@ def counters_delta(before: pb.Counters, after: pb.Counters) -> dict:
             "predicted_step_s": after.predicted_step_seconds - before.predicted_step_seconds,
             "measured_step_s": measured,
             "step_time_rel_error": ((after.step_time_abs_error_seconds - before.step_time_abs_error_seconds) / measured
-                                    if measured > 0 else None)}
+                                    if measured > 0 else None),
+            "worker_step_s": after.worker_step_seconds - before.worker_step_seconds,
+            "propose_s": after.propose_seconds - before.propose_seconds}
 
 
 class Target:

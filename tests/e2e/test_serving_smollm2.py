@@ -38,6 +38,9 @@ CONFIGS = {
     "ngram-sync-preempt": ["--proposer", "ngram", "--num-speculative-tokens", "4", "--scheduling", "sync",
                            "--num-kv-blocks", "12"],
     "suffix-async": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "async"],
+    # The head that ships for the default model, found without a path.
+    "eagle3-async": ["--proposer", "eagle3", "--scheduling", "async"],
+    "eagle3,suffix-sync-preempt": ["--proposer", "eagle3,suffix", "--scheduling", "sync", "--num-kv-blocks", "12"],
 }
 
 
