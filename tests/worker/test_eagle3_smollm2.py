@@ -53,4 +53,5 @@ def test_greedy_and_seeded_outputs_equal_plain_decoding(smollm2_path, prompts, d
         outputs = [o for r in driver.results for o in r.outputs]
         drafted = sum(o.num_draft_tokens for o in outputs if o.proposer == "eagle3")
         accepted = sum(o.num_accepted_tokens for o in outputs if o.proposer == "eagle3")
-        assert drafted > 0 and accepted / drafted > 0.2  # the shipped head predicts its target
+        # The shipped head predicts its target (a random head: ~0); fixed k up to 5 drafts deep here.
+        assert drafted > 0 and accepted / drafted > 0.1, (accepted, drafted)
