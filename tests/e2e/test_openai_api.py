@@ -90,8 +90,10 @@ def test_chat_greedy_matches_grpc_whole_and_streamed(server):
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + MAX_TOKENS
     # The gRPC call above left the prompt's full blocks (below its last token) in the prefix cache.
     assert whole.usage.prompt_tokens_details.cached_tokens == (whole.usage.prompt_tokens - 1) // 4 * 4 > 0
-    assert _speculative(whole.usage) == {"draft_tokens": expected.usage.draft_tokens,
-                                         "accepted_tokens": expected.usage.accepted_tokens}
+    assert _speculative(whole.usage) == {
+        "draft_tokens": expected.usage.draft_tokens, "accepted_tokens": expected.usage.accepted_tokens,
+        "by_proposer": {p.proposer: {"draft_tokens": p.draft_tokens, "accepted_tokens": p.accepted_tokens}
+                        for p in expected.usage.proposers}}
 
     chunks = list(server.client.chat.completions.create(**kwargs, stream=True,
                                                         stream_options={"include_usage": True}))
