@@ -52,8 +52,9 @@ CONFIGS = {
     "plain-async": ["--proposer", "none", "--scheduling", "async"],
     "ngram-sync-preempt": ["--proposer", "ngram", "--num-speculative-tokens", "3", "--scheduling", "sync",
                            "--num-kv-blocks", "36"],
+    # The fixed policy reserves k slots every step, so the pool runs out whatever the goodput policy would choose.
     "draft-async-preempt": ["--proposer", "draft", "--num-speculative-tokens", "3", "--scheduling", "async",
-                            "--num-kv-blocks", "36"],
+                            "--num-kv-blocks", "36", "--speculation-policy", "fixed"],
     "suffix-async": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "async"],
 }
 
