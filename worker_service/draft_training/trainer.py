@@ -32,7 +32,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate, betas=(0.9, 0.95),
                                            weight_decay=0.0)
         # target id -> draft id, or IGNORE outside the draft vocabulary
-        self.target_to_draft = torch.full((config_vocab(head),), dataset.IGNORE, dtype=torch.int64,
+        self.target_to_draft = torch.full((head.config["vocab_size"],), dataset.IGNORE, dtype=torch.int64,
                                           device=self.device)
         self.target_to_draft[head.draft_to_target] = torch.arange(len(head.draft_to_target), device=self.device)
 
@@ -123,10 +123,6 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         logger.info("resuming training at step %d (%s)", state["step"], self.checkpoint)
         return state["step"]
-
-
-def config_vocab(head: TrainableHead) -> int:
-    return head.config["vocab_size"]
 
 
 def _fmt(accuracy: list[float]) -> str:
