@@ -113,10 +113,11 @@ class TrainableHead(torch.nn.Module):
         """Writes config.json and model.safetensors (bf16 weights, as published heads are) that load_head reads."""
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in self.named_parameters()}
-        d2t = self.draft_to_target - torch.arange(len(self.draft_to_target))
+        draft_to_target = self.draft_to_target.cpu()  # the head may have trained on CUDA
+        d2t = draft_to_target - torch.arange(len(draft_to_target))
         t2d = torch.zeros(self.config["vocab_size"], dtype=torch.bool)
-        t2d[self.draft_to_target] = True
-        tensors.update({"d2t": d2t.cpu(), "t2d": t2d})
+        t2d[draft_to_target] = True
+        tensors.update({"d2t": d2t, "t2d": t2d})
         save_file({k: v.cpu() for k, v in tensors.items()}, str(directory / "model.safetensors"))
         (directory / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
 

@@ -61,6 +61,15 @@ def test_a_trained_head_loads_and_beats_a_random_head(tiny_pair, trained, tmp_pa
     assert trained_rate > random_rate + 0.1, (trained_rate, random_rate)
 
 
+@pytest.mark.gpu
+def test_a_head_trained_on_cuda_saves_and_loads(tiny_pair, tmp_path):
+    """The whole recipe on CUDA: the head trains there and is written with its vocabulary maps on the host."""
+    cfg = config(tiny_pair, tmp_path, "cuda-head", device="cuda", epochs=2)
+    summary = run(cfg)
+    assert len(summary["held_out_accuracy_by_position"]) == 3
+    assert acceptance(tiny_pair, cfg.output) >= 0.0  # the worker (on the CPU) loads and drafts with it
+
+
 def test_the_features_are_the_served_targets(tiny_pair, trained):
     """A conversation's stored features equal the target runner's auxiliary states over the same tokens."""
     cfg, _ = trained
