@@ -18,8 +18,10 @@ from worker_service.main import build_worker
 GIB = 2**30
 aten = torch.ops.aten
 # Ops whose host-side output is legitimate: a tensor made from Python or numpy data on its way to the device
-# (block tables, keyed-noise row keys), and results copied back to the host.
-HOST_SIDE_OPS = frozenset({aten.lift_fresh.default, aten._to_copy.default, aten.copy_.default})
+# (block tables, keyed-noise row keys; `detach_` is how torch.tensor(..., pin_memory=True) finishes its host
+# staging tensor), and results copied back to the host.
+HOST_SIDE_OPS = frozenset({aten.lift_fresh.default, aten.detach_.default, aten._to_copy.default,
+                           aten.copy_.default})
 
 
 class DeviceRecorder(TorchDispatchMode):
@@ -32,7 +34,9 @@ class DeviceRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor) and not (func in HOST_SIDE_OPS and value.device.type == "cpu"):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if not (value.device.type == "cpu" and (func in HOST_SIDE_OPS or value.is_pinned())):
                 self.placements.append((str(func), value.device))
         return out
 
