@@ -22,7 +22,7 @@ def step_request_to_proto(r: step.StepRequest) -> pb.ExecuteModelRequest:
     new = [pb.NewRequest(request_id=n.request_id, token_ids=n.token_ids, num_prompt_tokens=n.num_prompt_tokens,
                          sampling=_sampling_to_proto(n.sampling), block_ids=n.block_ids,
                          num_new_tokens=n.num_new_tokens, num_speculative_tokens=n.num_speculative_tokens,
-                         num_computed_tokens=n.num_computed_tokens)
+                         num_computed_tokens=n.num_computed_tokens, grammar=n.grammar)
            for n in r.new_requests]
     cached = [pb.CachedRequest(request_id=c.request_id, new_block_ids=c.new_block_ids,
                                num_blocks_kept=c.num_blocks_kept, num_new_tokens=c.num_new_tokens,
@@ -39,7 +39,7 @@ def step_request_from_proto(m: pb.ExecuteModelRequest) -> step.StepRequest:
                            sampling=_sampling_from_proto(n.sampling, n.request_id),
                            block_ids=list(n.block_ids), num_new_tokens=n.num_new_tokens,
                            num_speculative_tokens=n.num_speculative_tokens,
-                           num_computed_tokens=n.num_computed_tokens)
+                           num_computed_tokens=n.num_computed_tokens, grammar=n.grammar)
            for n in m.new_requests]
     cached = [step.CachedRequest(request_id=c.request_id, new_block_ids=list(c.new_block_ids),
                                  num_blocks_kept=c.num_blocks_kept, num_new_tokens=c.num_new_tokens,

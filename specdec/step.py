@@ -58,6 +58,7 @@ class NewRequest:
     num_new_tokens: int           # tokens to compute this step
     num_speculative_tokens: int = 0  # this step's k (lookahead slots reserved); the worker may propose fewer
     num_computed_tokens: int = 0  # KV already in the first blocks (a prefix-cache hit); computing starts here
+    grammar: str = ""             # the output's constraint, as llguidance compiles it ("": unconstrained)
 
 
 @dataclass

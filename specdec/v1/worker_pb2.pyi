@@ -75,7 +75,7 @@ class RequestSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_new_tokens", "num_speculative_tokens", "num_computed_tokens")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_new_tokens", "num_speculative_tokens", "num_computed_tokens", "grammar")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class NewRequest(_message.Message):
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -92,7 +93,8 @@ class NewRequest(_message.Message):
     num_new_tokens: int
     num_speculative_tokens: int
     num_computed_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[RequestSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+    grammar: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[RequestSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "num_blocks_kept", "num_new_tokens", "num_speculative_tokens")
