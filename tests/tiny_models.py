@@ -11,9 +11,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 VOCAB_SIZE = 256
 
 
-def tiny_llama(seed: int, num_layers: int, hidden: int, heads: int, kv_heads: int) -> LlamaForCausalLM:
+def tiny_llama(seed: int, num_layers: int, hidden: int, heads: int, kv_heads: int,
+               vocab_size: int = VOCAB_SIZE) -> LlamaForCausalLM:
     """A randomly initialised Llama with fixed seed (fp32, eval mode)."""
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=2 * hidden,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                          tie_word_embeddings=False)
@@ -53,6 +54,45 @@ def make_tiny_pair(directory: pathlib.Path) -> TinyPair:
     target.save_pretrained(pair.target_path)
     draft.save_pretrained(pair.draft_path)
     save_tiny_tokenizer(pair.target_path)
+    return pair
+
+
+# A byte-level BPE that can spell any text (JSON included): 3 special tokens, the 256 bytes, and merges of
+# JSON's frequent pairs, so that the grammar's forced text spans multi-byte tokens.
+JSON_MERGES = [('{', '"'), ('"', ':'), (':', 'Ġ'), (',', 'Ġ'), ('Ġ', '"'), ('"', '}'), ('"', ','), ('t', 'r'),
+               ('tr', 'u'), ('tru', 'e'), ('n', 'u'), ('nu', 'l'), ('nul', 'l'), ('[', '"'), ('"', ']')]
+
+
+def save_tiny_byte_tokenizer(directory: pathlib.Path) -> int:
+    """Saves the byte-level tokenizer (0 unk, 1 bos, 2 eos); returns its vocabulary size."""
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for char in sorted(byte_chars, key=lambda c: ord(c)):
+        vocab[char] = len(vocab)
+    for a, b in JSON_MERGES:
+        vocab[a + b] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab, JSON_MERGES))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    (directory / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}> {% endif %}")
+    return len(vocab)
+
+
+def make_tiny_byte_pair(directory: pathlib.Path) -> TinyPair:
+    """A seeded target and draft over the byte-level vocabulary (for structured outputs)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    pair = TinyPair(directory / "target", directory / "draft")
+    for path in (pair.target_path, pair.draft_path):
+        path.mkdir(parents=True, exist_ok=True)
+    vocab_size = save_tiny_byte_tokenizer(pair.target_path)
+    tiny_llama(seed=0, num_layers=4, hidden=64, heads=4, kv_heads=2, vocab_size=vocab_size).save_pretrained(
+        pair.target_path)
+    tiny_llama(seed=1, num_layers=2, hidden=32, heads=2, kv_heads=1, vocab_size=vocab_size).save_pretrained(
+        pair.draft_path)
     return pair
 
 

@@ -27,6 +27,12 @@ class RequestState:
     num_computed_tokens: int = 0  # target KV written for token_ids[:num_computed_tokens]
     num_draft_computed_tokens: int = 0  # the same for the draft model's KV
     scheduled_new_tokens: int = field(default=0, repr=False)  # this step's chunk size
+    grammar: str = field(default="", repr=False)  # structured outputs: the constraint ("": none)
+    matcher: object | None = field(default=None, repr=False)  # its llguidance matcher (worker_service/structured.py)
+
+    @property
+    def is_constrained(self) -> bool:
+        return bool(self.grammar)
 
     @property
     def num_tokens(self) -> int:
@@ -72,7 +78,8 @@ def new_state(r: step.NewRequest, vocab_size: int, num_blocks: int) -> RequestSt
                         sampling=sampling, block_table=list(r.block_ids),
                         num_speculative_tokens=r.num_speculative_tokens, scheduled_new_tokens=r.num_new_tokens,
                         # A prefix-cache hit: the blocks hold every model's KV of these positions.
-                        num_computed_tokens=r.num_computed_tokens, num_draft_computed_tokens=r.num_computed_tokens)
+                        num_computed_tokens=r.num_computed_tokens, num_draft_computed_tokens=r.num_computed_tokens,
+                        grammar=r.grammar)
 
 
 def check_cached(c: step.CachedRequest, state: RequestState | None, num_blocks: int) -> None:

@@ -76,8 +76,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block_size must be > 0")
         config = worker.config
         bytes_per_block = worker.kv_bytes_per_block(request.block_size)
-        eos = worker.target.model.generation_config.eos_token_id
-        eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        eos_ids = worker.eos_token_ids
         return worker_pb2.DescribeResponse(
             model_id=self.model_id, vocab_size=worker.target.vocab_size, max_model_len=worker.max_model_len,
             kv_bytes_per_block=bytes_per_block,

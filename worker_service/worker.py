@@ -9,6 +9,8 @@ split into a speculative and a non-speculative pass.
 import logging
 import time
 
+import torch
+
 from specdec import step
 from worker_service.config import DEFAULT_NUM_SPECULATIVE_TOKENS, WorkerConfig
 from worker_service.eagle3 import Eagle3Head
@@ -22,6 +24,7 @@ from worker_service.proposers.suffix import SuffixProposer
 from worker_service.request_state import (InvalidStepError, RequestState, apply_cached, check_cached,
                                           check_schedulable, new_state)
 from worker_service.scorers import SCORERS
+from worker_service import structured
 from worker_service.verify import verify
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ class Worker:
         self.requests: dict[str, RequestState] = {}
         self.block_size: int | None = None
         self.num_blocks = 0
+        self._grammars: structured.Grammars | None = None  # built with the first constrained request
 
     def _make_proposer(self) -> Proposer | None:
         """The configured proposer; several at once run as one CombinedProposer."""
@@ -68,6 +72,22 @@ class Worker:
         if self.head is None:
             raise ValueError("proposer 'eagle3' needs an EAGLE-3 head")
         return Eagle3Proposer(self.head, self.target)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The target's end-of-sequence tokens (its generation config's)."""
+        eos = self.target.model.generation_config.eos_token_id
+        return eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+
+    @property
+    def grammars(self) -> structured.Grammars:
+        """The structured-output grammars (the tokenizer is read from the target's checkpoint once)."""
+        if self._grammars is None:
+            from worker_service.model_loader import load_tokenizer
+
+            tokenizer_json = load_tokenizer(self.config.model).backend_tokenizer.to_str()
+            self._grammars = structured.Grammars(tokenizer_json, self.target.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     @property
     def is_ready(self) -> bool:
@@ -139,6 +159,9 @@ class Worker:
             raise
         self._release(finished)
         self.requests.update({s.request_id: s for s in news})
+        for state in news:
+            if state.is_constrained:  # compiles beside the steps; the first sampled position waits for it
+                self.grammars.start(state.grammar)
         return scheduled
 
     @property
@@ -159,11 +182,15 @@ class Worker:
         if any(num_drafts):  # every k = 0: a plain step, the proposer is not called
             proposal = self.proposer.propose(scheduled, num_drafts)
             drafts, draft_probs, sources = proposal.draft_token_ids, proposal.draft_probs, proposal.sources
+        proposed = drafts
+        if any(s.is_constrained for s in scheduled):
+            drafts, draft_probs, sources = self._constrain_drafts(scheduled, num_drafts, drafts, draft_probs, sources)
         t1 = time.perf_counter()
         chunks = [self._chunk(s, d) for s, d in zip(scheduled, drafts)]
         logits = self.score(self.target, chunks)  # [sum(num_logits), V]
         t2 = time.perf_counter()
         sampling_rows = [i for i, c in enumerate(chunks) if c.num_logits > 0]
+        logits = self._mask(logits, [scheduled[i] for i in sampling_rows], [drafts[i] for i in sampling_rows])
         result = verify([scheduled[i] for i in sampling_rows], logits, [drafts[i] for i in sampling_rows],
                         None if draft_probs is None else draft_probs[sampling_rows])
         outputs = {s.request_id: step.SequenceOutput(request_id=s.request_id, token_ids=[]) for s in scheduled}
@@ -171,7 +198,7 @@ class Worker:
             state.num_computed_tokens += state.scheduled_new_tokens
         for row, i in enumerate(sampling_rows):
             out = outputs[scheduled[i].request_id]
-            self._accept(scheduled[i], drafts[i], result, row, out)
+            self._accept(scheduled[i], drafts[i], proposed[i], result, row, out)
             if drafts[i]:
                 out.proposer = sources[i] if sources is not None else self.config.proposer
         t_after = time.perf_counter()
@@ -187,6 +214,36 @@ class Worker:
         stats.num_speculating_seqs = sum(1 for d in drafts if d)
         return list(outputs.values())
 
+    def _constrain_drafts(self, scheduled: list[RequestState], num_drafts: list[int], drafts: list[list[int]],
+                          draft_probs, sources: list[str] | None):
+        """Constrained sequences' drafts: the grammar's forced tokens (proposer "forced", one-hot draft
+        probabilities), else the proposer's drafts cut at the first one the grammar forbids."""
+        drafts, sources = list(drafts), list(sources) if sources is not None else None
+        for i, state in enumerate(scheduled):
+            if not state.is_constrained or not num_drafts[i]:
+                continue
+            drafts[i], is_forced = structured.constrain_drafts(self.grammars.matcher(state), drafts[i], num_drafts[i])
+            if is_forced:
+                if sources is None:
+                    sources = [self.config.proposer] * len(scheduled)
+                sources[i] = structured.FORCED
+                if draft_probs is not None:
+                    draft_probs[i].zero_()
+                    device = draft_probs.device
+                    draft_probs[i, torch.arange(len(drafts[i]), device=device),
+                                torch.tensor(drafts[i], device=device)] = 1.0
+        return drafts, draft_probs, sources
+
+    def _mask(self, logits, states: list[RequestState], drafts: list[list[int]]):
+        """The logits of constrained sequences' rows masked by the grammar state of each row's prefix."""
+        rows, bitmasks, offset = [], [], 0
+        for state, draft in zip(states, drafts):
+            if state.is_constrained:
+                rows.append(offset)
+                bitmasks.append(structured.masks(self.grammars.matcher(state), draft, self.target.vocab_size))
+            offset += len(draft) + 1
+        return structured.apply_masks(logits, rows, bitmasks, self.eos_token_ids)
+
     def _num_kv_written_tokens(self, state: RequestState) -> int:
         """Positions whose KV every model has written: the target's computed tokens, the proposer's if it has KV."""
         num_proposer = self.proposer.num_kv_tokens(state) if self.proposer is not None else None
@@ -199,15 +256,25 @@ class Worker:
         completes = begin + state.scheduled_new_tokens == state.num_tokens
         return SequenceChunk(tokens, begin, state.block_table, num_logits=(1 + len(drafts)) if completes else 0)
 
-    def _accept(self, state: RequestState, drafts: list[int], result, row: int, out: step.SequenceOutput) -> None:
-        """Appends the emitted tokens; accepted drafts' K/V (already in the cache) count as computed."""
+    def _accept(self, state: RequestState, drafts: list[int], proposed: list[int], result, row: int,
+                out: step.SequenceOutput) -> None:
+        """Appends the emitted tokens; accepted drafts' K/V (already in the cache) count as computed.
+
+        `proposed`: the proposer's own drafts, which a constraint may have cut or replaced (`drafts` were
+        scored); the proposer hears how many of its own drafts the emitted tokens confirm."""
         emitted = result.token_ids[row]
         num_accepted = len(emitted) - 1
         num_tokens_before = state.num_tokens
         state.token_ids.extend(emitted)
         state.num_computed_tokens += num_accepted
+        if state.matcher is not None:
+            structured.advance(state.matcher, emitted)
         if self.proposer is not None:
-            self.proposer.after_verify(state, num_tokens_before, len(drafts), num_accepted)
+            num_confirmed = num_accepted
+            if proposed is not drafts:
+                num_confirmed = next((j for j, (a, b) in enumerate(zip(proposed, emitted)) if a != b),
+                                     min(len(proposed), num_accepted))
+            self.proposer.after_verify(state, num_tokens_before, len(proposed), min(num_confirmed, num_accepted))
         out.token_ids = emitted
         out.logprobs = result.logprobs[row] if state.return_logprobs else []
         out.num_draft_tokens, out.num_accepted_tokens = len(drafts), num_accepted

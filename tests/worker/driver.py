@@ -20,10 +20,12 @@ class Driver:
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  sampling: step.RequestSampling | list[step.RequestSampling] | None = None,
-                 num_speculative_tokens: int | list[int] = 0, prefix: str = "r", keep: bool = False) -> list[list[int]]:
+                 num_speculative_tokens: int | list[int] = 0, prefix: str = "r", keep: bool = False,
+                 grammar: str = "") -> list[list[int]]:
         """`sampling`: one for all requests, or one per prompt (default greedy); every decode step has
         k = num_speculative_tokens, one for all or one per prompt (the tables always have room for it).
-        `keep`: the worker keeps the requests at the end (ids `{prefix}{i}`), else they are finished."""
+        `keep`: the worker keeps the requests at the end (ids `{prefix}{i}`), else they are finished.
+        `grammar`: every request's structured-output constraint (specdec.structured.to_grammar)."""
         sampling = sampling or step.RequestSampling(temperature=0.0)
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ks = num_speculative_tokens if isinstance(num_speculative_tokens, list) else [num_speculative_tokens] * len(
@@ -31,7 +33,8 @@ class Driver:
         ids = [f"{prefix}{i}" for i in range(len(prompts))]
         k_of = dict(zip(ids, ks))
         outputs = {rid: [] for rid in ids}
-        new = [step.NewRequest(rid, p, len(p), s, self.blocks(len(p) + max_tokens + 8), len(p), k_of[rid])
+        new = [step.NewRequest(rid, p, len(p), s, self.blocks(len(p) + max_tokens + 8), len(p), k_of[rid],
+                               grammar=grammar)
                for rid, p, s in zip(ids, prompts, samplings)]
         request = step.StepRequest(next(self.step_ids), new_requests=new)
         while True:

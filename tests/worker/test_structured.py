@@ -1,0 +1,164 @@
+"""Structured outputs on the worker: every output follows its JSON schema, speculation changes no token, the
+grammar's forced tokens are drafted and accepted, and a resumed request goes on in the same grammar state.
+
+A random tiny model over a byte-level vocabulary (tests/tiny_models.py): left alone it writes bytes at random,
+so everything JSON about its output comes from the constraint.
+"""
+
+import json
+
+import jsonschema
+import pytest
+
+from specdec import step, structured
+from tests.tiny_models import make_tiny_byte_pair
+from tests.worker.driver import Driver
+from worker_service import structured as worker_structured
+from worker_service.config import WorkerConfig
+from worker_service.model_loader import load_model
+from worker_service.model_runner import ModelRunner
+from worker_service.request_state import InvalidStepError
+from worker_service.worker import Worker
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 600
+MAX_TOKENS = 96
+EOS = 2
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 999},
+    "ok": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
+    "required": ["name", "age", "ok", "tags"], "additionalProperties": False}
+GRAMMAR = structured.to_grammar("json", json.dumps(SCHEMA))
+PROMPTS = [[40, 41, 42, 43], [70] * 12, [100, 101, 100, 101, 100], list(range(50, 80)), [90, 91]]
+SEEDED = [step.RequestSampling(temperature=1.0, seed=s) for s in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def byte_pair(tmp_path_factory):
+    return make_tiny_byte_pair(tmp_path_factory.mktemp("bytes"))
+
+
+def make_worker(pair, proposer="none", k=0) -> Worker:
+    config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k,
+                          draft_model=str(pair.draft_path) if proposer == "draft" else None)
+    draft = ModelRunner(load_model(pair.draft_path)) if proposer == "draft" else None
+    worker = Worker(config, ModelRunner(load_model(pair.target_path)), draft)
+    worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    return worker
+
+
+def run(pair, proposer="none", k=0, sampling=None, grammar=GRAMMAR, worker=None):
+    """Outputs cut at EOS, and the step results."""
+    driver = Driver((worker or make_worker(pair, proposer, k)).execute, BLOCK_SIZE, NUM_BLOCKS)
+    outputs = driver.generate(PROMPTS, MAX_TOKENS, sampling=sampling, num_speculative_tokens=k, grammar=grammar)
+    return [o[:o.index(EOS)] if EOS in o else o for o in outputs], driver.results
+
+
+def decode(pair, tokens: list[int]) -> str:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(pair.target_path / "tokenizer.json")).decode(tokens)
+
+
+@pytest.fixture(scope="module")
+def plain(byte_pair):
+    """Constrained decoding without drafts: greedy and seeded."""
+    return {"greedy": run(byte_pair)[0], "seeded": run(byte_pair, sampling=SEEDED)[0]}
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+def test_every_output_is_valid_json_of_the_schema(byte_pair, plain, mode):
+    for tokens in plain[mode]:
+        jsonschema.validate(json.loads(decode(byte_pair, tokens)), SCHEMA)
+
+
+def test_the_unconstrained_model_writes_no_json(byte_pair):
+    """The check above is the constraint's doing: the same model and prompts without it write no JSON."""
+    outputs, _ = run(byte_pair, grammar="")
+    for tokens in outputs:
+        with pytest.raises(ValueError):
+            json.loads(decode(byte_pair, tokens))
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+def test_speculation_changes_no_token(byte_pair, plain, proposer, mode):
+    sampling = SEEDED if mode == "seeded" and proposer != "draft" else None
+    expected = plain["seeded"] if sampling else plain["greedy"]
+    outputs, results = run(byte_pair, proposer, 4, sampling=sampling)
+    assert outputs == expected
+    drafted = {}
+    for out in (o for r in results for o in r.outputs):
+        totals = drafted.setdefault(out.proposer, [0, 0])
+        totals[0] += out.num_draft_tokens
+        totals[1] += out.num_accepted_tokens
+    forced = drafted[worker_structured.FORCED]
+    assert forced[0] > 0 and forced[1] > 0.8 * forced[0]  # the grammar's own tokens: nearly always accepted
+
+
+def test_forced_drafts_alone_change_speed_not_output(byte_pair, plain):
+    """With k > 0 the schema's keys and punctuation are drafted even where the n-gram finds nothing; fewer
+    target steps, the same tokens."""
+    outputs, results = run(byte_pair, "ngram", 4)
+    plain_steps = len(run(byte_pair)[1])
+    assert outputs == plain["greedy"]
+    assert len(results) < 0.8 * plain_steps
+
+
+def test_scoring_with_the_wrong_prefix_mask_is_caught(byte_pair, plain, monkeypatch):
+    """Mutation check: every draft row masked as the first row (the committed prefix's mask) breaks losslessness."""
+    def first_row_only(matcher, drafts, vocab_size):
+        bitmask = original(matcher, [], vocab_size)
+        return bitmask.expand(len(drafts) + 1, -1).contiguous()
+
+    original = worker_structured.masks
+    monkeypatch.setattr(worker_structured, "masks", first_row_only)
+    outputs, _ = run(byte_pair, "ngram", 4)
+    assert outputs != plain["greedy"]
+
+
+def test_a_resumed_request_continues_in_the_same_grammar_state(byte_pair, plain):
+    """Preemption or a move: the request comes back as a NewRequest with its tokens so far, on a fresh worker."""
+    worker = make_worker(byte_pair, "ngram", 4)
+    prompt = PROMPTS[0]
+    head = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate([prompt], 20, num_speculative_tokens=4,
+                                                                  grammar=GRAMMAR)[0]
+    fresh = make_worker(byte_pair, "ngram", 4)
+
+    def resume(request: step.StepRequest) -> step.StepResult:  # the prompt, then 20 generated tokens
+        for new in request.new_requests:
+            new.num_prompt_tokens = len(prompt)
+        return fresh.execute(request)
+
+    driver = Driver(resume, BLOCK_SIZE, NUM_BLOCKS)
+    rest = driver.generate([prompt + head], MAX_TOKENS - 20, num_speculative_tokens=4, grammar=GRAMMAR)[0]
+    tokens = head + rest
+    assert tokens[:tokens.index(EOS)] == plain["greedy"][0]
+
+
+def test_drafts_the_grammar_forbids_are_not_scored(byte_pair):
+    """A matcher at `{"name": "` takes string characters and the closing quote, but not the object's end
+    (three keys are missing): the draft `ab"}` is cut to `ab`."""
+    tokenizer_json = (byte_pair.target_path / "tokenizer.json").read_text()
+    grammars = worker_structured.Grammars(tokenizer_json, 274, [EOS])
+    matcher = grammars.start(GRAMMAR).result().deep_copy()
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(byte_pair.target_path / "tokenizer.json"))
+    forced = matcher.compute_ff_tokens()
+    assert tok.decode(forced).startswith('{"name"')
+    assert worker_structured.constrain_drafts(matcher, [7, 8], 3) == (forced[:3], True)
+    matcher.consume_tokens(forced + tok.encode(' "').ids)
+    closing = tok.encode('"}').ids
+    assert worker_structured.constrain_drafts(matcher, tok.encode("ab").ids + closing, 4) == (tok.encode("ab").ids,
+                                                                                            False)
+
+
+def test_a_grammar_the_worker_cannot_compile_fails_the_step_naming_the_request(byte_pair):
+    worker = make_worker(byte_pair)
+    bad = structured.to_grammar("regex", "(unclosed")
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
+    with pytest.raises(InvalidStepError, match="request 'r0'.*regex"):
+        driver.generate([PROMPTS[0]], 4, grammar=bad)

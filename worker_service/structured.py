@@ -1,0 +1,123 @@
+"""Structured outputs on the worker: a matcher per constrained request, the mask of every scored position,
+drafts checked against the grammar, and the tokens the grammar forces proposed as drafts.
+
+Why speculation stays exact: the token at a position is sampled from the target's distribution *masked by
+the grammar state of that position's own prefix* (the committed tokens and the drafts before it), which is
+what constrained decoding without drafts samples there; so the accept rule (kernels/rejection_sampler.py)
+compares each draft with the constrained target and the output is unchanged, greedy and keyed alike. A
+draft the grammar forbids could never equal the masked target's token: it is cut off before scoring.
+
+A matcher is rebuilt from the request's generated tokens when the request is (re)sent to a worker, so a
+preempted or moved request goes on in the same grammar state. Grammars compile on a thread of their own
+(llguidance releases the GIL), once per grammar text: a new request's grammar builds while its prompt
+prefills, and only its first sampled position waits for it.
+"""
+
+from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+
+from llguidance import LLMatcher
+from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+import torch
+
+from specdec import structured
+from worker_service.request_state import InvalidStepError, RequestState
+
+FORCED = "forced"  # the proposer name of drafts the grammar forces
+CACHE_SIZE = 256
+
+
+class Grammars:
+    """Compiled grammars by their text (a matcher at the start, copied for each request)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._tokenizer_args = (tokenizer_json, vocab_size, self.eos_token_ids)
+        self._tokenizer = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._compiled: dict[str, Future] = {}
+        self._lock = threading.Lock()
+
+    def start(self, grammar: str) -> Future:
+        """Begins compiling `grammar` (nothing to do when it is cached); the future holds its start matcher."""
+        with self._lock:
+            future = self._compiled.get(grammar)
+            if future is None:
+                if len(self._compiled) >= CACHE_SIZE:
+                    self._compiled.pop(next(iter(self._compiled)))
+                future = self._compiled[grammar] = self._pool.submit(self._compile, grammar)
+            return future
+
+    def _compile(self, grammar: str) -> LLMatcher:
+        if self._tokenizer is None:
+            self._tokenizer = structured.make_tokenizer(*self._tokenizer_args)
+        return structured.compile_matcher(self._tokenizer, grammar)
+
+    def matcher(self, state: RequestState) -> LLMatcher:
+        """The request's matcher, built on first use: the grammar's start, advanced over its generated tokens."""
+        if state.matcher is None:
+            try:
+                start = self.start(state.grammar).result()
+            except structured.ConstraintError as exc:
+                raise InvalidStepError(f"request {state.request_id!r}: {exc}") from exc
+            matcher = start.deep_copy()
+            generated = state.token_ids[state.num_prompt_tokens:]
+            if not matcher.consume_tokens(generated):
+                raise InvalidStepError(f"request {state.request_id!r}: its generated tokens do not follow its "
+                                       f"constraint ({matcher.get_error().strip()})")
+            state.matcher = matcher
+        return state.matcher
+
+
+def constrain_drafts(matcher: LLMatcher, drafts: list[int], num_drafts: int) -> tuple[list[int], bool]:
+    """The drafts to score for a constrained sequence, and whether the grammar forced them: the tokens the
+    grammar forces next (at most num_drafts), else the proposer's drafts up to the first one it forbids."""
+    forced = matcher.compute_ff_tokens()[:num_drafts] if num_drafts else []
+    if forced:
+        return forced, True
+    return drafts[:matcher.validate_tokens(drafts)], False
+
+
+def masks(matcher: LLMatcher, drafts: list[int], vocab_size: int) -> torch.Tensor:
+    """Bitmasks ([1 + len(drafts), ceil(V / 32)] int32) of the positions a verify step samples: position j's
+    mask is the grammar state after the committed tokens and drafts[:j]. The matcher ends where it began."""
+    bitmask = allocate_token_bitmask(len(drafts) + 1, vocab_size)
+    num_consumed = 0
+    for j in range(len(drafts) + 1):
+        fill_next_token_bitmask(matcher, bitmask, j)
+        if j < len(drafts):
+            if matcher.is_stopped() or not matcher.consume_token(drafts[j]):
+                break  # checked drafts never get here; the rows past it are never emitted
+            num_consumed += 1
+    matcher.rollback(num_consumed)
+    return bitmask
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], bitmasks: list[torch.Tensor],
+                eos_token_ids: list[int]) -> torch.Tensor:
+    """`logits` ([N, V]) with the tokens each bitmask forbids at -inf, in the rows given (bitmask i covers rows
+    rows[i], rows[i] + 1, ...). A row that allows nothing (past the grammar's end) allows EOS."""
+    if not rows:
+        return logits
+    num_vocab = logits.shape[-1]
+    index = torch.tensor([r + j for r, b in zip(rows, bitmasks) for j in range(b.shape[0])], device=logits.device)
+    packed = torch.cat(bitmasks).to(logits.device)  # [R, W] int32, bit t % 32 of word t // 32: token t allowed
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :num_vocab]  # [R, V]
+    if allowed.shape[1] < num_vocab:  # a tokenizer smaller than the model's output: the rest is forbidden
+        allowed = torch.nn.functional.pad(allowed, (0, num_vocab - allowed.shape[1]))
+    nothing = ~allowed.any(dim=1)
+    if bool(nothing.any()):
+        allowed[nothing.nonzero().squeeze(1).unsqueeze(1), torch.tensor(eos_token_ids, device=logits.device)] = True
+    logits = logits.clone()
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def advance(matcher: LLMatcher, emitted: list[int]) -> None:
+    """Moves the matcher over a step's emitted tokens (up to the grammar's end: the request then stops)."""
+    for token in emitted:
+        if matcher.is_stopped():
+            return
+        matcher.consume_token(token)
