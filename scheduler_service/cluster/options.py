@@ -47,6 +47,8 @@ class SchedulerOptions:
     metrics_port: int = 0                   # Prometheus /metrics on host:metrics_port; 0: off
     http_port: int = 0                      # the OpenAI-compatible HTTP API on host:http_port; 0: off
     served_model_name: str | None = None    # the model's name in the client APIs (None: the workers' model id)
+    structured_output_max_chars: int = 65536  # a structured-output constraint's text beyond this is refused
+    structured_output_timeout_s: float = 2.0  # compiling a constraint for longer than this: RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:
         if not self.worker_addresses:
@@ -67,6 +69,10 @@ class SchedulerOptions:
             raise ValueError(f"--shutdown-grace-period must be >= 0, got {self.shutdown_grace_period_s}")
         if self.log_stats_interval_s < 0:
             raise ValueError(f"--log-stats-interval must be >= 0 (0: off), got {self.log_stats_interval_s}")
+        if self.structured_output_max_chars < 1:
+            raise ValueError(f"--structured-output-max-chars must be >= 1, got {self.structured_output_max_chars}")
+        if self.structured_output_timeout_s <= 0:
+            raise ValueError(f"--structured-output-timeout must be > 0, got {self.structured_output_timeout_s}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if self.routing_max_imbalance < 0:

@@ -46,6 +46,7 @@ class Request:
     stop_strings: list[str] = field(default_factory=list)
     is_speculation_enabled: bool = True
     num_speculative_tokens: int | None = None     # per-request k cap; None = the server's k
+    grammar: str = ""                              # structured outputs: the compiled constraint ("": none)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

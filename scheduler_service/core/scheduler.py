@@ -247,7 +247,8 @@ class Scheduler:
             request.is_held_by_worker = True
             self._count_cache_query(request, num_cached)
             plan.new_requests.append(NewRequest(request.request_id, request.all_token_ids, request.num_prompt_tokens,
-                                                request.sampling, block_ids, num_new, num_lookahead, num_cached))
+                                                request.sampling, block_ids, num_new, num_lookahead, num_cached,
+                                                request.grammar))
             self._commit(request, plan, num_new, num_lookahead)
 
     def cached_prefix(self, request: Request) -> list[int]:

@@ -1,5 +1,6 @@
 """Client requests (generation_pb2) into scheduler Requests: validation with messages a user can act on."""
 
+from collections.abc import Callable
 from dataclasses import replace
 import secrets
 import uuid
@@ -115,9 +116,10 @@ def _check_stops(s: pb.SamplingParams, vocab_size: int) -> None:
 
 
 def build_request(request: pb.GenerateRequest | pb.CompleteRequest, tokenizer: ChatTokenizer, vocab_size: int,
-                  eos_token_ids: list[int], max_model_len: int) -> Request:
+                  eos_token_ids: list[int], max_model_len: int,
+                  compile_constraint: Callable[[pb.StructuredOutputs], str] | None = None) -> Request:
     """Validates a GenerateRequest or CompleteRequest (the same fields) and builds the scheduler's Request
-    (cheap checks first)."""
+    (cheap checks first; the structured-output constraint, compiled by `compile_constraint`, last)."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError(f"request_id has {len(request.request_id)} characters: at most "
                                   f"{MAX_REQUEST_ID_CHARS}")
@@ -140,11 +142,28 @@ def build_request(request: pb.GenerateRequest | pb.CompleteRequest, tokenizer: C
     if len(ids) + max_tokens > max_model_len:
         raise InvalidRequestError(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together more "
                                   f"than max_model_len {max_model_len}; lower max_tokens")
+    grammar = _grammar(s.structured_outputs, compile_constraint) if s.HasField("structured_outputs") else ""
+    if grammar and s.ignore_eos:
+        raise InvalidRequestError("ignore_eos cannot be combined with structured_outputs: the output ends where "
+                                  "its constraint does")
     try:
         return Request(request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=ids,
                        max_tokens=max_tokens, sampling=sampling, stop_token_ids=list(s.stop_token_ids),
                        eos_token_ids=list(eos_token_ids), is_eos_ignored=s.ignore_eos, stop_strings=list(s.stop),
                        is_speculation_enabled=spec.enabled if spec.HasField("enabled") else True,
-                       num_speculative_tokens=k)
+                       num_speculative_tokens=k, grammar=grammar)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from exc
+
+
+def _grammar(outputs: pb.StructuredOutputs, compile_constraint: Callable[[pb.StructuredOutputs], str] | None) -> str:
+    """The compiled constraint ("" when none is set); raises InvalidRequestError for a bad one."""
+    if outputs.WhichOneof("constraint") is None:
+        return ""
+    if compile_constraint is None:
+        raise InvalidRequestError("this server cannot compile structured_outputs constraints (its tokenizer has "
+                                  "no tokenizer.json)")
+    try:
+        return compile_constraint(outputs)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc

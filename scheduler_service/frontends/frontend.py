@@ -16,6 +16,7 @@ from scheduler_service.cluster.cluster import Cluster
 from scheduler_service.cluster.handle import EngineError, RequestHandle
 from scheduler_service.core.request import RequestOutput
 from scheduler_service.frontends.api import InvalidRequestError, build_request
+from scheduler_service.frontends.structured import ConstraintCompiler
 from scheduler_service.frontends.tokenizer import ChatTokenizer
 from specdec.v1 import generation_pb2 as pb
 
@@ -78,15 +79,27 @@ class Frontend:
         self.is_draining = False
         self._is_worker_serving = False
         self.on_health_changed: list[Callable[[bool], None]] = []
+        # Called for every constrained request admitted: the compile's seconds, None for a cache hit.
+        self.on_constraint_compiled: list[Callable[[float | None], None]] = []
+        self.constraints: ConstraintCompiler | None = None
         # Health changes come from the cluster's thread and the drain; one at a time, so that the last
         # state a listener hears is the current one (never SERVING again after the drain began).
         self._health_lock = threading.Lock()
 
     def attach(self, cluster: Cluster, tokenizer: ChatTokenizer) -> None:
         """Called once a worker has described the model: from now on a request can be admitted."""
+        facts, options = cluster.facts, cluster.options
+        tokenizer_json = getattr(tokenizer, "tokenizer_json", None)
+        constraints = None if tokenizer_json is None else ConstraintCompiler(
+            tokenizer_json, facts.vocab_size, list(facts.eos_token_ids), options.structured_output_max_chars,
+            options.structured_output_timeout_s, self._constraint_compiled)
         with self._health_lock:
-            self.cluster, self.tokenizer = cluster, tokenizer
+            self.cluster, self.tokenizer, self.constraints = cluster, tokenizer, constraints
             self._health_changed()
+
+    def _constraint_compiled(self, seconds: float | None) -> None:
+        for listener in self.on_constraint_compiled:
+            listener(seconds)
 
     @property
     def is_serving(self) -> bool:
@@ -137,7 +150,8 @@ class Frontend:
         facts = cluster.facts
         try:
             req = build_request(request, self.tokenizer, facts.vocab_size, list(facts.eos_token_ids),
-                                facts.config.max_model_len)
+                                facts.config.max_model_len,
+                                None if self.constraints is None else self.constraints.compile)
             return cluster.submit(req, deadline)
         except KeyError as exc:
             raise EngineError(grpc.StatusCode.ALREADY_EXISTS, str(exc.args[0])) from exc

@@ -7,6 +7,7 @@ those in UNSUPPORTED_FIELDS, which would change what is generated: a request
 that sets one to anything but its neutral value gets 400.
 """
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,7 +19,6 @@ INT32 = Annotated[int, Field(ge=-2**31, lt=2**31)]
 # field: its neutral values (the field may be sent with one of them: it then changes nothing).
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
@@ -39,6 +39,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (unconstrained), json_object (any JSON object), json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsIn(BaseModel):
+    """vLLM's `structured_outputs` body field (one constraint)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Common(BaseModel):
     """The sampling fields both endpoints share; `top_k` and `ignore_eos` are extensions (as in vLLM)."""
 
@@ -57,6 +84,14 @@ class _Common(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured outputs: OpenAI's response_format, and vLLM's fields (structured_outputs, and the older
+    # guided_json / guided_regex / guided_choice / guided_grammar); at most one may be set.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         """Raises InvalidParamError for n != 1 or an unsupported field set to a value that matters."""
@@ -73,11 +108,51 @@ class _Common(BaseModel):
         fields: dict[str, Any] = dict(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
                                       max_tokens=max_tokens)
         return pb.SamplingParams(**{k: v for k, v in fields.items() if v is not None}, top_k=self.top_k or 0,
-                                 stop=stop, ignore_eos=bool(self.ignore_eos), logprobs=logprobs)
+                                 stop=stop, ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
+                                 structured_outputs=self._structured_outputs())
+
+    def _structured_outputs(self) -> pb.StructuredOutputs | None:
+        """The one constraint the body sets (its value is checked by api.build_request), or None."""
+        given: list[tuple[str, pb.StructuredOutputs]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.response_format.type == "json_object":
+                given.append(("response_format", pb.StructuredOutputs(json_object=True)))
+            else:
+                spec = self.response_format.json_schema
+                if spec is None or spec.schema_ is None:
+                    raise InvalidParamError("response_format", "response_format of type json_schema needs "
+                                                               "json_schema.schema")
+                given.append(("response_format", pb.StructuredOutputs(json=json.dumps(spec.schema_))))
+        so = self.structured_outputs
+        if so is not None:
+            fields = {name: value for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                                      ("grammar", so.grammar), ("json_object", so.json_object))
+                      if value is not None}
+            if len(fields) > 1:
+                raise InvalidParamError("structured_outputs", f"structured_outputs sets {' and '.join(fields)}: "
+                                                              "set one")
+            for name, value in fields.items():
+                given.append(("structured_outputs", _constraint(name, value)))
+        for name, value in (("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
+                            ("guided_choice", self.guided_choice), ("guided_grammar", self.guided_grammar)):
+            if value is not None:
+                given.append((name, _constraint(name.removeprefix("guided_"), value)))
+        if len(given) > 1:
+            raise InvalidParamError(given[1][0], f"{' and '.join(n for n, _ in given)} each set a constraint: "
+                                                 "set one")
+        return given[0][1] if given else None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _constraint(kind: str, value) -> pb.StructuredOutputs:
+    if kind == "json":
+        return pb.StructuredOutputs(json=value if isinstance(value, str) else json.dumps(value))
+    if kind == "choice":
+        return pb.StructuredOutputs(choice=pb.Choice(choices=value))
+    return pb.StructuredOutputs(**{kind: value})
 
 
 class TextPart(BaseModel):

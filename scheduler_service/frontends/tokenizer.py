@@ -39,6 +39,11 @@ class ChatTokenizer:
         self.chat_template = env.from_string(template) if isinstance(template, str) else None
 
     @property
+    def tokenizer_json(self) -> str:
+        """The tokenizer as `tokenizer.json` holds it (what the structured-output compiler reads)."""
+        return self.tokenizer.to_str()
+
+    @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 

@@ -56,6 +56,12 @@ def add_flags(p: argparse.ArgumentParser, with_model_flags: bool = True) -> None
                    help="queued requests (not yet running) beyond which new ones get RESOURCE_EXHAUSTED")
     p.add_argument("--max-open-streams", type=int, default=512, metavar="N",
                    help="client calls in progress beyond which new ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--structured-output-max-chars", type=int, default=65536, metavar="N",
+                   help="a structured-output constraint (schema, regex, grammar, choices) longer than this is "
+                        "refused with INVALID_ARGUMENT")
+    p.add_argument("--structured-output-timeout", type=float, default=2.0, metavar="SECONDS",
+                   help="compiling a constraint for longer than this refuses the request with RESOURCE_EXHAUSTED "
+                        "(compiling runs beside the step loop, never in it)")
     p.add_argument("--shutdown-grace-period", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM: how long running requests may finish before they are aborted")
     p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
@@ -122,4 +128,6 @@ def options_from_args(args: argparse.Namespace, model_dir: str, worker_addresses
                             max_waiting_requests=args.max_waiting_requests, max_open_streams=args.max_open_streams,
                             shutdown_grace_period_s=args.shutdown_grace_period, metrics_port=args.metrics_port,
                             http_port=args.http_port, served_model_name=args.served_model_name or model_name,
+                            structured_output_max_chars=args.structured_output_max_chars,
+                            structured_output_timeout_s=args.structured_output_timeout,
                             **_security_options(args))

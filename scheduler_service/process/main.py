@@ -49,6 +49,7 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
         if http is not None:
             stoppers.append(http.stop)
         request_metrics = RequestMetrics()
+        servicer.frontend.on_constraint_compiled.append(request_metrics.on_constraint_compiled)
         cluster = Cluster(opts, membership, tokenizer, servicer.set_serving, request_metrics)
         metrics_server = (start_metrics_server(cluster_registry(cluster.snapshot, request_metrics), opts.host,
                                                opts.metrics_port, "scheduler") if opts.metrics_port else None)

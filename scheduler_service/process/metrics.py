@@ -92,6 +92,12 @@ METRICS = (
     _info("worker_failures_total", "counter", "Times a worker left by failing (crash, hang, broken stream)."),
     _info("moved_requests_total", "counter", "Requests moved to another worker after theirs left."),
     _info("engine_errors_total", "counter", "Unexpected exceptions the worker engines and the cluster's maintenance caught."),
+    _info("structured_output_requests_total", "counter",
+          "Requests admitted with a structured-output constraint (JSON schema, JSON object, regex, choice, grammar)."),
+    _info("structured_output_cache_hits_total", "counter",
+          "Of those, constraints found compiled in the scheduler's cache (a repeated schema)."),
+    _info("structured_output_compile_seconds", "histogram",
+          "Compiling a constraint that was not cached (beside the step loop; bounded by --structured-output-timeout)."),
 )
 _BY_NAME = {m.name: m for m in METRICS}
 
@@ -100,6 +106,12 @@ _BY_NAME = {m.name: m for m in METRICS}
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+COMPILE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+
+
+def _event_counter(name: str) -> Counter:
+    info = _BY_NAME[name]
+    return Counter(info.name, info.help, info.labels, registry=None)
 
 
 def _histogram(name: str, buckets: tuple[float, ...]) -> Histogram:
@@ -122,9 +134,20 @@ class RequestMetrics(RequestObserver):
         self.finished = Counter(info.name, info.help, info.labels, registry=None)
         for reason in FINISH_REASONS:
             self.finished.labels(reason)  # every reason is scraped from the start, at 0
+        self.constrained = _event_counter("specdec_structured_output_requests_total")
+        self.constraint_cache_hits = _event_counter("specdec_structured_output_cache_hits_total")
+        self.compile = _histogram("specdec_structured_output_compile_seconds", COMPILE_BUCKETS_S)
 
     def collectors(self) -> tuple[Collector, ...]:
-        return self.ttft, self.itl, self.e2e, self.finished
+        return self.ttft, self.itl, self.e2e, self.finished, self.constrained, self.constraint_cache_hits, self.compile
+
+    def on_constraint_compiled(self, seconds: float | None) -> None:
+        """A constrained request was admitted: its compile took `seconds`, or None (found in the cache)."""
+        self.constrained.inc()
+        if seconds is None:
+            self.constraint_cache_hits.inc()
+        else:
+            self.compile.observe(seconds)
 
     def on_output(self, handle: RequestHandle, output: RequestOutput, now: float | None = None) -> None:
         """Observes one output handed to the request's stream.

@@ -1,0 +1,183 @@
+"""Structured outputs through a real `specdec serve` (a tiny random model over a byte-level vocabulary, n-gram
+speculation, async scheduling): every kind of constraint over gRPC and the official `openai` client, the
+same tokens with and without speculation, bad constraints refused with the server still serving, the cache
+hit on a repeated schema, and a hostile constraint refused within the bound while another request streams."""
+
+import json
+import re
+import threading
+import time
+import urllib.request
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from specdec.v1 import generation_pb2 as pb
+from specdec.v1 import generation_pb2_grpc
+from tests.processes import free_port, running
+from tests.tiny_models import make_tiny_byte_pair
+
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8},
+    "population": {"type": "integer", "minimum": 0, "maximum": 99999},
+    "capital": {"type": "boolean"}},
+    "required": ["city", "population", "capital"], "additionalProperties": False}
+MAX_TOKENS = 80
+MODEL = "tiny-bytes"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pair = make_tiny_byte_pair(tmp_path_factory.mktemp("bytes"))
+    metrics_port = free_port()
+    args = ["serve", "--port", "0", "--http-port", str(free_port()), "--metrics-port", str(metrics_port),
+            "--model", str(pair.target_path), "--block-size", "4", "--num-threads", "1", "--max-model-len", "256",
+            "--num-kv-blocks", "256", "--proposer", "ngram", "--num-speculative-tokens", "4",
+            "--speculation-policy", "fixed", "--structured-output-timeout", "1", "--served-model-name", MODEL]
+    with running(args) as process:
+        http_address = process.address(who="http ")
+        grpc_address = process.address(who="scheduler ")
+        process.wait_for("scheduler ready")
+        channel = grpc.insecure_channel(grpc_address)
+        yield {"stub": generation_pb2_grpc.GenerationServiceStub(channel),
+               "openai": openai.OpenAI(base_url=f"http://{http_address}/v1", api_key="none", max_retries=0),
+               "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
+        channel.close()
+
+
+def complete(server, constraint: pb.StructuredOutputs, speculate: bool = True, seed: int | None = None,
+             prompt: str = "Describe a city.") -> pb.CompleteResponse:
+    sampling = pb.SamplingParams(temperature=0 if seed is None else 1.0, max_tokens=MAX_TOKENS,
+                                 structured_outputs=constraint, **({} if seed is None else {"seed": seed}))
+    return server["stub"].Complete(pb.CompleteRequest(prompt=prompt, sampling=sampling,
+                                                      speculation=pb.SpeculationParams(enabled=speculate)))
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_json_schema_output_validates_and_equals_the_output_without_speculation(server, seed):
+    constraint = pb.StructuredOutputs(json=json.dumps(SCHEMA))
+    fast, plain = complete(server, constraint, seed=seed), complete(server, constraint, speculate=False, seed=seed)
+    assert fast.finish_reason == pb.FINISH_REASON_STOP
+    jsonschema.validate(json.loads(fast.text), SCHEMA)
+    assert list(fast.token_ids) == list(plain.token_ids)
+    forced = {p.proposer: p for p in fast.usage.proposers}["forced"]
+    assert forced.draft_tokens > 0 and forced.accepted_tokens > 0
+    assert plain.usage.draft_tokens == 0
+
+
+@pytest.mark.parametrize(("constraint", "check"), [
+    (pb.StructuredOutputs(regex=r"[A-Z][a-z]{2,6} [0-9]{3}-[0-9]{4}"),
+     lambda text: re.fullmatch(r"[A-Z][a-z]{2,6} [0-9]{3}-[0-9]{4}", text)),
+    (pb.StructuredOutputs(choice=pb.Choice(choices=["positive", "negative", "neutral"])),
+     lambda text: text in ("positive", "negative", "neutral")),
+    (pb.StructuredOutputs(grammar='start: "(" item ("," item)* ")"\nitem: /[a-z]{1,3}/'),
+     lambda text: re.fullmatch(r"\([a-z]{1,3}(,[a-z]{1,3})*\)", text)),
+    (pb.StructuredOutputs(grammar='root ::= "yes" | "no"'), lambda text: text in ("yes", "no")),
+], ids=["regex", "choice", "lark", "gbnf"])
+def test_every_kind_of_constraint_is_followed(server, constraint, check):
+    reply = complete(server, constraint)
+    assert reply.finish_reason == pb.FINISH_REASON_STOP, reply.text
+    assert check(reply.text), reply.text
+
+
+def test_any_json_object(server):
+    """The random model's strings run on: the output is an object's start, cut by max_tokens (`length`), or
+    a whole object (`stop`)."""
+    reply = complete(server, pb.StructuredOutputs(json_object=True))
+    assert reply.text.startswith("{")
+    if reply.finish_reason == pb.FINISH_REASON_STOP:
+        assert isinstance(json.loads(reply.text), dict)
+    else:
+        assert reply.finish_reason == pb.FINISH_REASON_LENGTH and reply.usage.completion_tokens == MAX_TOKENS
+
+
+def test_the_openai_client_gets_json_of_its_schema(server):
+    client = server["openai"]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A city, as JSON."}], temperature=0,
+        max_tokens=MAX_TOKENS,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}})
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+    legacy = client.completions.create(model=MODEL, prompt="Mood:", max_tokens=8, temperature=0,
+                                       extra_body={"guided_choice": ["happy", "sad"]})
+    assert legacy.choices[0].text in ("happy", "sad")
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}}, "strin"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "if": {"properties": {"a": {"const": 1}}}}}}}, "if"),
+    ({"extra_body": {"guided_regex": "(unclosed"}}, "regex"),
+    ({"extra_body": {"guided_regex": "a+", "guided_choice": ["a"]}}, "guided_regex and guided_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
+    ({"extra_body": {"guided_json": {"type": "object"}, "ignore_eos": True}}, "ignore_eos"),
+])
+def test_bad_constraints_get_400_naming_the_problem(server, body, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        server["openai"].chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                 max_tokens=8, **body)
+    assert message in str(caught.value)
+    reply = complete(server, pb.StructuredOutputs(regex="ok"))  # and the server goes on serving
+    assert reply.finish_reason == pb.FINISH_REASON_STOP and reply.text == "ok"
+
+
+def test_a_bad_regex_over_grpc_is_invalid_argument(server):
+    with pytest.raises(grpc.RpcError) as caught:
+        complete(server, pb.StructuredOutputs(regex="(unclosed"))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unclosed" in caught.value.details()
+
+
+def _metric(server, name: str) -> float:
+    text = urllib.request.urlopen(server["metrics"], timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_a_repeated_schema_is_a_cache_hit(server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"]}
+    constraint = pb.StructuredOutputs(json=json.dumps(schema))
+    complete(server, constraint)
+    hits, requests = (_metric(server, "specdec_structured_output_cache_hits_total"),
+                      _metric(server, "specdec_structured_output_requests_total"))
+    complete(server, constraint)
+    assert _metric(server, "specdec_structured_output_cache_hits_total") == hits + 1
+    assert _metric(server, "specdec_structured_output_requests_total") == requests + 1
+    assert _metric(server, "specdec_structured_output_compile_seconds_count") >= 1
+
+
+def test_a_hostile_constraint_is_refused_within_the_bound_while_others_stream(server):
+    """An enormous schema is refused by size at once; a costly one within --structured-output-timeout (1 s)
+    or as invalid; a request streaming meanwhile is not held up."""
+    stream_gaps, num_tokens, done = [], [0], threading.Event()
+
+    def stream():
+        sampling = pb.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        last = time.monotonic()
+        for response in server["stub"].Generate(pb.GenerateRequest(prompt="go", sampling=sampling)):
+            now = time.monotonic()
+            stream_gaps.append(now - last)
+            num_tokens[0] += len(response.token_ids)
+            last = now
+        done.set()
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    enormous = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(5000)}}
+    with pytest.raises(grpc.RpcError) as caught:
+        complete(server, pb.StructuredOutputs(json=json.dumps(enormous)))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--structured-output-max-chars" in \
+        caught.value.details()
+    nested: dict = {"type": "string"}
+    for _ in range(400):
+        nested = {"type": "array", "items": nested}
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        complete(server, pb.StructuredOutputs(json=json.dumps(nested)))
+    assert time.monotonic() - start < 5
+    assert caught.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert done.wait(60)
+    streamer.join()
+    assert num_tokens[0] == 200 and max(stream_gaps[1:]) < 1.0
