@@ -10,7 +10,7 @@ from worker_service.config import (COMBINABLE_PROPOSERS, DEFAULT_NUM_SPECULATIVE
 
 # Flags a launcher forwards to a worker process (`specdec serve`), by argparse dest.
 FORWARDED = ("draft_model", "proposer", "num_speculative_tokens", "ngram_min", "ngram_max", "suffix_cache_tokens",
-             "scorer", "dtype", "device", "max_model_len", "kv_cache_memory_gib", "gpu_memory_utilization")
+             "forced_drafts", "scorer", "dtype", "device", "max_model_len", "kv_cache_memory_gib", "gpu_memory_utilization")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -32,6 +32,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-cache-tokens", type=int, default=65536, metavar="N",
                    help="tokens of recent outputs the suffix proposer indexes per worker, least recently used "
                         "evicted (0: only the request's own tokens)")
+    p.add_argument("--forced-drafts", action=argparse.BooleanOptionalAction, default=True,
+                   help="structured outputs: draft the tokens a request's constraint forces (keys, punctuation) "
+                        "where its sequence may speculate; off: only the proposer's drafts (checked against the "
+                        "constraint)")
     p.add_argument("--scorer", choices=SCORERS, default="multi_query",
                    help="how the target scores drafts: multi_query (one (k+1)-token query per sequence) or "
                         "batch_expansion (k+1 single-token rows)")
@@ -75,7 +79,8 @@ def config_from_args(args: argparse.Namespace, model_dir: str, num_threads: int 
     return WorkerConfig(model=model_dir, dtype=args.dtype, device=args.device, draft_model=draft_model,
                         proposer=args.proposer,
                         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
-                        ngram_max=args.ngram_max, suffix_cache_tokens=args.suffix_cache_tokens, scorer=args.scorer,
+                        ngram_max=args.ngram_max, suffix_cache_tokens=args.suffix_cache_tokens,
+                        forced_drafts=args.forced_drafts, scorer=args.scorer,
                         kv_cache_memory_bytes=int(args.kv_cache_memory_gib * 2**30),
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         max_model_len=args.max_model_len, num_threads=num_threads)
@@ -85,7 +90,9 @@ def forwarded_argv(args: argparse.Namespace) -> list[str]:
     """The flags of `args` that add_flags defines, as a worker command line."""
     argv = []
     for name in FORWARDED:
-        value = getattr(args, name)
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
+        value, flag = getattr(args, name), name.replace('_', '-')
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            argv += [f"--{flag}", str(value)]
     return argv

@@ -222,7 +222,8 @@ class Worker:
         for i, state in enumerate(scheduled):
             if not state.is_constrained or not num_drafts[i]:
                 continue
-            drafts[i], is_forced = structured.constrain_drafts(self.grammars.matcher(state), drafts[i], num_drafts[i])
+            drafts[i], is_forced = structured.constrain_drafts(self.grammars.matcher(state), drafts[i],
+                                                               num_drafts[i] if self.config.forced_drafts else 0)
             if is_forced:
                 if sources is None:
                     sources = [self.config.proposer] * len(scheduled)
