@@ -1,5 +1,5 @@
 """Structured outputs through a real `specdec serve` (a tiny random model over a byte-level vocabulary, n-gram
-speculation, async scheduling): every kind of constraint over gRPC and the official `openai` client, the
+speculation, async and sync scheduling): every kind of constraint over gRPC and the official `openai` client, the
 same tokens with and without speculation, bad constraints refused with the server still serving, the cache
 hit on a repeated schema, and a hostile constraint refused within the bound while another request streams."""
 
@@ -28,14 +28,15 @@ MAX_TOKENS = 80
 MODEL = "tiny-bytes"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["async", "sync"])
+def server(request, tmp_path_factory):
     pair = make_tiny_byte_pair(tmp_path_factory.mktemp("bytes"))
     metrics_port = free_port()
     args = ["serve", "--port", "0", "--http-port", str(free_port()), "--metrics-port", str(metrics_port),
             "--model", str(pair.target_path), "--block-size", "4", "--num-threads", "1", "--max-model-len", "256",
             "--num-kv-blocks", "256", "--proposer", "ngram", "--num-speculative-tokens", "4",
-            "--speculation-policy", "fixed", "--structured-output-timeout", "1", "--served-model-name", MODEL]
+            "--speculation-policy", "fixed", "--structured-output-timeout", "1", "--served-model-name", MODEL,
+            "--scheduling", request.param]
     with running(args) as process:
         http_address = process.address(who="http ")
         grpc_address = process.address(who="scheduler ")
@@ -178,6 +179,96 @@ def test_a_hostile_constraint_is_refused_within_the_bound_while_others_stream(se
         complete(server, pb.StructuredOutputs(json=json.dumps(nested)))
     assert time.monotonic() - start < 5
     assert caught.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    start = time.monotonic()  # a regex whose lexer states blow up: llguidance bounds the work of each token
+    reply = complete(server, pb.StructuredOutputs(regex="(.*a){50}"))
+    assert time.monotonic() - start < 20 and reply.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
     assert done.wait(60)
     streamer.join()
     assert num_tokens[0] == 200 and max(stream_gaps[1:]) < 1.0
+
+
+LONG_SCHEMA = {"type": "object", "properties": {
+    "notes": {"type": "string", "maxLength": 40},
+    "codes": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 5},
+    "score": {"type": "integer", "minimum": 0, "maximum": 9999}},
+    "required": ["notes", "codes", "score"], "additionalProperties": False}
+FAILOVER_PROMPTS = ["alpha beta", "gamma", "delta epsilon zeta", "eta", "theta iota", "kappa lambda mu"]
+FAILOVER_SEEDS = [None, None, None, 21, 22, 23]
+FAILOVER_MAX_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def byte_pair(tmp_path_factory):
+    return make_tiny_byte_pair(tmp_path_factory.mktemp("bytes-failover"))
+
+
+def _failover_reference(pair) -> list[list[int]]:
+    """Each request alone on an in-process worker, no speculation: its tokens up to EOS."""
+    from scheduler_service.frontends.tokenizer import ChatTokenizer
+    from specdec import step, structured
+    from tests.worker.driver import Driver
+    from worker_service.config import WorkerConfig
+    from worker_service.model_loader import load_model
+    from worker_service.model_runner import ModelRunner
+    from worker_service.worker import Worker
+
+    tokenizer = ChatTokenizer(pair.target_path)
+    worker = Worker(WorkerConfig(model=str(pair.target_path)), ModelRunner(load_model(pair.target_path)))
+    worker.init_cache(512, 4)
+    grammar = structured.to_grammar("json", json.dumps(LONG_SCHEMA))
+    outputs = []
+    for i, (prompt, seed) in enumerate(zip(FAILOVER_PROMPTS, FAILOVER_SEEDS)):
+        params = step.RequestSampling(temperature=0.0 if seed is None else 0.8, seed=seed)
+        out = Driver(worker.execute, 4, 512).generate([tokenizer.encode(prompt)], FAILOVER_MAX_TOKENS, params,
+                                                      prefix=f"ref{i}-", grammar=grammar)[0]
+        outputs.append(out[:out.index(2) + 1])
+    return outputs
+
+
+def test_constrained_streams_survive_preemption_and_a_killed_worker(byte_pair):
+    """Two worker processes, a KV pool small enough to preempt, one worker killed mid-stream: every
+    constrained stream (greedy and seeded) ends with exactly the tokens it has alone, valid JSON."""
+    from tests.e2e.test_failover import start_worker, wait_until, worker_status
+    from tests.processes import Process
+
+    reference = _failover_reference(byte_pair)
+    args = ["--num-threads", "1", "--proposer", "ngram", "--num-speculative-tokens", "3"]
+    workers = [start_worker(byte_pair, args=args) for _ in range(2)]
+    addresses = [w.address() for w in workers]
+    try:
+        scheduler = Process(["scheduler", "--port", "0", "--model", str(byte_pair.target_path), "--block-size", "4",
+                             "--num-kv-blocks", "56", "--speculation-policy", "fixed", "--routing", "least-loaded",
+                             "--worker", addresses[0], "--worker", addresses[1]])
+        try:
+            channel = grpc.insecure_channel(scheduler.address(who="scheduler "))
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            scheduler.wait_for("scheduler ready")
+            wait_until(lambda: all(worker_status(stub, a).state == "serving" for a in addresses))
+            tokens, finish = [[] for _ in FAILOVER_PROMPTS], [None] * len(FAILOVER_PROMPTS)
+
+            def consume(i: int) -> None:
+                seed = FAILOVER_SEEDS[i]
+                sampling = pb.SamplingParams(temperature=0.0 if seed is None else 0.8, max_tokens=FAILOVER_MAX_TOKENS,
+                                             structured_outputs=pb.StructuredOutputs(json=json.dumps(LONG_SCHEMA)),
+                                             **({} if seed is None else {"seed": seed}))
+                for response in stub.Generate(pb.GenerateRequest(prompt=FAILOVER_PROMPTS[i], sampling=sampling)):
+                    tokens[i] += response.token_ids
+                    finish[i] = response.finish_reason
+
+            threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(FAILOVER_PROMPTS))]
+            for thread in threads:
+                thread.start()
+            wait_until(lambda: all(len(t) >= 6 for t in tokens), what="every stream to begin")
+            workers[0].proc.kill()
+            for thread in threads:
+                thread.join(120)
+            assert finish == [pb.FINISH_REASON_STOP] * len(FAILOVER_PROMPTS)
+            assert tokens == reference
+            info = stub.GetServerInfo(pb.GetServerInfoRequest())
+            assert info.counters.num_moved_requests >= 1 and info.counters.num_preemptions >= 1
+            channel.close()
+        finally:
+            scheduler.stop()
+    finally:
+        for worker in workers:
+            worker.stop()

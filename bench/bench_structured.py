@@ -1,0 +1,197 @@
+"""Structured outputs with speculation: a JSON-extraction workload over gRPC, configurations side by side.
+
+    .venv/bin/python bench/bench_structured.py                       # ~15 min on 2 cores
+    .venv/bin/python bench/bench_structured.py --num-texts 2 --concurrency 4 --proposers ngram
+
+Starts one `specdec serve --port 0` per configuration, all at once: no speculation unconstrained (the
+constraint's overhead), no speculation constrained, and each of --proposers with forced drafts on and off
+(`--no-forced-drafts`), with their default k and the default goodput policy. Every job runs on every
+configuration in turn (rotating the order), greedy.
+
+Workload: the first --num-texts articles of Spec-Bench's summarization category and passages of its rag
+category (../shared/data/spec_bench_dev.jsonl, cut to --text-chars characters), each with an instruction to
+extract a record as JSON and the JSON schema of that record (written here): batch 1 (one request at a time),
+then --concurrency requests at a time (2 x concurrency jobs). Per configuration: tokens/s, the speedup over
+constrained decoding without speculation, outputs that validate against their schema (jsonschema) and
+outputs that differ from constrained decoding without speculation (expect 0); drafts by proposer (`forced`:
+the constraint's). Constraint overhead: unconstrained over constrained tokens/s, no speculation, batch 1
+(the unconstrained requests generate as many tokens as the constrained ones did).
+
+Results: bench/results/structured-*.json.
+"""
+
+import argparse
+from concurrent.futures import ThreadPoolExecutor
+import contextlib
+import json
+import logging
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import grpc  # noqa: E402
+import jsonschema  # noqa: E402
+
+from bench.bench_goodput import geomean, rotate  # noqa: E402
+from bench.bench_serving import spawned, wait_idle  # noqa: E402
+from bench.common import load_questions, save  # noqa: E402
+from specdec.v1 import generation_pb2 as pb  # noqa: E402
+from specdec.v1 import generation_pb2_grpc  # noqa: E402
+
+logger = logging.getLogger("bench.structured")
+
+ARTICLE_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 80},
+    "people": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 4},
+    "places": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 4},
+    "topic": {"enum": ["politics", "business", "sports", "science", "health", "entertainment", "world", "other"]},
+    "summary": {"type": "string", "maxLength": 240}},
+    "required": ["title", "people", "places", "topic", "summary"], "additionalProperties": False}
+PASSAGE_SCHEMA = {"type": "object", "properties": {
+    "subject": {"type": "string", "maxLength": 60},
+    "key_facts": {"type": "array", "items": {"type": "string", "maxLength": 120}, "maxItems": 3},
+    "sentiment": {"enum": ["positive", "negative", "neutral"]}},
+    "required": ["subject", "key_facts", "sentiment"], "additionalProperties": False}
+WORKLOADS = {"summarization": ("Extract the article's title, the people and places it names, its topic and a "
+                               "one-sentence summary, as JSON.", ARTICLE_SCHEMA),
+             "rag": ("Extract the passage's subject, up to three key facts and its sentiment, as JSON.",
+                     PASSAGE_SCHEMA)}
+
+
+class Server:
+    def __init__(self, label: str, address: str, constrained: bool):
+        self.label, self.constrained = label, constrained
+        self.channel = grpc.insecure_channel(address)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
+
+
+def jobs_of(num_texts: int, text_chars: int, offset: int = 0) -> list[dict]:
+    jobs = []
+    for category, (instruction, schema) in WORKLOADS.items():
+        rows = load_questions(categories=[category])[offset: offset + num_texts]
+        for row in rows:
+            text = row["turns"][0].removeprefix("Summarize: ")[:text_chars]
+            jobs.append({"key": f"{category}-{row['question_id']}", "prompt": f"{instruction}\n\nText:\n{text}",
+                         "schema": schema})
+    return jobs
+
+
+def run_job(server: Server, job: dict, max_tokens: int, timeout_s: float, num_tokens: int | None = None) -> dict:
+    """One chat request; constrained by the job's schema, or unconstrained for exactly `num_tokens` tokens."""
+    if server.constrained:
+        sampling = pb.SamplingParams(temperature=0, max_tokens=max_tokens,
+                                     structured_outputs=pb.StructuredOutputs(json=json.dumps(job["schema"])))
+    else:
+        sampling = pb.SamplingParams(temperature=0, max_tokens=num_tokens or max_tokens, ignore_eos=True)
+    request = pb.CompleteRequest(messages=[pb.ChatMessage(role="user", content=job["prompt"])], sampling=sampling)
+    reply = server.stub.Complete(request, timeout=timeout_s)
+    return {"token_ids": list(reply.token_ids), "text": reply.text, "finish": pb.FinishReason.Name(reply.finish_reason),
+            "proposers": {p.proposer: [p.draft_tokens, p.accepted_tokens] for p in reply.usage.proposers}}
+
+
+def run_level(server: Server, jobs: list[dict], concurrency: int, args, lengths: dict | None = None) -> dict:
+    wait_idle(server.stub)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        replies = list(pool.map(lambda job: run_job(server, job, args.max_tokens, args.request_timeout,
+                                                    (lengths or {}).get(job["key"])), jobs))
+    wall_s = time.perf_counter() - start
+    return {"wall_s": wall_s, "replies": dict(zip((j["key"] for j in jobs), replies))}
+
+
+def summarize(level: dict, jobs: list[dict], reference: dict | None) -> dict:
+    replies = level["replies"]
+    tokens = sum(len(r["token_ids"]) for r in replies.values())
+    valid = 0
+    for job in jobs:
+        try:
+            jsonschema.validate(json.loads(replies[job["key"]]["text"]), job["schema"])
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    drafted: dict[str, list[int]] = {}
+    for r in replies.values():
+        for name, (d, a) in r["proposers"].items():
+            drafted.setdefault(name, [0, 0])
+            drafted[name][0] += d
+            drafted[name][1] += a
+    differing = None if reference is None else sum(
+        replies[k]["token_ids"] != reference["replies"][k]["token_ids"] for k in replies)
+    return {"tokens": tokens, "wall_s": level["wall_s"], "tok_s": tokens / level["wall_s"], "valid": valid,
+            "num_jobs": len(jobs), "stopped": sum(r["finish"] == "FINISH_REASON_STOP" for r in replies.values()),
+            "differing": differing, "drafts_by_proposer": drafted}
+
+
+def main(args) -> None:
+    configs = [("none, unconstrained", "--proposer none", False), ("none", "--proposer none", True)]
+    for proposer in args.proposers:
+        configs += [(f"{proposer}", f"--proposer {proposer}", True),
+                    (f"{proposer}, no forced", f"--proposer {proposer} --no-forced-drafts", True)]
+    batch1_jobs = jobs_of(args.num_texts, args.text_chars)
+    conc_jobs = jobs_of(args.concurrency, args.text_chars, offset=args.num_texts)
+    report: dict = {"args": vars(args), "batch1": {}, "concurrency": {}}
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for label, flags, constrained in configs:
+            logger.info("starting specdec serve %s %s", flags, args.common_flags)
+            servers.append(Server(label, stack.enter_context(spawned(f"{flags} {args.common_flags}")), constrained))
+        for server in servers:  # warm-up (compiles the kernels, the schemas' grammars)
+            run_job(server, batch1_jobs[0], 8, args.request_timeout, 8)
+        constrained_plain = servers[1]
+        levels: dict[str, dict] = {"batch1": {}, "concurrency": {}}
+        # Constrained first (their lengths set the unconstrained requests'), every job on every server in turn.
+        ordered = servers[1:] + servers[:1]
+        for name, jobs, concurrency in (("batch1", batch1_jobs, 1), ("concurrency", conc_jobs, args.concurrency)):
+            groups = [[job] for job in jobs] if concurrency == 1 else [jobs]
+            for turn, group in enumerate(groups):
+                for server in rotate(ordered[:-1], turn) + ordered[-1:]:
+                    lengths = None
+                    if not server.constrained:
+                        ref = levels[name][constrained_plain.label]["replies"]
+                        lengths = {job["key"]: max(len(ref[job["key"]]["token_ids"]), 1) for job in group}
+                    result = run_level(server, group, concurrency, args, lengths)
+                    into = levels[name].setdefault(server.label, {"wall_s": 0.0, "replies": {}})
+                    into["wall_s"] += result["wall_s"]
+                    into["replies"].update(result["replies"])
+                logger.info("%s: %d/%d", name, turn + 1, len(groups))
+            reference = levels[name][constrained_plain.label]
+            for server in servers:
+                row = summarize(levels[name][server.label], jobs, reference if server.constrained else None)
+                row["speedup"] = row["tok_s"] / summarize(reference, jobs, None)["tok_s"]
+                report[name][server.label] = row
+        report["constraint_overhead_batch1"] = (report["batch1"]["none, unconstrained"]["tok_s"]
+                                                / report["batch1"]["none"]["tok_s"])
+    print(f"\nJSON extraction, {len(batch1_jobs)} jobs at batch 1, {len(conc_jobs)} at concurrency "
+          f"{args.concurrency}; speedup over constrained decoding without speculation")
+    for name in ("batch1", "concurrency"):
+        print(f"\n{name}:")
+        for label, row in report[name].items():
+            drafted = ", ".join(f"{p} {d}/{a}" for p, (d, a) in sorted(row["drafts_by_proposer"].items()))
+            print(f"  {label:22s} {row['tok_s']:7.1f} tok/s  {row['speedup']:5.2f}x  valid {row['valid']}/"
+                  f"{row['num_jobs']}  stop {row['stopped']}  differ {row['differing']}  drafts/accepted: {drafted}")
+    print(f"\nconstraint overhead (unconstrained / constrained tok/s, no speculation, batch 1): "
+          f"{report['constraint_overhead_batch1']:.3f}")
+    speedups = [report["batch1"][label]["speedup"] for label, _, c in configs[2:]]
+    report["geomean_speedup_batch1"] = geomean(speedups) if speedups else None
+    for level in levels.values():
+        for row in level.values():
+            for reply in row["replies"].values():
+                reply.pop("text", None)
+    save("structured", report)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--proposers", type=lambda s: s.split(";"), default=["ngram", "suffix", "eagle3"],
+                        help="semicolon-separated --proposer values")
+    parser.add_argument("--num-texts", type=int, default=4, help="texts per category at batch 1")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--text-chars", type=int, default=1500)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--common-flags", default="--max-num-seqs 16", help="flags every server gets")
+    ARGS = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    main(ARGS)
