@@ -8,12 +8,8 @@ import pytest
 
 from specdec import step, structured
 from tests.worker.driver import Driver
-from worker_service.config import WorkerConfig
-from worker_service.eagle3 import TargetFacts, load_head
-from worker_service.model_loader import load_model, load_tokenizer
-from worker_service.model_runner import ModelRunner
-from worker_service.models import DEFAULT_EAGLE3_HEAD
-from worker_service.worker import Worker
+from tests.worker.test_eagle3_smollm2 import BLOCK_SIZE, NUM_BLOCKS, make_worker
+from worker_service.model_loader import load_tokenizer
 
 pytestmark = pytest.mark.slow
 SCHEMA = {"type": "object", "properties": {
@@ -23,21 +19,7 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "year", "genres"], "additionalProperties": False}
 QUESTIONS = ["Give me a famous novel as JSON with its name, year and genres.",
              "Describe the film Casablanca as JSON: name, year, genres."]
-BLOCK_SIZE, NUM_BLOCKS, MAX_TOKENS = 16, 96, 96
-
-
-def make_worker(path, proposer: str) -> Worker:
-    target = ModelRunner(load_model(path, "bfloat16"))
-    head = None
-    if proposer == "eagle3":
-        config = target.model.config
-        head = load_head(DEFAULT_EAGLE3_HEAD, TargetFacts(config.hidden_size, config.vocab_size,
-                                                          config.num_hidden_layers),
-                         target.model.model.embed_tokens, target.device)
-    worker = Worker(WorkerConfig(model=str(path), dtype="bfloat16", proposer=proposer, num_speculative_tokens=4,
-                                 draft_model=str(DEFAULT_EAGLE3_HEAD) if head else None), target, None, head)
-    worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
-    return worker
+MAX_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +39,10 @@ def generate(worker, prompts, grammar, sampling=None, k=0):
 @pytest.mark.parametrize("proposer", ["suffix", "eagle3"])
 def test_json_outputs_validate_and_speculation_changes_no_token(smollm2_path, setup, proposer):
     tokenizer, prompts, grammar = setup
-    plain_worker = make_worker(smollm2_path, "none")
+    plain_worker = make_worker(smollm2_path, "bfloat16", "none")
     seeded = [step.RequestSampling(temperature=0.8, seed=11 + i) for i in range(len(prompts))]
     for sampling in (None, seeded):
         plain = generate(plain_worker, prompts, grammar, sampling)
         for tokens in plain:
             jsonschema.validate(json.loads(tokenizer.decode(tokens)), SCHEMA)
-        assert generate(make_worker(smollm2_path, proposer), prompts, grammar, sampling, k=4) == plain
+        assert generate(make_worker(smollm2_path, "bfloat16", proposer), prompts, grammar, sampling, k=4) == plain
