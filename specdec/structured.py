@@ -30,7 +30,11 @@ def to_grammar(kind: str, value) -> str:
             schema = json.loads(value)
         except ValueError as exc:
             raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from exc
-        if not isinstance(schema, (dict, bool)):
+        if schema is False:
+            raise ConstraintError("the JSON schema is false: it allows no value")
+        if schema is True:
+            schema = {}  # any JSON value
+        if not isinstance(schema, dict):
             raise ConstraintError(f"a JSON schema is an object (or true/false), got {type(schema).__name__}")
         return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     if kind == "json_object":

@@ -13,7 +13,10 @@ preempted or moved request goes on in the same grammar state. Grammars compile o
 prefills, and only its first sampled position waits for it.
 """
 
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+import logging
 import threading
 
 from llguidance import LLMatcher
@@ -23,6 +26,8 @@ import torch
 from specdec import structured
 from worker_service.request_state import InvalidStepError, RequestState
 
+logger = logging.getLogger(__name__)
+
 FORCED = "forced"  # the proposer name of drafts the grammar forces
 CACHE_SIZE = 256
 
@@ -30,13 +35,14 @@ CACHE_SIZE = 256
 class Grammars:
     """Compiled grammars by their text (a matcher at the start, copied for each request)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: list[int]):
+        """tokenizer_json: reads the model's `tokenizer.json` text (on the compile thread, once)."""
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self._tokenizer_args = (tokenizer_json, vocab_size, self.eos_token_ids)
+        self._tokenizer_json = tokenizer_json
         self._tokenizer = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
-        self._compiled: dict[str, Future] = {}
+        self._compiled: OrderedDict[str, Future] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
     def start(self, grammar: str) -> Future:
@@ -45,13 +51,15 @@ class Grammars:
             future = self._compiled.get(grammar)
             if future is None:
                 if len(self._compiled) >= CACHE_SIZE:
-                    self._compiled.pop(next(iter(self._compiled)))
+                    self._compiled.popitem(last=False)
                 future = self._compiled[grammar] = self._pool.submit(self._compile, grammar)
+            else:
+                self._compiled.move_to_end(grammar)
             return future
 
     def _compile(self, grammar: str) -> LLMatcher:
         if self._tokenizer is None:
-            self._tokenizer = structured.make_tokenizer(*self._tokenizer_args)
+            self._tokenizer = structured.make_tokenizer(self._tokenizer_json(), self.vocab_size, self.eos_token_ids)
         return structured.compile_matcher(self._tokenizer, grammar)
 
     def matcher(self, state: RequestState) -> LLMatcher:
@@ -59,8 +67,8 @@ class Grammars:
         if state.matcher is None:
             try:
                 start = self.start(state.grammar).result()
-            except structured.ConstraintError as exc:
-                raise InvalidStepError(f"request {state.request_id!r}: {exc}") from exc
+            except Exception as exc:  # an invalid grammar, or a tokenizer llguidance cannot use
+                raise InvalidStepError(f"request {state.request_id!r}: cannot compile its constraint: {exc}") from exc
             matcher = start.deep_copy()
             generated = state.token_ids[state.num_prompt_tokens:]
             if not matcher.consume_tokens(generated):
@@ -70,13 +78,20 @@ class Grammars:
         return state.matcher
 
 
-def constrain_drafts(matcher: LLMatcher, drafts: list[int], num_drafts: int) -> tuple[list[int], bool]:
+def constrain_drafts(matcher: LLMatcher, drafts: list[int], num_drafts: int,
+                     keep_first_forbidden: bool = False) -> tuple[list[int], bool]:
     """The drafts to score for a constrained sequence, and whether the grammar forced them: the tokens the
-    grammar forces next (at most num_drafts), else the proposer's drafts up to the first one it forbids."""
+    grammar forces next (at most num_drafts), else the proposer's drafts up to the first one it forbids.
+
+    keep_first_forbidden: for drafts sampled from a draft model's distribution p (rejection sampling with
+    p), the first forbidden draft is kept: the masked target gives it probability 0, so it is rejected for
+    certain and the position samples normalize(max(q - p, 0)), as it must; cutting it would sample q there
+    instead (exact only for drafts that are one-hot in p: n-gram, suffix, EAGLE-3, greedy)."""
     forced = matcher.compute_ff_tokens()[:num_drafts] if num_drafts else []
     if forced:
         return forced, True
-    return drafts[:matcher.validate_tokens(drafts)], False
+    num_valid = matcher.validate_tokens(drafts)
+    return drafts[:num_valid + 1 if keep_first_forbidden else num_valid], False
 
 
 def masks(matcher: LLMatcher, drafts: list[int], vocab_size: int) -> torch.Tensor:
@@ -87,10 +102,13 @@ def masks(matcher: LLMatcher, drafts: list[int], vocab_size: int) -> torch.Tenso
     for j in range(len(drafts) + 1):
         fill_next_token_bitmask(matcher, bitmask, j)
         if j < len(drafts):
-            if matcher.is_stopped() or not matcher.consume_token(drafts[j]):
-                break  # checked drafts never get here; the rows past it are never emitted
+            if matcher.validate_tokens([drafts[j]]) != 1:  # a kept forbidden draft: it is rejected for certain,
+                bitmask[j + 1:] = 0                       # the rows past it are never emitted (EOS only)
+                break
+            matcher.consume_token(drafts[j])
             num_consumed += 1
-    matcher.rollback(num_consumed)
+    if not matcher.rollback(num_consumed):
+        raise RuntimeError(f"the grammar matcher could not step back {num_consumed} tokens: {matcher.get_error()}")
     return bitmask
 
 
@@ -120,4 +138,6 @@ def advance(matcher: LLMatcher, emitted: list[int]) -> None:
     for token in emitted:
         if matcher.is_stopped():
             return
-        matcher.consume_token(token)
+        if not matcher.consume_token(token):  # sampled under its mask: cannot happen
+            logger.error("an emitted token left its constraint: %s", matcher.get_error())
+            return

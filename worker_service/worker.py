@@ -85,7 +85,9 @@ class Worker:
         if self._grammars is None:
             from worker_service.model_loader import load_tokenizer
 
-            tokenizer_json = load_tokenizer(self.config.model).backend_tokenizer.to_str()
+            def tokenizer_json() -> str:  # read on the compile thread, not the step loop
+                return load_tokenizer(self.config.model).backend_tokenizer.to_str()
+
             self._grammars = structured.Grammars(tokenizer_json, self.target.vocab_size, self.eos_token_ids)
         return self._grammars
 
@@ -222,8 +224,10 @@ class Worker:
         for i, state in enumerate(scheduled):
             if not state.is_constrained or not num_drafts[i]:
                 continue
+            sampled_from_p = draft_probs is not None and not state.sampling.is_greedy
             drafts[i], is_forced = structured.constrain_drafts(self.grammars.matcher(state), drafts[i],
-                                                               num_drafts[i] if self.config.forced_drafts else 0)
+                                                               num_drafts[i] if self.config.forced_drafts else 0,
+                                                               keep_first_forbidden=sampled_from_p)
             if is_forced:
                 if sources is None:
                     sources = [self.config.proposer] * len(scheduled)

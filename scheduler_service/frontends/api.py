@@ -142,10 +142,11 @@ def build_request(request: pb.GenerateRequest | pb.CompleteRequest, tokenizer: C
     if len(ids) + max_tokens > max_model_len:
         raise InvalidRequestError(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together more "
                                   f"than max_model_len {max_model_len}; lower max_tokens")
-    grammar = _grammar(s.structured_outputs, compile_constraint) if s.HasField("structured_outputs") else ""
-    if grammar and s.ignore_eos:
+    is_constrained = s.HasField("structured_outputs") and s.structured_outputs.WhichOneof("constraint") is not None
+    if is_constrained and s.ignore_eos:
         raise InvalidRequestError("ignore_eos cannot be combined with structured_outputs: the output ends where "
                                   "its constraint does")
+    grammar = _grammar(s.structured_outputs, compile_constraint) if is_constrained else ""
     try:
         return Request(request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=ids,
                        max_tokens=max_tokens, sampling=sampling, stop_token_ids=list(s.stop_token_ids),

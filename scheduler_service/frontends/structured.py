@@ -26,6 +26,10 @@ class ConstraintInputError(ValueError):
     """An invalid constraint (INVALID_ARGUMENT): the message names the problem."""
 
 
+class _TokenizerUnusable(RuntimeError):
+    """llguidance cannot use this model's tokenizer: no constraint can be served (not the client's fault)."""
+
+
 class ConstraintCompiler:
     """Turns `StructuredOutputs` into the grammar text a NewRequest carries ("" when unconstrained)."""
 
@@ -64,22 +68,28 @@ class ConstraintCompiler:
             return grammar
         start = time.monotonic()
         future = self._pool.submit(self._compile, kind, value)
+        future.add_done_callback(lambda done: self._keep(key, done))  # a late result serves the next request
         try:
             grammar = future.result(timeout=self.timeout_s)
         except FutureTimeout:
-            future.cancel()
             raise EngineError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"compiling the {kind} constraint took longer than {self.timeout_s:g} s "
                               "(--structured-output-timeout): simplify it") from None
         except structured.ConstraintError as exc:
             raise ConstraintInputError(str(exc)) from exc
-        seconds = time.monotonic() - start
+        except _TokenizerUnusable as exc:
+            raise EngineError(grpc.StatusCode.UNIMPLEMENTED, str(exc)) from exc
+        self._on_compiled(time.monotonic() - start)
+        return grammar
+
+    def _keep(self, key: tuple, future) -> None:
+        """Caches a compiled grammar (also one that came after its request had given up)."""
+        if future.cancelled() or future.exception() is not None:
+            return
         with self._lock:
-            self._cache[key] = grammar
+            self._cache[key] = future.result()
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        self._on_compiled(seconds)
-        return grammar
 
     def _compile(self, kind: str, value) -> str:
         """The grammar, once a matcher has been built from it with the model's tokenizer (as a worker will)."""
@@ -90,5 +100,9 @@ class ConstraintCompiler:
     def _llg_tokenizer(self):
         with self._tokenizer_lock:
             if self._tokenizer is None:
-                self._tokenizer = structured.make_tokenizer(*self._tokenizer_args)
+                try:
+                    self._tokenizer = structured.make_tokenizer(*self._tokenizer_args)
+                except Exception as exc:  # e.g. a model vocabulary smaller than the tokenizer's, no EOS
+                    raise _TokenizerUnusable(f"structured outputs are not available for this model: llguidance "
+                                             f"cannot use its tokenizer ({exc})") from exc
             return self._tokenizer

@@ -115,6 +115,7 @@ def test_the_openai_client_gets_json_of_its_schema(server):
     ({"extra_body": {"guided_regex": "(unclosed"}}, "regex"),
     ({"extra_body": {"guided_regex": "a+", "guided_choice": ["a"]}}, "guided_regex and guided_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}}, "no value"),
     ({"extra_body": {"guided_json": {"type": "object"}, "ignore_eos": True}}, "ignore_eos"),
 ])
 def test_bad_constraints_get_400_naming_the_problem(server, body, message):

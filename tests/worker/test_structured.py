@@ -85,6 +85,15 @@ def test_every_output_is_valid_json_of_the_schema(byte_pair, plain, mode):
         jsonschema.validate(json.loads(decode(byte_pair, tokens)), SCHEMA)
 
 
+def test_seeded_draft_model_speculation_follows_the_schema(byte_pair):
+    """Sampled drafts from a draft model (rejection sampling with its p; its seeded tokens depend on the
+    drafts, so they are not compared with plain decoding): still valid JSON of the schema."""
+    outputs, results = run(byte_pair, "draft", 4, sampling=SEEDED)
+    assert sum(o.num_draft_tokens for r in results for o in r.outputs) > 0
+    for tokens in outputs:
+        jsonschema.validate(json.loads(decode(byte_pair, tokens)), SCHEMA)
+
+
 def test_the_unconstrained_model_writes_no_json(byte_pair):
     """The check above is the constraint's doing: the same model and prompts without it write no JSON."""
     outputs, _ = run(byte_pair, grammar="")
@@ -127,8 +136,12 @@ def test_scoring_with_the_wrong_prefix_mask_is_caught(byte_pair, plain, monkeypa
 
     original = worker_structured.masks
     monkeypatch.setattr(worker_structured, "masks", first_row_only)
-    outputs, _ = run(byte_pair, "ngram", 4)
-    assert outputs != plain["greedy"]
+    try:
+        outputs, _ = run(byte_pair, "ngram", 4)
+    except RuntimeError as exc:  # or the matcher, fed a token its grammar forbids, stops the step
+        assert "grammar matcher" in str(exc)
+    else:
+        assert outputs != plain["greedy"]
 
 
 def test_a_resumed_request_continues_in_the_same_grammar_state(byte_pair, plain):
@@ -154,7 +167,7 @@ def test_drafts_the_grammar_forbids_are_not_scored(byte_pair):
     """A matcher at `{"name": "` takes string characters and the closing quote, but not the object's end
     (three keys are missing): the draft `ab"}` is cut to `ab`."""
     tokenizer_json = (byte_pair.target_path / "tokenizer.json").read_text()
-    grammars = worker_structured.Grammars(tokenizer_json, 274, [EOS])
+    grammars = worker_structured.Grammars(lambda: tokenizer_json, 274, [EOS])
     matcher = grammars.start(GRAMMAR).result().deep_copy()
     from tokenizers import Tokenizer
 
@@ -166,6 +179,13 @@ def test_drafts_the_grammar_forbids_are_not_scored(byte_pair):
     closing = tok.encode('"}').ids
     assert worker_structured.constrain_drafts(matcher, tok.encode("ab").ids + closing, 4) == (tok.encode("ab").ids,
                                                                                             False)
+    # Drafts sampled from a draft model's p: the forbidden one stays, to be rejected for certain (see the
+    # function: cutting it would sample the target there instead of the residual).
+    assert worker_structured.constrain_drafts(matcher, tok.encode("ab").ids + closing, 4,
+                                              keep_first_forbidden=True) == (tok.encode("ab").ids + closing, False)
+    bitmask = worker_structured.masks(matcher, tok.encode("ab").ids + closing + [EOS], 274)
+    assert bitmask[2].any() and not bitmask[3:].any()  # the forbidden draft's row has its prefix's mask
+    assert worker_structured.constrain_drafts(matcher, tok.encode("ab").ids, 4) == (tok.encode("ab").ids, False)
 
 
 def test_a_grammar_the_worker_cannot_compile_fails_the_step_naming_the_request(byte_pair):
