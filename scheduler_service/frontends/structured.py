@@ -45,6 +45,13 @@ class ConstraintCompiler:
         self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="constraint-compile")
         self._cache: OrderedDict[tuple, str] = OrderedDict()
         self._on_compiled = on_compiled or (lambda seconds: None)
+        self._pool.submit(self._warm_up)  # llguidance's tokenizer (~0.2 s) is built now, not by the first request
+
+    def _warm_up(self) -> None:
+        try:
+            self._llg_tokenizer()
+        except _TokenizerUnusable:
+            pass  # each constrained request is told
 
     def compile(self, outputs: pb.StructuredOutputs) -> str:
         """Raises ConstraintInputError (bad or too large) or EngineError RESOURCE_EXHAUSTED (too slow)."""
