@@ -12,6 +12,7 @@ import time
 import torch
 
 from specdec import step
+from worker_service import structured
 from worker_service.config import DEFAULT_NUM_SPECULATIVE_TOKENS, WorkerConfig
 from worker_service.eagle3 import Eagle3Head
 from worker_service.model_runner import ModelRunner, SequenceChunk
@@ -24,7 +25,6 @@ from worker_service.proposers.suffix import SuffixProposer
 from worker_service.request_state import (InvalidStepError, RequestState, apply_cached, check_cached,
                                           check_schedulable, new_state)
 from worker_service.scorers import SCORERS
-from worker_service import structured
 from worker_service.verify import verify
 
 logger = logging.getLogger(__name__)
