@@ -114,8 +114,9 @@ def masks(matcher: LLMatcher, drafts: list[int], vocab_size: int) -> torch.Tenso
 
 def apply_masks(logits: torch.Tensor, rows: list[int], bitmasks: list[torch.Tensor],
                 eos_token_ids: list[int]) -> torch.Tensor:
-    """`logits` ([N, V]) with the tokens each bitmask forbids at -inf, in the rows given (bitmask i covers rows
-    rows[i], rows[i] + 1, ...). A row that allows nothing (past the grammar's end) allows EOS."""
+    """`logits` ([N, V], the step's own: changed in place) with the tokens each bitmask forbids at -inf, in the
+    rows given (bitmask i covers rows rows[i], rows[i] + 1, ...). A row that allows nothing (past the grammar's
+    end) allows EOS."""
     if not rows:
         return logits
     num_vocab = logits.shape[-1]
@@ -128,8 +129,8 @@ def apply_masks(logits: torch.Tensor, rows: list[int], bitmasks: list[torch.Tens
     nothing = ~allowed.any(dim=1)
     if bool(nothing.any()):
         allowed[nothing.nonzero().squeeze(1).unsqueeze(1), torch.tensor(eos_token_ids, device=logits.device)] = True
-    logits = logits.clone()
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    with torch.inference_mode():  # the scorer's logits are inference tensors
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return logits
 
 

@@ -158,9 +158,7 @@ def build_request(request: pb.GenerateRequest | pb.CompleteRequest, tokenizer: C
 
 
 def _grammar(outputs: pb.StructuredOutputs, compile_constraint: Callable[[pb.StructuredOutputs], str] | None) -> str:
-    """The compiled constraint ("" when none is set); raises InvalidRequestError for a bad one."""
-    if outputs.WhichOneof("constraint") is None:
-        return ""
+    """The compiled constraint (one is set); raises InvalidRequestError for a bad one."""
     if compile_constraint is None:
         raise InvalidRequestError("this server cannot compile structured_outputs constraints (its tokenizer has "
                                   "no tokenizer.json)")

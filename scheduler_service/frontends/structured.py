@@ -61,7 +61,7 @@ class ConstraintCompiler:
         value = tuple(outputs.choice.choices) if kind == "choice" else getattr(outputs, kind)
         if kind == "json_object" and not value:
             raise ConstraintInputError("structured_outputs.json_object must be true when it is set")
-        size = sum(map(len, value)) if kind == "choice" else len(value) if isinstance(value, str) else 0
+        size = 0 if kind == "json_object" else sum(map(len, value)) if kind == "choice" else len(value)
         if size > self.max_chars:
             raise ConstraintInputError(f"the {kind} constraint has {size} characters: at most {self.max_chars} "
                                        "(--structured-output-max-chars)")
