@@ -123,9 +123,8 @@ def apply_masks(logits: torch.Tensor, rows: list[int], bitmasks: list[torch.Tens
     index = torch.tensor([r + j for r, b in zip(rows, bitmasks) for j in range(b.shape[0])], device=logits.device)
     packed = torch.cat(bitmasks).to(logits.device)  # [R, W] int32, bit t % 32 of word t // 32: token t allowed
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :num_vocab]  # [R, V]
-    if allowed.shape[1] < num_vocab:  # a tokenizer smaller than the model's output: the rest is forbidden
-        allowed = torch.nn.functional.pad(allowed, (0, num_vocab - allowed.shape[1]))
+    # [R, V]: masks are built for the model's output size (make_tokenizer's n_vocab), padded to whole words
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :num_vocab]
     nothing = ~allowed.any(dim=1)
     if bool(nothing.any()):
         allowed[nothing.nonzero().squeeze(1).unsqueeze(1), torch.tensor(eos_token_ids, device=logits.device)] = True
