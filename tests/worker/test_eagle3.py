@@ -14,6 +14,7 @@ from worker_service.config import WorkerConfig
 from worker_service.eagle3 import HeadError, TargetFacts, load_head
 from worker_service.model_loader import load_model
 from worker_service.model_runner import ModelRunner, SequenceChunk
+from worker_service.proposers.eagle3 import CATCH_UP_EVERY
 from worker_service.worker import Worker
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 400
@@ -126,10 +127,58 @@ def test_after_steps_the_next_proposal_equals_a_fresh_runs(tiny_pair, tmp_path):
     for i in range(len(prompts)):
         stepped, fresh_state = worker.requests[f"r{i}"], fresh.requests[f"f{i}"]
         assert fresh_state.token_ids == stepped.token_ids             # greedy: the same sampled last token
-        assert torch.equal(worker.proposer._next[f"r{i}"].feature, fresh.proposer._next[f"f{i}"].feature)
         a = worker.proposer.propose([stepped], [3]).draft_token_ids
-        b = fresh.proposer.propose([fresh_state], [3]).draft_token_ids
+        b = fresh.proposer.propose([fresh_state], [3]).draft_token_ids  # catches up on the prompt first
+        assert torch.equal(worker.proposer._next[f"r{i}"].feature, fresh.proposer._next[f"f{i}"].feature)
         assert a == b and len(a[0]) == 3
+
+
+def run_with_ks(worker, prompt: list[int], ks: list[int], request_id: str = "r0") -> list[int]:
+    """A greedy request stepped by hand: its prefill, then one decode step per k in `ks`; the emitted tokens."""
+    table = list(range(-(-(len(prompt) + 8 * len(ks) + 8) // BLOCK_SIZE)))
+    request = step.NewRequest(request_id, prompt, len(prompt), step.RequestSampling(temperature=0.0), table,
+                              len(prompt))
+    emitted = []
+    for step_id, k in enumerate([0] + ks):
+        if step_id:
+            request = step.CachedRequest(request_id, [], len(table), 1, k)
+        result = worker.execute(step.StepRequest(step_id, **{
+            "new_requests" if step_id == 0 else "cached_requests": [request]}))
+        emitted += result.outputs[0].token_ids
+    return emitted
+
+
+def test_at_k_0_the_head_waits_and_drafts_as_a_fresh_run_when_speculation_resumes(tiny_pair, tmp_path):
+    """A sequence the policy keeps at k = 0 leaves the head idle (its features wait, at most CATCH_UP_EVERY
+    positions); when it speculates again the head catches up first, so its drafts equal a fresh run's (a propose
+    without that catch-up would draft from stale K/V, or not at all), and the output stays plain decoding's."""
+    head_dir = save_tiny_eagle3_head(tmp_path / "head", d2t=[124 - i for i in range(150)] + [3] * 50)
+    prompt = PROMPTS[3]  # 20 tokens
+    plain = run_with_ks(make_worker(tiny_pair), prompt, [0] * 60)
+    worker = make_worker(tiny_pair, head_dir, k=3)
+    worker.proposer.min_confidence = 0.0
+    ks = [0] * 5 + [3] * 4 + [0] * 40 + [2] * 3
+    emitted = run_with_ks(worker, prompt, ks)
+    assert emitted[:len(plain)] == plain[:len(emitted)] and len(emitted) > len(ks)  # some drafts accepted
+
+    head_counts = []
+    for steps in (5, 9, len(ks) - 3):  # k = 0 since the prompt; speculated last; 40 steps at k = 0
+        probe = make_worker(tiny_pair, head_dir, k=3)
+        run_with_ks(probe, prompt, ks[:steps])
+        state = probe.requests["r0"]
+        head_counts.append((probe.proposer.num_kv_tokens(state), state.num_computed_tokens))
+        fresh = make_worker(tiny_pair, head_dir, k=3)
+        fresh.proposer.min_confidence = probe.proposer.min_confidence = 0.0
+        Driver(fresh.execute, BLOCK_SIZE, NUM_BLOCKS).generate([state.token_ids[:-1]], 1, keep=True, prefix="f")
+        fresh_state = fresh.requests["f0"]
+        assert fresh_state.token_ids == state.token_ids
+        drafts = probe.proposer.propose([state], [3]).draft_token_ids
+        assert drafts == fresh.proposer.propose([fresh_state], [3]).draft_token_ids and len(drafts[0]) == 3
+        assert probe.proposer.num_kv_tokens(state) == state.num_computed_tokens
+    (idle, computed_idle), (after, computed_after), (later, computed_later) = head_counts
+    assert idle == 0 and computed_idle == len(prompt) + 5      # the head never ran
+    assert after == computed_after                              # caught up after each speculating step
+    assert after < later <= computed_later < later + CATCH_UP_EVERY  # ran at k = 0 once enough positions waited
 
 
 def test_a_worker_process_with_a_bad_head_exits_at_start_saying_why(tiny_pair, tmp_path):
@@ -163,9 +212,9 @@ def test_a_resumed_request_on_cached_blocks_drafts_as_a_fresh_run(tiny_pair, tmp
     Driver(fresh.execute, BLOCK_SIZE, NUM_BLOCKS).generate([tokens], 1, keep=True, prefix="f")
     resumed, fresh_state = worker.requests["again"], fresh.requests["f0"]
     assert resumed.token_ids == fresh_state.token_ids
-    assert torch.equal(worker.proposer._next["again"].feature, fresh.proposer._next["f0"].feature)
     assert (worker.proposer.propose([resumed], [3]).draft_token_ids
             == fresh.proposer.propose([fresh_state], [3]).draft_token_ids)
+    assert torch.equal(worker.proposer._next["again"].feature, fresh.proposer._next["f0"].feature)
 
 
 def test_a_chain_stops_where_the_heads_confidence_runs_out(tiny_pair, head_dir):

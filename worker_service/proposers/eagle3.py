@@ -2,16 +2,26 @@
 
 The head at position p reads the token at p + 1 and the target's features of
 position p, and predicts the token at p + 2. Its K/V lives on the target's
-block tables, in a cache of its own. Each step, after verification, the head
-*catches up* on every position the target committed in that step (a prefill
-chunk's tokens; a decode's pending token and accepted drafts), with the
-features the target computed for them in the same pass: no extra target pass,
-and the head's K/V below the target's computed count is always that of
-committed tokens. When the step sampled, the head's output at the last
-committed position is the first draft of the next step, and its pre-norm
-state the feature of the second: `propose` then runs the head up to k - 1
-times, feeding back its own state, while the product of the head's
-probabilities of its drafts stays above MIN_CONFIDENCE.
+block tables, in a cache of its own. The head *catches up* on every position
+the target commits (a prefill chunk's tokens; a decode's pending token and
+accepted drafts), with the features the target computed for them in the same
+pass: no extra target pass, and the head's K/V below its own computed count
+(`num_draft_computed_tokens`) is always that of committed tokens. When the
+last committed position's token was sampled, the head's output there is the
+first draft of the next step, and its pre-norm state the feature of the
+second: `propose` then runs the head up to k - 1 times, feeding back its own
+state, while the product of the head's probabilities of its drafts stays
+above MIN_CONFIDENCE.
+
+When it catches up: right after the step for a sequence that speculates in
+this step (it will most likely draft in the next), else later. A sequence the
+scheduler's policy keeps at k = 0 (the head does not pay for it) keeps the
+target's features of its committed positions aside, and the head runs over
+them in one chunk when the sequence drafts again or CATCH_UP_EVERY positions
+have gathered: so a sequence that does not draft costs almost no head work,
+and the policy, which times the steps, sees the head's cost where drafting
+causes it. The head's K/V is a function of the tokens and features alone
+(its linears are batch invariant), so when it runs does not change a draft.
 
 The drafts are the head's argmax mapped to target ids, deterministic given the
 context, and are verified like copied drafts (no draft probabilities): a draft
@@ -34,6 +44,10 @@ from worker_service.request_state import RequestState
 # each for little gain. The goodput policy sees the shorter drafts as delivery below 1 at those positions.
 MIN_CONFIDENCE = 0.1
 
+# Committed positions a sequence that does not draft may keep waiting for the head: bounds the features kept
+# aside (3 x hidden each) and the positions the prefix cache cannot keep yet (it keeps blocks every model wrote).
+CATCH_UP_EVERY = 32
+
 
 @dataclass
 class _Next:
@@ -52,9 +66,13 @@ class Eagle3Proposer(Proposer):
         self.min_confidence = min_confidence
         self.target = target
         target.aux_layers = head.aux_layers
-        self._next: dict[str, _Next] = {}
+        self._next: dict[str, _Next] = {}  # only while the head is caught up
+        # The target's auxiliary hidden states of committed positions the head has not run over, by request:
+        # rows of positions num_draft_computed_tokens, .., num_computed_tokens - 1, in order.
+        self._pending: dict[str, list[torch.Tensor]] = {}
 
     def propose(self, states: list[RequestState], num_drafts: list[int]) -> Proposal:
+        self._catch_up([s for s, k in zip(states, num_drafts) if k > 0 and s.request_id in self._pending])
         drafts: list[list[int]] = [[] for _ in states]
         active = [i for i, k in enumerate(num_drafts) if k > 0 and states[i].request_id in self._next]
         features, confidence, scores = {}, {}, [0.0] * len(states)
@@ -80,31 +98,43 @@ class Eagle3Proposer(Proposer):
         return Proposal(drafts, None, scores=scores)
 
     def after_step(self, states: list[RequestState], chunks: list[SequenceChunk], num_committed: list[int]) -> None:
-        """Catches the head up on the positions the target committed in this step (see the module docstring)."""
+        """Keeps the features of the positions the target committed in this step, and catches the head up on
+        them now where the module docstring says."""
         aux = self.target.last_aux_hidden  # [T, 3 x target hidden], the step's packed rows in chunk order
-        rows, head_chunks, sampled = [], [], []
-        offset = 0
+        now, offset = [], 0
         for state, chunk, num in zip(states, chunks, num_committed):
-            start = chunk.start_pos
             if num > 0:
-                # Position p reads the token at p + 1 (all committed: the last is this step's sample, if any).
-                head_chunks.append(SequenceChunk(state.token_ids[start + 1:start + num + 1], start,
-                                                 state.block_table, num_logits=1 if chunk.num_logits else 0))
-                rows.extend(range(offset, offset + num))
-                sampled.append(chunk.num_logits > 0)
-                state.num_draft_computed_tokens = start + num
-            offset += len(chunk.token_ids)
-        if not head_chunks:
-            return
-        features = self.head.features(aux[torch.tensor(rows, device=aux.device)])
-        normed, prenorm = self._run(head_chunks, features, last_rows=True)
-        tokens, probabilities = self.head.draft_tokens(normed)
-        committed = [s for s, n in zip(states, num_committed) if n > 0]
-        for row, (state, is_sampled) in enumerate(zip(committed, sampled)):
-            if is_sampled:
-                self._next[state.request_id] = _Next(tokens[row], probabilities[row], prenorm[row])
-            else:
+                pending = self._pending.setdefault(state.request_id, [])
+                pending.append(aux[offset:offset + num].clone())  # positions chunk.start_pos .. + num - 1
                 self._next.pop(state.request_id, None)
+                waiting = state.num_computed_tokens - state.num_draft_computed_tokens
+                if state.num_speculative_tokens > 0 or waiting >= CATCH_UP_EVERY:
+                    now.append(state)
+            offset += len(chunk.token_ids)
+        self._catch_up(now)
+
+    def _catch_up(self, states: list[RequestState]) -> None:
+        """Runs the head over each state's pending positions (one packed call); where the next step may draft,
+        keeps the head's first draft for it."""
+        if not states:
+            return
+        head_chunks, features = [], []
+        for state in states:
+            start, end = state.num_draft_computed_tokens, state.num_computed_tokens
+            rows = torch.cat(self._pending.pop(state.request_id))
+            assert rows.shape[0] == end - start, (state.request_id, rows.shape[0], start, end)
+            # Position p reads the token at p + 1 (known for every committed position: the prompt's, or a sample).
+            # One token past the committed ones (a decode's pending token): the next step may draft after it.
+            drafts_next = state.num_tokens == end + 1
+            head_chunks.append(SequenceChunk(state.token_ids[start + 1:end + 1], start, state.block_table,
+                                             num_logits=1 if drafts_next else 0))
+            features.append(rows)
+            state.num_draft_computed_tokens = end
+        normed, prenorm = self._run(head_chunks, self.head.features(torch.cat(features)), last_rows=True)
+        tokens, probabilities = self.head.draft_tokens(normed)
+        for row, (state, chunk) in enumerate(zip(states, head_chunks)):
+            if chunk.num_logits:
+                self._next[state.request_id] = _Next(tokens[row], probabilities[row], prenorm[row])
 
     def _run(self, chunks: list[SequenceChunk], features: torch.Tensor,
              last_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,3 +152,4 @@ class Eagle3Proposer(Proposer):
     def release(self, states: list[RequestState]) -> None:
         for state in states:
             self._next.pop(state.request_id, None)
+            self._pending.pop(state.request_id, None)
