@@ -54,6 +54,24 @@ def test_every_proposers_draft_is_judged_by_what_the_target_emitted(tiny_pair, h
     assert ratios["suffix"].matched > ratios["eagle3"].matched
 
 
+def test_the_head_drafts_only_where_copying_is_expected_to_do_worse(tiny_pair, head_dir):
+    """The tiny target answers [7, 8] * 10 with a run of 7s: the suffix's copies match and the random head's
+    drafts do not, so after its first drafts the head is asked only in steps where the suffix found no copy
+    (asked every step, it would draft in all of them)."""
+    worker = make_worker(tiny_pair, head_dir, k=4, proposer="eagle3,suffix")
+    head = worker.proposer.proposers["eagle3"]
+    asked = []
+    propose = head.propose
+    head.propose = lambda states, num_drafts: asked.append(sum(1 for k in num_drafts if k)) or propose(
+        states, num_drafts)
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
+    prompt = [7, 8] * 10
+    assert driver.generate([prompt], 14, num_speculative_tokens=4) == Driver(
+        make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS).generate([prompt], 14)
+    num_steps = len(driver.results) - 2  # decode steps: not the prefill, not the finish
+    assert "suffix" in sources(driver) and 0 < len(asked) <= 2 < num_steps, (asked, num_steps)
+
+
 @pytest.mark.parametrize("proposer, message", [
     ("eagle3,draft", "proposer 'draft' runs alone"),
     ("suffix,suffix", "names one proposer twice"),

@@ -27,6 +27,9 @@ class Proposal:
 class Proposer:
     """Base class: the no-op hooks; subclasses implement `propose`."""
 
+    runs_model = False  # drafting runs a model (a forward per draft), not a lookup: several proposers at once
+                        # ask it only where copying is expected to do worse (proposers/combined.py)
+
     def propose(self, states: list, num_drafts: list[int]) -> Proposal:  # states: list[RequestState]
         raise NotImplementedError
 

@@ -10,6 +10,13 @@ been accepted — also for the drafts that were not scored (a lower bound when t
 The expected accepted length of a draft is then its score times the request's ratio of matched tokens to
 score, shrunk towards the worker-wide ratio of that proposer.
 
+Copying costs next to nothing; a proposer that runs a model (the EAGLE-3 head: a forward per draft) does not.
+So the copying proposers draft first, and a model proposer drafts for a sequence only where the best copy is
+expected to give fewer tokens than that proposer's drafts recently matched for the request (decayed like the
+ratios; before its first draft for a request, and where no copy was found, always). On text that repeats,
+the head then waits — its catch-up is deferred while it does not draft — and runs where there is nothing to
+copy.
+
 All drafts here are copy-like (no draft probabilities), so the keyed acceptance rule holds whichever wins:
 the output is the target's, greedy or seeded.
 """
@@ -43,6 +50,7 @@ class _Ratio:
 class _Request:
     ratios: dict[str, _Ratio] = field(default_factory=dict)
     last_drafts: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # this step's, by proposer
+    recent_matched: dict[str, float] = field(default_factory=dict)  # decayed mean matched tokens, model proposers
 
 
 class CombinedProposer(Proposer):
@@ -55,26 +63,28 @@ class CombinedProposer(Proposer):
         self._requests: dict[str, _Request] = {}
 
     def propose(self, states: list, num_drafts: list[int]) -> Proposal:
-        proposals = {name: p.propose(states, [min(k, self.max_drafts[name]) for k in num_drafts])
-                     for name, p in self.proposers.items()}
-        drafts, sources, expected = [], [], []
-        for i, state in enumerate(states):
-            request = self._requests.setdefault(state.request_id, _Request())
+        requests = [self._requests.setdefault(state.request_id, _Request()) for state in states]
+        for request in requests:
             request.last_drafts = {}
-            best = ([], "", 0.0)
-            for name, proposal in proposals.items():
+        best = [([], "", 0.0) for _ in states]  # per sequence: (drafts, proposer, expected accepted length)
+        for name, proposer in sorted(self.proposers.items(), key=lambda item: item[1].runs_model):
+            caps = [min(k, self.max_drafts[name]) for k in num_drafts]
+            if proposer.runs_model:  # only where no copy is expected to do better
+                caps = [k if not b[0] or b[2] < r.recent_matched.get(name, float("inf")) else 0
+                        for k, b, r in zip(caps, best, requests)]
+                if not any(caps):
+                    continue
+            proposal = proposer.propose(states, caps)
+            for i, request in enumerate(requests):
                 tokens = proposal.draft_token_ids[i]
                 if not tokens:
                     continue
                 score = proposal.scores[i] if proposal.scores is not None else float(len(tokens))
                 request.last_drafts[name] = (tokens, score)
                 value = min(score * self._ratio(request, name), len(tokens))
-                if value > best[2]:
-                    best = (tokens, name, value)
-            drafts.append(best[0])
-            sources.append(best[1])
-            expected.append(best[2])
-        return Proposal(drafts, None, scores=expected, sources=sources)
+                if value > best[i][2]:
+                    best[i] = (tokens, name, value)
+        return Proposal([b[0] for b in best], None, scores=[b[2] for b in best], sources=[b[1] for b in best])
 
     def _ratio(self, request: _Request, name: str) -> float:
         prior = self.worker_ratios[name].value(1.0, PRIOR_WEIGHT)
@@ -90,6 +100,10 @@ class CombinedProposer(Proposer):
                                min(len(tokens), len(emitted)))
                 request.ratios.setdefault(name, _Ratio(REQUEST_DECAY)).observe(matched, score)
                 self.worker_ratios[name].observe(matched, score)
+                if self.proposers[name].runs_model:
+                    recent = request.recent_matched.get(name)
+                    request.recent_matched[name] = matched if recent is None else (
+                        REQUEST_DECAY * recent + (1 - REQUEST_DECAY) * matched)
             request.last_drafts = {}
         for proposer in self.proposers.values():
             proposer.after_verify(state, num_tokens_before, num_drafts, num_accepted)

@@ -25,6 +25,8 @@ from worker_service.sampling import logits_to_probs, sample_from_probs, sampling
 class DraftProposer(Proposer):
     """Proposes with a draft ModelRunner; requests keep `num_draft_computed_tokens` up to date."""
 
+    runs_model = True
+
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 

@@ -61,6 +61,8 @@ class _Next:
 class Eagle3Proposer(Proposer):
     """See the module docstring. The target runner captures the head's auxiliary hidden states."""
 
+    runs_model = True
+
     def __init__(self, head: Eagle3Head, target: ModelRunner, min_confidence: float = MIN_CONFIDENCE):
         self.head = head
         self.min_confidence = min_confidence
