@@ -107,16 +107,20 @@ class SpeculationPolicy:
         return request.acceptance
 
     def _candidate(self, request: Request, cap: int) -> Candidate:
-        """Delivery from every step of the request; acceptance from the steps of the proposer that drafted its
-        last drafts (the worker picks a proposer per step, and keeps picking the one that does well)."""
+        """Acceptance, and how deep drafts go, from the steps of the proposer that drafted the request's last
+        drafts (the worker picks a proposer per step, and keeps picking the one that does well: a head's short
+        chains must not cut a suffix's long copies to one token); whether a first draft comes at all, from every
+        step of the request."""
         estimate, prior = self._estimate(request), self.worker_acceptance
+        first = estimate.delivery(0, prior.delivery(0, 1.0))
+        delivery = [estimate.delivery(m, prior.delivery(m, 1.0)) for m in range(cap)]
         by_proposer = request.acceptance_by_proposer.get(request.last_proposer)
         if by_proposer is not None:
             estimate, prior = by_proposer, self.worker_acceptance_by_proposer[request.last_proposer]
+            # observed only in steps where that proposer drafted: depth given a first draft
+            delivery = [first] + [first * estimate.delivery(m, prior.delivery(m, 1.0)) for m in range(1, cap)]
         acceptance = tuple(estimate.acceptance(m, prior.acceptance(m, INITIAL_ACCEPTANCE)) for m in range(cap))
-        estimate, prior = self._estimate(request), self.worker_acceptance
-        delivery = tuple(estimate.delivery(m, prior.delivery(m, 1.0)) for m in range(cap))
-        return Candidate(cap, request.num_computed_tokens, delivery, acceptance)
+        return Candidate(cap, request.num_computed_tokens, tuple(delivery[:cap]), acceptance)
 
     def observe_sequence(self, request: Request, num_requested: int, num_drafts: int, num_accepted: int,
                          proposer: str = "") -> None:

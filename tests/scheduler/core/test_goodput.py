@@ -184,6 +184,24 @@ def test_acceptance_is_learnt_per_proposer_and_k_follows_the_one_drafting():
     high = policy._candidate(request, K).acceptance
     assert low[0] < 0.2 and min(high) > 0.8  # later positions of eagle3 were never tried: the prior
     assert set(policy.worker_acceptance_by_proposer) == {"suffix", "eagle3"}
+
+
+def test_draft_depth_is_learnt_per_proposer_too():
+    """A head's chains stop after one draft, a suffix's copies run to K: once the suffix drafted last, the
+    candidate expects deep drafts (with one delivery estimate for both, the head's short chains would keep the
+    suffix to about one draft); whether any draft comes stays the request's, over every step."""
+    policy = SpeculationPolicy(K, None)
+    request = Request("r", [1, 2, 3], max_tokens=50)
+    for _ in range(20):
+        policy.observe_sequence(request, K, K, K, proposer="suffix")
+        policy.observe_sequence(request, K, 1, 1, proposer="eagle3")
+        policy.observe_sequence(request, K, 0, 0)  # no proposer found a draft
+    policy.observe_sequence(request, K, K, K, proposer="suffix")
+    deep = policy._candidate(request, K).delivery
+    policy.observe_sequence(request, K, 1, 1, proposer="eagle3")
+    shallow = policy._candidate(request, K).delivery
+    assert 0.6 < deep[0] < 0.8 and 0.6 < shallow[0] < 0.8      # about 2 of 3 steps drafted
+    assert min(deep[1:]) > 0.9 * deep[0] and max(shallow[1:]) < 0.2
     # Without a proposer name (a single proposer), the one estimate of every step is used, as before.
     single = Request("s", [1, 2, 3], max_tokens=50)
     policy.observe_sequence(single, K, K, K)
