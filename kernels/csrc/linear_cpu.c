@@ -109,9 +109,9 @@ static inline vec load_vec(int dtype, const void *base, int64_t offset) {
 }
 
 /* Asks for the weights PREFETCH_BYTES past the `bytes` at p. The weights stream from memory once per step;
- * at a few rows the hardware prefetcher alone leaves the FMAs waiting on them (on the Intel kind, 2, 4
- * and 8 bf16 rows took 13%, 21% and 14% longer without this: bench/bench_linear.py). Past a group's end
- * these are the next group's weights, which come next. */
+ * at a few rows the hardware prefetcher alone leaves the FMAs waiting on them (on the Intel kind a bf16
+ * verify of 4 rows took 20% longer without this, a decode 9%: bench/bench_linear.py --build). Past a
+ * group's end these are the next group's weights, which come next. */
 static inline void prefetch_ahead(const void *p, int bytes) {
     for (int line = 0; line < bytes; line += 64) __builtin_prefetch((const char *)p + PREFETCH_BYTES + line);
 }
