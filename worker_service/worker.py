@@ -16,7 +16,7 @@ from worker_service import structured
 from worker_service.config import DEFAULT_NUM_SPECULATIVE_TOKENS, WorkerConfig
 from worker_service.eagle3 import Eagle3Head
 from worker_service.model_runner import ModelRunner, SequenceChunk
-from worker_service.proposers import Proposer
+from worker_service.proposers import Proposer, num_matching
 from worker_service.proposers.combined import CombinedProposer
 from worker_service.proposers.draft import DraftProposer
 from worker_service.proposers.eagle3 import Eagle3Proposer
@@ -185,14 +185,16 @@ class Worker:
             proposal = self.proposer.propose(scheduled, num_drafts)
             drafts, draft_probs, sources = proposal.draft_token_ids, proposal.draft_probs, proposal.sources
         proposed = drafts
-        if any(s.is_constrained for s in scheduled):
+        is_constrained = any(s.is_constrained for s in scheduled)
+        if is_constrained:
             drafts, draft_probs, sources = self._constrain_drafts(scheduled, num_drafts, drafts, draft_probs, sources)
         t1 = time.perf_counter()
         chunks = [self._chunk(s, d) for s, d in zip(scheduled, drafts)]
         logits = self.score(self.target, chunks)  # [sum(num_logits), V]
         t2 = time.perf_counter()
         sampling_rows = [i for i, c in enumerate(chunks) if c.num_logits > 0]
-        logits = self._mask(logits, [scheduled[i] for i in sampling_rows], [drafts[i] for i in sampling_rows])
+        if is_constrained:
+            logits = self._mask(logits, [scheduled[i] for i in sampling_rows], [drafts[i] for i in sampling_rows])
         result = verify([scheduled[i] for i in sampling_rows], logits, [drafts[i] for i in sampling_rows],
                         None if draft_probs is None else draft_probs[sampling_rows])
         outputs = {s.request_id: step.SequenceOutput(request_id=s.request_id, token_ids=[]) for s in scheduled}
@@ -275,11 +277,8 @@ class Worker:
         if state.matcher is not None:
             structured.advance(state.matcher, emitted)
         if self.proposer is not None:
-            num_confirmed = num_accepted
-            if proposed is not drafts:
-                num_confirmed = next((j for j, (a, b) in enumerate(zip(proposed, emitted)) if a != b),
-                                     min(len(proposed), num_accepted))
-            self.proposer.after_verify(state, num_tokens_before, len(proposed), min(num_confirmed, num_accepted))
+            num_confirmed = num_accepted if proposed is drafts else min(num_matching(proposed, emitted), num_accepted)
+            self.proposer.after_verify(state, num_tokens_before, len(proposed), num_confirmed)
         out.token_ids = emitted
         out.logprobs = result.logprobs[row] if state.return_logprobs else []
         out.num_draft_tokens, out.num_accepted_tokens = len(drafts), num_accepted

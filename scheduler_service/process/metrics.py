@@ -130,8 +130,7 @@ class RequestMetrics(RequestObserver):
         self.ttft = _histogram("specdec_time_to_first_token_seconds", TTFT_BUCKETS_S)
         self.itl = _histogram("specdec_inter_token_latency_seconds", ITL_BUCKETS_S)
         self.e2e = _histogram("specdec_e2e_request_latency_seconds", E2E_BUCKETS_S)
-        info = _BY_NAME["specdec_request_success_total"]
-        self.finished = Counter(info.name, info.help, info.labels, registry=None)
+        self.finished = _event_counter("specdec_request_success_total")
         for reason in FINISH_REASONS:
             self.finished.labels(reason)  # every reason is scraped from the start, at 0
         self.constrained = _event_counter("specdec_structured_output_requests_total")

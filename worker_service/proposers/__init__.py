@@ -24,6 +24,12 @@ class Proposal:
     sources: list[str] | None = None   # per sequence, the proposer that drafted (several proposers at once)
 
 
+def num_matching(drafts: list[int], emitted: list[int]) -> int:
+    """How many of `drafts` the emitted tokens confirm: their common prefix (the emitted tokens are the target's
+    own choices at those positions, so this holds for drafts that were not scored too)."""
+    return next((j for j, (a, b) in enumerate(zip(drafts, emitted)) if a != b), min(len(drafts), len(emitted)))
+
+
 class Proposer:
     """Base class: the no-op hooks; subclasses implement `propose`."""
 

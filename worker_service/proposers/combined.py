@@ -23,7 +23,7 @@ the output is the target's, greedy or seeded.
 
 from dataclasses import dataclass, field
 
-from worker_service.proposers import Proposal, Proposer
+from worker_service.proposers import Proposal, Proposer, num_matching
 
 REQUEST_DECAY = 0.8     # a request's recent steps
 WORKER_DECAY = 0.99     # the worker-wide ratio: the prior of a request
@@ -96,8 +96,7 @@ class CombinedProposer(Proposer):
         request = self._requests.get(state.request_id)
         if request is not None:
             for name, (tokens, score) in request.last_drafts.items():
-                matched = next((j for j, (a, b) in enumerate(zip(tokens, emitted)) if a != b),
-                               min(len(tokens), len(emitted)))
+                matched = num_matching(tokens, emitted)
                 request.ratios.setdefault(name, _Ratio(REQUEST_DECAY)).observe(matched, score)
                 self.worker_ratios[name].observe(matched, score)
                 if self.proposers[name].runs_model:
