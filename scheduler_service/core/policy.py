@@ -116,7 +116,9 @@ class SpeculationPolicy:
         delivery = [estimate.delivery(m, prior.delivery(m, 1.0)) for m in range(cap)]
         by_proposer = request.acceptance_by_proposer.get(request.last_proposer)
         if by_proposer is not None:
-            estimate, prior = by_proposer, self.worker_acceptance_by_proposer[request.last_proposer]
+            # a request moved from another worker brings its own estimates; this worker may not know the proposer yet
+            estimate = by_proposer
+            prior = self.worker_acceptance_by_proposer.get(request.last_proposer, self.worker_acceptance)
             # observed only in steps where that proposer drafted: depth given a first draft
             delivery = [first] + [first * estimate.delivery(m, prior.delivery(m, 1.0)) for m in range(1, cap)]
         acceptance = tuple(estimate.acceptance(m, prior.acceptance(m, INITIAL_ACCEPTANCE)) for m in range(cap))

@@ -186,6 +186,18 @@ def test_acceptance_is_learnt_per_proposer_and_k_follows_the_one_drafting():
     assert set(policy.worker_acceptance_by_proposer) == {"suffix", "eagle3"}
 
 
+def test_a_request_moved_from_another_worker_keeps_its_per_proposer_estimates():
+    """Each worker's engine has its own policy: a request that drafted with "suffix" elsewhere reaches one that
+    has not seen "suffix" yet, and gets a candidate from its own estimates (a KeyError here failed the engine
+    loop, and with it every request on the worker)."""
+    request = Request("r", [1, 2, 3], max_tokens=50)
+    for _ in range(10):
+        SpeculationPolicy(K, None).observe_sequence(request, K, K, K, proposer="suffix")
+    fresh = SpeculationPolicy(K, None)
+    candidate = fresh._candidate(request, K)
+    assert min(candidate.acceptance) > 0.7 and len(candidate.delivery) == K
+
+
 def test_draft_depth_is_learnt_per_proposer_too():
     """A head's chains stop after one draft, a suffix's copies run to K: once the suffix drafted last, the
     candidate expects deep drafts (with one delivery estimate for both, the head's short chains would keep the
