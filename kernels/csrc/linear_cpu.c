@@ -229,9 +229,12 @@ static inline vec load_i8(const uint8_t *p) {
 /* LANES bytes at p split into their low and high nibbles, as fp32. */
 static inline void load_nibbles(const uint8_t *p, vec *low, vec *high) {
 #if defined(__AVX512F__)
+    /* A nibble's value as fp32 from a table: the permute reads the low 4 bits of each index, so it both
+     * masks and converts (one instruction where and + convert take two). */
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *low = to_vec(_mm512_cvtepi32_ps(_mm512_and_si512(u, _mm512_set1_epi32(15))));
-    *high = to_vec(_mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4)));
+    *low = to_vec(_mm512_permutexvar_ps(u, values));
+    *high = to_vec(_mm512_permutexvar_ps(_mm512_srli_epi32(u, 4), values));
 #elif defined(__AVX2__)
     __m128i bytes = _mm_loadu_si128((const __m128i *)p);
     __m256i u0 = _mm256_cvtepu8_epi32(bytes), u1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
@@ -304,6 +307,51 @@ static inline __attribute__((always_inline)) void tile_quantized(int num_rows, c
     }
 }
 
+/* Rows xb[r * in + j] (r < num_rows, j < QBLOCK) of one block of inputs times its dequantised weights wv:
+ * the tile()'s chain continued over the block, acc[r] holding row r's outputs before and after. */
+static inline __attribute__((always_inline)) void accumulate_block(int num_rows, const float *xb, int64_t in,
+                                                                   const vec wv[QBLOCK][GROUP_VECTORS],
+                                                                   vec acc[][GROUP_VECTORS]) {
+    vec a[ROW_TILE][GROUP_VECTORS]; /* a local copy: stays in registers while x is read */
+    for (int r = 0; r < num_rows; r++)
+        for (int v = 0; v < GROUP_VECTORS; v++) a[r][v] = acc[r][v];
+    for (int j = 0; j < QBLOCK; j++)
+        for (int r = 0; r < num_rows; r++) {
+            vec xv = (vec){0} + xb[r * in + j];
+            for (int v = 0; v < GROUP_VECTORS; v++) a[r][v] = fma_vec(xv, wv[j][v], a[r][v]);
+        }
+    for (int r = 0; r < num_rows; r++)
+        for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = a[r][v];
+}
+
+/* tile_quantized() for more rows than one tile holds (num_rows <= ROW_BLOCK): dequantising a record costs
+ * more than a row's FMAs, so each record is dequantised once into wv (8 KiB, in L1) and every tile of
+ * rows runs over it in turn, its accumulators kept in acc between records. Each element's chain is
+ * tile_quantized()'s: inputs in order. */
+static inline __attribute__((always_inline)) void rows_quantized(int num_rows, const float *x, int64_t in,
+                                                                 int w_dtype, const uint8_t *w,
+                                                                 vec acc[ROW_BLOCK][GROUP_VECTORS]) {
+    for (int r = 0; r < num_rows; r++)
+        for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = (vec){0};
+    int64_t num_blocks = in / QBLOCK, record = record_bytes(w_dtype);
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint8_t *rec = w + b * record;
+        for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * record + line);
+        vec d[GROUP_VECTORS], m[GROUP_VECTORS], wv[QBLOCK][GROUP_VECTORS];
+        load_scales(w_dtype, rec, d, m);
+        for (int j = 0; j < QBLOCK; j++) dequantize_input(w_dtype, rec, j, d, m, wv[j]);
+        for (int r = 0; r < num_rows; r += ROW_TILE) {
+            const float *xb = x + r * in + b * QBLOCK;
+            switch (num_rows - r < ROW_TILE ? num_rows - r : ROW_TILE) {
+                case 4: accumulate_block(4, xb, in, wv, acc + r); break;
+                case 3: accumulate_block(3, xb, in, wv, acc + r); break;
+                case 2: accumulate_block(2, xb, in, wv, acc + r); break;
+                default: accumulate_block(1, xb, in, wv, acc + r); break;
+            }
+        }
+    }
+}
+
 static void store_tile(int num_rows, vec acc[ROW_TILE][GROUP_VECTORS], int64_t row0, int64_t out0,
                        int64_t out_features, const float *bias, int out_dtype, void *out, int64_t out_stride) {
     int64_t num_out = out_features - out0 < GROUP_OUT ? out_features - out0 : GROUP_OUT;
@@ -317,29 +365,54 @@ static void store_tile(int num_rows, vec acc[ROW_TILE][GROUP_VECTORS], int64_t r
     }
 }
 
+/* run_unit() for block-quantized weights; w_dtype is a constant where this is inlined, so each format's
+ * dequantisation is compiled without a branch. */
+static inline __attribute__((always_inline)) void run_quantized_unit(const float *x, int64_t in, int64_t row0,
+                                                                     int64_t row_end, int w_dtype,
+                                                                     const uint8_t *w, int64_t out0,
+                                                                     int64_t out_features, const float *bias,
+                                                                     int out_dtype, void *out, int64_t out_stride) {
+    if (row_end - row0 > ROW_TILE) {
+        vec acc[ROW_BLOCK][GROUP_VECTORS];
+        rows_quantized((int)(row_end - row0), x + row0 * in, in, w_dtype, w, acc);
+        for (int64_t r = row0; r < row_end; r += ROW_TILE)
+            store_tile(row_end - r < ROW_TILE ? (int)(row_end - r) : ROW_TILE, acc + (r - row0), r, out0,
+                       out_features, bias, out_dtype, out, out_stride);
+        return;
+    }
+    vec acc[ROW_TILE][GROUP_VECTORS];
+    const float *xr = x + row0 * in;
+    int num_rows = (int)(row_end - row0);
+    switch (num_rows) {
+        case 4: tile_quantized(4, xr, in, w_dtype, w, acc); break;
+        case 3: tile_quantized(3, xr, in, w_dtype, w, acc); break;
+        case 2: tile_quantized(2, xr, in, w_dtype, w, acc); break;
+        default: tile_quantized(1, xr, in, w_dtype, w, acc); break;
+    }
+    store_tile(num_rows, acc, row0, out0, out_features, bias, out_dtype, out, out_stride);
+}
+
 /* One work unit: rows [row0, row_end) of group g. x is fp32 with row stride in, or for bf16 weights the
  * bf16 input itself with row stride x_stride. */
 static void run_unit(const void *x, int64_t x_stride, int64_t in, int64_t row0, int64_t row_end, int w_dtype,
                      const void *w, int64_t g, int64_t out_features, const float *bias, int out_dtype, void *out,
                      int64_t out_stride) {
-    int64_t group_bytes;
-    if (w_dtype == DTYPE_Q8_0 || w_dtype == DTYPE_Q4_1)
-        group_bytes = in / QBLOCK * record_bytes(w_dtype);
-    else
-        group_bytes = (w_dtype == DTYPE_BF16 ? (in + 1) / 2 * 2 : in) * GROUP_OUT * (w_dtype == DTYPE_F32 ? 4 : 2);
+    if (w_dtype == DTYPE_Q8_0 || w_dtype == DTYPE_Q4_1) {
+        const uint8_t *group_w = (const uint8_t *)w + g * (in / QBLOCK * record_bytes(w_dtype));
+        if (w_dtype == DTYPE_Q8_0)
+            run_quantized_unit((const float *)x, in, row0, row_end, DTYPE_Q8_0, group_w, g * GROUP_OUT,
+                               out_features, bias, out_dtype, out, out_stride);
+        else
+            run_quantized_unit((const float *)x, in, row0, row_end, DTYPE_Q4_1, group_w, g * GROUP_OUT,
+                               out_features, bias, out_dtype, out, out_stride);
+        return;
+    }
+    int64_t group_bytes = (w_dtype == DTYPE_BF16 ? (in + 1) / 2 * 2 : in) * GROUP_OUT * (w_dtype == DTYPE_F32 ? 4 : 2);
     const void *group_w = (const char *)w + g * group_bytes;
     vec acc[ROW_TILE][GROUP_VECTORS];
     for (int64_t r = row0; r < row_end; r += ROW_TILE) {
         int num_rows = row_end - r < ROW_TILE ? (int)(row_end - r) : ROW_TILE;
-        if (w_dtype == DTYPE_Q8_0 || w_dtype == DTYPE_Q4_1) {
-            const float *xr = (const float *)x + r * in;
-            switch (num_rows) {
-                case 4: tile_quantized(4, xr, in, w_dtype, group_w, acc); break;
-                case 3: tile_quantized(3, xr, in, w_dtype, group_w, acc); break;
-                case 2: tile_quantized(2, xr, in, w_dtype, group_w, acc); break;
-                default: tile_quantized(1, xr, in, w_dtype, group_w, acc); break;
-            }
-        } else if (w_dtype == DTYPE_BF16) {
+        if (w_dtype == DTYPE_BF16) {
             const uint16_t *xr = (const uint16_t *)x + r * x_stride;
             switch (num_rows) { /* each case inlines the tile with a constant row count */
                 case 4: tile_bf16(4, xr, x_stride, in, group_w, acc); break;
