@@ -30,11 +30,15 @@ MAX_HEAD_DIM = 256  # kernels/csrc/paged_attention_cpu.c keeps rows of this many
 def kernel():
     """The C function, or None when it cannot be built here (logged once)."""
     try:
-        library = load_library("paged_attention_cpu")
+        return bind(load_library("paged_attention_cpu"))
     except (KernelBuildError, OSError) as exc:
         logger.warning("the batch-invariant CPU attention kernel is unavailable, so greedy speculation in "
                        "bf16/fp16 may differ from plain decoding; using SDPA instead: %s", exc)
         return None
+
+
+def bind(library: ctypes.CDLL):
+    """The C function of a loaded build of kernels/csrc/paged_attention_cpu.c, its signature declared."""
     function = library.specdec_paged_attention
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     function.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
@@ -62,6 +66,7 @@ def paged_attention_cpu(
     query_start_loc: torch.Tensor,  # [B+1] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    function=None,  # another build (bind()'s); default: this machine's
 ) -> torch.Tensor:  # [T, H, D], contiguous
     """Runs the C kernel (see the module docstring); ``available()`` must be True."""
     num_tokens, num_heads, head_dim = query.shape
@@ -75,7 +80,7 @@ def paged_attention_cpu(
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)  # [T, H, D]
     if num_tokens == 0:
         return out
-    status = kernel()(
+    status = (function or kernel())(
         DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
         key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),

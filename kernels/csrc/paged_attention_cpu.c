@@ -16,7 +16,13 @@
  *   out = (sum_p w_p acc_p) / (sum_p w_p l_p)  (one part: w_0 = 1, out = acc_0 / l_0)
  * Every product and sum is written out (built with -ffp-contract=off, fmaf
  * where a fused multiply-add is meant), and exp is our own polynomial, so the
- * compiler's vectorisation choices cannot change a bit.
+ * compiler's vectorisation choices cannot change a bit; nor do the AVX-512
+ * paths (keys transposed in registers, values loaded whole, a vector FMA per
+ * 16 lanes), which a narrower build's plain loops match bit for bit. Speed
+ * comes from independence, not reordering: pass 1 advances the sums of up to
+ * SCORE_ROWS rows times two key tiles side by side, and pass 2 keeps
+ * SCORE_ROWS rows' accumulators of VALUE_SLICE dimensions in registers over
+ * the keys.
  *
  * Work items are (sequence, KV head, tile of up to ROW_TILE rows sharing that
  * KV head, part), run in parallel with OpenMP, then the tiles' parts are
@@ -29,10 +35,16 @@
 #include <string.h>
 
 #include "dtypes.h"
+#pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vectors between inline functions, never across the ABI */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define KEY_TILE 16
 #define ROW_TILE 32
 #define MAX_HEAD_DIM 256
+#define SCORE_ROWS 4   /* query rows whose sums advance side by side (passes 1 and 2) */
+#define VALUE_SLICE 64 /* dimensions of a row's output held in registers at once (pass 2) */
 #define PART_KEYS 128  /* keys of one work item (a multiple of KEY_TILE): a row's keys split at fixed positions */
 
 /* KEY_TILE floats as one GCC vector: element-wise arithmetic, so no reordering of a sum. */
@@ -66,10 +78,10 @@ static inline void store_row(int dtype, void *dst, int64_t offset, int n, const 
 /* e^x for x <= 0 (the softmax's arguments): 2^i * p(r) with x = i*ln2 + r, |r| <= ln2/2, a degree-6 Taylor
  * polynomial (relative error < 2e-7). Plain arithmetic, so it vectorises with the same bits as the scalar code. */
 static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) return 0.0f;
     const float round_magic = 12582912.0f;  /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
-    float i = (x * 1.44269504f + round_magic) - round_magic;
-    float r = fmaf(i, -0.693145752f, x);
+    float xc = x < -87.0f ? -87.0f : x;     /* below, e^x is 0; clamped so every lane computes a number */
+    float i = (xc * 1.44269504f + round_magic) - round_magic;
+    float r = fmaf(i, -0.693145752f, xc);
     r = fmaf(i, -1.42860677e-6f, r);
     float p = 1.0f / 720.0f;
     p = fmaf(p, r, 1.0f / 120.0f);
@@ -81,7 +93,7 @@ static inline float exp_nonpositive(float x) {
     uint32_t bits = (uint32_t)((int32_t)i + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
-    return p * scale;
+    return x < -87.0f ? 0.0f : p * scale;
 }
 
 /* Sequence of packed token t: query_start_loc[b] <= t < query_start_loc[b + 1]. */
@@ -105,22 +117,163 @@ struct Args {
     float scale;
 };
 
+#if defined(__AVX512F__)
+/* r[i] = row i of a 16 x 16 block of floats; afterwards r[d] = column d (lane i: row i). Unpacks pair rows
+ * within 128-bit lanes, then the lanes of four rows at a time trade places (64 shuffles, no memory). */
+static inline void transpose_16x16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + k], lane L: rows 4i .. 4i + 3 of column 4L + k */
+        __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+    }
+    for (int k = 0; k < 4; k++) { /* column 4L + k, lane M: r[4M + k]'s lane L */
+        __m512 v0 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), v1 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xdd);
+        __m512 v2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+        __m512 v3 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xdd);
+        t[k] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+        t[4 + k] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+        t[8 + k] = _mm512_shuffle_f32x4(v0, v2, 0xdd);
+        t[12 + k] = _mm512_shuffle_f32x4(v1, v3, 0xdd);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+#endif
+
 /* Keys j0 .. j0 + KEY_TILE - 1 of one KV head as floats, transposed: kt[d][i] = key j0 + i, dim d
- * (zeros past num_keys: the block table has no entry there). */
+ * (zeros past num_keys: the block table has no entry there). Moves values only: no arithmetic. */
 static void load_key_tile(const struct Args *a, const int32_t *table, int kv, int j0, int num_keys,
                           key_vector *kt) {
     const int D = a->head_dim;
+#if defined(__AVX512F__)
+    if (j0 + KEY_TILE <= num_keys && D % 16 == 0 && a->dtype != DTYPE_F16) {
+        const char *keys[KEY_TILE];
+        int element = a->dtype == DTYPE_F32 ? 4 : 2;
+        for (int i = 0; i < KEY_TILE; i++) {
+            int j = j0 + i;
+            int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
+            keys[i] = (const char *)a->key_cache + (slot * a->num_kv_heads + kv) * D * element;
+        }
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < KEY_TILE; i++)
+                r[i] = a->dtype == DTYPE_F32
+                    ? _mm512_loadu_ps(keys[i] + d0 * 4)
+                    : _mm512_castsi512_ps(_mm512_slli_epi32(
+                          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(keys[i] + d0 * 2))), 16));
+            transpose_16x16(r);
+            for (int d = 0; d < 16; d++) memcpy(&kt[d0 + d], &r[d], sizeof r[d]);
+        }
+        return;
+    }
+#endif
     float row[MAX_HEAD_DIM];
     for (int i = 0; i < KEY_TILE; i++) {
         int j = j0 + i;
-        if (j < num_keys) {
-            int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
-            load_row(a->dtype, a->key_cache, (slot * a->num_kv_heads + kv) * D, D, row);
-        } else {
-            memset(row, 0, sizeof(float) * D);
+        if (j >= num_keys) {
+            for (int d = 0; d < D; d++) kt[d][i] = 0.0f;
+            continue;
         }
-        for (int d = 0; d < D; d++) kt[d][i] = row[d];
+        int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
+        int64_t offset = (slot * a->num_kv_heads + kv) * D;
+        const float *src = row;
+        if (a->dtype == DTYPE_F32)
+            src = (const float *)a->key_cache + offset;
+        else
+            load_row(a->dtype, a->key_cache, offset, D, row);
+        for (int d = 0; d < D; d++) kt[d][i] = src[d];
     }
+}
+
+/* Rows q[0..num_rows) (num_rows <= SCORE_ROWS, a constant where inlined) against the two key tiles kt (keys
+ * j0 ..): each score a sum over d in order, as in pass 1; stored for the tiles a row has keys in. */
+static inline __attribute__((always_inline)) void score_rows(int num_rows, int D, const float (*q)[MAX_HEAD_DIM],
+                                                             const key_vector kt[2][MAX_HEAD_DIM], const int *end,
+                                                             int j0, int k0, float *scores) {
+    key_vector s[SCORE_ROWS][2];
+    for (int r = 0; r < num_rows; r++) s[r][0] = s[r][1] = (key_vector){0};
+    for (int d = 0; d < D; d++)
+        for (int r = 0; r < num_rows; r++) {
+            s[r][0] = s[r][0] + q[r][d] * kt[0][d];
+            s[r][1] = s[r][1] + q[r][d] * kt[1][d];
+        }
+    for (int r = 0; r < num_rows; r++)
+        for (int t = 0; t < 2; t++)
+            if (j0 + t * KEY_TILE < end[r] && j0 + t * KEY_TILE < k0 + PART_KEYS)
+                memcpy(scores + r * PART_KEYS + (j0 + t * KEY_TILE - k0), &s[r][t], sizeof s[r][t]);
+}
+
+/* KEY_TILE floats at p (any alignment) in one load: GCC copies a memcpy through the stack in halves here. */
+static inline key_vector load_vector(const float *p) {
+#if defined(__AVX512F__)
+    return (key_vector)_mm512_loadu_ps(p);
+#else
+    key_vector v;
+    memcpy(&v, p, sizeof v);
+    return v;
+#endif
+}
+
+/* a * b + c, rounded once, lane by lane: fmaf's result. */
+static inline key_vector fma_vector(key_vector a, key_vector b, key_vector c) {
+#if defined(__AVX512F__)
+    return (key_vector)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+    for (int i = 0; i < KEY_TILE; i++) c[i] = fmaf(a[i], b[i], c[i]);
+    return c;
+#endif
+}
+
+/* Value row j's dimensions d0 .. (fp32 in place, other dtypes from `values`: keys k0 .., D floats each). */
+static inline const float *value_row(const struct Args *a, const int32_t *table, int kv, int k0, int j, int d0,
+                                     const float *values) {
+    if (a->dtype != DTYPE_F32) return values + (int64_t)(j - k0) * a->head_dim + d0;
+    int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
+    return (const float *)a->value_cache + (slot * a->num_kv_heads + kv) * a->head_dim + d0;
+}
+
+/* Pass 2 for rows r < num_rows (a constant where inlined) and dimensions d0 .. d0 + VALUE_SLICE - 1:
+ * acc[d] = fmaf(p_j, v_j[d], acc[d]) over the row's keys in order, from 0, the accumulators in registers
+ * (first the keys every row has, without a branch, then each row's last ones). */
+static inline __attribute__((always_inline)) void accumulate_values(const struct Args *a, int num_rows,
+                                                                    const int32_t *table, int kv, int k0, int d0,
+                                                                    const float *values, const float *scores,
+                                                                    const int *end, float *partial) {
+    enum { SLICE_VECTORS = VALUE_SLICE / KEY_TILE };
+    key_vector acc[SCORE_ROWS][SLICE_VECTORS];
+    int all_end = k0 + PART_KEYS, row_end = k0; /* keys k0 .. all_end - 1 every row has; some, up to row_end */
+    for (int r = 0; r < num_rows; r++) {
+        for (int c = 0; c < SLICE_VECTORS; c++) acc[r][c] = (key_vector){0};
+        if (end[r] > row_end) row_end = end[r];
+        if (end[r] < all_end) all_end = end[r];
+    }
+    for (int j = k0; j < all_end; j++) {
+        const float *v = value_row(a, table, kv, k0, j, d0, values);
+        key_vector vv[SLICE_VECTORS];
+        for (int c = 0; c < SLICE_VECTORS; c++) vv[c] = load_vector(v + c * KEY_TILE);
+        for (int r = 0; r < num_rows; r++) {
+            key_vector p = (key_vector){0} + scores[r * PART_KEYS + (j - k0)]; /* p >= +0: adding 0 keeps it */
+            for (int c = 0; c < SLICE_VECTORS; c++) acc[r][c] = fma_vector(p, vv[c], acc[r][c]);
+        }
+    }
+    for (int j = all_end > k0 ? all_end : k0; j < row_end; j++) {
+        const float *v = value_row(a, table, kv, k0, j, d0, values);
+        key_vector vv[SLICE_VECTORS];
+        for (int c = 0; c < SLICE_VECTORS; c++) vv[c] = load_vector(v + c * KEY_TILE);
+        for (int r = 0; r < num_rows; r++) {
+            if (j >= end[r]) continue;
+            key_vector p = (key_vector){0} + scores[r * PART_KEYS + (j - k0)];
+            for (int c = 0; c < SLICE_VECTORS; c++) acc[r][c] = fma_vector(p, vv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < num_rows; r++) memcpy(partial + r * (a->head_dim + 2) + 2 + d0, acc[r], sizeof acc[r]);
 }
 
 /* Rows `first_row .. first_row + num_rows - 1` of (sequence b, KV head kv) over keys part * PART_KEYS ..
@@ -129,13 +282,13 @@ static void load_key_tile(const struct Args *a, const int32_t *table, int kv, in
  * l (sum of e^(s_j - m)) and acc[D] (sum of e^(s_j - m) v_j); a row with no key here gets m = -inf, l = 0.
  * scores: ROW_TILE * PART_KEYS floats. */
 static void attend_part(const struct Args *a, int b, int kv, int first_row, int num_rows, int part,
-                        float *scores, float *partial) {
+                        float *scores, float *values, float *partial) {
     const int D = a->head_dim, group = a->num_heads / a->num_kv_heads;
     const int q_start = a->query_start_loc[b], q_len = a->query_start_loc[b + 1] - q_start;
     const int ctx_start = a->seq_lens[b] - q_len;  /* position of the sequence's first query token */
     const int k0 = part * PART_KEYS;
-    float q[ROW_TILE][MAX_HEAD_DIM], v[MAX_HEAD_DIM];
-    key_vector kt[MAX_HEAD_DIM];
+    float q[ROW_TILE][MAX_HEAD_DIM];
+    key_vector kt[2][MAX_HEAD_DIM];
     int end[ROW_TILE], max_end = k0;  /* row r's keys here: k0 .. end[r] - 1 */
     for (int r = 0; r < num_rows; r++) {
         int row = first_row + r, num_keys = ctx_start + row / group + 1;
@@ -146,14 +299,18 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
         for (int d = 0; d < D; d++) q[r][d] = q[r][d] * a->scale;
     }
     const int32_t *table = a->block_tables + (int64_t)b * a->bt_stride;
-    /* Pass 1: s_j = sum over d in order of q[d] * k_j[d] (q scaled), KEY_TILE keys side by side. */
-    for (int j0 = k0; j0 < max_end; j0 += KEY_TILE) {
-        load_key_tile(a, table, kv, j0, max_end, kt);
-        for (int r = 0; r < num_rows; r++) {
-            if (j0 >= end[r]) continue;
-            key_vector s = {0};
-            for (int d = 0; d < D; d++) s = s + q[r][d] * kt[d];
-            memcpy(scores + r * PART_KEYS + (j0 - k0), &s, sizeof s);
+    /* Pass 1: s_j = sum over d in order of q[d] * k_j[d] (q scaled), KEY_TILE keys side by side; two tiles
+     * of keys and up to SCORE_ROWS rows at a time, so that many sums advance side by side. */
+    for (int j0 = k0; j0 < max_end; j0 += 2 * KEY_TILE) {
+        load_key_tile(a, table, kv, j0, max_end, kt[0]);
+        load_key_tile(a, table, kv, j0 + KEY_TILE, max_end, kt[1]);
+        for (int r = 0; r < num_rows; r += SCORE_ROWS) {
+            switch (num_rows - r < SCORE_ROWS ? num_rows - r : SCORE_ROWS) {
+                case 4: score_rows(4, D, q + r, kt, end + r, j0, k0, scores + r * PART_KEYS); break;
+                case 3: score_rows(3, D, q + r, kt, end + r, j0, k0, scores + r * PART_KEYS); break;
+                case 2: score_rows(2, D, q + r, kt, end + r, j0, k0, scores + r * PART_KEYS); break;
+                default: score_rows(1, D, q + r, kt, end + r, j0, k0, scores + r * PART_KEYS); break;
+            }
         }
     }
     /* Softmax weights in place; l sums lane i = keys k0 + i, k0 + i + KEY_TILE, ..., then a fixed tree. */
@@ -163,7 +320,10 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
         memset(out, 0, sizeof(float) * (D + 2));
         out[0] = -INFINITY;
         if (n <= 0) continue;
-        for (int j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+        float lane_max[KEY_TILE];
+        for (int i = 0; i < KEY_TILE; i++) lane_max[i] = -INFINITY;
+        for (int j = 0; j < n; j++) lane_max[j % KEY_TILE] = s[j] > lane_max[j % KEY_TILE] ? s[j] : lane_max[j % KEY_TILE];
+        for (int i = 0; i < KEY_TILE; i++) m = lane_max[i] > m ? lane_max[i] : m;
         for (int j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - m);
         for (int j = n; j < (n + KEY_TILE - 1) / KEY_TILE * KEY_TILE; j++) s[j] = 0.0f;
         for (int j0 = 0; j0 < n; j0 += KEY_TILE)
@@ -174,15 +334,34 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
         out[1] = lanes[0];
     }
     /* Pass 2: acc[d] = sum over the keys in order of p_j * v_j[d]. */
-    for (int j = k0; j < max_end; j++) {
-        int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
-        load_row(a->dtype, a->value_cache, (slot * a->num_kv_heads + kv) * D, D, v);
-        for (int r = 0; r < num_rows; r++) {
-            if (j >= end[r]) continue;
-            float p = scores[r * PART_KEYS + (j - k0)], *acc = partial + r * (D + 2) + 2;
-            for (int d = 0; d < D; d++) acc[d] = fmaf(p, v[d], acc[d]);
+    if (a->dtype != DTYPE_F32) { /* the values as fp32, once for all rows */
+        for (int j = k0; j < max_end; j++) {
+            int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
+            load_row(a->dtype, a->value_cache, (slot * a->num_kv_heads + kv) * D, D, values + (j - k0) * D);
         }
     }
+    if (D % VALUE_SLICE) { /* element by element: the same sums */
+        for (int j = k0; j < max_end; j++) {
+            const float *v = value_row(a, table, kv, k0, j, 0, values);
+            for (int r = 0; r < num_rows; r++) {
+                if (j >= end[r]) continue;
+                float p = scores[r * PART_KEYS + (j - k0)], *acc = partial + r * (D + 2) + 2;
+                for (int d = 0; d < D; d++) acc[d] = fmaf(p, v[d], acc[d]);
+            }
+        }
+        return;
+    }
+    for (int d0 = 0; d0 < D; d0 += VALUE_SLICE)
+        for (int r = 0; r < num_rows; r += SCORE_ROWS) {
+            const float *s = scores + r * PART_KEYS;
+            float *out = partial + r * (D + 2);
+            switch (num_rows - r < SCORE_ROWS ? num_rows - r : SCORE_ROWS) {
+                case 4: accumulate_values(a, 4, table, kv, k0, d0, values, s, end + r, out); break;
+                case 3: accumulate_values(a, 3, table, kv, k0, d0, values, s, end + r, out); break;
+                case 2: accumulate_values(a, 2, table, kv, k0, d0, values, s, end + r, out); break;
+                default: accumulate_values(a, 1, table, kv, k0, d0, values, s, end + r, out); break;
+            }
+        }
 }
 
 /* Row r's output from its num_parts partial results (attend_part's, PARTIAL_STRIDE(D) floats apart), in part
@@ -238,6 +417,7 @@ int specdec_paged_attention(int dtype, const void *query, int64_t q_stride_t, in
     #pragma omp parallel num_threads(num_threads)
     {
         float *scores = malloc(sizeof(float) * (size_t)ROW_TILE * PART_KEYS);
+        float *values = dtype == DTYPE_F32 ? NULL : malloc(sizeof(float) * (size_t)PART_KEYS * head_dim);
         #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < num_items; item++) {
             int b = find_sequence(part_start, num_seqs, item);
@@ -246,9 +426,10 @@ int specdec_paged_attention(int dtype, const void *query, int64_t q_stride_t, in
             int local = item - part_start[b], tile_index = local / parts, part = local % parts;
             int kv = tile_index / tiles_per_head, first = tile_index % tiles_per_head * ROW_TILE;
             int n = rows - first < ROW_TILE ? rows - first : ROW_TILE;
-            attend_part(&a, b, kv, first, n, part, scores, partials + (int64_t)item * part_stride);
+            attend_part(&a, b, kv, first, n, part, scores, values, partials + (int64_t)item * part_stride);
         }
         free(scores);
+        free(values);
         #pragma omp for schedule(static)
         for (int tile = 0; tile < num_tiles; tile++) {
             int b = find_sequence(tile_start, num_seqs, tile);

@@ -5,6 +5,7 @@ import torch
 
 from kernels import cpu_build, paged_attention_cpu as cpu_kernel
 from tests.kernels.test_paged_attention import CASES, dense_attention, make_case
+from tests.worker.test_fast_linear import NARROWER_BUILDS
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
@@ -93,6 +94,20 @@ def test_the_invariance_check_has_teeth():
 
     differ = rows_that_differ(rounds_by_batch, torch.bfloat16, 130)
     assert differ and all(q_len >= 5 for q_len, _ in differ)  # 3 + q_len + 1 rows in the call
+
+
+@pytest.mark.parametrize("build", list(NARROWER_BUILDS))
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_every_instruction_set_gives_the_same_bits(build, dtype):
+    """The kernel's arithmetic is fixed, not its instructions (AVX-512 transposes keys in registers and keeps
+    sums in vectors; narrower builds take the plain loops): a build for a narrower CPU gives bitwise this
+    build's results, so a row's output is the same on the Intel and AMD kinds too."""
+    narrow = cpu_kernel.bind(cpu_build.load_library("paged_attention_cpu", NARROWER_BUILDS[build]))
+    specs = [(1, 300), (5, 259), (3, 40), (1, 7), (2, 129)]  # decodes, a verify across key parts, prefills
+    for heads, head_dim in (((9, 3), 64), ((6, 2), 20), ((4, 2), 128)):
+        case = make_case(specs, 16, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, dtype=dtype)
+        want = cpu_kernel.paged_attention_cpu(*case.args())
+        assert torch.equal(cpu_kernel.paged_attention_cpu(*case.args(), function=narrow), want), (heads, head_dim)
 
 
 def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
