@@ -26,7 +26,8 @@ def step_request_to_proto(r: step.StepRequest) -> pb.ExecuteModelRequest:
            for n in r.new_requests]
     cached = [pb.CachedRequest(request_id=c.request_id, new_block_ids=c.new_block_ids,
                                num_blocks_kept=c.num_blocks_kept, num_new_tokens=c.num_new_tokens,
-                               num_speculative_tokens=c.num_speculative_tokens)
+                               num_speculative_tokens=c.num_speculative_tokens,
+                               forced_drafts_only=c.forced_drafts_only)
               for c in r.cached_requests]
     return pb.ExecuteModelRequest(step_id=r.step_id, new_requests=new, cached_requests=cached,
                                   finished_request_ids=r.finished_request_ids)
@@ -43,7 +44,8 @@ def step_request_from_proto(m: pb.ExecuteModelRequest) -> step.StepRequest:
            for n in m.new_requests]
     cached = [step.CachedRequest(request_id=c.request_id, new_block_ids=list(c.new_block_ids),
                                  num_blocks_kept=c.num_blocks_kept, num_new_tokens=c.num_new_tokens,
-                                 num_speculative_tokens=c.num_speculative_tokens)
+                                 num_speculative_tokens=c.num_speculative_tokens,
+                                 forced_drafts_only=c.forced_drafts_only)
               for c in m.cached_requests]
     return step.StepRequest(step_id=m.step_id, new_requests=new, cached_requests=cached,
                             finished_request_ids=list(m.finished_request_ids))
@@ -52,7 +54,8 @@ def step_request_from_proto(m: pb.ExecuteModelRequest) -> step.StepRequest:
 def step_result_to_proto(r: step.StepResult) -> pb.ExecuteModelResponse:
     outputs = [pb.SequenceOutput(request_id=o.request_id, token_ids=o.token_ids, logprobs=o.logprobs,
                                  num_draft_tokens=o.num_draft_tokens, num_accepted_tokens=o.num_accepted_tokens,
-                                 num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer)
+                                 num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer,
+                                 num_forced_tokens_next=o.num_forced_tokens_next)
                for o in r.outputs]
     s = r.stats
     stats = pb.StepStats(propose_ms=s.propose_ms, score_ms=s.score_ms, verify_ms=s.verify_ms,
@@ -64,7 +67,8 @@ def step_result_from_proto(m: pb.ExecuteModelResponse) -> step.StepResult:
     outputs = [step.SequenceOutput(request_id=o.request_id, token_ids=list(o.token_ids),
                                    logprobs=list(o.logprobs), num_draft_tokens=o.num_draft_tokens,
                                    num_accepted_tokens=o.num_accepted_tokens,
-                                   num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer)
+                                   num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer,
+                                 num_forced_tokens_next=o.num_forced_tokens_next)
                for o in m.outputs]
     s = m.stats
     stats = step.StepStats(propose_ms=s.propose_ms, score_ms=s.score_ms, verify_ms=s.verify_ms,

@@ -70,6 +70,7 @@ class CachedRequest:
     num_blocks_kept: int          # the table is cut to this length before appending
     num_new_tokens: int
     num_speculative_tokens: int = 0  # this step's k, sent every step
+    forced_drafts_only: bool = False  # k is for the constraint's forced tokens: no proposer call
 
 
 @dataclass
@@ -89,6 +90,7 @@ class SequenceOutput:
     num_accepted_tokens: int = 0
     num_kv_written_tokens: int = 0  # positions [0, n) with every model's KV written: cacheable full blocks
     proposer: str = ""  # the proposer whose drafts were scored ("" without drafts)
+    num_forced_tokens_next: int = 0  # tokens the constraint forces after the emitted ones (at most k)
 
 
 @dataclass

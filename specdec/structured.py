@@ -15,6 +15,7 @@ from llguidance import LLMatcher, LLTokenizer
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+FORCED_PROPOSER = "forced"  # the proposer name of drafts a constraint forces (the worker's step outputs say it)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

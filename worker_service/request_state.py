@@ -24,6 +24,7 @@ class RequestState:
     sampling: step.RequestSampling  # validated when the step was built; its seed is always set
     block_table: list[int]
     num_speculative_tokens: int   # this step's k (the scheduler's lookahead slots); drafts may be fewer
+    forced_drafts_only: bool = False  # this step's k is for the constraint's forced tokens: no proposer
     num_computed_tokens: int = 0  # target KV written for token_ids[:num_computed_tokens]
     num_draft_computed_tokens: int = 0  # the same for the draft model's KV
     scheduled_new_tokens: int = field(default=0, repr=False)  # this step's chunk size
@@ -100,6 +101,7 @@ def apply_cached(c: step.CachedRequest, state: RequestState) -> None:
     state.block_table = state.block_table[: c.num_blocks_kept] + list(c.new_block_ids)
     state.scheduled_new_tokens = c.num_new_tokens
     state.num_speculative_tokens = c.num_speculative_tokens
+    state.forced_drafts_only = c.forced_drafts_only
 
 
 def check_schedulable(state: RequestState, block_size: int, max_model_len: int,

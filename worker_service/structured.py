@@ -28,7 +28,7 @@ from worker_service.request_state import InvalidStepError, RequestState
 
 logger = logging.getLogger(__name__)
 
-FORCED = "forced"  # the proposer name of drafts the grammar forces
+FORCED = structured.FORCED_PROPOSER  # the proposer name of drafts the grammar forces
 CACHE_SIZE = 256
 
 
@@ -78,20 +78,20 @@ class Grammars:
         return state.matcher
 
 
-def constrain_drafts(matcher: LLMatcher, drafts: list[int], num_drafts: int,
-                     keep_first_forbidden: bool = False) -> tuple[list[int], bool]:
-    """The drafts to score for a constrained sequence, and whether the grammar forced them: the tokens the
-    grammar forces next (at most num_drafts), else the proposer's drafts up to the first one it forbids.
+def forced_tokens(matcher: LLMatcher, limit: int) -> list[int]:
+    """The tokens the grammar forces next (at most `limit`): drafts that need no proposer."""
+    return matcher.compute_ff_tokens()[:limit] if limit > 0 and not matcher.is_stopped() else []
+
+
+def valid_drafts(matcher: LLMatcher, drafts: list[int], keep_first_forbidden: bool = False) -> list[int]:
+    """A proposer's drafts up to the first one the grammar forbids.
 
     keep_first_forbidden: for drafts sampled from a draft model's distribution p (rejection sampling with
     p), the first forbidden draft is kept: the masked target gives it probability 0, so it is rejected for
     certain and the position samples normalize(max(q - p, 0)), as it must; cutting it would sample q there
     instead (exact only for drafts that are one-hot in p: n-gram, suffix, EAGLE-3, greedy)."""
-    forced = matcher.compute_ff_tokens()[:num_drafts] if num_drafts else []
-    if forced:
-        return forced, True
     num_valid = matcher.validate_tokens(drafts)
-    return drafts[:num_valid + 1 if keep_first_forbidden else num_valid], False
+    return drafts[:num_valid + 1 if keep_first_forbidden else num_valid]
 
 
 def masks(matcher: LLMatcher, drafts: list[int], vocab_size: int) -> torch.Tensor:

@@ -147,7 +147,8 @@ class Worker:
         for c in request.cached_requests:
             check_cached(c, staged.get(c.request_id), self.num_blocks)
         originals = {c.request_id: (staged[c.request_id].block_table, staged[c.request_id].scheduled_new_tokens,
-                                    staged[c.request_id].num_speculative_tokens) for c in request.cached_requests}
+                                    staged[c.request_id].num_speculative_tokens, staged[c.request_id].forced_drafts_only)
+                     for c in request.cached_requests}
         for c in request.cached_requests:
             apply_cached(c, staged[c.request_id])
         scheduled = news + [staged[c.request_id] for c in request.cached_requests]
@@ -155,9 +156,9 @@ class Worker:
             for state in scheduled:
                 check_schedulable(state, self.block_size, self.max_model_len, self.max_num_speculative_tokens)
         except InvalidStepError:
-            for rid, (table, num_new, k) in originals.items():  # roll back: the step is rejected whole
+            for rid, (table, num_new, k, forced_only) in originals.items():  # roll back: the step is rejected whole
                 staged[rid].block_table, staged[rid].scheduled_new_tokens = table, num_new
-                staged[rid].num_speculative_tokens = k
+                staged[rid].num_speculative_tokens, staged[rid].forced_drafts_only = k, forced_only
             raise
         self._release(finished)
         self.requests.update({s.request_id: s for s in news})
@@ -179,15 +180,18 @@ class Worker:
 
     def _run(self, scheduled: list[RequestState], stats: step.StepStats) -> list[step.SequenceOutput]:
         t0 = time.perf_counter()
-        num_drafts = [self._num_drafts(s) for s in scheduled]
+        num_slots = [self._num_drafts(s) for s in scheduled]
+        is_constrained = any(s.is_constrained for s in scheduled)
+        forced = self._forced_drafts(scheduled, num_slots) if is_constrained else [[] for _ in scheduled]
+        # The proposer drafts where the constraint forces nothing, unless the scheduler's k was for forced tokens.
+        num_drafts = [0 if f or s.forced_drafts_only else k for s, k, f in zip(scheduled, num_slots, forced)]
         drafts, draft_probs, sources = [[] for _ in scheduled], None, None
         if any(num_drafts):  # every k = 0: a plain step, the proposer is not called
             proposal = self.proposer.propose(scheduled, num_drafts)
             drafts, draft_probs, sources = proposal.draft_token_ids, proposal.draft_probs, proposal.sources
         proposed = drafts
-        is_constrained = any(s.is_constrained for s in scheduled)
         if is_constrained:
-            drafts, draft_probs, sources = self._constrain_drafts(scheduled, num_drafts, drafts, draft_probs, sources)
+            drafts, draft_probs, sources = self._constrain_drafts(scheduled, forced, drafts, draft_probs, sources)
         t1 = time.perf_counter()
         chunks = [self._chunk(s, d) for s, d in zip(scheduled, drafts)]
         logits = self.score(self.target, chunks)  # [sum(num_logits), V]
@@ -212,25 +216,37 @@ class Worker:
         after_step_s = time.perf_counter() - t_after  # a head's catch-up: the proposer's work, not verification
         for state in scheduled:
             outputs[state.request_id].num_kv_written_tokens = self._num_kv_written_tokens(state)
+            outputs[state.request_id].num_forced_tokens_next = self._num_forced_next(state)
         t3 = time.perf_counter()
         stats.propose_ms, stats.score_ms = (t1 - t0 + after_step_s) * 1e3, (t2 - t1) * 1e3
         stats.verify_ms = (t3 - t2 - after_step_s) * 1e3
         stats.num_speculating_seqs = sum(1 for d in drafts if d)
         return list(outputs.values())
 
-    def _constrain_drafts(self, scheduled: list[RequestState], num_drafts: list[int], drafts: list[list[int]],
+    def _forced_drafts(self, scheduled: list[RequestState], num_slots: list[int]) -> list[list[int]]:
+        """Per sequence, the tokens its constraint forces next, up to its k (none with --no-forced-drafts)."""
+        if not self.config.forced_drafts:
+            return [[] for _ in scheduled]
+        return [structured.forced_tokens(self.grammars.matcher(s), k) if s.is_constrained else []
+                for s, k in zip(scheduled, num_slots)]
+
+    def _num_forced_next(self, state: RequestState) -> int:
+        """The tokens the constraint forces after the emitted ones (at most K): the next step's free drafts."""
+        if not (state.is_constrained and self.config.forced_drafts and self.max_num_speculative_tokens):
+            return 0
+        return len(structured.forced_tokens(self.grammars.matcher(state), self.max_num_speculative_tokens))
+
+    def _constrain_drafts(self, scheduled: list[RequestState], forced: list[list[int]], drafts: list[list[int]],
                           draft_probs, sources: list[str] | None):
         """Constrained sequences' drafts: the grammar's forced tokens (proposer "forced", one-hot draft
         probabilities), else the proposer's drafts cut at the first one the grammar forbids."""
         drafts, sources = list(drafts), list(sources) if sources is not None else None
+        longest = max(map(len, forced), default=0)
+        if draft_probs is not None and draft_probs.shape[1] < longest:  # the proposer drafted less deep elsewhere
+            draft_probs = torch.nn.functional.pad(draft_probs, (0, 0, 0, longest - draft_probs.shape[1]))
         for i, state in enumerate(scheduled):
-            if not state.is_constrained or not num_drafts[i]:
-                continue
-            sampled_from_p = draft_probs is not None and not state.sampling.is_greedy
-            drafts[i], is_forced = structured.constrain_drafts(self.grammars.matcher(state), drafts[i],
-                                                               num_drafts[i] if self.config.forced_drafts else 0,
-                                                               keep_first_forbidden=sampled_from_p)
-            if is_forced:
+            if forced[i]:
+                drafts[i] = forced[i]
                 if sources is None:
                     sources = [self.config.proposer] * len(scheduled)
                 sources[i] = structured.FORCED
@@ -239,6 +255,10 @@ class Worker:
                     device = draft_probs.device
                     draft_probs[i, torch.arange(len(drafts[i]), device=device),
                                 torch.tensor(drafts[i], device=device)] = 1.0
+            elif state.is_constrained and drafts[i]:
+                sampled_from_p = draft_probs is not None and not state.sampling.is_greedy
+                drafts[i] = structured.valid_drafts(self.grammars.matcher(state), drafts[i],
+                                                    keep_first_forbidden=sampled_from_p)
         return drafts, draft_probs, sources
 
     def _mask(self, logits, states: list[RequestState], drafts: list[list[int]]):

@@ -8,7 +8,11 @@ never more. Two policies (SPECULATION_POLICIES in config.py):
 - "goodput" (default): the k per sequence that maximises expected emitted
   tokens per second of the step (goodput.py: objective, cost model, estimator).
   A sequence left at k = 0 is probed with one draft every `probe_interval`
-  steps, so speculation comes back when the text turns repetitive.
+  steps, so speculation comes back when the text turns repetitive. A
+  structured-output request also gets k for the tokens its constraint forces
+  next (the worker's last step said how many): those drafts need no proposer
+  and are nearly always accepted, so they come whatever the proposer's
+  estimates; steps that drafted them do not feed those estimates.
 - "fixed": every decoding sequence gets its full cap.
 
 Both keep the seed design's hard limit: with more than
@@ -16,13 +20,23 @@ Both keep the seed design's hard limit: with more than
 then runs a plain step), and speculation resumes once the load falls.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler_service.core.goodput import (INITIAL_ACCEPTANCE, SEQUENCE_DECAY, WORKER_DECAY, AcceptanceEstimate,
                                             Candidate, StepCostModel, choose_num_drafts)
 from scheduler_service.core.request import Request
+from specdec.structured import FORCED_PROPOSER
 
 DEFAULT_PROBE_INTERVAL = 16
+
+
+@dataclass
+class StepPlan:
+    """The policy's decision for one step: k per decoding request (the lookahead slots reserved and sent),
+    and the requests whose k is for the tokens their constraint forces only (the worker asks no proposer)."""
+
+    ks: dict[str, int]
+    forced_only: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -81,24 +95,31 @@ class SpeculationPolicy:
         return min(k, max(request.num_tokens_left(max_model_len) - 1, 0))
 
     def plan_step(self, decodes: list[Request], other: StepShape, num_running: int,
-                  max_model_len: int) -> dict[str, int]:
-        """k per decoding request (request id -> k) for a step that also runs `other` (prefill chunks)."""
+                  max_model_len: int) -> StepPlan:
+        """k per decoding request for a step that also runs `other` (prefill chunks)."""
         if self.is_disabled_for_step(num_running) or self.num_speculative_tokens == 0:
-            return {r.request_id: 0 for r in decodes}
+            return StepPlan({r.request_id: 0 for r in decodes})
         caps = [self.num_speculative_tokens_for(r, max_model_len) for r in decodes]
         cost = self.cost_model.coefficients() if self.is_goodput else None
         if cost is None:  # "fixed", or the cost model has not seen enough steps yet
-            return {r.request_id: cap for r, cap in zip(decodes, caps)}
+            return StepPlan({r.request_id: cap for r, cap in zip(decodes, caps)})
         candidates = [self._candidate(r, cap) for r, cap in zip(decodes, caps)]
         ks = choose_num_drafts(candidates, cost, other.num_prefill_rows, other.num_seqs,
                                num_base_tokens=len(decodes))
-        plan = {}
+        plan = StepPlan({})
         for request, cap, k in zip(decodes, caps, ks):
             estimate = self._estimate(request)
             if k == 0 and cap > 0 and estimate.num_steps_without_drafts >= self.probe_interval:
                 k = 1  # probe: acceptance may have come back
             estimate.num_steps_without_drafts = 0 if k > 0 else estimate.num_steps_without_drafts + 1
-            plan[request.request_id] = k
+            # The tokens its constraint forces next cost no proposer and are nearly always accepted: allowed
+            # whatever the proposer's estimates say (where those alone give k = 0, for them only).
+            forced = min(request.num_forced_tokens_next, cap)
+            if forced > k:
+                if k == 0:
+                    plan.forced_only.add(request.request_id)
+                k = forced
+            plan.ks[request.request_id] = k
         return plan
 
     def _estimate(self, request: Request) -> AcceptanceEstimate:
@@ -127,6 +148,8 @@ class SpeculationPolicy:
     def observe_sequence(self, request: Request, num_requested: int, num_drafts: int, num_accepted: int,
                          proposer: str = "") -> None:
         """A sequence's step result: k requested, drafts proposed, drafts accepted, by which proposer."""
+        if proposer == FORCED_PROPOSER:  # the constraint's tokens, not the proposer's: plan_step allows them
+            return
         if num_requested > 0:
             self._estimate(request).observe(num_requested, num_drafts, num_accepted)
             self.worker_acceptance.observe(num_requested, num_drafts, num_accepted)

@@ -63,6 +63,7 @@ class Request:
     # With several proposers: the policy's estimate per proposer, and the one that drafted last.
     acceptance_by_proposer: dict[str, AcceptanceEstimate] = field(default_factory=dict, repr=False)
     last_proposer: str = ""
+    num_forced_tokens_next: int = 0  # the worker's last step: tokens the constraint forces next (free drafts)
     # proposer -> (draft tokens, accepted tokens) of this request
     drafts_by_proposer: dict[str, tuple[int, int]] = field(default_factory=dict)
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
@@ -169,6 +170,7 @@ class Request:
             self.num_computed_tokens -= 1 + scheduled.num_lookahead_slots - len(token_ids)
             self.num_assumed_tokens -= 1 + scheduled.num_lookahead_slots
         if output is not None:
+            self.num_forced_tokens_next = output.num_forced_tokens_next
             self.num_draft_tokens += output.num_draft_tokens
             self.num_accepted_tokens += output.num_accepted_tokens
             if output.num_draft_tokens and output.proposer:

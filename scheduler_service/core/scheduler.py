@@ -27,7 +27,7 @@ from scheduler_service.core.block_hash import BlockHashes, cache_root
 from scheduler_service.core.block_manager import BlockManager
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.detokenizer import IncrementalDetokenizer, Tokenizer
-from scheduler_service.core.policy import SpeculationPolicy, StepShape
+from scheduler_service.core.policy import SpeculationPolicy, StepPlan, StepShape
 from scheduler_service.core.request import Request, RequestOutput, RequestStatus, ScheduledTokens
 from scheduler_service.core.stats import SchedulerStats
 from specdec.step import CachedRequest, NewRequest, SequenceOutput, StepRequest, StepResult
@@ -48,6 +48,7 @@ class _Step:
     dropped_request_ids: list[str] = field(default_factory=list)  # sent as finished_request_ids
     num_running: int = 0                                          # requests that may run (the disable limit)
     num_drafts: dict[str, int] = field(default_factory=dict)      # the policy's k per decoding request
+    forced_only: set[str] = field(default_factory=set)            # ... of which k is for forced tokens only
 
 
 class Scheduler:
@@ -168,7 +169,8 @@ class Scheduler:
                                "scheduling); apply a result with update() first")
         plan = _Step(self._next_step_id, num_tokens_left=self.config.max_num_batched_tokens)
         plan.num_running = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
-        plan.num_drafts = self._plan_num_drafts(plan.num_running)
+        decided = self._plan_num_drafts(plan.num_running)
+        plan.num_drafts, plan.forced_only = decided.ks, decided.forced_only
         self._schedule_running(plan)
         if not plan.is_preempting:  # memory is short: admit nobody this step
             self._schedule_waiting(plan)
@@ -176,7 +178,7 @@ class Scheduler:
             return None
         return self._emit_step(plan)
 
-    def _plan_num_drafts(self, num_running: int) -> dict[str, int]:
+    def _plan_num_drafts(self, num_running: int) -> StepPlan:
         """The policy's k for every running decode, decided up front for the whole step."""
         decodes, other = [], StepShape()
         for request in self.running:
@@ -226,8 +228,9 @@ class Scheduler:
             # Invariant: the table is a prefix of the worker's (only trims happened since the last send).
             num_blocks_kept = len(self.block_manager.block_table(request_id))
             new_block_ids = self.block_manager.append_slots(request_id, num_tokens_total, num_lookahead)
-            plan.cached_requests.append(CachedRequest(request_id, new_block_ids, num_blocks_kept, num_new,
-                                                      num_speculative_tokens=num_lookahead))
+            plan.cached_requests.append(CachedRequest(
+                request_id, new_block_ids, num_blocks_kept, num_new, num_speculative_tokens=num_lookahead,
+                forced_drafts_only=num_lookahead > 0 and request_id in plan.forced_only))
             self._commit(request, plan, num_new, num_lookahead)
 
     def _schedule_waiting(self, plan: _Step) -> None:

@@ -97,18 +97,20 @@ class NewRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[RequestSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
-    __slots__ = ("request_id", "new_block_ids", "num_blocks_kept", "num_new_tokens", "num_speculative_tokens")
+    __slots__ = ("request_id", "new_block_ids", "num_blocks_kept", "num_new_tokens", "num_speculative_tokens", "forced_drafts_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_KEPT_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_DRAFTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_blocks_kept: int
     num_new_tokens: int
     num_speculative_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_blocks_kept: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    forced_drafts_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_blocks_kept: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., forced_drafts_only: _Optional[bool] = ...) -> None: ...
 
 class ExecuteModelRequest(_message.Message):
     __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids")
@@ -123,7 +125,7 @@ class ExecuteModelRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "num_draft_tokens", "num_accepted_tokens", "num_kv_written_tokens", "proposer")
+    __slots__ = ("request_id", "token_ids", "logprobs", "num_draft_tokens", "num_accepted_tokens", "num_kv_written_tokens", "proposer", "num_forced_tokens_next")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +133,7 @@ class SequenceOutput(_message.Message):
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_WRITTEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORCED_TOKENS_NEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -138,7 +141,8 @@ class SequenceOutput(_message.Message):
     num_accepted_tokens: int
     num_kv_written_tokens: int
     proposer: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_kv_written_tokens: _Optional[int] = ..., proposer: _Optional[str] = ...) -> None: ...
+    num_forced_tokens_next: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_kv_written_tokens: _Optional[int] = ..., proposer: _Optional[str] = ..., num_forced_tokens_next: _Optional[int] = ...) -> None: ...
 
 class StepStats(_message.Message):
     __slots__ = ("propose_ms", "score_ms", "verify_ms", "total_ms", "num_speculating_seqs")

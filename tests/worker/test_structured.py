@@ -163,6 +163,36 @@ def test_a_resumed_request_continues_in_the_same_grammar_state(byte_pair, plain)
     assert tokens[:tokens.index(EOS)] == plain["greedy"][0]
 
 
+def test_forced_only_steps_draft_the_grammar_tokens_without_asking_the_proposer(byte_pair, plain):
+    """Each step tells the scheduler how many tokens the constraint forces next (num_forced_tokens_next); a
+    step whose k is for those only (forced_drafts_only, as the scheduler sends where its policy's k is 0)
+    drafts exactly them, or nothing, and never calls the proposer; the output is constrained plain decoding's."""
+    worker = make_worker(byte_pair, "ngram", 4)
+    calls, propose = [], worker.proposer.propose
+    worker.proposer.propose = lambda states, ks: calls.append(list(ks)) or propose(states, ks)
+    prompt, table = PROMPTS[0], list(range(40))
+    request = step.NewRequest("r", prompt, len(prompt), step.RequestSampling(temperature=0.0), table, len(prompt),
+                              grammar=GRAMMAR)
+    emitted, forced_next, num_forced = [], 0, 0
+    for step_id in range(MAX_TOKENS):
+        if step_id:
+            # k = 2 where nothing is forced (as an async scheduler's stale count could send): still no proposer
+            request = step.CachedRequest("r", [], len(table), 1, forced_next or 2, forced_drafts_only=True)
+        out = worker.execute(step.StepRequest(step_id, **{
+            "new_requests" if step_id == 0 else "cached_requests": [request]})).outputs[0]
+        assert out.num_draft_tokens <= forced_next
+        if out.num_draft_tokens:
+            assert out.proposer == worker_structured.FORCED
+            num_forced += out.num_draft_tokens
+        emitted += out.token_ids
+        forced_next = out.num_forced_tokens_next
+        assert 0 <= forced_next <= 4  # at most the worker's k
+        if EOS in emitted:
+            break
+    assert calls == [] and num_forced > 5
+    assert emitted[:emitted.index(EOS)] == plain["greedy"][0]
+
+
 def test_drafts_the_grammar_forbids_are_not_scored(byte_pair):
     """A matcher at `{"name": "` takes string characters and the closing quote, but not the object's end
     (three keys are missing): the draft `ab"}` is cut to `ab`."""
@@ -174,18 +204,18 @@ def test_drafts_the_grammar_forbids_are_not_scored(byte_pair):
     tok = Tokenizer.from_file(str(byte_pair.target_path / "tokenizer.json"))
     forced = matcher.compute_ff_tokens()
     assert tok.decode(forced).startswith('{"name"')
-    assert worker_structured.constrain_drafts(matcher, [7, 8], 3) == (forced[:3], True)
+    assert worker_structured.forced_tokens(matcher, 3) == forced[:3]
     matcher.consume_tokens(forced + tok.encode(' "').ids)
+    assert worker_structured.forced_tokens(matcher, 3) == []  # inside a string: nothing is forced
     closing = tok.encode('"}').ids
-    assert worker_structured.constrain_drafts(matcher, tok.encode("ab").ids + closing, 4) == (tok.encode("ab").ids,
-                                                                                            False)
+    assert worker_structured.valid_drafts(matcher, tok.encode("ab").ids + closing) == tok.encode("ab").ids
     # Drafts sampled from a draft model's p: the forbidden one stays, to be rejected for certain (see the
     # function: cutting it would sample the target there instead of the residual).
-    assert worker_structured.constrain_drafts(matcher, tok.encode("ab").ids + closing, 4,
-                                              keep_first_forbidden=True) == (tok.encode("ab").ids + closing, False)
+    assert worker_structured.valid_drafts(matcher, tok.encode("ab").ids + closing,
+                                          keep_first_forbidden=True) == tok.encode("ab").ids + closing
     bitmask = worker_structured.masks(matcher, tok.encode("ab").ids + closing + [EOS], 274)
     assert bitmask[2].any() and not bitmask[3:].any()  # the forbidden draft's row has its prefix's mask
-    assert worker_structured.constrain_drafts(matcher, tok.encode("ab").ids, 4) == (tok.encode("ab").ids, False)
+    assert worker_structured.valid_drafts(matcher, tok.encode("ab").ids) == tok.encode("ab").ids
 
 
 def test_a_grammar_the_worker_cannot_compile_fails_the_step_naming_the_request(byte_pair):

@@ -13,9 +13,10 @@ second: `propose` then runs the head up to k - 1 times, feeding back its own
 state, while the product of the head's probabilities of its drafts stays
 above MIN_CONFIDENCE.
 
-When it catches up: right after the step for a sequence that speculates in
-this step (it will most likely draft in the next), else later. A sequence the
-scheduler's policy keeps at k = 0 (the head does not pay for it) keeps the
+When it catches up: right after the step for a sequence the head drafted for
+in this step (it will most likely draft in the next), else later. A sequence
+the scheduler's policy keeps at k = 0, or whose drafts the grammar forces (the
+head does not pay for it), keeps the
 target's features of its committed positions aside, and the head runs over
 them in one chunk when the sequence drafts again or CATCH_UP_EVERY positions
 have gathered: so a sequence that does not draft costs almost no head work,
@@ -72,8 +73,10 @@ class Eagle3Proposer(Proposer):
         # The target's auxiliary hidden states of committed positions the head has not run over, by request:
         # rows of positions num_draft_computed_tokens, .., num_computed_tokens - 1, in order.
         self._pending: dict[str, list[torch.Tensor]] = {}
+        self._drafted: set[str] = set()  # the sequences the head was asked to draft for in this step
 
     def propose(self, states: list[RequestState], num_drafts: list[int]) -> Proposal:
+        self._drafted = {s.request_id for s, k in zip(states, num_drafts) if k > 0}
         self._catch_up([s for s, k in zip(states, num_drafts) if k > 0 and s.request_id in self._pending])
         drafts: list[list[int]] = [[] for _ in states]
         active = [i for i, k in enumerate(num_drafts) if k > 0 and states[i].request_id in self._next]
@@ -110,9 +113,10 @@ class Eagle3Proposer(Proposer):
                 pending.append(aux[offset:offset + num].clone())  # positions chunk.start_pos .. + num - 1
                 self._next.pop(state.request_id, None)
                 waiting = state.num_computed_tokens - state.num_draft_computed_tokens
-                if state.num_speculative_tokens > 0 or waiting >= CATCH_UP_EVERY:
+                if state.request_id in self._drafted or waiting >= CATCH_UP_EVERY:
                     now.append(state)
             offset += len(chunk.token_ids)
+        self._drafted = set()
         self._catch_up(now)
 
     def _catch_up(self, states: list[RequestState]) -> None:

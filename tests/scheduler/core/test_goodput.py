@@ -9,6 +9,7 @@ from scheduler_service.core.policy import SpeculationPolicy, StepShape
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from specdec.step import StepStats
+from specdec.structured import FORCED_PROPOSER
 from tests.scheduler.core.test_scheduler import FakeWorker, reference_output, run, streamed
 
 K = 5
@@ -117,12 +118,33 @@ def test_a_sequence_at_zero_is_probed_again():
     request = Request("r", [1, 2, 3], max_tokens=100)
     for _ in range(20):
         policy.observe_sequence(request, K, K, 0)  # nothing accepted
-    ks = [policy.plan_step([request], StepShape(), 1, 1000)["r"] for _ in range(10)]
+    ks = [policy.plan_step([request], StepShape(), 1, 1000).ks["r"] for _ in range(10)]
     assert ks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
     for _ in range(10):  # the text turned repetitive: every draft accepted
         policy.observe_sequence(request, 1, 1, 1)
         policy.observe_sequence(request, K, K, K)
-    assert policy.plan_step([request], StepShape(), 1, 1000)["r"] > 0
+    assert policy.plan_step([request], StepShape(), 1, 1000).ks["r"] > 0
+
+
+def test_the_tokens_a_constraint_forces_are_allowed_whatever_the_proposer_estimates():
+    """A request whose proposer's drafts are never accepted gets k = 0, except for the tokens its constraint
+    forces next (the worker's count, capped at the request's k): k for those only, marked forced-only so the
+    worker asks no proposer. Steps that drafted forced tokens leave the proposer's estimates as they were."""
+    policy = fitted_policy(DEAR_ROWS, probe_interval=100)
+    request = Request("r", [1, 2, 3], max_tokens=100, num_speculative_tokens=3)
+    for _ in range(20):
+        policy.observe_sequence(request, K, K, 0, "ngram")  # nothing accepted
+    plan = policy.plan_step([request], StepShape(), 1, 1000)
+    assert plan.ks["r"] == 0 and not plan.forced_only
+    request.num_forced_tokens_next = 5
+    plan = policy.plan_step([request], StepShape(), 1, 1000)
+    assert plan.ks["r"] == 3 and plan.forced_only == {"r"}  # capped at the request's k
+    before = (list(request.acceptance.num_accepted), request.last_proposer)
+    for _ in range(10):
+        policy.observe_sequence(request, 3, 3, 3, FORCED_PROPOSER)
+    assert (list(request.acceptance.num_accepted), request.last_proposer) == before
+    request.num_forced_tokens_next = 0
+    assert policy.plan_step([request], StepShape(), 1, 1000).ks["r"] == 0
 
 
 class TimedWorker(FakeWorker):

@@ -12,10 +12,10 @@ from tests.scheduler.core.test_scheduler import FakeWorker, reference_output, ru
 def test_every_k_is_zero_above_the_disable_queue_size():
     policy = SpeculationPolicy(num_speculative_tokens=4, speculative_disable_queue_size=2, policy="fixed")
     decodes = [Request(f"r{i}", [1], max_tokens=50) for i in range(3)]
-    assert set(policy.plan_step(decodes, StepShape(), 2, 100).values()) == {4}
-    assert set(policy.plan_step(decodes, StepShape(), 3, 100).values()) == {0}
+    assert set(policy.plan_step(decodes, StepShape(), 2, 100).ks.values()) == {4}
+    assert set(policy.plan_step(decodes, StepShape(), 3, 100).ks.values()) == {0}
     never = SpeculationPolicy(num_speculative_tokens=4, speculative_disable_queue_size=None, policy="fixed")
-    assert set(never.plan_step(decodes, StepShape(), 1000, 100).values()) == {4}
+    assert set(never.plan_step(decodes, StepShape(), 1000, 100).ks.values()) == {4}
 
 
 def test_per_request_k():
