@@ -58,6 +58,8 @@ class AcceptanceEstimate:
     num_tried: list[float] = field(default_factory=list)      # [m]: drafts at position m+1 that were checked
     num_accepted: list[float] = field(default_factory=list)   # [m]: ... and accepted
     num_steps_without_drafts: int = 0  # consecutive steps the policy left the sequence at k = 0 (probing)
+    probe_interval: int = 0            # steps between its probes (0: the policy's base); doubles while they fail
+    is_probing: bool = False           # its last k was a probe's
 
     def observe(self, num_requested: int, num_drafts: int, num_accepted: int) -> None:
         """One step that asked for `num_requested` drafts: `num_drafts` came, the first `num_accepted` held.

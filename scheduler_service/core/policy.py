@@ -8,7 +8,12 @@ never more. Two policies (SPECULATION_POLICIES in config.py):
 - "goodput" (default): the k per sequence that maximises expected emitted
   tokens per second of the step (goodput.py: objective, cost model, estimator).
   A sequence left at k = 0 is probed with one draft every `probe_interval`
-  steps, so speculation comes back when the text turns repetitive. A
+  steps, so speculation comes back when the text turns repetitive; a probe
+  that gets nothing accepted doubles that sequence's interval (up to
+  MAX_PROBE_INTERVAL), one that gets a draft accepted resets it, and probes
+  fall on steps numbered a multiple of the interval, so sequences probe
+  together: a proposer that runs a model (an EAGLE-3 head) then runs once
+  for all of them, not in a step of its own for each. A
   structured-output request also gets k for the tokens its constraint forces
   next (the worker's last step said how many): those drafts need no proposer
   and are nearly always accepted, so they come whatever the proposer's
@@ -28,6 +33,7 @@ from scheduler_service.core.request import Request
 from specdec.structured import FORCED_PROPOSER
 
 DEFAULT_PROBE_INTERVAL = 16
+MAX_PROBE_INTERVAL = 256
 
 
 @dataclass
@@ -71,6 +77,7 @@ class SpeculationPolicy:
         self.speculative_disable_queue_size = speculative_disable_queue_size
         self.is_goodput = policy == "goodput"
         self.probe_interval = probe_interval
+        self.num_planned_steps = 0  # steps the goodput policy planned: probes fall on multiples of an interval
         self.cost_model = StepCostModel()
         self.worker_acceptance = AcceptanceEstimate(decay=WORKER_DECAY)  # the prior of every sequence
         # With several proposers on the worker: acceptance learnt per proposer (the one that drafted each step).
@@ -107,10 +114,13 @@ class SpeculationPolicy:
         ks = choose_num_drafts(candidates, cost, other.num_prefill_rows, other.num_seqs,
                                num_base_tokens=len(decodes))
         plan = StepPlan({})
+        self.num_planned_steps += 1
         for request, cap, k in zip(decodes, caps, ks):
             estimate = self._estimate(request)
-            if k == 0 and cap > 0 and estimate.num_steps_without_drafts >= self.probe_interval:
-                k = 1  # probe: acceptance may have come back
+            interval = estimate.probe_interval or self.probe_interval
+            if (k == 0 and cap > 0 and estimate.num_steps_without_drafts >= interval
+                    and self.num_planned_steps % interval == 0):
+                k, estimate.is_probing = 1, True  # probe: acceptance may have come back (its answer: observe)
             estimate.num_steps_without_drafts = 0 if k > 0 else estimate.num_steps_without_drafts + 1
             # The tokens its constraint forces next cost no proposer and are nearly always accepted: allowed
             # whatever the proposer's estimates say (where those alone give k = 0, for them only).
@@ -150,8 +160,13 @@ class SpeculationPolicy:
         """A sequence's step result: k requested, drafts proposed, drafts accepted, by which proposer."""
         if proposer == FORCED_PROPOSER:  # the constraint's tokens, not the proposer's: plan_step allows them
             return
+        estimate = self._estimate(request)
+        if estimate.is_probing and num_requested > 0:  # the probe's answer: probe as often, or half as often
+            interval = estimate.probe_interval or self.probe_interval
+            estimate.probe_interval = self.probe_interval if num_accepted else min(2 * interval, MAX_PROBE_INTERVAL)
+            estimate.is_probing = False
         if num_requested > 0:
-            self._estimate(request).observe(num_requested, num_drafts, num_accepted)
+            estimate.observe(num_requested, num_drafts, num_accepted)
             self.worker_acceptance.observe(num_requested, num_drafts, num_accepted)
             if num_drafts > 0 and proposer:
                 request.last_proposer = proposer

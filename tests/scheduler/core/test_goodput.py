@@ -119,11 +119,34 @@ def test_a_sequence_at_zero_is_probed_again():
     for _ in range(20):
         policy.observe_sequence(request, K, K, 0)  # nothing accepted
     ks = [policy.plan_step([request], StepShape(), 1, 1000).ks["r"] for _ in range(10)]
-    assert ks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    assert ks == [0, 0, 0, 0, 0, 0, 0, 1, 0, 0]  # 4 steps at 0 at least, then the next multiple of 4
     for _ in range(10):  # the text turned repetitive: every draft accepted
         policy.observe_sequence(request, 1, 1, 1)
         policy.observe_sequence(request, K, K, K)
     assert policy.plan_step([request], StepShape(), 1, 1000).ks["r"] > 0
+
+
+def test_probes_come_together_and_back_off_while_they_find_nothing():
+    """Probes fall on steps numbered a multiple of the interval, so a sequence that stopped drafting later
+    probes with the first (a head runs once for both); each probe that gets nothing accepted doubles the
+    interval (4, 8, 16, ..), and one that gets a draft accepted sets it back."""
+    policy = fitted_policy(DEAR_ROWS)  # probe interval 4
+    a, b = Request("a", [1, 2, 3], max_tokens=500), Request("b", [1, 2, 3], max_tokens=500)
+    for _ in range(20):
+        for request in (a, b):
+            policy.observe_sequence(request, K, K, 0)  # nothing accepted
+    probes = {"a": [], "b": []}
+    for step_number in range(1, 121):
+        decodes = [a] if step_number < 3 else [a, b]  # b decodes from step 3 on
+        plan = policy.plan_step(decodes, StepShape(), 2, 1000)
+        for request in decodes:
+            if plan.ks[request.request_id]:
+                probes[request.request_id].append(step_number)
+                policy.observe_sequence(request, 1, 1, 1 if step_number > 60 else 0)  # found nothing, until 60
+    # Found nothing at 8, 24, 48 (intervals 8, 16, 32); found drafts at 96: every 8 steps again (at least 4
+    # steps at 0, then a multiple of 4), until the accepted drafts let the policy draft by itself.
+    assert probes["a"][:6] == probes["b"][:6] == [8, 24, 48, 96, 104, 112]
+    assert a.acceptance.probe_interval == 4
 
 
 def test_the_tokens_a_constraint_forces_are_allowed_whatever_the_proposer_estimates():
