@@ -58,13 +58,13 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _build_key(source: bytes, compiler: str, flags: tuple[str, ...]) -> str:
+def _build_key(source: bytes, compiler: str, flags: tuple[str, ...], source_dir: pathlib.Path) -> str:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
         raise KernelBuildError(f"the C compiler {compiler} does not run: {exc}") from exc
     digest = hashlib.sha256()
-    headers = b"".join(path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.h")))  # what the source includes
+    headers = b"".join(path.read_bytes() for path in sorted(source_dir.glob("*.h")))  # what the source includes
     for part in (source, headers, " ".join(flags).encode(), version.encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -72,15 +72,16 @@ def _build_key(source: bytes, compiler: str, flags: tuple[str, ...]) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def load_library(name: str, extra_cflags: tuple[str, ...] = ()) -> ctypes.CDLL:
+def load_library(name: str, extra_cflags: tuple[str, ...] = (), source_dir: pathlib.Path = SOURCE_DIR) -> ctypes.CDLL:
     """The built library of kernels/csrc/NAME.c, compiling it first when no cached build fits.
 
-    `extra_cflags` follow CFLAGS (tests build for a narrower instruction set with e.g. `-mno-avx512f`)."""
-    source_path = SOURCE_DIR / f"{name}.c"
+    `extra_cflags` follow CFLAGS (tests build for a narrower instruction set with e.g. `-mno-avx512f`);
+    `source_dir`: another copy of kernels/csrc (bench/bench_kernel_revisions.py builds a git revision's)."""
+    source_path = source_dir / f"{name}.c"
     source = source_path.read_bytes()
     compiler = _compiler()
     flags = CFLAGS + extra_cflags
-    target = cache_dir() / "kernels" / f"{name}-{_build_key(source, compiler, flags)}.so"
+    target = cache_dir() / "kernels" / f"{name}-{_build_key(source, compiler, flags, source_dir)}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(f".partial-{os.getpid()}")
