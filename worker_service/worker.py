@@ -147,8 +147,8 @@ class Worker:
         for c in request.cached_requests:
             check_cached(c, staged.get(c.request_id), self.num_blocks)
         originals = {c.request_id: (staged[c.request_id].block_table, staged[c.request_id].scheduled_new_tokens,
-                                    staged[c.request_id].num_speculative_tokens, staged[c.request_id].forced_drafts_only)
-                     for c in request.cached_requests}
+                                    staged[c.request_id].num_speculative_tokens,
+                                    staged[c.request_id].forced_drafts_only) for c in request.cached_requests}
         for c in request.cached_requests:
             apply_cached(c, staged[c.request_id])
         scheduled = news + [staged[c.request_id] for c in request.cached_requests]
@@ -216,7 +216,8 @@ class Worker:
         after_step_s = time.perf_counter() - t_after  # a head's catch-up: the proposer's work, not verification
         for state in scheduled:
             outputs[state.request_id].num_kv_written_tokens = self._num_kv_written_tokens(state)
-            outputs[state.request_id].num_forced_tokens_next = self._num_forced_next(state)
+        for i in sampling_rows:  # their matchers are built (a prompt still prefilling may wait for its grammar)
+            outputs[scheduled[i].request_id].num_forced_tokens_next = self._num_forced_next(scheduled[i])
         t3 = time.perf_counter()
         stats.propose_ms, stats.score_ms = (t1 - t0 + after_step_s) * 1e3, (t2 - t1) * 1e3
         stats.verify_ms = (t3 - t2 - after_step_s) * 1e3
@@ -227,7 +228,7 @@ class Worker:
         """Per sequence, the tokens its constraint forces next, up to its k (none with --no-forced-drafts)."""
         if not self.config.forced_drafts:
             return [[] for _ in scheduled]
-        return [structured.forced_tokens(self.grammars.matcher(s), k) if s.is_constrained else []
+        return [structured.forced_tokens(self.grammars.matcher(s), k) if s.is_constrained and k else []
                 for s, k in zip(scheduled, num_slots)]
 
     def _num_forced_next(self, state: RequestState) -> int:
