@@ -279,6 +279,18 @@ static inline __attribute__((always_inline)) void dequantize_input(int w_dtype, 
     }
 }
 
+/* Record b of a group's block-quantized weights w: asks for the record PREFETCH_RECORDS ahead (at one row a
+ * block's arithmetic is short beside its fetch from memory; past the group's end it is the next group's, which
+ * comes next) and loads the record's scales d (and minimums m). */
+static inline __attribute__((always_inline)) const uint8_t *open_record(int w_dtype, const uint8_t *w, int64_t b,
+                                                                        vec d[GROUP_VECTORS], vec m[GROUP_VECTORS]) {
+    int64_t record = record_bytes(w_dtype);
+    const uint8_t *rec = w + b * record;
+    for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * record + line);
+    load_scales(w_dtype, rec, d, m);
+    return rec;
+}
+
 /* tile() for block-quantized weights w (one group's records, w_dtype DTYPE_Q8_0 or DTYPE_Q4_1); in is a
  * multiple of QBLOCK. Each weight is dequantised to its exact fp32 value in registers, then the chain is
  * tile()'s. */
@@ -287,14 +299,9 @@ static inline __attribute__((always_inline)) void tile_quantized(int num_rows, c
                                                                  vec acc[ROW_TILE][GROUP_VECTORS]) {
     for (int r = 0; r < num_rows; r++)
         for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = (vec){0};
-    int64_t num_blocks = in / QBLOCK, record = record_bytes(w_dtype);
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const uint8_t *rec = w + b * record;
-        /* At one row a block's arithmetic is short beside its fetch from memory: ask for the record
-         * PREFETCH_RECORDS ahead now (past the group's end it is the next group's, which comes next). */
-        for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * record + line);
+    for (int64_t b = 0; b < in / QBLOCK; b++) {
         vec d[GROUP_VECTORS], m[GROUP_VECTORS];
-        load_scales(w_dtype, rec, d, m);
+        const uint8_t *rec = open_record(w_dtype, w, b, d, m);
         const float *xb = x + b * QBLOCK;
         for (int j = 0; j < QBLOCK; j++) {
             vec wv[GROUP_VECTORS];
@@ -333,12 +340,9 @@ static inline __attribute__((always_inline)) void rows_quantized(int num_rows, c
                                                                  vec acc[ROW_BLOCK][GROUP_VECTORS]) {
     for (int r = 0; r < num_rows; r++)
         for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = (vec){0};
-    int64_t num_blocks = in / QBLOCK, record = record_bytes(w_dtype);
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const uint8_t *rec = w + b * record;
-        for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * record + line);
+    for (int64_t b = 0; b < in / QBLOCK; b++) {
         vec d[GROUP_VECTORS], m[GROUP_VECTORS], wv[QBLOCK][GROUP_VECTORS];
-        load_scales(w_dtype, rec, d, m);
+        const uint8_t *rec = open_record(w_dtype, w, b, d, m);
         for (int j = 0; j < QBLOCK; j++) dequantize_input(w_dtype, rec, j, d, m, wv[j]);
         for (int r = 0; r < num_rows; r += ROW_TILE) {
             const float *xb = x + r * in + b * QBLOCK;
