@@ -11,9 +11,10 @@ never more. Two policies (SPECULATION_POLICIES in config.py):
   steps, so speculation comes back when the text turns repetitive; a probe
   that gets nothing accepted doubles that sequence's interval (up to
   MAX_PROBE_INTERVAL), one that gets a draft accepted resets it, and probes
-  fall on steps numbered a multiple of the interval, so sequences probe
-  together: a proposer that runs a model (an EAGLE-3 head) then runs once
-  for all of them, not in a step of its own for each. A
+  fall on steps numbered a multiple of PROBE_ALIGNMENT (or of a shorter
+  interval), so sequences probe together: a proposer that runs a model (an
+  EAGLE-3 head) then runs once for all of them, not in a step of its own for
+  each, and a probe waits at most PROBE_ALIGNMENT - 1 steps for its turn. A
   structured-output request also gets k for the tokens its constraint forces
   next (the worker's last step said how many): those drafts need no proposer
   and are nearly always accepted, so they come whatever the proposer's
@@ -34,6 +35,7 @@ from specdec.structured import FORCED_PROPOSER
 
 DEFAULT_PROBE_INTERVAL = 16
 MAX_PROBE_INTERVAL = 256
+PROBE_ALIGNMENT = 8  # probes fall on steps numbered a multiple of this: short requests still get theirs
 
 
 @dataclass
@@ -77,7 +79,7 @@ class SpeculationPolicy:
         self.speculative_disable_queue_size = speculative_disable_queue_size
         self.is_goodput = policy == "goodput"
         self.probe_interval = probe_interval
-        self.num_planned_steps = 0  # steps the goodput policy planned: probes fall on multiples of an interval
+        self.num_planned_steps = 0  # steps the goodput policy planned: probes fall on multiples of PROBE_ALIGNMENT
         self.cost_model = StepCostModel()
         self.worker_acceptance = AcceptanceEstimate(decay=WORKER_DECAY)  # the prior of every sequence
         # With several proposers on the worker: acceptance learnt per proposer (the one that drafted each step).
@@ -119,7 +121,7 @@ class SpeculationPolicy:
             estimate = self._estimate(request)
             interval = estimate.probe_interval or self.probe_interval
             if (k == 0 and cap > 0 and estimate.num_steps_without_drafts >= interval
-                    and self.num_planned_steps % interval == 0):
+                    and self.num_planned_steps % min(interval, PROBE_ALIGNMENT) == 0):
                 k, estimate.is_probing = 1, True  # probe: acceptance may have come back (its answer: observe)
             estimate.num_steps_without_drafts = 0 if k > 0 else estimate.num_steps_without_drafts + 1
             # The tokens its constraint forces next cost no proposer and are nearly always accepted: allowed

@@ -127,9 +127,9 @@ def test_a_sequence_at_zero_is_probed_again():
 
 
 def test_probes_come_together_and_back_off_while_they_find_nothing():
-    """Probes fall on steps numbered a multiple of the interval, so a sequence that stopped drafting later
-    probes with the first (a head runs once for both); each probe that gets nothing accepted doubles the
-    interval (4, 8, 16, ..), and one that gets a draft accepted sets it back."""
+    """Probes fall on steps numbered a multiple of the interval (of PROBE_ALIGNMENT once it is longer), so a
+    sequence that stopped drafting later probes with the first (a head runs once for both); each probe that
+    gets nothing accepted doubles the interval (4, 8, 16, ..), and one that gets a draft accepted sets it back."""
     policy = fitted_policy(DEAR_ROWS)  # probe interval 4
     a, b = Request("a", [1, 2, 3], max_tokens=500), Request("b", [1, 2, 3], max_tokens=500)
     for _ in range(20):
@@ -143,9 +143,9 @@ def test_probes_come_together_and_back_off_while_they_find_nothing():
             if plan.ks[request.request_id]:
                 probes[request.request_id].append(step_number)
                 policy.observe_sequence(request, 1, 1, 1 if step_number > 60 else 0)  # found nothing, until 60
-    # Found nothing at 8, 24, 48 (intervals 8, 16, 32); found drafts at 96: every 8 steps again (at least 4
-    # steps at 0, then a multiple of 4), until the accepted drafts let the policy draft by itself.
-    assert probes["a"][:6] == probes["b"][:6] == [8, 24, 48, 96, 104, 112]
+    # Found nothing at 8, 24, 48 (intervals 8, 16, 32: at least that many steps at 0, then a multiple of 8);
+    # found drafts at 88: every 8 steps again (at least 4 steps at 0, then a multiple of 4).
+    assert probes["a"][:6] == probes["b"][:6] == [8, 24, 48, 88, 96, 104]
     assert a.acceptance.probe_interval == 4
 
 
