@@ -320,9 +320,12 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
         memset(out, 0, sizeof(float) * (D + 2));
         out[0] = -INFINITY;
         if (n <= 0) continue;
+        /* The max as 16 running maxima, then across them (no chain of dependent compares): a max is the same
+         * number in any order (at most the sign of a zero differs, which no e^(s - m) below can tell). */
         float lane_max[KEY_TILE];
         for (int i = 0; i < KEY_TILE; i++) lane_max[i] = -INFINITY;
-        for (int j = 0; j < n; j++) lane_max[j % KEY_TILE] = s[j] > lane_max[j % KEY_TILE] ? s[j] : lane_max[j % KEY_TILE];
+        for (int j = 0; j < n; j++)
+            lane_max[j % KEY_TILE] = s[j] > lane_max[j % KEY_TILE] ? s[j] : lane_max[j % KEY_TILE];
         for (int i = 0; i < KEY_TILE; i++) m = lane_max[i] > m ? lane_max[i] : m;
         for (int j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - m);
         for (int j = n; j < (n + KEY_TILE - 1) / KEY_TILE * KEY_TILE; j++) s[j] = 0.0f;
