@@ -68,7 +68,7 @@ def step_result_from_proto(m: pb.ExecuteModelResponse) -> step.StepResult:
                                    logprobs=list(o.logprobs), num_draft_tokens=o.num_draft_tokens,
                                    num_accepted_tokens=o.num_accepted_tokens,
                                    num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer,
-                                 num_forced_tokens_next=o.num_forced_tokens_next)
+                                   num_forced_tokens_next=o.num_forced_tokens_next)
                for o in m.outputs]
     s = m.stats
     stats = step.StepStats(propose_ms=s.propose_ms, score_ms=s.score_ms, verify_ms=s.verify_ms,
