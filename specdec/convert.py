@@ -55,7 +55,9 @@ def step_result_to_proto(r: step.StepResult) -> pb.ExecuteModelResponse:
     outputs = [pb.SequenceOutput(request_id=o.request_id, token_ids=o.token_ids, logprobs=o.logprobs,
                                  num_draft_tokens=o.num_draft_tokens, num_accepted_tokens=o.num_accepted_tokens,
                                  num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer,
-                                 num_forced_tokens_next=o.num_forced_tokens_next)
+                                 num_forced_tokens_next=o.num_forced_tokens_next,
+                                 next_draft=None if o.next_draft is None else pb.DraftPreview(
+                                     num_drafts=o.next_draft.num_drafts, match_length=o.next_draft.match_length))
                for o in r.outputs]
     s = r.stats
     stats = pb.StepStats(propose_ms=s.propose_ms, score_ms=s.score_ms, verify_ms=s.verify_ms,
@@ -68,7 +70,9 @@ def step_result_from_proto(m: pb.ExecuteModelResponse) -> step.StepResult:
                                    logprobs=list(o.logprobs), num_draft_tokens=o.num_draft_tokens,
                                    num_accepted_tokens=o.num_accepted_tokens,
                                    num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer,
-                                   num_forced_tokens_next=o.num_forced_tokens_next)
+                                   num_forced_tokens_next=o.num_forced_tokens_next,
+                                   next_draft=step.DraftPreview(o.next_draft.num_drafts, o.next_draft.match_length)
+                                   if o.HasField("next_draft") else None)
                for o in m.outputs]
     s = m.stats
     stats = step.StepStats(propose_ms=s.propose_ms, score_ms=s.score_ms, verify_ms=s.verify_ms,

@@ -81,6 +81,14 @@ class StepRequest:
     finished_request_ids: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class DraftPreview:
+    """A copying proposer's draft for a sequence's next step: how many drafts, on how long a context match."""
+
+    num_drafts: int
+    match_length: int
+
+
 @dataclass
 class SequenceOutput:
     request_id: str
@@ -91,6 +99,7 @@ class SequenceOutput:
     num_kv_written_tokens: int = 0  # positions [0, n) with every model's KV written: cacheable full blocks
     proposer: str = ""  # the proposer whose drafts were scored ("" without drafts)
     num_forced_tokens_next: int = 0  # tokens the constraint forces after the emitted ones (at most k)
+    next_draft: DraftPreview | None = None  # a copying proposer's draft for the next step (None: no preview)
 
 
 @dataclass

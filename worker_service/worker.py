@@ -21,6 +21,7 @@ from worker_service.proposers.combined import CombinedProposer
 from worker_service.proposers.draft import DraftProposer
 from worker_service.proposers.eagle3 import Eagle3Proposer
 from worker_service.proposers.ngram import NgramProposer
+from worker_service.proposers.preview import PreviewingProposer
 from worker_service.proposers.suffix import SuffixProposer
 from worker_service.request_state import (InvalidStepError, RequestState, apply_cached, check_cached,
                                           check_schedulable, new_state)
@@ -55,7 +56,10 @@ class Worker:
         if len(proposers) > 1:  # each drafts at most its own default k (and the worker's k)
             return CombinedProposer(proposers, {name: min(DEFAULT_NUM_SPECULATIVE_TOKENS[name],
                                                           self.config.num_speculative_tokens) for name in proposers})
-        return next(iter(proposers.values()), None)
+        proposer = next(iter(proposers.values()), None)
+        if proposer is not None and proposer.reports_match and self.config.draft_previews:
+            return PreviewingProposer(proposer)
+        return proposer
 
     def _make_one(self, name: str) -> Proposer:
         if name == "ngram":
@@ -176,7 +180,11 @@ class Worker:
         """The drafts to ask of the proposer: the scheduler's k for a decode, fewer only near max_model_len."""
         if state.num_tokens - state.num_computed_tokens != 1:
             return 0
-        return max(min(state.num_speculative_tokens, self.max_model_len - state.num_tokens - 1), 0)
+        return self._within_model_len(state, state.num_speculative_tokens)
+
+    def _within_model_len(self, state: RequestState, num_drafts: int) -> int:
+        """At most `num_drafts` drafts, fewer where they would pass max_model_len."""
+        return max(min(num_drafts, self.max_model_len - state.num_tokens - 1), 0)
 
     def _run(self, scheduled: list[RequestState], stats: step.StepStats) -> list[step.SequenceOutput]:
         t0 = time.perf_counter()
@@ -213,7 +221,12 @@ class Worker:
         if self.proposer is not None:  # positions committed this step: the chunk's tokens and accepted drafts
             self.proposer.after_step(scheduled, chunks, [s.num_computed_tokens - c.start_pos
                                                          for s, c in zip(scheduled, chunks)])
-        after_step_s = time.perf_counter() - t_after  # a head's catch-up: the proposer's work, not verification
+        if isinstance(self.proposer, PreviewingProposer) and sampling_rows:  # the next step's drafts, looked up now
+            sampled = [scheduled[i] for i in sampling_rows]
+            caps = [self._within_model_len(s, self.max_num_speculative_tokens) for s in sampled]
+            for state, preview in zip(sampled, self.proposer.preview(sampled, caps)):
+                outputs[state.request_id].next_draft = preview
+        after_step_s = time.perf_counter() - t_after  # a catch-up, a preview: the proposer's work, not verification
         for state in scheduled:
             outputs[state.request_id].num_kv_written_tokens = self._num_kv_written_tokens(state)
         for i in sampling_rows:  # their matchers are built (a prompt still prefilling may wait for its grammar)

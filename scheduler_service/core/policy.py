@@ -19,6 +19,16 @@ never more. Two policies (SPECULATION_POLICIES in config.py):
   next (the worker's last step said how many): those drafts need no proposer
   and are nearly always accepted, so they come whatever the proposer's
   estimates; steps that drafted them do not feed those estimates.
+  Where the worker previews a copying proposer's next draft (SequenceOutput.
+  next_draft, worker_service/proposers/preview.py), acceptance is learnt per
+  class of the match behind it (match_class: none, 1, 2-3, 4-7, ...;
+  worker-wide, with the sequence's own estimate as prior), since a long
+  match is far more often accepted than a short one. A preview is *fresh*
+  when no step of the sequence is in flight (sync scheduling): it is then
+  the very draft the next step gets, so delivery is exact (no draft: k = 0,
+  and no probe). With a step in flight (async) it describes the draft of
+  the step before, so delivery is learnt per class too, apart from the
+  fresh ones.
 - "fixed": every decoding sequence gets its full cap.
 
 Both keep the seed design's hard limit: with more than
@@ -45,6 +55,8 @@ class StepPlan:
 
     ks: dict[str, int]
     forced_only: set[str] = field(default_factory=set)
+    # (match class, fresh) of the preview each request's k was planned on: observe_sequence learns from it
+    matches: dict[str, tuple[int, bool]] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,6 +80,20 @@ class StepShape:
             self.num_prefill_rows += num_rows
 
 
+def match_class(match_length: int) -> int:
+    """The class of a copied draft's context match whose acceptance the policy learns: 0 (no match), or the
+    largest power of two <= its length (1, 2-3, 4-7, ...): a few classes, so each gathers steps quickly."""
+    return 1 << (match_length.bit_length() - 1) if match_length > 0 else 0
+
+
+def _match_key(request: Request) -> tuple[int, bool] | None:
+    """(match class, fresh) of the request's last preview (None: none); fresh when no step is in flight."""
+    preview = request.next_draft
+    if preview is None:
+        return None
+    return match_class(preview.match_length), request.num_assumed_tokens == 0
+
+
 class SpeculationPolicy:
     """Decides every sequence's k for every step, and learns from what the steps returned."""
 
@@ -84,6 +110,8 @@ class SpeculationPolicy:
         self.worker_acceptance = AcceptanceEstimate(decay=WORKER_DECAY)  # the prior of every sequence
         # With several proposers on the worker: acceptance learnt per proposer (the one that drafted each step).
         self.worker_acceptance_by_proposer: dict[str, AcceptanceEstimate] = {}
+        # With previews: delivery and acceptance learnt per (match_class, fresh) of the preview planned on.
+        self.acceptance_by_match: dict[tuple[int, bool], AcceptanceEstimate] = {}
 
     def is_disabled_for_step(self, num_running: int) -> bool:
         """Whether the running-queue size switches speculation off for a step."""
@@ -120,10 +148,14 @@ class SpeculationPolicy:
         for request, cap, k in zip(decodes, caps, ks):
             estimate = self._estimate(request)
             interval = estimate.probe_interval or self.probe_interval
-            if (k == 0 and cap > 0 and estimate.num_steps_without_drafts >= interval
+            match = _match_key(request)
+            no_drafts = match is not None and match[1] and request.next_draft.num_drafts == 0  # fresh: none come
+            if (k == 0 and cap > 0 and not no_drafts and estimate.num_steps_without_drafts >= interval
                     and self.num_planned_steps % min(interval, PROBE_ALIGNMENT) == 0):
                 k, estimate.is_probing = 1, True  # probe: acceptance may have come back (its answer: observe)
             estimate.num_steps_without_drafts = 0 if k > 0 else estimate.num_steps_without_drafts + 1
+            if match is not None:
+                plan.matches[request.request_id] = match
             # The tokens its constraint forces next cost no proposer and are nearly always accepted: allowed
             # whatever the proposer's estimates say (where those alone give k = 0, for them only).
             forced = min(request.num_forced_tokens_next, cap)
@@ -155,11 +187,22 @@ class SpeculationPolicy:
             # observed only in steps where that proposer drafted: depth given a first draft
             delivery = [first] + [first * estimate.delivery(m, prior.delivery(m, 1.0)) for m in range(1, cap)]
         acceptance = tuple(estimate.acceptance(m, prior.acceptance(m, INITIAL_ACCEPTANCE)) for m in range(cap))
+        match = _match_key(request)
+        if match is not None:  # the worker previewed the draft: acceptance by its match's class
+            by_match = self.acceptance_by_match.get(match)
+            if by_match is not None:
+                acceptance = tuple(by_match.acceptance(m, a) for m, a in enumerate(acceptance))
+            if match[1]:  # fresh: the very draft the step gets
+                num_drafts = min(request.next_draft.num_drafts, cap)
+                delivery = [1.0] * num_drafts + [0.0] * (cap - num_drafts)
+            elif by_match is not None:
+                delivery = [by_match.delivery(m, q) for m, q in enumerate(delivery)]
         return Candidate(cap, request.num_computed_tokens, tuple(delivery[:cap]), acceptance)
 
     def observe_sequence(self, request: Request, num_requested: int, num_drafts: int, num_accepted: int,
-                         proposer: str = "") -> None:
-        """A sequence's step result: k requested, drafts proposed, drafts accepted, by which proposer."""
+                         proposer: str = "", match: tuple[int, bool] | None = None) -> None:
+        """A sequence's step result: k requested, drafts proposed, drafts accepted, by which proposer; `match`:
+        the step's StepPlan.matches entry."""
         if proposer == FORCED_PROPOSER:  # the constraint's tokens, not the proposer's: plan_step allows them
             return
         estimate = self._estimate(request)
@@ -170,6 +213,9 @@ class SpeculationPolicy:
         if num_requested > 0:
             estimate.observe(num_requested, num_drafts, num_accepted)
             self.worker_acceptance.observe(num_requested, num_drafts, num_accepted)
+            if match is not None:
+                self.acceptance_by_match.setdefault(match, AcceptanceEstimate(decay=WORKER_DECAY)).observe(
+                    num_requested, num_drafts, num_accepted)
             if num_drafts > 0 and proposer:
                 request.last_proposer = proposer
                 for estimates, decay in ((request.acceptance_by_proposer, SEQUENCE_DECAY),

@@ -6,7 +6,7 @@ import enum
 from scheduler_service.core.block_hash import BlockHashes
 from scheduler_service.core.detokenizer import IncrementalDetokenizer
 from scheduler_service.core.goodput import AcceptanceEstimate
-from specdec.step import RequestSampling, SequenceOutput
+from specdec.step import DraftPreview, RequestSampling, SequenceOutput
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +64,7 @@ class Request:
     acceptance_by_proposer: dict[str, AcceptanceEstimate] = field(default_factory=dict, repr=False)
     last_proposer: str = ""
     num_forced_tokens_next: int = 0  # the worker's last step: tokens the constraint forces next (free drafts)
+    next_draft: DraftPreview | None = None  # the worker's last step: its copying proposer's next draft
     # proposer -> (draft tokens, accepted tokens) of this request
     drafts_by_proposer: dict[str, tuple[int, int]] = field(default_factory=dict)
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
@@ -171,6 +172,7 @@ class Request:
             self.num_assumed_tokens -= 1 + scheduled.num_lookahead_slots
         if output is not None:
             self.num_forced_tokens_next = output.num_forced_tokens_next
+            self.next_draft = output.next_draft
             self.num_draft_tokens += output.num_draft_tokens
             self.num_accepted_tokens += output.num_accepted_tokens
             if output.num_draft_tokens and output.proposer:

@@ -49,6 +49,7 @@ class _Step:
     num_running: int = 0                                          # requests that may run (the disable limit)
     num_drafts: dict[str, int] = field(default_factory=dict)      # the policy's k per decoding request
     forced_only: set[str] = field(default_factory=set)            # ... of which k is for forced tokens only
+    matches: dict[str, tuple[int, bool]] = field(default_factory=dict)  # ... the previews they were planned on
 
 
 class Scheduler:
@@ -170,7 +171,7 @@ class Scheduler:
         plan = _Step(self._next_step_id, num_tokens_left=self.config.max_num_batched_tokens)
         plan.num_running = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
         decided = self._plan_num_drafts(plan.num_running)
-        plan.num_drafts, plan.forced_only = decided.ks, decided.forced_only
+        plan.num_drafts, plan.forced_only, plan.matches = decided.ks, decided.forced_only, decided.matches
         self._schedule_running(plan)
         if not plan.is_preempting:  # memory is short: admit nobody this step
             self._schedule_waiting(plan)
@@ -346,7 +347,8 @@ class Scheduler:
             request = self._requests[request_id]
             if output is not None and not request.is_finished:
                 self.policy.observe_sequence(request, scheduled.num_lookahead_slots, num_drafts,
-                                             output.num_accepted_tokens, output.proposer)
+                                             output.num_accepted_tokens, output.proposer,
+                                             step.matches.get(request_id))
         self.stats.worker_step_s += result.stats.total_ms / 1e3
         self.stats.propose_s += result.stats.propose_ms / 1e3
         predicted_ms = self.policy.observe_step(shape, result.stats.total_ms)

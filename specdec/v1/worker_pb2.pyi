@@ -125,7 +125,7 @@ class ExecuteModelRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "num_draft_tokens", "num_accepted_tokens", "num_kv_written_tokens", "proposer", "num_forced_tokens_next")
+    __slots__ = ("request_id", "token_ids", "logprobs", "num_draft_tokens", "num_accepted_tokens", "num_kv_written_tokens", "proposer", "num_forced_tokens_next", "next_draft")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class SequenceOutput(_message.Message):
     NUM_KV_WRITTEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     NUM_FORCED_TOKENS_NEXT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -142,7 +143,16 @@ class SequenceOutput(_message.Message):
     num_kv_written_tokens: int
     proposer: str
     num_forced_tokens_next: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_kv_written_tokens: _Optional[int] = ..., proposer: _Optional[str] = ..., num_forced_tokens_next: _Optional[int] = ...) -> None: ...
+    next_draft: DraftPreview
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_kv_written_tokens: _Optional[int] = ..., proposer: _Optional[str] = ..., num_forced_tokens_next: _Optional[int] = ..., next_draft: _Optional[_Union[DraftPreview, _Mapping]] = ...) -> None: ...
+
+class DraftPreview(_message.Message):
+    __slots__ = ("num_drafts", "match_length")
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    MATCH_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    num_drafts: int
+    match_length: int
+    def __init__(self, num_drafts: _Optional[int] = ..., match_length: _Optional[int] = ...) -> None: ...
 
 class StepStats(_message.Message):
     __slots__ = ("propose_ms", "score_ms", "verify_ms", "total_ms", "num_speculating_seqs")

@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from specdec import step
+from specdec.step import DraftPreview
 from tests.worker.driver import Driver
 from worker_service.config import WorkerConfig
 from worker_service.model_loader import load_model
 from worker_service.model_runner import ModelRunner, SequenceChunk
+from worker_service.proposers.ngram import propose_ngram
 from worker_service.request_state import InvalidStepError
 from worker_service.scorers import expand
 from worker_service.worker import Worker
@@ -20,10 +22,11 @@ MAX_TOKENS = 24
 
 
 def make_worker(pair, proposer="none", k=0, scorer="multi_query", draft_path=None, device="cpu",
-                dtype="float32") -> Worker:
+                dtype="float32", draft_previews=True) -> Worker:
     draft_path = draft_path or pair.draft_path
     config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k, scorer=scorer,
-                          draft_model=str(draft_path) if proposer == "draft" else None, device=device, dtype=dtype)
+                          draft_model=str(draft_path) if proposer == "draft" else None, device=device, dtype=dtype,
+                          draft_previews=draft_previews)
     draft = ModelRunner(load_model(draft_path, dtype, device)) if proposer == "draft" else None
     worker = Worker(config, ModelRunner(load_model(pair.target_path, dtype, device)), draft)
     worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
@@ -201,3 +204,39 @@ def test_all_k_zero_runs_a_plain_step_without_the_proposer(tiny_pair):
     worker.execute(step.StepRequest(20, finished_request_ids=[f"r{i}" for i in range(len(PROMPTS))]))
     per_sequence_k_run(worker, [0, 3, 0, 0, 0])
     assert worker.proposer.calls and all(call == [0, 3, 0, 0, 0] for call in worker.proposer.calls)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "suffix"])
+def test_each_step_previews_the_next_draft_and_the_next_step_drafts_it(tiny_pair, baseline, proposer):
+    """After each step the worker reports every sampling sequence's next draft from its copying proposer (how
+    many, on how long a match); the next step drafts exactly that (the kept lookup, cut to the step's k), so
+    drafts and acceptance step by step equal those of a worker without previews, and the output is lossless."""
+    ks = [4, 0, 3, 4, 2]
+    runs = {}
+    for previews in (True, False):
+        driver = Driver(make_worker(tiny_pair, proposer, 4, draft_previews=previews).execute, BLOCK_SIZE, NUM_BLOCKS)
+        assert driver.generate(PROMPTS, MAX_TOKENS, num_speculative_tokens=ks) == baseline
+        runs[previews] = driver.results
+    assert all(o.next_draft is None for r in runs[False] for o in r.outputs)
+
+    def per_step(results):
+        return [[(o.request_id, o.num_draft_tokens, o.num_accepted_tokens) for o in r.outputs] for r in results]
+
+    assert per_step(runs[True]) == per_step(runs[False])
+    k_of = {f"r{i}": k for i, k in enumerate(ks)}
+    tokens = {f"r{i}": list(p) for i, p in enumerate(PROMPTS)}
+    previews: dict[str, DraftPreview] = {}
+    for result in runs[True][:-1]:  # the last one finishes the requests
+        for out in result.outputs:
+            if out.request_id in previews:
+                assert out.num_draft_tokens == min(previews[out.request_id].num_drafts, k_of[out.request_id])
+            tokens[out.request_id] += out.token_ids
+            assert (out.next_draft is not None) == bool(out.token_ids)  # every sampling sequence, and only those
+            if out.next_draft is not None:
+                previews[out.request_id] = out.next_draft
+                if proposer == "ngram":
+                    drafts, n = propose_ngram(tokens[out.request_id], 1, 4, 4)
+                    assert out.next_draft == DraftPreview(len(drafts), n)
+                assert (out.next_draft.num_drafts > 0) == (out.next_draft.match_length > 0)
+    seen = [p for r in runs[True] for o in r.outputs if (p := o.next_draft) is not None]
+    assert any(p.num_drafts == 4 for p in seen) and any(p.num_drafts == 0 for p in seen)

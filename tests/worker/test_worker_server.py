@@ -202,6 +202,8 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2_path):
         ngram = stream_driver(client)
         got_ngram = ngram.generate(prompts, 32, prefix="ng", num_speculative_tokens=3)
     assert sum(o.num_draft_tokens for r in ngram.results for o in r.outputs) > 0
+    previews = [o.next_draft for r in ngram.results for o in r.outputs if o.next_draft is not None]
+    assert any(p.num_drafts > 0 and p.match_length > 0 for p in previews)  # the next draft, through gRPC
     for g, w in zip(got, want):
         assert g[: len(w)] == w  # HF stops at EOS; the worker goes on until told to stop
     assert got_ngram == got

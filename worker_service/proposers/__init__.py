@@ -22,6 +22,7 @@ class Proposal:
     draft_probs: torch.Tensor | None = None  # [B, K, V] for model drafts; None for token-copy (one-hot) drafts
     scores: list[float] | None = None  # per sequence, the proposer's own estimate of its accepted drafts
     sources: list[str] | None = None   # per sequence, the proposer that drafted (several proposers at once)
+    match_lengths: list[int] | None = None  # per sequence, the context match behind a copied draft (0: none)
 
 
 def num_matching(drafts: list[int], emitted: list[int]) -> int:
@@ -35,6 +36,8 @@ class Proposer:
 
     runs_model = False  # drafting runs a model (a forward per draft), not a lookup: several proposers at once
                         # ask it only where copying is expected to do worse (proposers/combined.py)
+    reports_match = False  # copies drafts from a context match and gives its length (Proposal.match_lengths):
+                           # the worker previews its next draft for the scheduler (proposers/preview.py)
 
     def propose(self, states: list, num_drafts: list[int]) -> Proposal:  # states: list[RequestState]
         raise NotImplementedError

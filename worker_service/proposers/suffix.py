@@ -71,6 +71,7 @@ class Draft:
     token_ids: list[int] = field(default_factory=list)
     score: float = 0.0  # sum of the confidences along the path
     seq_ids: set[int] = field(default_factory=set)
+    match_len: int = 0  # the longest candidate match behind it (0: no draft)
 
 
 @dataclass(slots=True)
@@ -185,6 +186,8 @@ def walk(candidates: list[Candidate], max_tokens: int) -> Draft:
         draft.score += confidence
         draft.seq_ids.update(c.seq_id for c in live if c.match_len == longest)
         i += 1
+    if draft.token_ids:
+        draft.match_len = max(c.match_len for c in candidates)
     return draft
 
 
@@ -242,13 +245,16 @@ class OutputCache:
 class SuffixProposer(Proposer):
     """Drafts from the request's own tokens or from recent outputs on this worker, whichever promises more."""
 
+    reports_match = True
+
     def __init__(self, cache_tokens: int):
         self.outputs = OutputCache(cache_tokens) if cache_tokens > 0 else None  # None: no global index
         self._own: dict[str, TokenIndex] = {}  # request id -> index over its prompt + emitted tokens (seq id 0)
 
     def propose(self, states: list[RequestState], num_drafts: list[int]) -> Proposal:
         drafts = [self._propose_one(s, k) if k > 0 else Draft() for s, k in zip(states, num_drafts)]
-        return Proposal([d.token_ids for d in drafts], scores=[d.score for d in drafts])
+        return Proposal([d.token_ids for d in drafts], scores=[d.score for d in drafts],
+                        match_lengths=[d.match_len for d in drafts])
 
     def _propose_one(self, state: RequestState, k: int) -> Draft:
         own = self._own.setdefault(state.request_id, TokenIndex())

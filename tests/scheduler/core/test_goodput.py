@@ -8,7 +8,7 @@ from scheduler_service.core.goodput import (AcceptanceEstimate, Candidate, CostC
 from scheduler_service.core.policy import SpeculationPolicy, StepShape
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
-from specdec.step import StepStats
+from specdec.step import DraftPreview, StepStats
 from specdec.structured import FORCED_PROPOSER
 from tests.scheduler.core.test_scheduler import FakeWorker, reference_output, run, streamed
 
@@ -263,3 +263,40 @@ def test_draft_depth_is_learnt_per_proposer_too():
     single = Request("s", [1, 2, 3], max_tokens=50)
     policy.observe_sequence(single, K, K, K)
     assert single.acceptance_by_proposer == {} and single.last_proposer == ""
+
+
+def test_previewed_drafts_get_k_by_the_acceptance_of_their_match_length():
+    """The worker previews each sequence's next copied draft: the policy learns acceptance per match class
+    across sequences, and plans on the class of this step's match (a long match drafts, a short one on the same
+    sequence does not). A fresh preview (no step in flight) is the step's very draft: no more drafts than it
+    holds, none and no probe where it holds none. A stale one (async: a step in flight) describes the step
+    before: how many drafts come is learnt per class too."""
+    policy = fitted_policy(CostCoefficients(c0=10.0, c_row=1.5, c_prefill=1.0, c_seq=0.0, c_ctx=0.0), probe_interval=1)
+    trainer = Request("t", [1, 2, 3], max_tokens=500)
+    for length, accepted in ((16, K), (1, 0)):  # long matches: every draft accepted; 1-token matches: none
+        for _ in range(30):
+            trainer.next_draft = DraftPreview(K, length)
+            plan = policy.plan_step([trainer], StepShape(), 1, 1000)
+            policy.observe_sequence(trainer, K, K, accepted, "suffix", plan.matches["t"])
+    assert set(policy.acceptance_by_match) == {(1, True), (16, True)}
+    request = Request("r", [1, 2, 3], max_tokens=500)
+    request.next_draft = DraftPreview(K, 20)  # class 16
+    assert policy.plan_step([request], StepShape(), 1, 1000).ks["r"] == K
+    request.next_draft = DraftPreview(2, 17)
+    assert policy.plan_step([request], StepShape(), 1, 1000).ks["r"] == 2  # as many as the preview holds
+    request.next_draft = DraftPreview(K, 1)
+    assert policy.plan_step([request], StepShape(), 1, 1000).ks["r"] == 0
+    request.next_draft = DraftPreview(0, 0)
+    assert [policy.plan_step([request], StepShape(), 1, 1000).ks["r"] for _ in range(20)] == [0] * 20  # no probe
+    # Stale: "no match" one step back, yet the step in flight's successor found long drafts, all accepted.
+    request.num_assumed_tokens = 1
+    for _ in range(30):
+        plan = policy.plan_step([request], StepShape(), 1, 1000)
+        assert plan.matches["r"] == (0, False)
+        policy.observe_sequence(request, K, K, K, "suffix", (0, False))
+    assert policy.plan_step([request], StepShape(), 1, 1000).ks["r"] == K
+    request.num_assumed_tokens = 0
+    assert policy.plan_step([request], StepShape(), 1, 1000).ks["r"] == 0  # fresh: no draft comes
+    # Without a preview (a proposer that runs a model): the sequence's own estimate, which saw only acceptance.
+    request.next_draft = None
+    assert policy.plan_step([request], StepShape(), 1, 1000).ks["r"] == K
