@@ -192,12 +192,12 @@ class SpeculationPolicy:
             by_match = self.acceptance_by_match.get(match)
             if by_match is not None:
                 acceptance = tuple(by_match.acceptance(m, a) for m, a in enumerate(acceptance))
-            if match[1]:  # fresh: the very draft the step gets
-                num_drafts = min(request.next_draft.num_drafts, cap)
-                delivery = [1.0] * num_drafts + [0.0] * (cap - num_drafts)
+            if match[1]:  # fresh: the very draft the step gets; no slot for a draft that will not come
+                cap = min(request.next_draft.num_drafts, cap)
+                delivery = [1.0] * cap
             elif by_match is not None:
                 delivery = [by_match.delivery(m, q) for m, q in enumerate(delivery)]
-        return Candidate(cap, request.num_computed_tokens, tuple(delivery[:cap]), acceptance)
+        return Candidate(cap, request.num_computed_tokens, tuple(delivery[:cap]), acceptance[:cap])
 
     def observe_sequence(self, request: Request, num_requested: int, num_drafts: int, num_accepted: int,
                          proposer: str = "", match: tuple[int, bool] | None = None) -> None:

@@ -300,3 +300,37 @@ def test_previewed_drafts_get_k_by_the_acceptance_of_their_match_length():
     # Without a preview (a proposer that runs a model): the sequence's own estimate, which saw only acceptance.
     request.next_draft = None
     assert policy.plan_step([request], StepShape(), 1, 1000).ks["r"] == K
+
+
+class PreviewingWorker(TimedWorker):
+    """A timed worker whose outputs preview the next draft: a long match for r0, no match for r1."""
+
+    def execute(self, step):
+        result = super().execute(step)
+        for out in result.outputs:
+            if out.token_ids:
+                out.next_draft = DraftPreview(K, 16) if out.request_id == "r0" else DraftPreview(0, 0)
+        return result
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_the_scheduler_feeds_the_policy_the_preview_each_step_was_planned_on(scheduling):
+    """Each step's result is learnt under the match class of the preview its k was planned on, fresh in sync
+    scheduling, stale (a step in flight) in async; a fresh preview with no draft gets k = 0 every step."""
+    config = SchedulerConfig(num_kv_blocks=200, block_size=4, num_speculative_tokens=K, scheduling=scheduling)
+    scheduler = Scheduler(config)
+    worker = PreviewingWorker(4, ms_per_row=1.0, num_accepted=lambda step_id, rid: K)
+    for i in range(2):
+        scheduler.add_request(Request(f"r{i}", [1, 2, 3 + i], max_tokens=60))
+    ks_by_id: dict[str, list[int]] = {"r0": [], "r1": []}
+    outputs = run(scheduler, worker, on_step=lambda step: [ks_by_id[c.request_id].append(c.num_speculative_tokens)
+                                                           for c in step.cached_requests])
+    for i in range(2):
+        assert streamed(outputs[f"r{i}"]) == reference_output([1, 2, 3 + i], 60)
+    fresh = scheduling == "sync"
+    learnt = scheduler.policy.acceptance_by_match
+    assert (16, fresh) in learnt and (16, not fresh) not in learnt
+    assert learnt[(16, fresh)].acceptance(0, 0.0, weight=0.0) == 1.0  # r0's drafts, all accepted
+    if fresh:
+        assert set(ks_by_id["r1"][8:]) == {0} and K in ks_by_id["r0"][8:]
+    assert scheduler.num_free_blocks == config.num_kv_blocks
