@@ -106,7 +106,7 @@ class WorkerConfig:
     ngram_max: int = 4
     suffix_cache_tokens: int = 65536    # the suffix proposer's index of recent outputs (0: none)
     forced_drafts: bool = True          # structured outputs: draft the tokens a constraint forces
-    draft_previews: bool = True         # ngram, suffix: report each sequence's next match (proposers/preview.py)
+    draft_previews: bool = False        # ngram, suffix: report each sequence's next match (proposers/preview.py)
     scorer: str = "multi_query"
     kv_cache_memory_bytes: int = 2 << 30   # the KV budget; on CUDA build_worker sets it from the next field
     gpu_memory_utilization: float = 0.9    # on CUDA: the fraction of the GPU's memory the worker uses in all

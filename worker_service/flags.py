@@ -37,10 +37,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="structured outputs: draft the tokens a request's constraint forces (keys, punctuation) "
                         "where its sequence may speculate; off: only the proposer's drafts (checked against the "
                         "constraint)")
-    p.add_argument("--draft-previews", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--draft-previews", action=argparse.BooleanOptionalAction, default=False,
                    help="ngram and suffix: after each step, look up each sequence's next draft and tell the "
-                        "scheduler its match length, on which its goodput policy plans k; off: the policy plans "
-                        "on each sequence's recent acceptance alone")
+                        "scheduler its match length, on which its goodput policy plans k; off (default): the "
+                        "policy plans on each sequence's recent acceptance alone")
     p.add_argument("--scorer", choices=SCORERS, default="multi_query",
                    help="how the target scores drafts: multi_query (one (k+1)-token query per sequence) or "
                         "batch_expansion (k+1 single-token rows)")

@@ -195,7 +195,7 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2_path):
         want.append(out[0, len(p):].tolist())
     # One n-gram worker: k = 0 every step is plain decoding, k = 3 speculates (the scheduler's per-step k).
     with running(["worker", "--port", "0", "--model", str(smollm2_path), "--proposer", "ngram",
-                  "--num-speculative-tokens", "3"]) as proc:
+                  "--num-speculative-tokens", "3", "--draft-previews"]) as proc:
         client = SessionClient(proc.address())
         proc.wait_for("model loaded")
         got = stream_driver(client).generate(prompts, 32)
