@@ -4,7 +4,8 @@ The scheduler decides each step's k before the worker drafts, so on its own
 it plans from each sequence's recent history. But whether a copy is accepted
 depends on the match it comes from: on Spec-Bench answers of SmolLM2, an
 n-gram draft after a 1-token match had its first token accepted 22% of the
-time, after a 4-token match 84%; a suffix draft behind a 16-token match 99%.
+time, after a 4-token match 84%; a suffix draft behind 16 or more matching
+tokens 98-99% (bench/bench_match_acceptance.py).
 So with --draft-previews, right after a step the worker looks up each
 sampling sequence's next draft at its full k (`preview`) and reports how
 many drafts it holds and the match length (SequenceOutput.next_draft); the
