@@ -12,10 +12,14 @@ Workload: the first --num-texts articles of Spec-Bench's summarization category 
 category (../shared/data/spec_bench_dev.jsonl, cut to --text-chars characters), each with an instruction to
 extract a record as JSON and the JSON schema of that record (written here): batch 1 (one request at a time),
 then --concurrency requests at a time (2 x concurrency jobs). Per configuration: tokens/s, the speedup over
-constrained decoding without speculation, outputs that validate against their schema (jsonschema) and
-outputs that differ from constrained decoding without speculation (expect 0); drafts by proposer (`forced`:
-the constraint's). Constraint overhead: unconstrained over constrained tokens/s, no speculation, batch 1
-(the unconstrained requests generate as many tokens as the constrained ones did).
+constrained decoding without speculation, both over whole requests and over their decode phase (the tokens
+after each request's first, timed from its first token: speculation cannot shorten the prefill, which at
+batch 1 here is about a quarter of a plain request), the mean time to the first token, tokens per streamed
+message (at batch 1 one message per step: tokens per step), outputs that validate against their schema
+(jsonschema) and outputs that differ from constrained decoding without speculation (expect 0); drafts by
+proposer (`forced`: the constraint's). Constraint overhead: unconstrained over constrained tokens/s, no
+speculation, batch 1 (the unconstrained requests generate as many tokens as the constrained ones did). Each
+server is warmed up on two texts that no measured job uses (the prefix cache would skip their prefill).
 
 Results: bench/results/structured-*.json.
 """
@@ -79,16 +83,27 @@ def jobs_of(num_texts: int, text_chars: int, offset: int = 0) -> list[dict]:
 
 
 def run_job(server: Server, job: dict, max_tokens: int, timeout_s: float, num_tokens: int | None = None) -> dict:
-    """One chat request; constrained by the job's schema, or unconstrained for exactly `num_tokens` tokens."""
+    """One streamed chat request; constrained by the job's schema, or unconstrained for exactly `num_tokens`
+    tokens. Times the first token (prefill: speculation cannot change it) and the rest (decode) apart."""
     if server.constrained:
         sampling = pb.SamplingParams(temperature=0, max_tokens=max_tokens,
                                      structured_outputs=pb.StructuredOutputs(json=json.dumps(job["schema"])))
     else:
         sampling = pb.SamplingParams(temperature=0, max_tokens=num_tokens or max_tokens, ignore_eos=True)
-    request = pb.CompleteRequest(messages=[pb.ChatMessage(role="user", content=job["prompt"])], sampling=sampling)
-    reply = server.stub.Complete(request, timeout=timeout_s)
-    return {"token_ids": list(reply.token_ids), "text": reply.text, "finish": pb.FinishReason.Name(reply.finish_reason),
-            "proposers": {p.proposer: [p.draft_tokens, p.accepted_tokens] for p in reply.usage.proposers}}
+    request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=job["prompt"])], sampling=sampling)
+    start = time.perf_counter()
+    token_ids, text, first, last, num_messages = [], [], None, None, 0
+    for reply in server.stub.Generate(request, timeout=timeout_s):
+        if reply.token_ids:
+            now = time.perf_counter()
+            first, last = first or now, now
+            num_messages += 1
+        token_ids += reply.token_ids
+        text.append(reply.text)
+    first, last = first or time.perf_counter(), last or time.perf_counter()
+    return {"token_ids": token_ids, "text": "".join(text), "finish": pb.FinishReason.Name(reply.finish_reason),
+            "proposers": {p.proposer: [p.draft_tokens, p.accepted_tokens] for p in reply.usage.proposers},
+            "ttft_s": first - start, "decode_s": last - first, "num_messages": num_messages}
 
 
 def run_level(server: Server, jobs: list[dict], concurrency: int, args, lengths: dict | None = None) -> dict:
@@ -119,7 +134,12 @@ def summarize(level: dict, jobs: list[dict], reference: dict | None) -> dict:
             drafted[name][1] += a
     differing = None if reference is None else sum(
         replies[k]["token_ids"] != reference["replies"][k]["token_ids"] for k in replies)
+    decode_s = sum(r["decode_s"] for r in replies.values())
+    decode_tokens = sum(max(len(r["token_ids"]) - 1, 0) for r in replies.values())  # after each first token
     return {"tokens": tokens, "wall_s": level["wall_s"], "tok_s": tokens / level["wall_s"], "valid": valid,
+            "ttft_s": sum(r["ttft_s"] for r in replies.values()) / len(replies), "decode_s": decode_s,
+            "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else None,
+            "tokens_per_message": tokens / max(sum(r["num_messages"] for r in replies.values()), 1),
             "num_jobs": len(jobs), "stopped": sum(r["finish"] == "FINISH_REASON_STOP" for r in replies.values()),
             "differing": differing, "drafts_by_proposer": drafted}
 
@@ -131,13 +151,14 @@ def main(args) -> None:
                     (f"{proposer}, no forced", f"--proposer {proposer} --no-forced-drafts", True)]
     batch1_jobs = jobs_of(args.num_texts, args.text_chars)
     conc_jobs = jobs_of(args.concurrency, args.text_chars, offset=args.num_texts)
+    warm_up_jobs = jobs_of(1, args.text_chars, offset=args.num_texts + args.concurrency)  # one of each schema
     report: dict = {"args": vars(args), "batch1": {}, "concurrency": {}}
     with contextlib.ExitStack() as stack:
         servers = []
         for label, flags, constrained in configs:  # one at a time: eight starting at once starve each other
             logger.info("starting specdec serve %s %s", flags, args.common_flags)
             servers.append(Server(label, stack.enter_context(spawned(f"{flags} {args.common_flags}")), constrained))
-            for job in (batch1_jobs[0], batch1_jobs[-1]):  # warm-up: the kernels, both schemas' grammars
+            for job in warm_up_jobs:  # the kernels, both schemas' grammars
                 run_job(servers[-1], job, 8, args.request_timeout, 8)
         constrained_plain = servers[1]
         levels: dict[str, dict] = {"batch1": {}, "concurrency": {}}
@@ -159,22 +180,29 @@ def main(args) -> None:
             reference = levels[name][constrained_plain.label]
             for server in servers:
                 row = summarize(levels[name][server.label], jobs, reference if server.constrained else None)
-                row["speedup"] = row["tok_s"] / summarize(reference, jobs, None)["tok_s"]
+                base = summarize(reference, jobs, None)
+                row["speedup"] = row["tok_s"] / base["tok_s"]
+                row["decode_speedup"] = base["decode_s"] / row["decode_s"] if row["decode_s"] > 0 else None
                 report[name][server.label] = row
         report["constraint_overhead_batch1"] = (report["batch1"]["none, unconstrained"]["tok_s"]
                                                 / report["batch1"]["none"]["tok_s"])
     print(f"\nJSON extraction, {len(batch1_jobs)} jobs at batch 1, {len(conc_jobs)} at concurrency "
-          f"{args.concurrency}; speedup over constrained decoding without speculation")
+          f"{args.concurrency}; speedup over constrained decoding without speculation, whole requests and decode "
+          f"(after each request's first token)")
     for name in ("batch1", "concurrency"):
         print(f"\n{name}:")
         for label, row in report[name].items():
             drafted = ", ".join(f"{p} {d}/{a}" for p, (d, a) in sorted(row["drafts_by_proposer"].items()))
-            print(f"  {label:22s} {row['tok_s']:7.1f} tok/s  {row['speedup']:5.2f}x  valid {row['valid']}/"
-                  f"{row['num_jobs']}  stop {row['stopped']}  differ {row['differing']}  drafts/accepted: {drafted}")
+            print(f"  {label:22s} {row['tok_s']:7.1f} tok/s  {row['speedup']:5.2f}x  decode {row['decode_tok_s']:6.1f} "
+                  f"tok/s {row['decode_speedup']:5.2f}x  TTFT {row['ttft_s'] * 1e3:4.0f} ms  "
+                  f"{row['tokens_per_message']:4.2f} tok/msg  valid {row['valid']}/{row['num_jobs']}  stop "
+                  f"{row['stopped']}  differ {row['differing']}  drafts/accepted: {drafted}")
     print(f"\nconstraint overhead (unconstrained / constrained tok/s, no speculation, batch 1): "
           f"{report['constraint_overhead_batch1']:.3f}")
     speedups = [report["batch1"][label]["speedup"] for label, _, c in configs[2:]]
     report["geomean_speedup_batch1"] = geomean(speedups) if speedups else None
+    decode_speedups = [report["batch1"][label]["decode_speedup"] for label, _, c in configs[2:]]
+    report["geomean_decode_speedup_batch1"] = geomean(decode_speedups) if decode_speedups else None
     for level in levels.values():
         for row in level.values():
             for reply in row["replies"].values():
