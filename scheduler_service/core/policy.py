@@ -140,15 +140,15 @@ class SpeculationPolicy:
         cost = self.cost_model.coefficients() if self.is_goodput else None
         if cost is None:  # "fixed", or the cost model has not seen enough steps yet
             return StepPlan({r.request_id: cap for r, cap in zip(decodes, caps)})
-        candidates = [self._candidate(r, cap) for r, cap in zip(decodes, caps)]
+        matches = [_match_key(r) for r in decodes]
+        candidates = [self._candidate(r, cap, match) for r, cap, match in zip(decodes, caps, matches)]
         ks = choose_num_drafts(candidates, cost, other.num_prefill_rows, other.num_seqs,
                                num_base_tokens=len(decodes))
         plan = StepPlan({})
         self.num_planned_steps += 1
-        for request, cap, k in zip(decodes, caps, ks):
+        for request, cap, k, match in zip(decodes, caps, ks, matches):
             estimate = self._estimate(request)
             interval = estimate.probe_interval or self.probe_interval
-            match = _match_key(request)
             no_drafts = match is not None and match[1] and request.next_draft.num_drafts == 0  # fresh: none come
             if (k == 0 and cap > 0 and not no_drafts and estimate.num_steps_without_drafts >= interval
                     and self.num_planned_steps % min(interval, PROBE_ALIGNMENT) == 0):
@@ -171,11 +171,11 @@ class SpeculationPolicy:
             request.acceptance = AcceptanceEstimate()
         return request.acceptance
 
-    def _candidate(self, request: Request, cap: int) -> Candidate:
+    def _candidate(self, request: Request, cap: int, match: tuple[int, bool] | None) -> Candidate:
         """Acceptance, and how deep drafts go, from the steps of the proposer that drafted the request's last
         drafts (the worker picks a proposer per step, and keeps picking the one that does well: a head's short
         chains must not cut a suffix's long copies to one token); whether a first draft comes at all, from every
-        step of the request."""
+        step of the request; `match`: the request's _match_key, where the worker previewed its draft."""
         estimate, prior = self._estimate(request), self.worker_acceptance
         first = estimate.delivery(0, prior.delivery(0, 1.0))
         delivery = [estimate.delivery(m, prior.delivery(m, 1.0)) for m in range(cap)]
@@ -187,7 +187,6 @@ class SpeculationPolicy:
             # observed only in steps where that proposer drafted: depth given a first draft
             delivery = [first] + [first * estimate.delivery(m, prior.delivery(m, 1.0)) for m in range(1, cap)]
         acceptance = tuple(estimate.acceptance(m, prior.acceptance(m, INITIAL_ACCEPTANCE)) for m in range(cap))
-        match = _match_key(request)
         if match is not None:  # the worker previewed the draft: acceptance by its match's class
             by_match = self.acceptance_by_match.get(match)
             if by_match is not None:

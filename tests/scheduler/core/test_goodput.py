@@ -224,9 +224,9 @@ def test_acceptance_is_learnt_per_proposer_and_k_follows_the_one_drafting():
         policy.observe_sequence(request, K, K, K, proposer="suffix")      # suffix: always all accepted
         policy.observe_sequence(request, K, K, 0, proposer="eagle3")      # eagle3: never
     assert request.last_proposer == "eagle3"
-    low = policy._candidate(request, K).acceptance
+    low = policy._candidate(request, K, None).acceptance
     policy.observe_sequence(request, K, K, K, proposer="suffix")
-    high = policy._candidate(request, K).acceptance
+    high = policy._candidate(request, K, None).acceptance
     assert low[0] < 0.2 and min(high) > 0.8  # later positions of eagle3 were never tried: the prior
     assert set(policy.worker_acceptance_by_proposer) == {"suffix", "eagle3"}
 
@@ -239,7 +239,7 @@ def test_a_request_moved_from_another_worker_keeps_its_per_proposer_estimates():
     for _ in range(10):
         SpeculationPolicy(K, None).observe_sequence(request, K, K, K, proposer="suffix")
     fresh = SpeculationPolicy(K, None)
-    candidate = fresh._candidate(request, K)
+    candidate = fresh._candidate(request, K, None)
     assert min(candidate.acceptance) > 0.7 and len(candidate.delivery) == K
 
 
@@ -254,9 +254,9 @@ def test_draft_depth_is_learnt_per_proposer_too():
         policy.observe_sequence(request, K, 1, 1, proposer="eagle3")
         policy.observe_sequence(request, K, 0, 0)  # no proposer found a draft
     policy.observe_sequence(request, K, K, K, proposer="suffix")
-    deep = policy._candidate(request, K).delivery
+    deep = policy._candidate(request, K, None).delivery
     policy.observe_sequence(request, K, 1, 1, proposer="eagle3")
-    shallow = policy._candidate(request, K).delivery
+    shallow = policy._candidate(request, K, None).delivery
     assert 0.6 < deep[0] < 0.8 and 0.6 < shallow[0] < 0.8      # about 2 of 3 steps drafted
     assert min(deep[1:]) > 0.9 * deep[0] and max(shallow[1:]) < 0.2
     # Without a proposer name (a single proposer), the one estimate of every step is used, as before.
