@@ -6,7 +6,8 @@ For each JSON schema of bench_structured.py, a valid record is tokenized with
 the default model's tokenizer and walked token by token as a constrained
 plain step walks it: the grammar's mask for the next position
 (worker_service/structured.masks), applying it to a row of logits
-(apply_masks), the tokens the grammar forces next (forced_tokens) and
+(apply_masks: the C kernel of kernels/token_bitmask.py; "apply_ref" its
+PyTorch reference, for comparison), the tokens the grammar forces next (forced_tokens) and
 advancing the matcher over the emitted token (advance). Prints ms per token
 of each part (mean over the record, one line per pass) with the CPU's name;
 saves JSON under bench/results/.
@@ -26,6 +27,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from bench.bench_linear import cpu_name  # noqa: E402
 from bench.bench_structured import ARTICLE_SCHEMA, PASSAGE_SCHEMA  # noqa: E402
 from bench.common import save  # noqa: E402
+from kernels import token_bitmask  # noqa: E402
 from specdec.structured import to_grammar  # noqa: E402
 from worker_service import structured  # noqa: E402
 from worker_service.models import fetch_default_model  # noqa: E402
@@ -42,11 +44,12 @@ RECORDS = {
         "sentiment": "neutral"}),
 }
 PARTS = ("mask", "apply", "forced", "advance")
+COMPARED = ("apply_ref",)  # timed beside the parts, not part of a step
 
 
 def walk(start, token_ids: list[int], vocab_size: int, eos: list[int], logits: torch.Tensor) -> dict[str, float]:
     """ms per token of each part over one constrained walk of `token_ids`."""
-    matcher, spent = start.deep_copy(), dict.fromkeys(PARTS, 0.0)
+    matcher, spent = start.deep_copy(), dict.fromkeys(PARTS + COMPARED, 0.0)
     for token in token_ids:
         t0 = time.perf_counter()
         bitmask = structured.masks(matcher, [], vocab_size)
@@ -57,7 +60,9 @@ def walk(start, token_ids: list[int], vocab_size: int, eos: list[int], logits: t
         t3 = time.perf_counter()
         structured.advance(matcher, [token])
         t4 = time.perf_counter()
-        for part, seconds in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        token_bitmask.apply_token_bitmask_reference(logits.clone(), torch.tensor([0]), bitmask, eos)
+        t5 = time.perf_counter()
+        for part, seconds in zip(PARTS + COMPARED, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             spent[part] += seconds
     return {part: seconds / len(token_ids) * 1e3 for part, seconds in spent.items()}
 
@@ -79,7 +84,22 @@ def main(args) -> None:
         report["records"][name] = {"num_tokens": len(token_ids), "passes": passes}
         for spent in passes:
             print(f"  {name} ({len(token_ids)} tokens): " + "  ".join(f"{p} {spent[p]:.3f}" for p in PARTS)
-                  + f"  total {sum(spent.values()):.3f}")
+                  + f"  total {sum(spent[p] for p in PARTS):.3f}  (apply_ref {spent['apply_ref']:.3f})")
+    # A verify step of k = 5 applies six rows' masks at once: the whole step's apply, kernel and reference.
+    start = grammars.start(to_grammar("json", json.dumps(RECORDS["article"][0]))).result().deep_copy()
+    bitmask = structured.masks(start, tokenizer(json.dumps(RECORDS["article"][1]))["input_ids"][:5], vocab_size)
+    step_logits, rows = torch.randn(6, vocab_size), torch.arange(6)
+    report["six_row_apply_ms"] = {}
+    for label, apply in (("kernel", token_bitmask.apply_token_bitmask_),
+                         ("reference", token_bitmask.apply_token_bitmask_reference)):
+        warm = step_logits.clone()  # in cache, as the scorer's logits are; applying again does the same work
+        apply(warm, rows, bitmask, eos)
+        begin = time.perf_counter()
+        for _ in range(200):
+            apply(warm, rows, bitmask, eos)
+        report["six_row_apply_ms"][label] = (time.perf_counter() - begin) / 200 * 1e3
+    print("  six rows' masks applied at once (a k = 5 verify): " + "  ".join(
+        f"{label} {ms:.3f} ms" for label, ms in report["six_row_apply_ms"].items()))
     print(f"saved {save('constraint', report)}")
 
 

@@ -23,6 +23,7 @@ from llguidance import LLMatcher
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 import torch
 
+from kernels import token_bitmask
 from specdec import structured
 from worker_service.request_state import InvalidStepError, RequestState
 
@@ -116,21 +117,12 @@ def apply_masks(logits: torch.Tensor, rows: list[int], bitmasks: list[torch.Tens
                 eos_token_ids: list[int]) -> torch.Tensor:
     """`logits` ([N, V], the step's own: changed in place) with the tokens each bitmask forbids at -inf, in the
     rows given (bitmask i covers rows rows[i], rows[i] + 1, ...). A row that allows nothing (past the grammar's
-    end) allows EOS."""
+    end) allows EOS. Masks are built for the model's output size (make_tokenizer's n_vocab), padded to whole
+    words (kernels/token_bitmask.py: a C kernel for the CPU's fp32 logits, PyTorch elsewhere)."""
     if not rows:
         return logits
-    num_vocab = logits.shape[-1]
-    index = torch.tensor([r + j for r, b in zip(rows, bitmasks) for j in range(b.shape[0])], device=logits.device)
-    packed = torch.cat(bitmasks).to(logits.device)  # [R, W] int32, bit t % 32 of word t // 32: token t allowed
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    # [R, V]: masks are built for the model's output size (make_tokenizer's n_vocab), padded to whole words
-    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :num_vocab]
-    nothing = ~allowed.any(dim=1)
-    if bool(nothing.any()):
-        allowed[nothing.nonzero().squeeze(1).unsqueeze(1), torch.tensor(eos_token_ids, device=logits.device)] = True
-    with torch.inference_mode():  # the scorer's logits are inference tensors
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    return logits
+    index = torch.tensor([r + j for r, b in zip(rows, bitmasks) for j in range(b.shape[0])], dtype=torch.int64)
+    return token_bitmask.apply_token_bitmask_(logits, index, torch.cat(bitmasks), eos_token_ids)
 
 
 def advance(matcher: LLMatcher, emitted: list[int]) -> None:
