@@ -61,6 +61,7 @@ def make_tiny_pair(directory: pathlib.Path) -> TinyPair:
 # JSON's frequent pairs, so that the grammar's forced text spans multi-byte tokens.
 JSON_MERGES = [('{', '"'), ('"', ':'), (':', 'Ġ'), (',', 'Ġ'), ('Ġ', '"'), ('"', '}'), ('"', ','), ('t', 'r'),
                ('tr', 'u'), ('tru', 'e'), ('n', 'u'), ('nu', 'l'), ('nul', 'l'), ('[', '"'), ('"', ']')]
+BYTE_VOCAB_SIZE = 3 + 256 + len(JSON_MERGES)  # the byte-level tokenizer's: specials, bytes, merges
 
 
 def save_tiny_byte_tokenizer(directory: pathlib.Path) -> int:
@@ -71,6 +72,7 @@ def save_tiny_byte_tokenizer(directory: pathlib.Path) -> int:
         vocab[char] = len(vocab)
     for a, b in JSON_MERGES:
         vocab[a + b] = len(vocab)
+    assert len(vocab) == BYTE_VOCAB_SIZE
     tokenizer = Tokenizer(models.BPE(vocab, JSON_MERGES))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()

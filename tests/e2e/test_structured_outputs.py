@@ -1,7 +1,9 @@
 """Structured outputs through a real `specdec serve` (a tiny random model over a byte-level vocabulary, n-gram
-speculation, async and sync scheduling): every kind of constraint over gRPC and the official `openai` client, the
-same tokens with and without speculation, bad constraints refused with the server still serving, the cache
-hit on a repeated schema, and a hostile constraint refused within the bound while another request streams."""
+speculation, async and sync scheduling; suffix, EAGLE-3 (a random head), both at once and forced drafts off under
+one scheduling each): every kind of constraint over gRPC and the official `openai` client, the same tokens with
+and without speculation, `length` inside the constraint, bad constraints refused with the server still serving,
+the cache hit on a repeated schema, a hostile constraint refused within the bound while another request
+streams, and constrained streams that survive preemption and a killed worker."""
 
 import json
 import re
@@ -17,7 +19,7 @@ import pytest
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from tests.processes import free_port, running
-from tests.tiny_models import make_tiny_byte_pair
+from tests.tiny_models import BYTE_VOCAB_SIZE, make_tiny_byte_pair, save_tiny_eagle3_head
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 8},
@@ -30,13 +32,34 @@ MODEL = "tiny-bytes"
 
 @pytest.fixture(scope="module", params=["async", "sync"])
 def server(request, tmp_path_factory):
+    yield from serving(tmp_path_factory, request.param, ["--proposer", "ngram", "--num-speculative-tokens", "4"])
+
+
+# The other proposers (and forced drafts off), each under one of the two schedulings
+SPECULATING = {"suffix-sync": ("sync", ["--proposer", "suffix", "--num-speculative-tokens", "6"]),
+               "eagle3-async": ("async", ["--proposer", "eagle3", "--num-speculative-tokens", "4"]),
+               "eagle3,suffix-sync": ("sync", ["--proposer", "eagle3,suffix", "--num-speculative-tokens", "4"]),
+               "ngram-unforced-async": ("async", ["--proposer", "ngram", "--num-speculative-tokens", "4",
+                                                  "--no-forced-drafts"])}
+
+
+@pytest.fixture(scope="module", params=list(SPECULATING))
+def speculating_server(request, tmp_path_factory):
+    scheduling, args = SPECULATING[request.param]
+    yield from serving(tmp_path_factory, scheduling, args)
+
+
+def serving(tmp_path_factory, scheduling: str, proposer_args: list[str]):
+    """A `specdec serve` of the tiny byte-level model (with a random EAGLE-3 head for it) and its clients."""
     pair = make_tiny_byte_pair(tmp_path_factory.mktemp("bytes"))
+    head = save_tiny_eagle3_head(pair.target_path.parent / "head", vocab_size=BYTE_VOCAB_SIZE)
     metrics_port = free_port()
     args = ["serve", "--port", "0", "--http-port", str(free_port()), "--metrics-port", str(metrics_port),
             "--model", str(pair.target_path), "--block-size", "4", "--num-threads", "1", "--max-model-len", "256",
-            "--num-kv-blocks", "256", "--proposer", "ngram", "--num-speculative-tokens", "4",
-            "--speculation-policy", "fixed", "--structured-output-timeout", "1", "--served-model-name", MODEL,
-            "--scheduling", request.param]
+            "--num-kv-blocks", "256", *proposer_args, "--speculation-policy", "fixed",
+            "--structured-output-timeout", "1", "--served-model-name", MODEL, "--scheduling", scheduling]
+    if any("eagle3" in arg for arg in proposer_args):
+        args += ["--draft-model", str(head)]
     with running(args) as process:
         http_address = process.address(who="http ")
         grpc_address = process.address(who="scheduler ")
@@ -44,13 +67,13 @@ def server(request, tmp_path_factory):
         channel = grpc.insecure_channel(grpc_address)
         yield {"stub": generation_pb2_grpc.GenerationServiceStub(channel),
                "openai": openai.OpenAI(base_url=f"http://{http_address}/v1", api_key="none", max_retries=0),
-               "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
+               "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "args": args}
         channel.close()
 
 
 def complete(server, constraint: pb.StructuredOutputs, speculate: bool = True, seed: int | None = None,
-             prompt: str = "Describe a city.") -> pb.CompleteResponse:
-    sampling = pb.SamplingParams(temperature=0 if seed is None else 1.0, max_tokens=MAX_TOKENS,
+             prompt: str = "Describe a city.", max_tokens: int = MAX_TOKENS) -> pb.CompleteResponse:
+    sampling = pb.SamplingParams(temperature=0 if seed is None else 1.0, max_tokens=max_tokens,
                                  structured_outputs=constraint, **({} if seed is None else {"seed": seed}))
     return server["stub"].Complete(pb.CompleteRequest(prompt=prompt, sampling=sampling,
                                                       speculation=pb.SpeculationParams(enabled=speculate)))
@@ -66,6 +89,30 @@ def test_json_schema_output_validates_and_equals_the_output_without_speculation(
     forced = {p.proposer: p for p in fast.usage.proposers}["forced"]
     assert forced.draft_tokens > 0 and forced.accepted_tokens > 0
     assert plain.usage.draft_tokens == 0
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_every_proposer_keeps_the_schema_and_changes_no_token(speculating_server, seed):
+    """suffix, eagle3, eagle3,suffix and forced drafts off: valid JSON, the tokens of constrained decoding
+    without speculation; forced drafts counted in usage and on /metrics where they are on, absent where off."""
+    server = speculating_server
+    constraint = pb.StructuredOutputs(json=json.dumps(SCHEMA))
+    # plain first: the suffix index holds its output when the same request speculates
+    plain = complete(server, constraint, speculate=False, seed=seed)
+    fast = complete(server, constraint, seed=seed)
+    assert fast.finish_reason == pb.FINISH_REASON_STOP
+    jsonschema.validate(json.loads(fast.text), SCHEMA)
+    assert list(fast.token_ids) == list(plain.token_ids)
+    by_proposer = {p.proposer: p for p in fast.usage.proposers}
+    named = server["args"][server["args"].index("--proposer") + 1].split(",")
+    assert any(by_proposer[name].draft_tokens > 0 for name in named if name in by_proposer), by_proposer
+    forced = by_proposer.get("forced")
+    forced_on_metrics = _metric(server, "specdec_spec_decode_num_draft_tokens_by_proposer_total",
+                                'proposer="forced"')
+    if "--no-forced-drafts" in server["args"]:
+        assert forced is None and forced_on_metrics == 0
+    else:
+        assert forced.draft_tokens > 0 and forced.accepted_tokens > 0 and forced_on_metrics >= forced.draft_tokens
 
 
 @pytest.mark.parametrize(("constraint", "check"), [
@@ -107,6 +154,28 @@ def test_the_openai_client_gets_json_of_its_schema(server):
     assert legacy.choices[0].text in ("happy", "sad")
 
 
+@pytest.mark.parametrize(("body", "check"), [
+    ({"response_format": {"type": "json_object"}}, lambda text: text.startswith("{")),
+    ({"extra_body": {"guided_json": SCHEMA}}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+    ({"extra_body": {"guided_regex": "[a-c]{2}-[0-9]{3}"}}, lambda text: re.fullmatch("[a-c]{2}-[0-9]{3}", text)),
+    ({"extra_body": {"guided_grammar": 'root ::= "on" | "off"'}}, lambda text: text in ("on", "off")),
+    ({"extra_body": {"structured_outputs": {"choice": ["left", "right"]}}}, lambda text: text in ("left", "right")),
+], ids=["json_object", "guided_json", "guided_regex", "guided_grammar", "structured_outputs"])
+def test_the_openai_client_s_other_constraint_fields_are_followed(server, body, check):
+    reply = server["openai"].chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Answer."}], temperature=0, max_tokens=MAX_TOKENS, **body)
+    text = reply.choices[0].message.content
+    assert check(text), text
+    # json_object: the random model's strings may run on to max_tokens; the others end their grammar
+    assert reply.choices[0].finish_reason == "stop" or "json_object" in str(body)
+
+
+def test_max_tokens_inside_the_constraint_finishes_with_length(server):
+    reply = complete(server, pb.StructuredOutputs(json=json.dumps(SCHEMA)), max_tokens=5)
+    assert reply.finish_reason == pb.FINISH_REASON_LENGTH and reply.usage.completion_tokens == 5
+    assert reply.text.startswith("{")  # a prefix of a valid record, as far as it got
+
+
 @pytest.mark.parametrize(("body", "message"), [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "strin"}}}}}}, "strin"),
@@ -133,9 +202,13 @@ def test_a_bad_regex_over_grpc_is_invalid_argument(server):
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unclosed" in caught.value.details()
 
 
-def _metric(server, name: str) -> float:
+def _metric(server, name: str, label: str | None = None) -> float:
+    """The sum of a metric's samples (those with `label`, e.g. 'proposer="forced"', where one is given)."""
     text = urllib.request.urlopen(server["metrics"], timeout=10).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+    if label is None:
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
 
 
 def test_a_repeated_schema_is_a_cache_hit(server):
@@ -246,6 +319,7 @@ def test_constrained_streams_survive_preemption_and_a_killed_worker(byte_pair):
             scheduler.wait_for("scheduler ready")
             wait_until(lambda: all(worker_status(stub, a).state == "serving" for a in addresses))
             tokens, finish = [[] for _ in FAILOVER_PROMPTS], [None] * len(FAILOVER_PROMPTS)
+            texts = [""] * len(FAILOVER_PROMPTS)
 
             def consume(i: int) -> None:
                 seed = FAILOVER_SEEDS[i]
@@ -254,6 +328,7 @@ def test_constrained_streams_survive_preemption_and_a_killed_worker(byte_pair):
                                              **({} if seed is None else {"seed": seed}))
                 for response in stub.Generate(pb.GenerateRequest(prompt=FAILOVER_PROMPTS[i], sampling=sampling)):
                     tokens[i] += response.token_ids
+                    texts[i] += response.text
                     finish[i] = response.finish_reason
 
             threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(FAILOVER_PROMPTS))]
@@ -265,6 +340,8 @@ def test_constrained_streams_survive_preemption_and_a_killed_worker(byte_pair):
                 thread.join(120)
             assert finish == [pb.FINISH_REASON_STOP] * len(FAILOVER_PROMPTS)
             assert tokens == reference
+            for text in texts:
+                jsonschema.validate(json.loads(text), LONG_SCHEMA)
             info = stub.GetServerInfo(pb.GetServerInfoRequest())
             assert info.counters.num_moved_requests >= 1 and info.counters.num_preemptions >= 1
             channel.close()

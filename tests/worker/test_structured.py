@@ -11,12 +11,11 @@ import jsonschema
 import pytest
 
 from specdec import step, structured
-from tests.tiny_models import make_tiny_byte_pair
+from tests.tiny_models import BYTE_VOCAB_SIZE, make_tiny_byte_pair, save_tiny_eagle3_head
 from tests.worker.driver import Driver
 from worker_service import structured as worker_structured
 from worker_service.config import WorkerConfig
-from worker_service.model_loader import load_model
-from worker_service.model_runner import ModelRunner
+from worker_service.main import build_worker
 from worker_service.request_state import InvalidStepError
 from worker_service.worker import Worker
 
@@ -37,15 +36,17 @@ SEEDED = [step.RequestSampling(temperature=1.0, seed=s) for s in range(len(PROMP
 
 @pytest.fixture(scope="module")
 def byte_pair(tmp_path_factory):
-    return make_tiny_byte_pair(tmp_path_factory.mktemp("bytes"))
+    pair = make_tiny_byte_pair(tmp_path_factory.mktemp("bytes"))
+    # An EAGLE-3 head for the byte-level target (random weights: its drafts are what they are, the output is not)
+    save_tiny_eagle3_head(pair.target_path.parent / "head", vocab_size=BYTE_VOCAB_SIZE)
+    return pair
 
 
 def make_worker(pair, proposer="none", k=0, forced_drafts=True) -> Worker:
-    config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k,
-                          draft_model=str(pair.draft_path) if proposer == "draft" else None,
-                          forced_drafts=forced_drafts)
-    draft = ModelRunner(load_model(pair.draft_path)) if proposer == "draft" else None
-    worker = Worker(config, ModelRunner(load_model(pair.target_path)), draft)
+    draft_model = {"draft": pair.draft_path, "eagle3": pair.target_path.parent / "head"}.get(proposer)
+    worker = build_worker(WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k,
+                                       draft_model=str(draft_model) if draft_model else None,
+                                       forced_drafts=forced_drafts, dtype="float32"))
     worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
     return worker
 
@@ -102,10 +103,13 @@ def test_the_unconstrained_model_writes_no_json(byte_pair):
             json.loads(decode(byte_pair, tokens))
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
-@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+@pytest.mark.parametrize(("proposer", "mode"), [
+    (proposer, mode) for proposer in ("ngram", "suffix", "draft", "eagle3") for mode in ("greedy", "seeded")
+    # a draft model's sampled drafts change which keyed samples a seeded request consumes (rejection sampling
+    # with its p): seeded, it is checked against the schema above, not against plain decoding
+    if (proposer, mode) != ("draft", "seeded")])
 def test_speculation_changes_no_token(byte_pair, plain, proposer, mode):
-    sampling = SEEDED if mode == "seeded" and proposer != "draft" else None
+    sampling = SEEDED if mode == "seeded" else None
     expected = plain["seeded"] if sampling else plain["greedy"]
     outputs, results = run(byte_pair, proposer, 4, sampling=sampling)
     assert outputs == expected
@@ -116,6 +120,8 @@ def test_speculation_changes_no_token(byte_pair, plain, proposer, mode):
         totals[1] += out.num_accepted_tokens
     forced = drafted[worker_structured.FORCED]
     assert forced[0] > 0 and forced[1] > 0.8 * forced[0]  # the grammar's own tokens: nearly always accepted
+    if mode == "greedy":  # the proposer's own drafts were scored too (seeded random bytes give a suffix
+        assert drafted[proposer][0] > 0  # index nothing to copy)
 
 
 def test_forced_drafts_change_speed_not_output(byte_pair, plain):
@@ -197,7 +203,7 @@ def test_drafts_the_grammar_forbids_are_not_scored(byte_pair):
     """A matcher at `{"name": "` takes string characters and the closing quote, but not the object's end
     (three keys are missing): the draft `ab"}` is cut to `ab`."""
     tokenizer_json = (byte_pair.target_path / "tokenizer.json").read_text()
-    grammars = worker_structured.Grammars(lambda: tokenizer_json, 274, [EOS])
+    grammars = worker_structured.Grammars(lambda: tokenizer_json, BYTE_VOCAB_SIZE, [EOS])
     matcher = grammars.start(GRAMMAR).result().deep_copy()
     from tokenizers import Tokenizer
 
@@ -213,7 +219,7 @@ def test_drafts_the_grammar_forbids_are_not_scored(byte_pair):
     # function: cutting it would sample the target there instead of the residual).
     assert worker_structured.valid_drafts(matcher, tok.encode("ab").ids + closing,
                                           keep_first_forbidden=True) == tok.encode("ab").ids + closing
-    bitmask = worker_structured.masks(matcher, tok.encode("ab").ids + closing + [EOS], 274)
+    bitmask = worker_structured.masks(matcher, tok.encode("ab").ids + closing + [EOS], BYTE_VOCAB_SIZE)
     assert bitmask[2].any() and not bitmask[3:].any()  # the forbidden draft's row has its prefix's mask
     assert worker_structured.valid_drafts(matcher, tok.encode("ab").ids) == tok.encode("ab").ids
 
