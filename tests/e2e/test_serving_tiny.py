@@ -75,6 +75,25 @@ def test_concurrent_greedy_outputs_are_identical(tiny_pair, tiny_eagle3_head, re
             assert sum(p.draft_tokens for u in usages for p in u.proposers) > 0
 
 
+def test_seeded_eagle3_under_preemption_equals_plain_seeded_decoding(tiny_pair, tiny_eagle3_head):
+    """Seeded requests sampled together through an EAGLE-3 server whose KV pool forces preemptions (async)
+    give the tokens each gets from a plain server alone: keyed sampling, whatever the head drafted."""
+    def seeded(i: int, prompt: list[int]) -> pb.GenerateRequest:
+        return pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
+            temperature=0.8, top_p=0.95, seed=300 + i, max_tokens=MAX_TOKENS, ignore_eos=True))
+
+    requests = [seeded(i, p) for i, p in enumerate(PROMPTS)]
+    with serve(tiny_args(tiny_pair, *CONFIGS["plain-sync"])) as server:
+        alone = [stream(server.stub, r)[0] for r in requests]
+    with serve(tiny_args(tiny_pair, *CONFIGS["eagle3-async-preempt"], "--draft-model",
+                         str(tiny_eagle3_head))) as server:
+        together = [tokens for tokens, _ in stream_all(server.stub, requests)]
+        info = server.wait_idle()
+    assert together == alone
+    assert info.counters.num_preemptions > 0 and info.counters.num_drafted_tokens > 0
+    assert info.num_free_kv_blocks == info.num_kv_blocks
+
+
 def test_auto_disable_then_resume(tiny_pair, reference):
     """More than 2 running: steps carry k=0; once one request remains it speculates again (self-draft)."""
     args = tiny_args(tiny_pair, "--proposer", "draft", "--draft-model", str(tiny_pair.target_path),

@@ -106,15 +106,14 @@ def test_seeded_eagle3_equals_plain_seeded_alone_and_batched(tiny_pair, head_dir
     assert batched == alone == plain
 
 
-def test_after_steps_the_next_proposal_equals_a_fresh_runs(tiny_pair, tmp_path):
-    """The head's K/V after a prefill, rejected drafts, and all drafts accepted with a bonus token equals a
-    fresh prefill's over the same tokens: the same features and drafts for the next step (a catch-up that skips
-    or misplaces positions fails this). The head maps 3 of 4 draft ids to token 124, which the target repeats
-    after [9] * 5, so runs of drafts are accepted there."""
-    head_dir = save_tiny_eagle3_head(tmp_path / "head", d2t=[124 - i for i in range(150)] + [3] * 50)
+def next_proposals_after_steps(tiny_pair, head_dir, stepped_worker_hook=None) -> list[tuple]:
+    """Steps 3 requests with k = 3 (rejections and all-accepted + bonus among them), then proposes for each as
+    it stands and as a fresh run over the same tokens does: (stepped, fresh) drafts and head features each."""
     prompts = [[9] * 5, PROMPTS[0], PROMPTS[3]]
     worker = make_worker(tiny_pair, head_dir, k=3)
     worker.proposer.min_confidence = 0.0  # full-length chains from the random head
+    if stepped_worker_hook is not None:
+        stepped_worker_hook(worker)
     stepped_driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
     stepped_driver.generate(prompts, 14, num_speculative_tokens=3, keep=True)
     outputs = [o for r in stepped_driver.results for o in r.outputs]
@@ -124,13 +123,46 @@ def test_after_steps_the_next_proposal_equals_a_fresh_runs(tiny_pair, tmp_path):
     fresh.proposer.min_confidence = 0.0
     Driver(fresh.execute, BLOCK_SIZE, NUM_BLOCKS).generate(
         [worker.requests[f"r{i}"].token_ids[:-1] for i in range(len(prompts))], 1, keep=True, prefix="f")
+    proposals = []
     for i in range(len(prompts)):
         stepped, fresh_state = worker.requests[f"r{i}"], fresh.requests[f"f{i}"]
         assert fresh_state.token_ids == stepped.token_ids             # greedy: the same sampled last token
         a = worker.proposer.propose([stepped], [3]).draft_token_ids
         b = fresh.proposer.propose([fresh_state], [3]).draft_token_ids  # catches up on the prompt first
-        assert torch.equal(worker.proposer._next[f"r{i}"].feature, fresh.proposer._next[f"f{i}"].feature)
-        assert a == b and len(a[0]) == 3
+        proposals.append((a, b, worker.proposer._next.get(f"r{i}"), fresh.proposer._next[f"f{i}"]))
+    return proposals
+
+
+@pytest.fixture(scope="module")
+def repeating_head_dir(tmp_path_factory):
+    """The head maps 3 of 4 draft ids to token 124, which the target repeats after [9] * 5, so runs of drafts
+    are accepted there."""
+    return save_tiny_eagle3_head(tmp_path_factory.mktemp("repeating") / "head",
+                                 d2t=[124 - i for i in range(150)] + [3] * 50)
+
+
+def test_after_steps_the_next_proposal_equals_a_fresh_runs(tiny_pair, repeating_head_dir):
+    """The head's K/V after a prefill, rejected drafts, and all drafts accepted with a bonus token equals a
+    fresh prefill's over the same tokens: the same features and drafts for the next step."""
+    for stepped, fresh, stepped_next, fresh_next in next_proposals_after_steps(tiny_pair, repeating_head_dir):
+        assert torch.equal(stepped_next.feature, fresh_next.feature)
+        assert stepped == fresh and len(stepped[0]) == 3
+
+
+def test_skipping_the_catch_up_after_verification_is_caught(tiny_pair, repeating_head_dir):
+    """Mutation check of the test above: a head that catches up on the prompt but not on the tokens each
+    step commits drafts from stale K/V and a stale first draft, and no longer proposes as a fresh run does."""
+    def prefill_only(worker):
+        original, calls = worker.proposer.after_step, []
+
+        def after_step(states, chunks, num_committed):
+            calls.append(1)
+            if len(calls) == 1:  # the prefill step
+                original(states, chunks, num_committed)
+        worker.proposer.after_step = after_step
+
+    proposals = next_proposals_after_steps(tiny_pair, repeating_head_dir, prefill_only)
+    assert any(stepped != fresh for stepped, fresh, _, _ in proposals)
 
 
 def run_with_ks(worker, prompt: list[int], ks: list[int], request_id: str = "r0") -> list[int]:
