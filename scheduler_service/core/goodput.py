@@ -28,7 +28,11 @@ for B = 64, K = 5 about 0.1 ms.
 The cost coefficients come from `StepCostModel`: least squares over the
 worker's recent measured step times (`StepStats.total_ms`, exponentially
 decayed), so the model follows the operating point (on a CPU, extra rows are almost free up to ~8
-query rows and linear beyond; a local linear fit over recent steps tracks that).
+query rows and linear beyond; a local linear fit over recent steps tracks that). The fit is of
+relative errors (each step weighs 1 / step_ms^2): a prefill step takes a hundred decode steps' time, and
+with absolute errors one slow prefill decides the intercept and with it a decode row's cost (measured: a
+1.4 s prefill among 17 steps, while the worker compiled a grammar, fitted a draft row at 0 ms, and the policy
+then drafted an EAGLE-3 head at 7% acceptance).
 Until it has seen `MIN_OBSERVATIONS` steps it reports no coefficients and the
 policy drafts the full k (optimism gives the fit the varied row counts it needs).
 
@@ -46,6 +50,7 @@ WORKER_DECAY = 0.99         # the worker-wide prior: ~100 sequence-steps
 PRIOR_WEIGHT = 2.0          # pseudo-counts of the worker-wide prior in a sequence's estimate
 INITIAL_ACCEPTANCE = 0.5    # before the worker has seen any draft
 COST_DECAY = 0.99           # the cost model's memory: ~100 steps
+MIN_STEP_MS = 0.01          # the cost model's weights: 1 / step_ms^2, from at least this
 
 
 @dataclass
@@ -147,13 +152,15 @@ class StepCostModel:
         return None if coefficients is None else coefficients.step_ms(rows, prefill_rows, seqs, attended)
 
     def observe(self, rows: int, prefill_rows: int, seqs: int, attended: int, step_ms: float) -> None:
-        """Adds one measured step; older steps weigh `decay` less per step."""
+        """Adds one measured step; older steps weigh `decay` less per step, and each weighs 1 / step_ms^2
+        (module docstring: relative errors)."""
         x, d = self._features(rows, prefill_rows, seqs, attended), self.decay
+        w = 1.0 / max(step_ms, MIN_STEP_MS) ** 2
         for i, xi in enumerate(x):
             row = self.xtx[i]
             for j, xj in enumerate(x):
-                row[j] = d * row[j] + xi * xj
-            self.xty[i] = d * self.xty[i] + xi * step_ms
+                row[j] = d * row[j] + w * xi * xj
+            self.xty[i] = d * self.xty[i] + w * xi * step_ms
         self.num_observations += 1
         self._coefficients = None
 

@@ -106,6 +106,28 @@ def test_cost_model_stays_sane_after_a_long_steady_stretch():
     assert min(c.c_row, c.c_prefill, c.c_seq, c.c_ctx) >= 0 and c.c_prefill == pytest.approx(1.6, rel=0.2)
 
 
+# Steps a SmolLM2 worker with an EAGLE-3 head measured after it started (AMD EPYC, q4_1): (decode rows,
+# prefill rows, sequences, attended), ms. Two short requests, then a constrained one whose prefill took 1.4 s
+# (its grammar compiled beside it) where a similar one took 0.6 s.
+MEASURED_STEPS = [((0, 357, 1, 0), 614.29), ((2, 0, 1, 714), 14.28), ((1, 0, 1, 363), 12.17),
+                  ((3, 0, 1, 1077), 24.63), ((1, 0, 1, 364), 12.48), ((1, 0, 1, 361), 9.03), ((1, 0, 1, 362), 8.06),
+                  ((1, 0, 1, 363), 8.65), ((0, 421, 1, 0), 807.33), ((1, 0, 1, 437), 10.23), ((1, 0, 1, 438), 10.29),
+                  ((1, 0, 1, 439), 10.71), ((1, 0, 1, 440), 10.63), ((1, 0, 1, 441), 9.48), ((1, 0, 1, 442), 10.03),
+                  ((1, 0, 1, 443), 10.22), ((0, 363, 1, 0), 1421.4)]
+
+
+def test_one_slow_prefill_does_not_make_draft_rows_free():
+    """The fit is of relative errors: after the measured steps above, a step of 1 + 5 drafts still costs
+    clearly more than a plain decode (with absolute errors the 1.4 s prefill set the intercept, the row
+    coefficient went to 0, and 6 rows were predicted at exactly the cost of 1), and the prefills are priced."""
+    model = StepCostModel()
+    for features, step_ms in MEASURED_STEPS:
+        model.observe(*features, step_ms)
+    one, six = model.predict_ms(1, 0, 1, 420), model.predict_ms(6, 0, 1, 6 * 420)
+    assert 8 < one < 12 and six > one + 5 * 1.0
+    assert 600 < model.predict_ms(0, 400, 1, 0) < 1200
+
+
 def fitted_policy(cost: CostCoefficients, probe_interval: int = 4) -> SpeculationPolicy:
     policy = SpeculationPolicy(K, None, "goodput", probe_interval=probe_interval)
     for rows in (1, 3, 6, 2, 5, 1, 4, 6):
