@@ -31,6 +31,7 @@ def tiny_llama(seed: int, num_layers: int, hidden: int, heads: int, kv_heads: in
 class TinyPair:
     target_path: pathlib.Path
     draft_path: pathlib.Path
+    eagle3_head_path: pathlib.Path | None = None  # a random EAGLE-3 head for the target, where one was saved
 
 
 def save_tiny_tokenizer(directory: pathlib.Path) -> None:
@@ -85,9 +86,10 @@ def save_tiny_byte_tokenizer(directory: pathlib.Path) -> int:
 
 
 def make_tiny_byte_pair(directory: pathlib.Path) -> TinyPair:
-    """A seeded target and draft over the byte-level vocabulary (for structured outputs)."""
+    """A seeded target and draft over the byte-level vocabulary (for structured outputs), and a random EAGLE-3
+    head for the target."""
     directory.mkdir(parents=True, exist_ok=True)
-    pair = TinyPair(directory / "target", directory / "draft")
+    pair = TinyPair(directory / "target", directory / "draft", directory / "head")
     for path in (pair.target_path, pair.draft_path):
         path.mkdir(parents=True, exist_ok=True)
     vocab_size = save_tiny_byte_tokenizer(pair.target_path)
@@ -95,6 +97,7 @@ def make_tiny_byte_pair(directory: pathlib.Path) -> TinyPair:
         pair.target_path)
     tiny_llama(seed=1, num_layers=2, hidden=32, heads=2, kv_heads=1, vocab_size=vocab_size).save_pretrained(
         pair.draft_path)
+    save_tiny_eagle3_head(pair.eagle3_head_path, vocab_size=vocab_size)
     return pair
 
 

@@ -19,7 +19,7 @@ import pytest
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from tests.processes import free_port, running
-from tests.tiny_models import BYTE_VOCAB_SIZE, make_tiny_byte_pair, save_tiny_eagle3_head
+from tests.tiny_models import make_tiny_byte_pair
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 8},
@@ -52,14 +52,13 @@ def speculating_server(request, tmp_path_factory):
 def serving(tmp_path_factory, scheduling: str, proposer_args: list[str]):
     """A `specdec serve` of the tiny byte-level model (with a random EAGLE-3 head for it) and its clients."""
     pair = make_tiny_byte_pair(tmp_path_factory.mktemp("bytes"))
-    head = save_tiny_eagle3_head(pair.target_path.parent / "head", vocab_size=BYTE_VOCAB_SIZE)
     metrics_port = free_port()
     args = ["serve", "--port", "0", "--http-port", str(free_port()), "--metrics-port", str(metrics_port),
             "--model", str(pair.target_path), "--block-size", "4", "--num-threads", "1", "--max-model-len", "256",
             "--num-kv-blocks", "256", *proposer_args, "--speculation-policy", "fixed",
             "--structured-output-timeout", "1", "--served-model-name", MODEL, "--scheduling", scheduling]
     if any("eagle3" in arg for arg in proposer_args):
-        args += ["--draft-model", str(head)]
+        args += ["--draft-model", str(pair.eagle3_head_path)]
     with running(args) as process:
         http_address = process.address(who="http ")
         grpc_address = process.address(who="scheduler ")

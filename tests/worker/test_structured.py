@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from specdec import step, structured
-from tests.tiny_models import BYTE_VOCAB_SIZE, make_tiny_byte_pair, save_tiny_eagle3_head
+from tests.tiny_models import BYTE_VOCAB_SIZE, make_tiny_byte_pair
 from tests.worker.driver import Driver
 from worker_service import structured as worker_structured
 from worker_service.config import WorkerConfig
@@ -36,14 +36,11 @@ SEEDED = [step.RequestSampling(temperature=1.0, seed=s) for s in range(len(PROMP
 
 @pytest.fixture(scope="module")
 def byte_pair(tmp_path_factory):
-    pair = make_tiny_byte_pair(tmp_path_factory.mktemp("bytes"))
-    # An EAGLE-3 head for the byte-level target (random weights: its drafts are what they are, the output is not)
-    save_tiny_eagle3_head(pair.target_path.parent / "head", vocab_size=BYTE_VOCAB_SIZE)
-    return pair
+    return make_tiny_byte_pair(tmp_path_factory.mktemp("bytes"))
 
 
 def make_worker(pair, proposer="none", k=0, forced_drafts=True) -> Worker:
-    draft_model = {"draft": pair.draft_path, "eagle3": pair.target_path.parent / "head"}.get(proposer)
+    draft_model = {"draft": pair.draft_path, "eagle3": pair.eagle3_head_path}.get(proposer)
     worker = build_worker(WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k,
                                        draft_model=str(draft_model) if draft_model else None,
                                        forced_drafts=forced_drafts, dtype="float32"))
