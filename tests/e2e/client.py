@@ -61,11 +61,20 @@ class InProcessApi:
     def wait_live(self, num_requests: int, timeout: float = 60.0, calls=()) -> None:
         """Waits until the cluster holds `num_requests` accepted, unfinished requests; on a timeout the message
         says how the given `calls` (gRPC futures) ended, if they did."""
+        self._wait_for(lambda: self.cluster.num_live_requests, num_requests, "live", timeout, calls)
+
+    def wait_running(self, num_requests: int, timeout: float = 60.0, calls=()) -> None:
+        """Waits until `num_requests` requests run (are past the waiting queue); reports like `wait_live`."""
+        self._wait_for(lambda: self.stub.GetServerInfo(pb.GetServerInfoRequest()).num_running, num_requests,
+                       "running", timeout, calls)
+
+    @staticmethod
+    def _wait_for(count, num_requests: int, what: str, timeout: float, calls) -> None:
         deadline = time.monotonic() + timeout
-        while self.cluster.num_live_requests < num_requests:
+        while (now := count()) < num_requests:
             if time.monotonic() >= deadline:
                 ended = [f"{c.code()}: {c.details()}" for c in calls if c.done()]
-                raise AssertionError(f"{self.cluster.num_live_requests} of {num_requests} requests live; "
+                raise AssertionError(f"{now} of {num_requests} requests {what}; "
                                      f"{len(ended)} of {len(calls)} calls ended: {ended}")
             time.sleep(0.02)
 

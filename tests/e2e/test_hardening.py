@@ -187,7 +187,11 @@ def test_200_streams_opened_and_dropped_at_once(tiny_pair):
 
 def test_the_waiting_queue_is_bounded(tiny_pair):
     with scheduler(tiny_pair, step_time_s=0.01, max_num_seqs=1, max_waiting_requests=2) as server:
-        calls = [server.stub.Generate(greedy_request([i + 1, 5], 3000), timeout=60) for i in range(3)]
+        # the first request must be running before the next two queue: sent together, the third can find
+        # all three queued and be refused (seen in CI)
+        calls = [server.stub.Generate(greedy_request([1, 5], 3000), timeout=60)]
+        server.wait_running(1, calls=calls)
+        calls += [server.stub.Generate(greedy_request([i + 1, 5], 3000), timeout=60) for i in (1, 2)]
         server.wait_live(3, calls=calls)
         expect_status(lambda: server.stub.Complete(as_complete(greedy_request([9], 4)), timeout=10),
                       grpc.StatusCode.RESOURCE_EXHAUSTED, "2 requests are queued (--max-waiting-requests 2)")
