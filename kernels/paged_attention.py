@@ -10,6 +10,10 @@ Block-table entries past a sequence's last block may hold any padding (e.g.
 Prefill chunks, single-token decodes and (k+1)-token speculative queries all
 follow this one rule and may share a batch. GQA: head h reads KV head
 h // (H // KVH).
+
+A sequence's query rows may instead form a draft tree (``trees``, see
+kernels/draft_tree.py): a row then sees the cached prefix and its own path from
+the root only. Every implementation takes the same ``trees``.
 """
 
 import functools
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import paged_attention_cpu as cpu_kernel
+from kernels.draft_tree import DraftTrees
 from kernels._triton import HAS_TRITON, num_search_steps, use_triton
 
 if HAS_TRITON:
@@ -31,6 +36,9 @@ if HAS_TRITON:
         block_tables_ptr,  # [B, max_blocks] int32
         query_start_loc_ptr,  # [B+1] int32
         seq_lens_ptr,  # [B] int32
+        is_tree_ptr,  # [B] int32 (HAS_TREES)
+        depths_ptr,  # [T] int32 (HAS_TREES)
+        paths_ptr,  # [T, P] int32 (HAS_TREES)
         out_ptr,  # [T, H, D]
         scale,
         num_seqs,
@@ -39,14 +47,17 @@ if HAS_TRITON:
         stride_vb, stride_vs, stride_vh,
         stride_ot, stride_oh,
         stride_bt,
+        stride_path,
         block_size,
+        HAS_TREES: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         QUERIES_PER_KV: tl.constexpr,
         NUM_SEARCH_STEPS: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        """One program per (query token, head): online softmax over its causal KV range."""
+        """One program per (query token, head): online softmax over its keys, read in order: 0..position, or
+        for a draft tree's row the cached prefix then its path (logical key j -> the position it is at)."""
         token = tl.program_id(0)
         head = tl.program_id(1)
         kv_head = head // QUERIES_PER_KV
@@ -54,7 +65,11 @@ if HAS_TRITON:
         q_start = tl.load(query_start_loc_ptr + seq)
         q_end = tl.load(query_start_loc_ptr + seq + 1)
         seq_len = tl.load(seq_lens_ptr + seq)
-        num_keys = seq_len - (q_end - q_start) + (token - q_start) + 1  # causal bound: 0..position
+        ctx_start = seq_len - (q_end - q_start)  # position of the sequence's first query row
+        num_keys = ctx_start + (token - q_start) + 1  # causal bound: 0..position
+        if HAS_TREES:
+            tree_flag = tl.load(is_tree_ptr + seq)  # 0: a chain
+            num_keys = tl.where(tree_flag != 0, ctx_start + tl.load(depths_ptr + token) + 1, num_keys)
 
         offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
         is_d = offs_d < HEAD_DIM
@@ -66,10 +81,16 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # running numerator
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         for start in range(0, num_keys, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+            offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical keys
             is_n = offs_n < num_keys
-            block_ids = tl.load(table_row + offs_n // block_size, mask=is_n, other=0).to(tl.int64)
-            in_block = (offs_n % block_size).to(tl.int64)  # [BLOCK_N]
+            positions = offs_n  # [BLOCK_N] where they are
+            if HAS_TREES:
+                on_path = is_n & (offs_n >= ctx_start) & (offs_n * 0 + tree_flag != 0)
+                node = tl.load(paths_ptr + token.to(tl.int64) * stride_path + (offs_n - ctx_start), mask=on_path,
+                               other=0)
+                positions = tl.where(on_path, ctx_start + node, offs_n)
+            block_ids = tl.load(table_row + positions // block_size, mask=is_n, other=0).to(tl.int64)
+            in_block = (positions % block_size).to(tl.int64)  # [BLOCK_N]
             kv_mask = is_n[:, None] & is_d[None, :]  # [BLOCK_N, BLOCK_D]
             k_ptrs = (key_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
                       + kv_head * stride_kh + offs_d[None, :])
@@ -98,6 +119,7 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,  # [B+1] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    trees: DraftTrees | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Launch the Triton paged-attention kernel (see module docstring)."""
     assert HAS_TRITON, "triton is not importable"
@@ -114,11 +136,15 @@ def paged_attention_triton(
     assert query_start_loc.is_contiguous() and seq_lens.is_contiguous()
     tensors = (key_cache, value_cache, block_tables, query_start_loc, seq_lens)
     assert all(t.device == query.device for t in tensors), "all inputs must be on one device"
+    if trees is not None:
+        assert trees.paths.device == query.device and trees.paths.stride(1) == 1
+        assert trees.is_tree.shape == (num_seqs,) and trees.depths.shape == (num_tokens,)
+    tree_args = (trees.is_tree, trees.depths, trees.paths) if trees is not None else (seq_lens, seq_lens, seq_lens)
     out = torch.empty_like(query)  # [T, H, D]
     if num_tokens == 0:
         return out
     _paged_attention_kernel[(num_tokens, num_heads)](
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, *tree_args, out,
         scale,
         num_seqs,
         query.stride(0), query.stride(1),
@@ -126,7 +152,9 @@ def paged_attention_triton(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
+        trees.paths.stride(0) if trees is not None else 0,
         block_size,
+        HAS_TREES=trees is not None,
         HEAD_DIM=head_dim,
         QUERIES_PER_KV=num_heads // num_kv_heads,
         NUM_SEARCH_STEPS=num_search_steps(num_seqs),
@@ -175,6 +203,7 @@ def attend_uniform(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: list[int],
     scale: float,
+    visible: torch.Tensor | None = None,  # [B, Q, L] bool: the keys each query row sees; default causal
 ) -> torch.Tensor:  # [B, Q, H, D]
     """Attention for B sequences that all have Q query tokens: one batched SDPA call.
 
@@ -196,7 +225,9 @@ def attend_uniform(
     packed = query.reshape(num_seqs, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     packed = packed.reshape(num_seqs, num_kv_heads, group * q_len, head_dim)  # [B, KVH, G*Q, D] rows (g, q)
     mask = None  # a lone query of full length sees every key
-    if q_len > 1 or min(seq_lens) != max_len:
+    if visible is not None:
+        mask = visible.to(query.device).repeat(1, group, 1).unsqueeze(1)  # [B, 1, G*Q, L] rows (g, q)
+    elif q_len > 1 or min(seq_lens) != max_len:
         mask = packed_causal_mask(tuple(seq_lens), q_len, group, query.device)  # [B or 1, 1, G*Q, L]
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scale)  # [B, KVH, G*Q, D]
     out = out.view(num_seqs, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)  # [B, Q, KVH, G, D]
@@ -211,19 +242,25 @@ def paged_attention_sdpa(
     query_start_loc: torch.Tensor,  # [B+1] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    trees: DraftTrees | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Paged attention in PyTorch ops, built on SDPA: the reference of the other paths, and the CPU's
     fallback when the C kernel cannot be built (SDPA is not batch invariant).
 
     Sequences with equal q_len are attended together in one SDPA call (the
     whole batch in the common all-decode or all-(k+1)-token case); the only
-    host syncs are one read each of ``query_start_loc`` and ``seq_lens``.
+    host syncs are one read each of ``query_start_loc`` and ``seq_lens``
+    (and of ``trees`` when there are draft trees: each row's keys as a mask).
     """
     num_tokens, num_heads, head_dim = query.shape
     starts = query_start_loc.tolist()  # B+1 host ints
     lens = seq_lens.tolist()  # B host ints
     q_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
-    if len(set(q_lens)) == 1 and q_lens[0] > 0:  # fast path: the batch is already [B, Q, H, D]
+    if trees is not None and not trees.is_tree.any():
+        trees = None  # chains only: the causal rule
+    if trees is not None:
+        trees = trees.to("cpu")
+    if trees is None and len(set(q_lens)) == 1 and q_lens[0] > 0:  # fast path: the batch is already [B, Q, H, D]
         batched = query.reshape(len(q_lens), q_lens[0], num_heads, head_dim)  # [B, Q, H, D]
         out = attend_uniform(batched, key_cache, value_cache, block_tables, lens, scale)  # [B, Q, H, D]
         return out.reshape(num_tokens, num_heads, head_dim)
@@ -237,7 +274,13 @@ def paged_attention_sdpa(
         sub_query = query.index_select(0, token_index).view(len(seq_ids), q_len, num_heads, head_dim)
         sub_tables = block_tables[torch.tensor(seq_ids, device=block_tables.device)]  # [N, max_blocks]
         sub_lens = [lens[b] for b in seq_ids]
-        sub_out = attend_uniform(sub_query, key_cache, value_cache, sub_tables, sub_lens, scale)  # [N, Q, H, D]
+        visible = None
+        if trees is not None:
+            visible = torch.zeros(len(seq_ids), q_len, max(sub_lens), dtype=torch.bool)  # [N, Q, L]
+            for n, b in enumerate(seq_ids):
+                visible[n, :, :lens[b]] = trees.visible(starts, lens, b)
+        sub_out = attend_uniform(sub_query, key_cache, value_cache, sub_tables, sub_lens, scale,
+                                 visible)  # [N, Q, H, D]
         out.index_copy_(0, token_index, sub_out.reshape(-1, num_heads, head_dim))
     return out
 
@@ -258,15 +301,17 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [B+1] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    trees: DraftTrees | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Paged attention: Triton on an accelerator, the batch-invariant C kernel on the CPU, else SDPA."""
     if use_triton(query):
         device = query.device
         return paged_attention_triton(
             query, key_cache, value_cache, block_tables.to(device),
-            query_start_loc.to(device), seq_lens.to(device), scale,
+            query_start_loc.to(device), seq_lens.to(device), scale, trees.to(device) if trees is not None else None,
         )
     if cpu_kernel.supports(query, key_cache) and cpu_kernel.available():
         return cpu_kernel.paged_attention_cpu(query, key_cache, value_cache, block_tables, query_start_loc,
-                                              seq_lens, scale)
-    return paged_attention_sdpa(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
+                                              seq_lens, scale, trees)
+    return paged_attention_sdpa(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                                trees)

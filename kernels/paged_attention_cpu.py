@@ -1,10 +1,11 @@
 """The CPU paged attention: batch invariant, a C kernel (kernels/csrc/paged_attention_cpu.c).
 
 Same contract as ``kernels.paged_attention`` (packed multi-token queries over
-a paged KV cache, causal per sequence, GQA), with one more guarantee: a query
+a paged KV cache, causal per sequence or along draft trees, GQA), with one more guarantee: a query
 row's output does not depend on how many rows, heads or sequences share the
 call. A (k+1)-token verify query therefore gets bitwise the attention output
-k+1 single-token decode steps would, so greedy speculation emits exactly
+k+1 single-token decode steps would (and a draft tree's row what a decode at
+its position over its path gives), so greedy speculation emits exactly
 plain decoding's tokens in bf16 too (the linear layers are batch invariant
 as well: worker_service/fast_linear.py). SDPA is not: its blocking, and so
 its rounding, depends on the number of query rows.
@@ -20,6 +21,7 @@ import logging
 import torch
 
 from kernels.cpu_build import DTYPE_CODES, KernelBuildError, load_library
+from kernels.draft_tree import DraftTrees
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ def bind(library: ctypes.CDLL):
     function = library.specdec_paged_attention
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     function.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
-                         i32, i32, i32, i32, i32, ctypes.c_float, i32]
+                         i32, i32, i32, i32, i32, ctypes.c_float, ptr, ptr, ptr, i64, i32]
     function.restype = i32
     return function
 
@@ -66,6 +68,7 @@ def paged_attention_cpu(
     query_start_loc: torch.Tensor,  # [B+1] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    trees: DraftTrees | None = None,
     function=None,  # another build (bind()'s); default: this machine's
 ) -> torch.Tensor:  # [T, H, D], contiguous
     """Runs the C kernel (see the module docstring); ``available()`` must be True."""
@@ -77,6 +80,12 @@ def paged_attention_cpu(
     block_tables = block_tables.to(torch.int32).contiguous()
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
+    tree_args = (None, None, None, 0)
+    if trees is not None:
+        is_tree, depths, paths = (t.to(torch.int32).contiguous() for t in (trees.is_tree, trees.depths, trees.paths))
+        assert is_tree.shape == (block_tables.shape[0],) and depths.shape == (num_tokens,)
+        assert paths.shape[0] == num_tokens
+        tree_args = (is_tree.data_ptr(), depths.data_ptr(), paths.data_ptr(), paths.stride(0))
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)  # [T, H, D]
     if num_tokens == 0:
         return out
@@ -84,7 +93,8 @@ def paged_attention_cpu(
         DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
         key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-        block_tables.shape[0], num_heads, num_kv_heads, head_dim, block_size, float(scale), torch.get_num_threads(),
+        block_tables.shape[0], num_heads, num_kv_heads, head_dim, block_size, float(scale), *tree_args,
+        torch.get_num_threads(),
     )
     if status != 0:
         raise ValueError(f"paged_attention_cpu failed (status {status}) for head_dim {head_dim}")

@@ -28,6 +28,12 @@
  * KV head, part), run in parallel with OpenMP, then the tiles' parts are
  * combined; each K/V vector is read once per tile. The parts give a decode
  * step (3 KV heads, one row tile each for SmolLM2) work for every thread.
+ *
+ * Draft trees (kernels/draft_tree.py): a tree row's keys are the cached prefix
+ * then its path from the root, read in that order as keys 0..n-1 (n = its
+ * depth + the prefix + 1), so the row computes what a decode at its position
+ * over those keys computes, bit for bit. A tree sequence's tiles hold the rows
+ * (heads) of one query token, which share their keys.
  */
 #include <math.h>
 #include <stdint.h>
@@ -115,7 +121,47 @@ struct Args {
     void *out;                                            /* [T, H, D] contiguous */
     int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
+    const int32_t *is_tree, *depths, *paths; int64_t path_stride; /* [B], [T], [T, P]; NULL without trees */
 };
+
+/* Where a row's keys are: its sequence's block table, and for a tree row its path (query rows of its sequence,
+ * root first), which holds its keys from ctx_start on. */
+struct Keys {
+    const int32_t *table;
+    int ctx_start;
+    const int32_t *path; /* NULL: key j is at position j */
+};
+
+/* The cache slot (block * block_size + offset) of a row's key j. */
+static inline int64_t key_slot(const struct Args *a, const struct Keys *keys, int j) {
+    int position = keys->path && j >= keys->ctx_start ? keys->ctx_start + keys->path[j - keys->ctx_start] : j;
+    return (int64_t)keys->table[position / a->block_size] * a->block_size + position % a->block_size;
+}
+
+static inline int is_tree(const struct Args *a, int b) { return a->is_tree && a->is_tree[b]; }
+
+/* Row tiles of sequence b per KV head: up to ROW_TILE rows each; a tree sequence's never span two tokens. */
+static int tiles_per_head(const struct Args *a, int b) {
+    int group = a->num_heads / a->num_kv_heads, q_len = a->query_start_loc[b + 1] - a->query_start_loc[b];
+    if (is_tree(a, b)) return q_len * ((group + ROW_TILE - 1) / ROW_TILE);
+    return (q_len * group + ROW_TILE - 1) / ROW_TILE;
+}
+
+/* Tile `local` of sequence b (numbered KV head by KV head): its KV head, first row and number of rows. */
+static void tile_rows(const struct Args *a, int b, int local, int *kv, int *first, int *num_rows) {
+    int group = a->num_heads / a->num_kv_heads, q_len = a->query_start_loc[b + 1] - a->query_start_loc[b];
+    int per_head = tiles_per_head(a, b), index = local % per_head, end;
+    *kv = local / per_head;
+    if (is_tree(a, b)) {
+        int per_token = (group + ROW_TILE - 1) / ROW_TILE, token = index / per_token;
+        *first = token * group + index % per_token * ROW_TILE;
+        end = (token + 1) * group;
+    } else {
+        *first = index * ROW_TILE;
+        end = q_len * group;
+    }
+    *num_rows = end - *first < ROW_TILE ? end - *first : ROW_TILE;
+}
 
 #if defined(__AVX512F__)
 /* r[i] = row i of a 16 x 16 block of floats; afterwards r[d] = column d (lane i: row i). Unpacks pair rows
@@ -149,7 +195,7 @@ static inline void transpose_16x16(__m512 r[16]) {
 
 /* Keys j0 .. j0 + KEY_TILE - 1 of one KV head as floats, transposed: kt[d][i] = key j0 + i, dim d
  * (zeros past num_keys: the block table has no entry there). Moves values only: no arithmetic. */
-static void load_key_tile(const struct Args *a, const int32_t *table, int kv, int j0, int num_keys,
+static void load_key_tile(const struct Args *a, const struct Keys *where, int kv, int j0, int num_keys,
                           key_vector *kt) {
     const int D = a->head_dim;
 #if defined(__AVX512F__)
@@ -157,8 +203,7 @@ static void load_key_tile(const struct Args *a, const int32_t *table, int kv, in
         const char *keys[KEY_TILE];
         int element = a->dtype == DTYPE_F32 ? 4 : 2;
         for (int i = 0; i < KEY_TILE; i++) {
-            int j = j0 + i;
-            int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
+            int64_t slot = key_slot(a, where, j0 + i);
             keys[i] = (const char *)a->key_cache + (slot * a->num_kv_heads + kv) * D * element;
         }
         for (int d0 = 0; d0 < D; d0 += 16) {
@@ -181,8 +226,7 @@ static void load_key_tile(const struct Args *a, const int32_t *table, int kv, in
             for (int d = 0; d < D; d++) kt[d][i] = 0.0f;
             continue;
         }
-        int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
-        int64_t offset = (slot * a->num_kv_heads + kv) * D;
+        int64_t offset = (key_slot(a, where, j) * a->num_kv_heads + kv) * D;
         const float *src = row;
         if (a->dtype == DTYPE_F32)
             src = (const float *)a->key_cache + offset;
@@ -232,18 +276,17 @@ static inline key_vector fma_vector(key_vector a, key_vector b, key_vector c) {
 }
 
 /* Value row j's dimensions d0 .. (fp32 in place, other dtypes from `values`: keys k0 .., D floats each). */
-static inline const float *value_row(const struct Args *a, const int32_t *table, int kv, int k0, int j, int d0,
+static inline const float *value_row(const struct Args *a, const struct Keys *keys, int kv, int k0, int j, int d0,
                                      const float *values) {
     if (a->dtype != DTYPE_F32) return values + (int64_t)(j - k0) * a->head_dim + d0;
-    int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
-    return (const float *)a->value_cache + (slot * a->num_kv_heads + kv) * a->head_dim + d0;
+    return (const float *)a->value_cache + (key_slot(a, keys, j) * a->num_kv_heads + kv) * a->head_dim + d0;
 }
 
 /* Pass 2 for rows r < num_rows (a constant where inlined) and dimensions d0 .. d0 + VALUE_SLICE - 1:
  * acc[d] = fmaf(p_j, v_j[d], acc[d]) over the row's keys in order, from 0, the accumulators in registers
  * (first the keys every row has, without a branch, then each row's last ones). */
 static inline __attribute__((always_inline)) void accumulate_values(const struct Args *a, int num_rows,
-                                                                    const int32_t *table, int kv, int k0, int d0,
+                                                                    const struct Keys *keys, int kv, int k0, int d0,
                                                                     const float *values, const float *scores,
                                                                     const int *end, float *partial) {
     enum { SLICE_VECTORS = VALUE_SLICE / KEY_TILE };
@@ -255,7 +298,7 @@ static inline __attribute__((always_inline)) void accumulate_values(const struct
         if (end[r] < all_end) all_end = end[r];
     }
     for (int j = k0; j < all_end; j++) {
-        const float *v = value_row(a, table, kv, k0, j, d0, values);
+        const float *v = value_row(a, keys, kv, k0, j, d0, values);
         key_vector vv[SLICE_VECTORS];
         for (int c = 0; c < SLICE_VECTORS; c++) vv[c] = load_vector(v + c * KEY_TILE);
         for (int r = 0; r < num_rows; r++) {
@@ -264,7 +307,7 @@ static inline __attribute__((always_inline)) void accumulate_values(const struct
         }
     }
     for (int j = all_end > k0 ? all_end : k0; j < row_end; j++) {
-        const float *v = value_row(a, table, kv, k0, j, d0, values);
+        const float *v = value_row(a, keys, kv, k0, j, d0, values);
         key_vector vv[SLICE_VECTORS];
         for (int c = 0; c < SLICE_VECTORS; c++) vv[c] = load_vector(v + c * KEY_TILE);
         for (int r = 0; r < num_rows; r++) {
@@ -278,7 +321,7 @@ static inline __attribute__((always_inline)) void accumulate_values(const struct
 
 /* Rows `first_row .. first_row + num_rows - 1` of (sequence b, KV head kv) over keys part * PART_KEYS ..
  * (part + 1) * PART_KEYS - 1 (those each row has): row r is query token q_start + r / group of head
- * kv * group + r % group. Writes each row's partial result to partial + r * (D + 2): m (its scores' max),
+ * kv * group + r % group (a tree sequence's tiles: one token). Writes each row's partial result to partial + r * (D + 2): m (its scores' max),
  * l (sum of e^(s_j - m)) and acc[D] (sum of e^(s_j - m) v_j); a row with no key here gets m = -inf, l = 0.
  * scores: ROW_TILE * PART_KEYS floats. */
 static void attend_part(const struct Args *a, int b, int kv, int first_row, int num_rows, int part,
@@ -290,20 +333,22 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
     float q[ROW_TILE][MAX_HEAD_DIM];
     key_vector kt[2][MAX_HEAD_DIM];
     int end[ROW_TILE], max_end = k0;  /* row r's keys here: k0 .. end[r] - 1 */
+    struct Keys keys = {a->block_tables + (int64_t)b * a->bt_stride, ctx_start, NULL};
+    if (is_tree(a, b)) keys.path = a->paths + (int64_t)(q_start + first_row / group) * a->path_stride;
     for (int r = 0; r < num_rows; r++) {
-        int row = first_row + r, num_keys = ctx_start + row / group + 1;
+        int row = first_row + r, token = q_start + row / group;
+        int num_keys = ctx_start + (keys.path ? a->depths[token] : row / group) + 1;
         end[r] = num_keys < k0 + PART_KEYS ? num_keys : k0 + PART_KEYS;
         if (end[r] > max_end) max_end = end[r];
         load_row(a->dtype, a->query, (q_start + row / group) * a->q_stride_t + (kv * group + row % group) * a->q_stride_h,
                  D, q[r]);
         for (int d = 0; d < D; d++) q[r][d] = q[r][d] * a->scale;
     }
-    const int32_t *table = a->block_tables + (int64_t)b * a->bt_stride;
     /* Pass 1: s_j = sum over d in order of q[d] * k_j[d] (q scaled), KEY_TILE keys side by side; two tiles
      * of keys and up to SCORE_ROWS rows at a time, so that many sums advance side by side. */
     for (int j0 = k0; j0 < max_end; j0 += 2 * KEY_TILE) {
-        load_key_tile(a, table, kv, j0, max_end, kt[0]);
-        load_key_tile(a, table, kv, j0 + KEY_TILE, max_end, kt[1]);
+        load_key_tile(a, &keys, kv, j0, max_end, kt[0]);
+        load_key_tile(a, &keys, kv, j0 + KEY_TILE, max_end, kt[1]);
         for (int r = 0; r < num_rows; r += SCORE_ROWS) {
             switch (num_rows - r < SCORE_ROWS ? num_rows - r : SCORE_ROWS) {
                 case 4: score_rows(4, D, q + r, kt, end + r, j0, k0, scores + r * PART_KEYS); break;
@@ -338,14 +383,13 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
     }
     /* Pass 2: acc[d] = sum over the keys in order of p_j * v_j[d]. */
     if (a->dtype != DTYPE_F32) { /* the values as fp32, once for all rows */
-        for (int j = k0; j < max_end; j++) {
-            int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
-            load_row(a->dtype, a->value_cache, (slot * a->num_kv_heads + kv) * D, D, values + (j - k0) * D);
-        }
+        for (int j = k0; j < max_end; j++)
+            load_row(a->dtype, a->value_cache, (key_slot(a, &keys, j) * a->num_kv_heads + kv) * D, D,
+                     values + (j - k0) * D);
     }
     if (D % VALUE_SLICE) { /* element by element: the same sums */
         for (int j = k0; j < max_end; j++) {
-            const float *v = value_row(a, table, kv, k0, j, 0, values);
+            const float *v = value_row(a, &keys, kv, k0, j, 0, values);
             for (int r = 0; r < num_rows; r++) {
                 if (j >= end[r]) continue;
                 float p = scores[r * PART_KEYS + (j - k0)], *acc = partial + r * (D + 2) + 2;
@@ -359,10 +403,10 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
             const float *s = scores + r * PART_KEYS;
             float *out = partial + r * (D + 2);
             switch (num_rows - r < SCORE_ROWS ? num_rows - r : SCORE_ROWS) {
-                case 4: accumulate_values(a, 4, table, kv, k0, d0, values, s, end + r, out); break;
-                case 3: accumulate_values(a, 3, table, kv, k0, d0, values, s, end + r, out); break;
-                case 2: accumulate_values(a, 2, table, kv, k0, d0, values, s, end + r, out); break;
-                default: accumulate_values(a, 1, table, kv, k0, d0, values, s, end + r, out); break;
+                case 4: accumulate_values(a, 4, &keys, kv, k0, d0, values, s, end + r, out); break;
+                case 3: accumulate_values(a, 3, &keys, kv, k0, d0, values, s, end + r, out); break;
+                case 2: accumulate_values(a, 2, &keys, kv, k0, d0, values, s, end + r, out); break;
+                default: accumulate_values(a, 1, &keys, kv, k0, d0, values, s, end + r, out); break;
             }
         }
 }
@@ -391,10 +435,12 @@ int specdec_paged_attention(int dtype, const void *query, int64_t q_stride_t, in
                             const void *key_cache, const void *value_cache, const int32_t *block_tables,
                             int64_t bt_stride, const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
                             int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                            const int32_t *is_tree, const int32_t *depths, const int32_t *paths, int64_t path_stride,
                             int num_threads) {
     if (head_dim > MAX_HEAD_DIM) return -1;
     struct Args a = {dtype, query, q_stride_t, q_stride_h, key_cache, value_cache, block_tables, bt_stride,
-                     query_start_loc, seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale};
+                     query_start_loc, seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                     is_tree, depths, paths, path_stride};
     const int group = num_heads / num_kv_heads, D = head_dim;
     /* Tiles: (sequence, KV head, tile of up to ROW_TILE rows); tile_start[b] numbers sequence b's first.
      * Work items: (tile, part of PART_KEYS keys); part_start[b] numbers sequence b's first. The parts of a
@@ -403,10 +449,9 @@ int specdec_paged_attention(int dtype, const void *query, int64_t q_stride_t, in
     tile_start[0] = part_start[0] = 0;
     int max_parts = 1;
     for (int b = 0; b < num_seqs; b++) {
-        int rows = (query_start_loc[b + 1] - query_start_loc[b]) * group;
         int parts = (seq_lens[b] + PART_KEYS - 1) / PART_KEYS;
         if (parts > max_parts) max_parts = parts;
-        tile_start[b + 1] = tile_start[b] + num_kv_heads * ((rows + ROW_TILE - 1) / ROW_TILE);
+        tile_start[b + 1] = tile_start[b] + num_kv_heads * tiles_per_head(&a, b);
         part_start[b + 1] = part_start[b] + (tile_start[b + 1] - tile_start[b]) * parts;
     }
     const int num_tiles = tile_start[num_seqs], num_items = part_start[num_seqs];
@@ -424,22 +469,17 @@ int specdec_paged_attention(int dtype, const void *query, int64_t q_stride_t, in
         #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < num_items; item++) {
             int b = find_sequence(part_start, num_seqs, item);
-            int rows = (query_start_loc[b + 1] - query_start_loc[b]) * group;
-            int parts = (seq_lens[b] + PART_KEYS - 1) / PART_KEYS, tiles_per_head = (rows + ROW_TILE - 1) / ROW_TILE;
-            int local = item - part_start[b], tile_index = local / parts, part = local % parts;
-            int kv = tile_index / tiles_per_head, first = tile_index % tiles_per_head * ROW_TILE;
-            int n = rows - first < ROW_TILE ? rows - first : ROW_TILE;
-            attend_part(&a, b, kv, first, n, part, scores, values, partials + (int64_t)item * part_stride);
+            int parts = (seq_lens[b] + PART_KEYS - 1) / PART_KEYS, local = item - part_start[b], kv, first, n;
+            tile_rows(&a, b, local / parts, &kv, &first, &n);
+            attend_part(&a, b, kv, first, n, local % parts, scores, values, partials + (int64_t)item * part_stride);
         }
         free(scores);
         free(values);
         #pragma omp for schedule(static)
         for (int tile = 0; tile < num_tiles; tile++) {
             int b = find_sequence(tile_start, num_seqs, tile);
-            int rows = (query_start_loc[b + 1] - query_start_loc[b]) * group;
-            int parts = (seq_lens[b] + PART_KEYS - 1) / PART_KEYS, tiles_per_head = (rows + ROW_TILE - 1) / ROW_TILE;
-            int local = tile - tile_start[b], kv = local / tiles_per_head, first = local % tiles_per_head * ROW_TILE;
-            int n = rows - first < ROW_TILE ? rows - first : ROW_TILE;
+            int parts = (seq_lens[b] + PART_KEYS - 1) / PART_KEYS, local = tile - tile_start[b], kv, first, n;
+            tile_rows(&a, b, local, &kv, &first, &n);
             const float *tile_partials = partials + ((int64_t)part_start[b] + (int64_t)local * parts) * part_stride;
             for (int r = 0; r < n; r++) {
                 int row = first + r;
