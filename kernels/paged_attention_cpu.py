@@ -80,12 +80,7 @@ def paged_attention_cpu(
     block_tables = block_tables.to(torch.int32).contiguous()
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
-    tree_args = (None, None, None, 0)
-    if trees is not None:
-        is_tree, depths, paths = (t.to(torch.int32).contiguous() for t in (trees.is_tree, trees.depths, trees.paths))
-        assert is_tree.shape == (block_tables.shape[0],) and depths.shape == (num_tokens,)
-        assert paths.shape[0] == num_tokens
-        tree_args = (is_tree.data_ptr(), depths.data_ptr(), paths.data_ptr(), paths.stride(0))
+    trees = contiguous_trees(trees, block_tables.shape[0], num_tokens)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)  # [T, H, D]
     if num_tokens == 0:
         return out
@@ -93,9 +88,25 @@ def paged_attention_cpu(
         DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
         key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-        block_tables.shape[0], num_heads, num_kv_heads, head_dim, block_size, float(scale), *tree_args,
+        block_tables.shape[0], num_heads, num_kv_heads, head_dim, block_size, float(scale), *tree_arguments(trees),
         torch.get_num_threads(),
     )
     if status != 0:
         raise ValueError(f"paged_attention_cpu failed (status {status}) for head_dim {head_dim}")
     return out
+
+
+def contiguous_trees(trees: DraftTrees | None, num_seqs: int, num_tokens: int) -> DraftTrees | None:
+    """`trees` as the kernel reads them (int32, contiguous), shapes checked; None stays None."""
+    if trees is None:
+        return None
+    is_tree, depths, paths = (t.to(torch.int32).contiguous() for t in (trees.is_tree, trees.depths, trees.paths))
+    assert is_tree.shape == (num_seqs,) and depths.shape == (num_tokens,) and paths.shape[0] == num_tokens
+    return DraftTrees(is_tree, depths, paths)
+
+
+def tree_arguments(trees: DraftTrees | None) -> tuple:
+    """The kernel's four tree arguments for `contiguous_trees`' result (NULLs without trees)."""
+    if trees is None:
+        return None, None, None, 0
+    return trees.is_tree.data_ptr(), trees.depths.data_ptr(), trees.paths.data_ptr(), trees.paths.stride(0)

@@ -5,7 +5,8 @@ Registered under the name "specdec_paged". A model whose
 every attention layer with the query/key/value of a *packed* batch (batch
 dimension 1, all sequences' tokens one after another). The function writes the
 new K/V into the cache blocks at the slots of the block tables, then attends
-each query token over its own sequence's blocks (causally). The per-step
+each query token over its own sequence's blocks (causally, or along its draft
+tree). The per-step
 metadata travels as the `paged_metadata` keyword argument of the model's
 forward, which `transformers` hands to every attention call.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
+from kernels.draft_tree import DraftTrees
 from kernels.paged_attention import paged_attention
 from worker_service.kv_cache import KVCache
 
@@ -30,6 +32,7 @@ class PagedMetadata:
     block_tables: torch.Tensor     # [B, max_blocks] int32
     query_start_loc: torch.Tensor  # [B+1] int32: token offsets of each sequence
     seq_lens: torch.Tensor         # [B] int32: KV length of each sequence including this step's tokens
+    trees: DraftTrees | None = None  # sequences whose query rows form draft trees (kernels/draft_tree.py)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -47,7 +50,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     meta.kv_cache.write(layer_idx, k, v, meta.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = paged_attention(q, meta.kv_cache.key_caches[layer_idx], meta.kv_cache.value_caches[layer_idx],
-                          meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)  # [T, H, D]
+                          meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, meta.trees)  # [T, H, D]
     return out.unsqueeze(0), None
 
 

@@ -136,6 +136,7 @@ class FastLlamaForward:
         tables, starts, lens, slots = (t.contiguous() for t in (meta.block_tables, meta.query_start_loc,
                                                                  meta.seq_lens, meta.slot_mapping))
         assert tables.dtype == starts.dtype == lens.dtype == torch.int32 and slots.dtype == torch.int64
+        trees = paged_attention_cpu.contiguous_trees(meta.trees, tables.shape[0], num_tokens)
         # One buffer per intermediate, reused by every layer (each kernel writes its output whole).
         x, h, attn = (torch.empty((num_tokens, width), dtype=dtype) for width in (hidden, hidden, q_width))
         qkv = torch.empty((num_tokens, qkv_width), dtype=dtype)
@@ -162,7 +163,7 @@ class FastLlamaForward:
             status = attention(code, q_ptr, qkv_width, head_dim, key_cache.data_ptr(), value_cache.data_ptr(),
                                tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(),
                                attn.data_ptr(), tables.shape[0], heads, kv_heads, head_dim, cache.block_size,
-                               float(layer.scaling), threads)
+                               float(layer.scaling), *paged_attention_cpu.tree_arguments(trees), threads)
             if status != 0:
                 raise ValueError(f"paged_attention_cpu failed (status {status})")
             linear(layer.o_proj, attn, h)

@@ -47,3 +47,11 @@ class KVCache:
         flat_shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
         self.key_caches[layer_idx].view(flat_shape).index_copy_(0, slot_mapping, key.to(self.spec.dtype))
         self.value_caches[layer_idx].view(flat_shape).index_copy_(0, slot_mapping, value.to(self.spec.dtype))
+
+    def move(self, source_slots: torch.Tensor, target_slots: torch.Tensor) -> None:
+        """Copies every layer's K/V at `source_slots` to `target_slots` (`[N]` int64 each; all sources are read
+        before any target is written, so the two may overlap)."""
+        for caches in (self.key_caches, self.value_caches):
+            for cache in caches:
+                flat = cache.view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+                flat.index_copy_(0, target_slots, flat.index_select(0, source_slots))

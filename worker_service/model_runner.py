@@ -6,6 +6,12 @@ query over a cached prefix (speculative scoring). Every chunk's tokens are
 computed at positions `start_pos ..`, their K/V written into the blocks of
 the chunk's block table, and logits are returned for its last `num_logits`
 tokens only (the output layer is the costliest matmul of a small model).
+
+A chunk may also be a draft tree (`parents`): its rows are written to slots
+start_pos .. in row order but computed at positions start_pos + depth, each
+attending to the cached prefix and its own path (kernels/draft_tree.py).
+After acceptance, `keep_path` moves the accepted path's K/V to the positions
+the next step reads.
 """
 
 from dataclasses import dataclass
@@ -15,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kernels import paged_attention_cpu
+from kernels.draft_tree import DraftTrees
 from kernels.slot_mapping import compute_slot_mapping
 from worker_service import fast_forward
 from worker_service.attention import ATTENTION_NAME, PagedMetadata
@@ -32,6 +39,7 @@ class SequenceChunk:
     start_pos: int         # tokens before this position already have their K/V cached
     block_table: list[int] # block ids covering at least start_pos + len positions
     num_logits: int = 1    # logits wanted for the last num_logits tokens (0 for a mid-prompt chunk)
+    parents: list[int] | None = None  # a draft tree: each row's parent row (-1: the cached prefix); None a chain
 
 
 @dataclass
@@ -49,24 +57,34 @@ def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -
 
     The index lists are built on the host and each becomes one tensor on `device`: no per-sequence device work.
     """
-    input_ids, positions, logits_indices, starts, seq_lens = [], [], [], [0], []
+    input_ids, rows, logits_indices, starts, seq_lens = [], [], [], [0], []
     for chunk in chunks:
         num_tokens = len(chunk.token_ids)
         offset = starts[-1]
         input_ids.extend(chunk.token_ids)
-        positions.extend(range(chunk.start_pos, chunk.start_pos + num_tokens))
+        rows.extend(range(chunk.start_pos, chunk.start_pos + num_tokens))
         logits_indices.extend(range(offset + num_tokens - chunk.num_logits, offset + num_tokens))
         starts.append(offset + num_tokens)
         seq_lens.append(chunk.start_pos + num_tokens)
+    # `rows`: where each token's K/V goes; `positions`: where it is computed (a tree row: at its depth).
+    trees, positions = None, rows
+    if any(c.parents is not None for c in chunks):
+        parents = [p for c in chunks for p in (c.parents if c.parents is not None
+                                                 else range(-1, len(c.token_ids) - 1))]
+        trees = DraftTrees.from_parents(starts, parents)
+        chunk_starts = [c.start_pos for c in chunks for _ in c.token_ids]
+        positions = [start + depth for start, depth in zip(chunk_starts, trees.depths.tolist())]
+        trees = trees.to(device)
     block_tables = _block_tables(chunks, device)  # [B, M] int32
-    positions_t = torch.tensor(positions, dtype=torch.int64, device=device)  # [T]
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)  # [T]
     query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)  # [B+1]
-    slot_mapping = compute_slot_mapping(block_tables, query_start_loc, positions_t, kv_cache.block_size)  # [T]
+    slot_mapping = compute_slot_mapping(block_tables, query_start_loc, rows_t, kv_cache.block_size)  # [T]
     metadata = PagedMetadata(kv_cache=kv_cache, slot_mapping=slot_mapping, block_tables=block_tables,
                              query_start_loc=query_start_loc,
-                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device))
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), trees=trees)
     return PackedBatch(input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-                       positions=positions_t,
+                       positions=rows_t if trees is None else torch.tensor(positions, dtype=torch.int64,
+                                                                            device=device),
                        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
                        metadata=metadata)
 
@@ -107,6 +125,16 @@ class ModelRunner:
         logger.info("allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
                     self.kv_cache.num_bytes / 2**20)
         return self.kv_cache
+
+    def keep_path(self, block_table: list[int], start_pos: int, path_rows: list[int]) -> None:
+        """After a draft tree was verified: moves the K/V of its accepted rows (`path_rows`, root's children
+        first; row r was written at start_pos + r) to start_pos + 1, + 2, ..., where the next step reads them.
+        Row 0 (the root) is in place already; a row already in place is not moved."""
+        moves = [(start_pos + row, start_pos + depth) for depth, row in enumerate(path_rows, start=1) if row != depth]
+        if moves:
+            size = self.kv_cache.block_size
+            slots = [[block_table[p // size] * size + p % size for p in ends] for ends in zip(*moves)]
+            self.kv_cache.move(*(torch.tensor(s, dtype=torch.int64, device=self.device) for s in slots))
 
     @torch.inference_mode()
     def forward(self, chunks: list[SequenceChunk]) -> torch.Tensor:
