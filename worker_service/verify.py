@@ -7,6 +7,11 @@ randomness is keyed by (request seed, that position), and the accept rule
 (worker_service/rejection_sampler.py) emits, for n-gram drafts, exactly the
 tokens a plain step would have sampled; so a seeded request's tokens depend
 neither on the batch nor on n-gram speculation.
+
+A sequence's drafts may form a tree (`parents`): row j then samples position
+``num_tokens + depth(j)``, and the accepted path follows those samples from
+the root (kernels/tree_acceptance.py, where the rule is argued exact). Tree
+drafts are one-hot (no draft probabilities).
 """
 
 from dataclasses import dataclass
@@ -14,6 +19,9 @@ import itertools
 
 import torch
 
+from kernels.rejection_sampler import race
+from kernels.tree_acceptance import accept_tree
+from worker_service.keyed_random import STREAM_TOKEN, keyed_exponential
 from worker_service.rejection_sampler import RejectionSampler
 from worker_service.request_state import RequestState
 from worker_service.sampling import logits_to_probs, sampling_tensors
@@ -25,22 +33,63 @@ _sampler = RejectionSampler()
 class VerifyResult:
     token_ids: list[list[int]]   # emitted tokens per sequence: accepted drafts + one recovered/bonus token
     logprobs: list[list[float]]  # target log-probability of each emitted token (empty unless requested)
+    paths: list[list[int]]       # accepted draft rows per sequence (1-based; a chain's 1..a, a tree's path)
 
 
 def verify(states: list[RequestState], logits: torch.Tensor, drafts: list[list[int]],
-           draft_probs: torch.Tensor | None) -> VerifyResult:
-    """`logits` holds 1 + len(drafts[i]) rows per sequence, in order (`[N, V]`)."""
+           draft_probs: torch.Tensor | None, parents: list[list[int] | None] | None = None) -> VerifyResult:
+    """`logits` holds 1 + len(drafts[i]) rows per sequence, in order (`[N, V]`); `parents[i]`, where given, the
+    parent row (0: the root, the sequence's first row) of each of drafts[i]: a tree."""
     rows_per_seq = [len(d) + 1 for d in drafts]
-    if all(s.sampling.is_greedy for s in states):
-        token_ids = _greedy(logits, drafts)
+    if parents is not None and any(p is not None for p in parents):
+        assert draft_probs is None, "tree drafts are one-hot"
+        token_ids, paths = _accept_trees(states, logits, drafts, parents)
     else:
-        row_params = [s.sampling for s, n in zip(states, rows_per_seq) for _ in range(n)]
-        probs = logits_to_probs(logits, *sampling_tensors(row_params, logits.device))  # [N, V]
-        token_ids = _rejection_sample(states, probs, drafts, draft_probs)
+        if all(s.sampling.is_greedy for s in states):
+            token_ids = _greedy(logits, drafts)
+        else:
+            row_params = [s.sampling for s, n in zip(states, rows_per_seq) for _ in range(n)]
+            probs = logits_to_probs(logits, *sampling_tensors(row_params, logits.device))  # [N, V]
+            token_ids = _rejection_sample(states, probs, drafts, draft_probs)
+        paths = [list(range(1, len(t))) for t in token_ids]
     logprobs = [[] for _ in states]
     if any(s.return_logprobs for s in states):
-        logprobs = _logprobs(logits, rows_per_seq, token_ids)
-    return VerifyResult(token_ids, logprobs)
+        logprobs = _logprobs(logits, rows_per_seq, paths, token_ids)
+    return VerifyResult(token_ids, logprobs, paths)
+
+
+def _accept_trees(states: list[RequestState], logits: torch.Tensor, drafts: list[list[int]],
+                  parents: list[list[int] | None]) -> tuple[list[list[int]], list[list[int]]]:
+    """Every row's keyed sample y (argmax for greedy), at its position num_tokens + depth; then each sequence's
+    accepted path (a chain is the tree whose parents are the previous rows)."""
+    tree_parents = [[-1, *(p if p is not None else range(len(d)))] for d, p in zip(drafts, parents)]
+    depths = [_depths(p) for p in tree_parents]
+    row_params = [s.sampling for s, p in zip(states, tree_parents) for _ in p]
+    targets = logits.argmax(dim=-1)  # [N]
+    sampled = [i for i, params in enumerate(row_params) if not params.is_greedy]
+    if sampled:
+        row_states = [s for s, p in zip(states, tree_parents) for _ in p]
+        row_depths = [d for seq_depths in depths for d in seq_depths]
+        index = torch.tensor(sampled, device=logits.device)  # [R]
+        probs = logits_to_probs(logits[index], *sampling_tensors([row_params[i] for i in sampled], logits.device))
+        noise = keyed_exponential([row_states[i].sampling.seed for i in sampled],
+                                  [row_states[i].num_tokens + row_depths[i] for i in sampled], STREAM_TOKEN,
+                                  logits.shape[-1], logits.device)  # [R, V]
+        targets[index] = race(probs, noise)  # [R]
+    targets_host, token_ids, paths, offset = targets.tolist(), [], [], 0
+    for draft, seq_parents in zip(drafts, tree_parents):
+        path, emitted = accept_tree(targets_host[offset: offset + len(seq_parents)], [None, *draft], seq_parents)
+        token_ids.append(emitted)
+        paths.append(path)
+        offset += len(seq_parents)
+    return token_ids, paths
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depths = []
+    for parent in parents:
+        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+    return depths
 
 
 def _greedy(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
@@ -94,11 +143,13 @@ def _pad_rows(probs: torch.Tensor, drafts: list[list[int]], num_spec: int) -> to
     return target_probs
 
 
-def _logprobs(logits: torch.Tensor, rows_per_seq: list[int], token_ids: list[list[int]]) -> list[list[float]]:
-    """Each emitted token's log-probability in its row: one gather on the device, one copy to the host."""
+def _logprobs(logits: torch.Tensor, rows_per_seq: list[int], paths: list[list[int]],
+              token_ids: list[list[int]]) -> list[list[float]]:
+    """Each emitted token's log-probability in its row (the root's, then the accepted rows'): one gather on
+    the device, one copy to the host."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     starts = itertools.accumulate(rows_per_seq[:-1], initial=0)
-    rows = [start + j for start, tokens in zip(starts, token_ids) for j in range(len(tokens))]
+    rows = [start + row for start, path in zip(starts, paths) for row in [0, *path]]
     columns = [t for tokens in token_ids for t in tokens]
     flat = log_probs[torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device)].tolist()
     out, offset = [], 0
