@@ -321,9 +321,9 @@ static inline __attribute__((always_inline)) void accumulate_values(const struct
 
 /* Rows `first_row .. first_row + num_rows - 1` of (sequence b, KV head kv) over keys part * PART_KEYS ..
  * (part + 1) * PART_KEYS - 1 (those each row has): row r is query token q_start + r / group of head
- * kv * group + r % group (a tree sequence's tiles: one token). Writes each row's partial result to partial + r * (D + 2): m (its scores' max),
- * l (sum of e^(s_j - m)) and acc[D] (sum of e^(s_j - m) v_j); a row with no key here gets m = -inf, l = 0.
- * scores: ROW_TILE * PART_KEYS floats. */
+ * kv * group + r % group (a tree sequence's tiles: one token). Writes each row's partial result to
+ * partial + r * (D + 2): m (its scores' max), l (sum of e^(s_j - m)) and acc[D] (sum of e^(s_j - m) v_j);
+ * a row with no key here gets m = -inf, l = 0. scores: ROW_TILE * PART_KEYS floats. */
 static void attend_part(const struct Args *a, int b, int kv, int first_row, int num_rows, int part,
                         float *scores, float *values, float *partial) {
     const int D = a->head_dim, group = a->num_heads / a->num_kv_heads;

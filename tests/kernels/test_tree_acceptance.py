@@ -92,6 +92,6 @@ def test_tree_decoding_emits_plain_decodings_tokens(seed):
 
 def test_accepting_a_sibling_instead_of_the_matching_child_is_caught():
     prompt = (1, 2, 3)
-    differ = [seed for seed in range(8)
-              if tree_decode(accept_first_child, prompt, seed, 60, random.Random(seed)) != plain_decode(prompt, seed, 60)]
+    differ = [seed for seed in range(8) if tree_decode(accept_first_child, prompt, seed, 60, random.Random(seed))
+              != plain_decode(prompt, seed, 60)]
     assert len(differ) == 8

@@ -137,7 +137,8 @@ def decode_over_path(case, trees: DraftTrees, token: int, seq: int) -> torch.Ten
     fresh_ids = [b for b in range(key_cache.shape[0]) if b not in set(case.block_tables.flatten().tolist())]
     num_blocks = -(-len(positions) // block_size)
     fresh = torch.tensor(fresh_ids[:num_blocks])  # blocks no sequence uses
-    fresh_slots = fresh[torch.arange(len(positions)) // block_size] * block_size + torch.arange(len(positions)) % block_size
+    offsets = torch.arange(len(positions))  # [n]
+    fresh_slots = fresh[offsets // block_size] * block_size + offsets % block_size
     for cache in (key_cache, value_cache):
         flat = cache.view(-1, *cache.shape[2:])
         flat[fresh_slots] = flat[slots].clone()
