@@ -107,6 +107,7 @@ class WorkerConfig:
     suffix_cache_tokens: int = 65536    # the suffix proposer's index of recent outputs (0: none)
     forced_drafts: bool = True          # structured outputs: draft the tokens a constraint forces
     draft_previews: bool = False        # ngram, suffix: report each sequence's next match (proposers/preview.py)
+    draft_tree_width: int = 1           # suffix: at most this many children per draft (1: chains; proposers/trees.py)
     scorer: str = "multi_query"
     kv_cache_memory_bytes: int = 2 << 30   # the KV budget; on CUDA build_worker sets it from the next field
     gpu_memory_utilization: float = 0.9    # on CUDA: the fraction of the GPU's memory the worker uses in all
@@ -133,6 +134,11 @@ class WorkerConfig:
             raise ValueError(f"proposer {self.proposer!r} needs num_speculative_tokens >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.draft_tree_width < 1:
+            raise ValueError(f"draft_tree_width must be >= 1, got {self.draft_tree_width}")
+        if self.draft_tree_width > 1 and self.scorer != "multi_query":
+            raise ValueError(f"draft trees (draft_tree_width {self.draft_tree_width}) need the multi_query scorer, "
+                             f"got {self.scorer}")
         if self.suffix_cache_tokens < 0:
             raise ValueError(f"suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
         if self.kv_cache_memory_bytes <= 0:

@@ -10,8 +10,8 @@ from worker_service.config import (COMBINABLE_PROPOSERS, DEFAULT_NUM_SPECULATIVE
 
 # Flags a launcher forwards to a worker process (`specdec serve`), by argparse dest.
 FORWARDED = ("draft_model", "proposer", "num_speculative_tokens", "ngram_min", "ngram_max", "suffix_cache_tokens",
-             "forced_drafts", "draft_previews", "scorer", "dtype", "device", "max_model_len", "kv_cache_memory_gib",
-             "gpu_memory_utilization")
+             "forced_drafts", "draft_previews", "draft_tree_width", "scorer", "dtype", "device", "max_model_len",
+             "kv_cache_memory_gib", "gpu_memory_utilization")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -41,6 +41,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="ngram and suffix: after each step, look up each sequence's next draft and tell the "
                         "scheduler its match length, on which its goodput policy plans k; off (default): the "
                         "policy plans on each sequence's recent acceptance alone")
+    p.add_argument("--draft-tree-width", type=int, default=1, metavar="W",
+                   help="suffix: draft a tree of continuations, at most W per node, within the scheduler's k "
+                        "(the target verifies all in one pass and keeps the path it agrees with); 1: chains")
     p.add_argument("--scorer", choices=SCORERS, default="multi_query",
                    help="how the target scores drafts: multi_query (one (k+1)-token query per sequence) or "
                         "batch_expansion (k+1 single-token rows)")
@@ -86,6 +89,7 @@ def config_from_args(args: argparse.Namespace, model_dir: str, num_threads: int 
                         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                         ngram_max=args.ngram_max, suffix_cache_tokens=args.suffix_cache_tokens,
                         forced_drafts=args.forced_drafts, draft_previews=args.draft_previews,
+                        draft_tree_width=args.draft_tree_width,
                         scorer=args.scorer,
                         kv_cache_memory_bytes=int(args.kv_cache_memory_gib * 2**30),
                         gpu_memory_utilization=args.gpu_memory_utilization,

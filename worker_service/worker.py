@@ -6,6 +6,7 @@ with any number of drafts — run in ONE target forward pass; the batch is never
 split into a speculative and a non-speculative pass.
 """
 
+import itertools
 import logging
 import time
 
@@ -23,6 +24,7 @@ from worker_service.proposers.eagle3 import Eagle3Proposer
 from worker_service.proposers.ngram import NgramProposer
 from worker_service.proposers.preview import PreviewingProposer
 from worker_service.proposers.suffix import SuffixProposer
+from worker_service.proposers.trees import chain_length
 from worker_service.request_state import (InvalidStepError, RequestState, apply_cached, check_cached,
                                           check_schedulable, new_state)
 from worker_service.scorers import SCORERS
@@ -72,7 +74,7 @@ class Worker:
                                  f"({self.target.vocab_size})")
             return DraftProposer(self.draft)
         if name == "suffix":
-            return SuffixProposer(self.config.suffix_cache_tokens)
+            return SuffixProposer(self.config.suffix_cache_tokens, self.config.draft_tree_width)
         if self.head is None:
             raise ValueError("proposer 'eagle3' needs an EAGLE-3 head")
         return Eagle3Proposer(self.head, self.target)
@@ -194,27 +196,37 @@ class Worker:
         # The proposer drafts where the constraint forces nothing, unless the scheduler's k was for forced tokens.
         num_drafts = [0 if f or s.forced_drafts_only else k for s, k, f in zip(scheduled, num_slots, forced)]
         drafts, draft_probs, sources = [[] for _ in scheduled], None, None
+        parents: list[list[int] | None] = [None] * len(scheduled)  # per sequence, a tree's parent rows
         if any(num_drafts):  # every k = 0: a plain step, the proposer is not called
             proposal = self.proposer.propose(scheduled, num_drafts)
             drafts, draft_probs, sources = proposal.draft_token_ids, proposal.draft_probs, proposal.sources
-        proposed = drafts
-        if is_constrained:
+            parents = proposal.parents or parents
+        proposed, proposed_parents = drafts, parents
+        if is_constrained:  # a constrained sequence drafts the tree's first chain (masks follow one prefix)
+            drafts, parents = list(drafts), list(parents)
+            for i, state in enumerate(scheduled):
+                if state.is_constrained and parents[i] is not None:
+                    drafts[i], parents[i] = drafts[i][:chain_length(parents[i])], None
             drafts, draft_probs, sources = self._constrain_drafts(scheduled, forced, drafts, draft_probs, sources)
+            parents = [None if f else p for p, f in zip(parents, forced)]
         t1 = time.perf_counter()
-        chunks = [self._chunk(s, d) for s, d in zip(scheduled, drafts)]
+        chunks = [self._chunk(s, d, p) for s, d, p in zip(scheduled, drafts, parents)]
         logits = self.score(self.target, chunks)  # [sum(num_logits), V]
         t2 = time.perf_counter()
         sampling_rows = [i for i, c in enumerate(chunks) if c.num_logits > 0]
         if is_constrained:
             logits = self._mask(logits, [scheduled[i] for i in sampling_rows], [drafts[i] for i in sampling_rows])
         result = verify([scheduled[i] for i in sampling_rows], logits, [drafts[i] for i in sampling_rows],
-                        None if draft_probs is None else draft_probs[sampling_rows])
+                        None if draft_probs is None else draft_probs[sampling_rows],
+                        [parents[i] for i in sampling_rows])
+        if any(p is not None for p in parents):
+            self._keep_paths(scheduled, chunks, sampling_rows, parents, result.paths)
         outputs = {s.request_id: step.SequenceOutput(request_id=s.request_id, token_ids=[]) for s in scheduled}
         for state in scheduled:
             state.num_computed_tokens += state.scheduled_new_tokens
         for row, i in enumerate(sampling_rows):
             out = outputs[scheduled[i].request_id]
-            self._accept(scheduled[i], drafts[i], proposed[i], result, row, out)
+            self._accept(scheduled[i], drafts[i], proposed[i], proposed_parents[i], result, row, out)
             if drafts[i]:
                 out.proposer = sources[i] if sources is not None else self.config.proposer
         t_after = time.perf_counter()
@@ -291,18 +303,42 @@ class Worker:
         return state.num_computed_tokens if num_proposer is None else min(state.num_computed_tokens, num_proposer)
 
     @staticmethod
-    def _chunk(state: RequestState, drafts: list[int]) -> SequenceChunk:
+    def _chunk(state: RequestState, drafts: list[int], parents: list[int] | None = None) -> SequenceChunk:
+        """The sequence's target rows: its scheduled tokens, then its drafts (a chain, or a tree after the one
+        pending token: drafts come only after it)."""
         begin = state.num_computed_tokens
         tokens = state.token_ids[begin: begin + state.scheduled_new_tokens] + drafts
         completes = begin + state.scheduled_new_tokens == state.num_tokens
-        return SequenceChunk(tokens, begin, state.block_table, num_logits=(1 + len(drafts)) if completes else 0)
+        if parents is not None:
+            assert state.scheduled_new_tokens == 1 and len(parents) == len(drafts)
+            parents = [-1, *parents]
+        return SequenceChunk(tokens, begin, state.block_table, num_logits=(1 + len(drafts)) if completes else 0,
+                             parents=parents)
 
-    def _accept(self, state: RequestState, drafts: list[int], proposed: list[int], result, row: int,
-                out: step.SequenceOutput) -> None:
+    def _keep_paths(self, scheduled: list[RequestState], chunks: list[SequenceChunk], sampling_rows: list[int],
+                    parents: list[list[int] | None], paths: list[list[int]]) -> None:
+        """Moves each tree's accepted path where a chain's accepted drafts would be: its K/V in the target's
+        cache, and its rows of the features the target kept for an EAGLE-3 head (the head catches up on
+        committed positions in order, proposers/eagle3.py)."""
+        offsets = list(itertools.accumulate((len(c.token_ids) for c in chunks), initial=0))
+        aux = self.target.last_aux_hidden
+        order = list(range(offsets[-1]))  # aux row per packed row
+        for row, i in enumerate(sampling_rows):
+            if parents[i] is None:
+                continue
+            self.target.keep_path(chunks[i].block_table, chunks[i].start_pos, paths[row])
+            for depth, path_row in enumerate(paths[row], start=1):
+                order[offsets[i] + depth] = offsets[i] + path_row
+        if aux is not None and order != list(range(offsets[-1])):
+            self.target.last_aux_hidden = aux[torch.tensor(order, device=aux.device)]
+
+    def _accept(self, state: RequestState, drafts: list[int], proposed: list[int], proposed_parents, result,
+                row: int, out: step.SequenceOutput) -> None:
         """Appends the emitted tokens; accepted drafts' K/V (already in the cache) count as computed.
 
-        `proposed`: the proposer's own drafts, which a constraint may have cut or replaced (`drafts` were
-        scored); the proposer hears how many of its own drafts the emitted tokens confirm."""
+        `proposed`: the proposer's own drafts (a tree where `proposed_parents` is given), which a constraint may
+        have cut or replaced (`drafts` were scored); the proposer hears how many of its own drafts the emitted
+        tokens confirm."""
         emitted = result.token_ids[row]
         num_accepted = len(emitted) - 1
         num_tokens_before = state.num_tokens
@@ -311,7 +347,8 @@ class Worker:
         if state.matcher is not None:
             structured.advance(state.matcher, emitted)
         if self.proposer is not None:
-            num_confirmed = num_accepted if proposed is drafts else min(num_matching(proposed, emitted), num_accepted)
+            num_confirmed = (num_accepted if proposed is drafts
+                             else min(num_matching(proposed, emitted, proposed_parents), num_accepted))
             self.proposer.after_verify(state, num_tokens_before, len(proposed), num_confirmed)
         out.token_ids = emitted
         out.logprobs = result.logprobs[row] if state.return_logprobs else []

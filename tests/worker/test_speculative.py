@@ -22,11 +22,11 @@ MAX_TOKENS = 24
 
 
 def make_worker(pair, proposer="none", k=0, scorer="multi_query", draft_path=None, device="cpu",
-                dtype="float32", draft_previews=True) -> Worker:
+                dtype="float32", draft_previews=True, draft_tree_width=1) -> Worker:
     draft_path = draft_path or pair.draft_path
     config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k, scorer=scorer,
                           draft_model=str(draft_path) if proposer == "draft" else None, device=device, dtype=dtype,
-                          draft_previews=draft_previews)
+                          draft_previews=draft_previews, draft_tree_width=draft_tree_width)
     draft = ModelRunner(load_model(draft_path, dtype, device)) if proposer == "draft" else None
     worker = Worker(config, ModelRunner(load_model(pair.target_path, dtype, device)), draft)
     worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)

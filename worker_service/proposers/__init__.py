@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker_service.proposers.trees import tree_matching
+
 
 @dataclass
 class Proposal:
@@ -23,11 +25,19 @@ class Proposal:
     scores: list[float] | None = None  # per sequence, the proposer's own estimate of its accepted drafts
     sources: list[str] | None = None   # per sequence, the proposer that drafted (several proposers at once)
     match_lengths: list[int] | None = None  # per sequence, the context match behind a copied draft (0: none)
+    parents: list[list[int] | None] | None = None  # per sequence, a tree's parent rows (proposers/trees.py)
+
+    def parents_of(self, i: int) -> list[int] | None:
+        """Sequence i's tree (its drafts' parent rows), or None for a chain."""
+        return self.parents[i] if self.parents is not None else None
 
 
-def num_matching(drafts: list[int], emitted: list[int]) -> int:
-    """How many of `drafts` the emitted tokens confirm: their common prefix (the emitted tokens are the target's
-    own choices at those positions, so this holds for drafts that were not scored too)."""
+def num_matching(drafts: list[int], emitted: list[int], parents: list[int] | None = None) -> int:
+    """How many of `drafts` the emitted tokens confirm: their common prefix, or for a tree (`parents`) how deep
+    they follow it (the emitted tokens are the target's own choices at those positions, so this holds for drafts
+    that were not scored too)."""
+    if parents is not None:
+        return tree_matching(drafts, parents, emitted)
     return next((j for j, (a, b) in enumerate(zip(drafts, emitted)) if a != b), min(len(drafts), len(emitted)))
 
 

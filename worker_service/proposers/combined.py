@@ -24,6 +24,7 @@ the output is the target's, greedy or seeded.
 from dataclasses import dataclass, field
 
 from worker_service.proposers import Proposal, Proposer, num_matching
+from worker_service.proposers.trees import tree_depth
 
 REQUEST_DECAY = 0.8     # a request's recent steps
 WORKER_DECAY = 0.99     # the worker-wide ratio: the prior of a request
@@ -49,7 +50,8 @@ class _Ratio:
 @dataclass
 class _Request:
     ratios: dict[str, _Ratio] = field(default_factory=dict)
-    last_drafts: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # this step's, by proposer
+    # this step's drafts by proposer: (tokens, score, tree parents or None)
+    last_drafts: dict[str, tuple[list[int], float, list[int] | None]] = field(default_factory=dict)
     recent_matched: dict[str, float] = field(default_factory=dict)  # decayed mean matched tokens, model proposers
 
 
@@ -66,7 +68,7 @@ class CombinedProposer(Proposer):
         requests = [self._requests.setdefault(state.request_id, _Request()) for state in states]
         for request in requests:
             request.last_drafts = {}
-        best = [([], "", 0.0) for _ in states]  # per sequence: (drafts, proposer, expected accepted length)
+        best = [([], "", 0.0, None) for _ in states]  # per sequence: (drafts, proposer, expected accepted, parents)
         for name, proposer in sorted(self.proposers.items(), key=lambda item: item[1].runs_model):
             caps = [min(k, self.max_drafts[name]) for k in num_drafts]
             if proposer.runs_model:  # only where no copy is expected to do better
@@ -80,11 +82,13 @@ class CombinedProposer(Proposer):
                 if not tokens:
                     continue
                 score = proposal.scores[i] if proposal.scores is not None else float(len(tokens))
-                request.last_drafts[name] = (tokens, score)
-                value = min(score * self._ratio(request, name), len(tokens))
+                parents = proposal.parents_of(i)
+                request.last_drafts[name] = (tokens, score, parents)
+                value = min(score * self._ratio(request, name), len(tokens) if parents is None else tree_depth(parents))
                 if value > best[i][2]:
-                    best[i] = (tokens, name, value)
-        return Proposal([b[0] for b in best], None, scores=[b[2] for b in best], sources=[b[1] for b in best])
+                    best[i] = (tokens, name, value, parents)
+        return Proposal([b[0] for b in best], None, scores=[b[2] for b in best], sources=[b[1] for b in best],
+                        parents=[b[3] for b in best])
 
     def _ratio(self, request: _Request, name: str) -> float:
         prior = self.worker_ratios[name].value(1.0, PRIOR_WEIGHT)
@@ -95,8 +99,8 @@ class CombinedProposer(Proposer):
         emitted = state.token_ids[num_tokens_before:]
         request = self._requests.get(state.request_id)
         if request is not None:
-            for name, (tokens, score) in request.last_drafts.items():
-                matched = num_matching(tokens, emitted)
+            for name, (tokens, score, parents) in request.last_drafts.items():
+                matched = num_matching(tokens, emitted, parents)
                 request.ratios.setdefault(name, _Ratio(REQUEST_DECAY)).observe(matched, score)
                 self.worker_ratios[name].observe(matched, score)
                 if self.proposers[name].runs_model:

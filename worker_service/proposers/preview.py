@@ -34,6 +34,7 @@ class _Kept:
     num_asked: int   # the most drafts it was looked up for
     drafts: list[int]
     match_length: int
+    parents: list[int] | None  # a tree's (its first k rows, depth first, are a tree too)
 
 
 class PreviewingProposer(Proposer):
@@ -48,14 +49,15 @@ class PreviewingProposer(Proposer):
         """Looks up each state's next draft (up to max_drafts[i] tokens) and keeps it for the next step."""
         proposal = self.proposer.propose(states, max_drafts)
         previews = []
-        for state, k, drafts, match_length in zip(states, max_drafts, proposal.draft_token_ids,
-                                                  proposal.match_lengths):
-            self._kept[state.request_id] = _Kept(state.num_tokens, k, drafts, match_length)
+        for i, (state, k, drafts, match_length) in enumerate(zip(states, max_drafts, proposal.draft_token_ids,
+                                                                 proposal.match_lengths)):
+            self._kept[state.request_id] = _Kept(state.num_tokens, k, drafts, match_length, proposal.parents_of(i))
             previews.append(DraftPreview(len(drafts), match_length))
         return previews
 
     def propose(self, states: list, num_drafts: list[int]) -> Proposal:
         drafts: list[list[int]] = [[] for _ in states]
+        parents: list[list[int] | None] = [None] * len(states)
         match_lengths = [0] * len(states)
         ask = []
         for i, (state, k) in enumerate(zip(states, num_drafts)):
@@ -64,13 +66,14 @@ class PreviewingProposer(Proposer):
                 continue
             if kept is not None and kept.num_tokens == state.num_tokens and k <= kept.num_asked:
                 drafts[i], match_lengths[i] = kept.drafts[:k], kept.match_length
+                parents[i] = kept.parents[:k] if kept.parents is not None else None
             else:
                 ask.append(i)
         if ask:
             proposal = self.proposer.propose([states[i] for i in ask], [num_drafts[i] for i in ask])
-            for i, tokens, match_length in zip(ask, proposal.draft_token_ids, proposal.match_lengths):
-                drafts[i], match_lengths[i] = tokens, match_length
-        return Proposal(drafts, match_lengths=match_lengths)
+            for j, (i, tokens, match_length) in enumerate(zip(ask, proposal.draft_token_ids, proposal.match_lengths)):
+                drafts[i], match_lengths[i], parents[i] = tokens, match_length, proposal.parents_of(j)
+        return Proposal(drafts, match_lengths=match_lengths, parents=parents)
 
     def after_verify(self, state, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         self.proposer.after_verify(state, num_tokens_before, num_drafts, num_accepted)

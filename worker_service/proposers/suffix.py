@@ -40,6 +40,12 @@ tokens drafts at most m tokens). The per-request and the global drafts compete
 on their expected accepted length, the sum of the confidences along the path;
 a tie goes to the per-request draft.
 
+Trees (`tree_width` > 1). Where the voters disagree, the other tokens they
+vote for are continuations too: the draft is then a tree (proposers/trees.py)
+of the most confident nodes, at most `tree_width` children per node and k
+nodes in all, each node's confidence its path's product of vote shares, the
+tree starting with the chain the walk drafts.
+
 Isolation. The global index only feeds proposals, and the target verifies every
 draft (greedy: kept iff it equals the argmax; sampled: the rejection rule with
 one-hot drafts, which emits exactly the tokens of a plain step), so another
@@ -52,6 +58,7 @@ import itertools
 import math
 
 from worker_service.proposers import Proposal, Proposer
+from worker_service.proposers.trees import grow_tree
 from worker_service.request_state import RequestState
 
 MIN_MATCH_TOKENS = 2
@@ -72,6 +79,7 @@ class Draft:
     score: float = 0.0  # sum of the confidences along the path
     seq_ids: set[int] = field(default_factory=set)
     match_len: int = 0  # the longest candidate match behind it (0: no draft)
+    parents: list[int] | None = None  # a tree: each token's parent row (0: the root); None: a chain
 
 
 @dataclass(slots=True)
@@ -172,23 +180,51 @@ def walk(candidates: list[Candidate], max_tokens: int) -> Draft:
             draft.seq_ids.update(c.seq_id for c in live)
             i += len(rest)
             continue
-        longest = max(c.match_len for c in live)
-        counts: dict[int, int] = {}
-        for c in live:
-            if c.match_len == longest:
-                counts[c.seq[c.end + i]] = counts.get(c.seq[c.end + i], 0) + 1
-        token = max(counts, key=counts.__getitem__)  # ties: the first counted, the most recent occurrence
-        confidence *= counts[token] / sum(counts.values())
+        token, share, live = votes(live, i)[0]
+        confidence *= share
         if confidence < MIN_TOKEN_PROB:
             break
-        live = [c for c in live if c.seq[c.end + i] == token]
         draft.token_ids.append(token)
         draft.score += confidence
-        draft.seq_ids.update(c.seq_id for c in live if c.match_len == longest)
+        draft.seq_ids.update(_voters(live))
         i += 1
     if draft.token_ids:
         draft.match_len = max(c.match_len for c in candidates)
     return draft
+
+
+def votes(live: list[Candidate], i: int) -> list[tuple[int, float, list[Candidate]]]:
+    """The next tokens after i tokens of a walk (the confidence rule): each with its share of the voters and the
+    candidates that follow it, most voted first (ties: the first counted, the most recent occurrence)."""
+    live = [c for c in live if c.end + i < len(c.seq)]
+    if not live:
+        return []
+    longest = max(c.match_len for c in live)
+    counts: dict[int, int] = {}
+    for c in live:
+        if c.match_len == longest:
+            counts[c.seq[c.end + i]] = counts.get(c.seq[c.end + i], 0) + 1
+    total = sum(counts.values())
+    return [(token, n / total, [c for c in live if c.seq[c.end + i] == token])
+            for token, n in sorted(counts.items(), key=lambda item: -item[1])]
+
+
+def _voters(live: list[Candidate]) -> set[int]:
+    """The sequences behind a token: its candidates with the longest match."""
+    longest = max(c.match_len for c in live)
+    return {c.seq_id for c in live if c.match_len == longest}
+
+
+def walk_tree(candidates: list[Candidate], max_nodes: int, max_width: int) -> Draft:
+    """The tree of the most confident continuations (Trees in the module docstring)."""
+    if not candidates:
+        return Draft()
+    match_len = max(c.match_len for c in candidates)
+    tree = grow_tree(votes, candidates, max_nodes, math.ceil(MAX_SPEC_FACTOR * match_len), max_width,
+                     MIN_TOKEN_PROB)
+    if not tree.token_ids:
+        return Draft()
+    return Draft(tree.token_ids, tree.score, set().union(*map(_voters, tree.states)), match_len, tree.parents)
 
 
 def _unanimous(live: list[Candidate], i: int, max_tokens: int) -> list[int]:
@@ -247,22 +283,26 @@ class SuffixProposer(Proposer):
 
     reports_match = True
 
-    def __init__(self, cache_tokens: int):
+    def __init__(self, cache_tokens: int, tree_width: int = 1):
         self.outputs = OutputCache(cache_tokens) if cache_tokens > 0 else None  # None: no global index
+        self.tree_width = tree_width  # 1: chains
         self._own: dict[str, TokenIndex] = {}  # request id -> index over its prompt + emitted tokens (seq id 0)
 
     def propose(self, states: list[RequestState], num_drafts: list[int]) -> Proposal:
         drafts = [self._propose_one(s, k) if k > 0 else Draft() for s, k in zip(states, num_drafts)]
         return Proposal([d.token_ids for d in drafts], scores=[d.score for d in drafts],
-                        match_lengths=[d.match_len for d in drafts])
+                        match_lengths=[d.match_len for d in drafts], parents=[d.parents for d in drafts])
+
+    def _walk(self, candidates: list[Candidate], k: int) -> Draft:
+        return walk(candidates, k) if self.tree_width == 1 else walk_tree(candidates, k, self.tree_width)
 
     def _propose_one(self, state: RequestState, k: int) -> Draft:
         own = self._own.setdefault(state.request_id, TokenIndex())
         own.extend(0, state.token_ids[own.num_tokens:])
         tail = state.token_ids[-MAX_MATCH_TOKENS:]
-        best = walk(own.candidates(tail), k)
+        best = self._walk(own.candidates(tail), k)
         if self.outputs is not None:
-            other = walk(self.outputs.index.candidates(tail), k)
+            other = self._walk(self.outputs.index.candidates(tail), k)
             if other.score > best.score:
                 self.outputs.touch(other.seq_ids)
                 best = other
