@@ -37,6 +37,7 @@ if HAS_TRITON:
         query_start_loc_ptr,  # [B+1] int32
         seq_lens_ptr,  # [B] int32
         is_tree_ptr,  # [B] int32 (HAS_TREES)
+        prefix_lens_ptr,  # [B] int32 (HAS_TREES)
         depths_ptr,  # [T] int32 (HAS_TREES)
         paths_ptr,  # [T, P] int32 (HAS_TREES)
         out_ptr,  # [T, H, D]
@@ -69,7 +70,8 @@ if HAS_TRITON:
         num_keys = ctx_start + (token - q_start) + 1  # causal bound: 0..position
         if HAS_TREES:
             tree_flag = tl.load(is_tree_ptr + seq)  # 0: a chain
-            num_keys = tl.where(tree_flag != 0, ctx_start + tl.load(depths_ptr + token) + 1, num_keys)
+            prefix_len = tl.where(tree_flag != 0, tl.load(prefix_lens_ptr + seq), ctx_start)
+            num_keys = tl.where(tree_flag != 0, prefix_len + tl.load(depths_ptr + token) + 1, num_keys)
 
         offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
         is_d = offs_d < HEAD_DIM
@@ -85,10 +87,10 @@ if HAS_TRITON:
             is_n = offs_n < num_keys
             positions = offs_n  # [BLOCK_N] where they are
             if HAS_TREES:
-                on_path = is_n & (offs_n >= ctx_start) & (offs_n * 0 + tree_flag != 0)
-                node = tl.load(paths_ptr + token.to(tl.int64) * stride_path + (offs_n - ctx_start), mask=on_path,
+                on_path = is_n & (offs_n >= prefix_len) & (offs_n * 0 + tree_flag != 0)
+                node = tl.load(paths_ptr + token.to(tl.int64) * stride_path + (offs_n - prefix_len), mask=on_path,
                                other=0)
-                positions = tl.where(on_path, ctx_start + node, offs_n)
+                positions = tl.where(on_path, node, offs_n)
             block_ids = tl.load(table_row + positions // block_size, mask=is_n, other=0).to(tl.int64)
             in_block = (positions % block_size).to(tl.int64)  # [BLOCK_N]
             kv_mask = is_n[:, None] & is_d[None, :]  # [BLOCK_N, BLOCK_D]
@@ -138,8 +140,9 @@ def paged_attention_triton(
     assert all(t.device == query.device for t in tensors), "all inputs must be on one device"
     if trees is not None:
         assert trees.paths.device == query.device and trees.paths.stride(1) == 1
-        assert trees.is_tree.shape == (num_seqs,) and trees.depths.shape == (num_tokens,)
-    tree_args = (trees.is_tree, trees.depths, trees.paths) if trees is not None else (seq_lens, seq_lens, seq_lens)
+        assert trees.is_tree.shape == trees.prefix_lens.shape == (num_seqs,) and trees.depths.shape == (num_tokens,)
+    tree_args = ((trees.is_tree, trees.prefix_lens, trees.depths, trees.paths) if trees is not None
+                 else (seq_lens,) * 4)
     out = torch.empty_like(query)  # [T, H, D]
     if num_tokens == 0:
         return out

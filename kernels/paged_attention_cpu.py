@@ -44,7 +44,7 @@ def bind(library: ctypes.CDLL):
     function = library.specdec_paged_attention
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     function.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
-                         i32, i32, i32, i32, i32, ctypes.c_float, ptr, ptr, ptr, i64, i32]
+                         i32, i32, i32, i32, i32, ctypes.c_float, ptr, ptr, ptr, ptr, i64, i32]
     function.restype = i32
     return function
 
@@ -100,13 +100,16 @@ def contiguous_trees(trees: DraftTrees | None, num_seqs: int, num_tokens: int) -
     """`trees` as the kernel reads them (int32, contiguous), shapes checked; None stays None."""
     if trees is None:
         return None
-    is_tree, depths, paths = (t.to(torch.int32).contiguous() for t in (trees.is_tree, trees.depths, trees.paths))
-    assert is_tree.shape == (num_seqs,) and depths.shape == (num_tokens,) and paths.shape[0] == num_tokens
-    return DraftTrees(is_tree, depths, paths)
+    trees = DraftTrees(*(t.to(torch.int32).contiguous()
+                         for t in (trees.is_tree, trees.prefix_lens, trees.depths, trees.paths)))
+    assert trees.is_tree.shape == trees.prefix_lens.shape == (num_seqs,)
+    assert trees.depths.shape == (num_tokens,) and trees.paths.shape[0] == num_tokens
+    return trees
 
 
 def tree_arguments(trees: DraftTrees | None) -> tuple:
-    """The kernel's four tree arguments for `contiguous_trees`' result (NULLs without trees)."""
+    """The kernel's five tree arguments for `contiguous_trees`' result (NULLs without trees)."""
     if trees is None:
-        return None, None, None, 0
-    return trees.is_tree.data_ptr(), trees.depths.data_ptr(), trees.paths.data_ptr(), trees.paths.stride(0)
+        return None, None, None, None, 0
+    return (trees.is_tree.data_ptr(), trees.prefix_lens.data_ptr(), trees.depths.data_ptr(), trees.paths.data_ptr(),
+            trees.paths.stride(0))

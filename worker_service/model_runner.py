@@ -71,9 +71,11 @@ def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -
     if any(c.parents is not None for c in chunks):
         parents = [p for c in chunks for p in (c.parents if c.parents is not None
                                                  else range(-1, len(c.token_ids) - 1))]
-        trees = DraftTrees.from_parents(starts, parents)
+        trees = DraftTrees.from_parents(starts, seq_lens, parents)
         chunk_starts = [c.start_pos for c in chunks for _ in c.token_ids]
-        positions = [start + depth for start, depth in zip(chunk_starts, trees.depths.tolist())]
+        is_tree = [bool(tree) for c, tree in zip(chunks, trees.is_tree.tolist()) for _ in c.token_ids]
+        positions = [start + depth if tree else row
+                     for start, depth, tree, row in zip(chunk_starts, trees.depths.tolist(), is_tree, rows)]
         trees = trees.to(device)
     block_tables = _block_tables(chunks, device)  # [B, M] int32
     rows_t = torch.tensor(rows, dtype=torch.int64, device=device)  # [T]

@@ -29,10 +29,10 @@
  * combined; each K/V vector is read once per tile. The parts give a decode
  * step (3 KV heads, one row tile each for SmolLM2) work for every thread.
  *
- * Draft trees (kernels/draft_tree.py): a tree row's keys are the cached prefix
- * then its path from the root, read in that order as keys 0..n-1 (n = its
- * depth + the prefix + 1), so the row computes what a decode at its position
- * over those keys computes, bit for bit. A tree sequence's tiles hold the rows
+ * Draft trees (kernels/draft_tree.py): a tree row's keys are its sequence's
+ * prefix then the positions of its path from the root, read in that order as
+ * keys 0..n-1 (n = the prefix + its depth + 1), so the row computes what a
+ * decode at its position over those keys computes, bit for bit. A tree sequence's tiles hold the rows
  * (heads) of one query token, which share their keys.
  */
 #include <math.h>
@@ -121,20 +121,20 @@ struct Args {
     void *out;                                            /* [T, H, D] contiguous */
     int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
-    const int32_t *is_tree, *depths, *paths; int64_t path_stride; /* [B], [T], [T, P]; NULL without trees */
-};
+    const int32_t *is_tree, *prefix_lens, *depths, *paths; int64_t path_stride; /* [B], [B], [T], [T, P]; */
+};                                                        /* all NULL without trees */
 
-/* Where a row's keys are: its sequence's block table, and for a tree row its path (query rows of its sequence,
- * root first), which holds its keys from ctx_start on. */
+/* Where a row's keys are: its sequence's block table, and for a tree row its path (positions, root first),
+ * which holds its keys from prefix_len on. */
 struct Keys {
     const int32_t *table;
-    int ctx_start;
+    int prefix_len;
     const int32_t *path; /* NULL: key j is at position j */
 };
 
 /* The cache slot (block * block_size + offset) of a row's key j. */
 static inline int64_t key_slot(const struct Args *a, const struct Keys *keys, int j) {
-    int position = keys->path && j >= keys->ctx_start ? keys->ctx_start + keys->path[j - keys->ctx_start] : j;
+    int position = keys->path && j >= keys->prefix_len ? keys->path[j - keys->prefix_len] : j;
     return (int64_t)keys->table[position / a->block_size] * a->block_size + position % a->block_size;
 }
 
@@ -334,10 +334,13 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
     key_vector kt[2][MAX_HEAD_DIM];
     int end[ROW_TILE], max_end = k0;  /* row r's keys here: k0 .. end[r] - 1 */
     struct Keys keys = {a->block_tables + (int64_t)b * a->bt_stride, ctx_start, NULL};
-    if (is_tree(a, b)) keys.path = a->paths + (int64_t)(q_start + first_row / group) * a->path_stride;
+    if (is_tree(a, b)) {
+        keys.path = a->paths + (int64_t)(q_start + first_row / group) * a->path_stride;
+        keys.prefix_len = a->prefix_lens[b];
+    }
     for (int r = 0; r < num_rows; r++) {
         int row = first_row + r, token = q_start + row / group;
-        int num_keys = ctx_start + (keys.path ? a->depths[token] : row / group) + 1;
+        int num_keys = keys.prefix_len + (keys.path ? a->depths[token] : row / group) + 1;
         end[r] = num_keys < k0 + PART_KEYS ? num_keys : k0 + PART_KEYS;
         if (end[r] > max_end) max_end = end[r];
         load_row(a->dtype, a->query, (q_start + row / group) * a->q_stride_t + (kv * group + row % group) * a->q_stride_h,
@@ -435,12 +438,12 @@ int specdec_paged_attention(int dtype, const void *query, int64_t q_stride_t, in
                             const void *key_cache, const void *value_cache, const int32_t *block_tables,
                             int64_t bt_stride, const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
                             int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                            const int32_t *is_tree, const int32_t *depths, const int32_t *paths, int64_t path_stride,
-                            int num_threads) {
+                            const int32_t *is_tree, const int32_t *prefix_lens, const int32_t *depths,
+                            const int32_t *paths, int64_t path_stride, int num_threads) {
     if (head_dim > MAX_HEAD_DIM) return -1;
     struct Args a = {dtype, query, q_stride_t, q_stride_h, key_cache, value_cache, block_tables, bt_stride,
                      query_start_loc, seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                     is_tree, depths, paths, path_stride};
+                     is_tree, prefix_lens, depths, paths, path_stride};
     const int group = num_heads / num_kv_heads, D = head_dim;
     /* Tiles: (sequence, KV head, tile of up to ROW_TILE rows); tile_start[b] numbers sequence b's first.
      * Work items: (tile, part of PART_KEYS keys); part_start[b] numbers sequence b's first. The parts of a

@@ -68,11 +68,9 @@ def dense_tree_attention(case, trees: DraftTrees) -> torch.Tensor:  # [T, H, D] 
 
 def chains_as_trees(specs) -> DraftTrees:
     """Chains of these (q_len, seq_len) sequences, every one flagged a tree: they take the tree path."""
-    depths = torch.cat([torch.arange(q_len, dtype=torch.int32) for q_len, _ in specs])  # [T]
-    width = max(q_len for q_len, _ in specs)
-    paths = torch.arange(width, dtype=torch.int32).expand(len(depths), width).clone()  # [T, P]
-    paths[paths > depths[:, None]] = -1
-    return DraftTrees(torch.ones(len(specs), dtype=torch.int32), depths, paths)
+    starts = [sum(q for q, _ in specs[:b]) for b in range(len(specs))]
+    paths = [list(range(seq_len - q_len, seq_len - q_len + i + 1)) for q_len, seq_len in specs for i in range(q_len)]
+    return DraftTrees.from_paths(starts, [seq_len - q_len for q_len, seq_len in specs], paths)
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
@@ -81,7 +79,7 @@ def chains_as_trees(specs) -> DraftTrees:
 def test_c_and_sdpa_equal_dense_on_random_trees(context, heads, head_dim, dtype):
     specs, parents = tree_batch(seed=context + heads[0] + head_dim, context=context)
     case = make_case(specs, 16, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, dtype=dtype)
-    trees = DraftTrees.from_parents(case.query_start_loc.tolist(), parents)
+    trees = DraftTrees.from_parents(case.query_start_loc.tolist(), case.seq_lens.tolist(), parents)
     assert trees.is_tree.tolist() == [0, 1, 0, 1, 0, 1]
     want = dense_tree_attention(case, trees)
     for name, attention in (("c", cpu_kernel.paged_attention_cpu), ("sdpa", pa.paged_attention_sdpa)):
@@ -98,7 +96,7 @@ def test_c_and_sdpa_equal_dense_on_random_trees(context, heads, head_dim, dtype)
 def test_triton_equals_dense_on_random_trees(heads, dtype, triton_device):
     specs, parents = tree_batch(seed=heads[1], context=20)
     case = make_case(specs, 4, num_heads=heads[0], num_kv_heads=heads[1], head_dim=8, dtype=dtype)
-    trees = DraftTrees.from_parents(case.query_start_loc.tolist(), parents)
+    trees = DraftTrees.from_parents(case.query_start_loc.tolist(), case.seq_lens.tolist(), parents)
     out = pa.paged_attention_triton(*case.args(triton_device), trees.to(triton_device))
     assert (out.cpu().double() - dense_tree_attention(case, trees)).abs().max() <= TOLERANCE[dtype]
 
@@ -126,10 +124,8 @@ def test_triton_chain_sent_as_a_tree_is_the_causal_result_bitwise(triton_device)
 def decode_over_path(case, trees: DraftTrees, token: int, seq: int) -> torch.Tensor:  # [H, D]
     """Row `token` (of sequence `seq`) as a one-row decode: its prefix and path copied to the front of a fresh
     sequence's blocks, at the positions a plain decode would have written them."""
-    starts, lens = case.query_start_loc.tolist(), case.seq_lens.tolist()
-    ctx_start = lens[seq] - (starts[seq + 1] - starts[seq])
     path = trees.paths[token][trees.paths[token] >= 0].long()
-    positions = torch.cat([torch.arange(ctx_start), ctx_start + path])  # [n] where its keys are
+    positions = torch.cat([torch.arange(int(trees.prefix_lens[seq])), path])  # [n] where its keys are
     block_size = case.key_cache.shape[1]
     key_cache, value_cache = case.key_cache.clone(), case.value_cache.clone()
     table = case.block_tables[seq].long()
@@ -158,7 +154,7 @@ def test_a_tree_row_is_bitwise_a_decode_over_its_path(dtype, context):
     # spare blocks for the decodes' copies
     case.key_cache = torch.cat([case.key_cache, torch.zeros(12, *case.key_cache.shape[1:], dtype=dtype)])
     case.value_cache = torch.cat([case.value_cache, torch.zeros(12, *case.value_cache.shape[1:], dtype=dtype)])
-    trees = DraftTrees.from_parents(case.query_start_loc.tolist(), parents)
+    trees = DraftTrees.from_parents(case.query_start_loc.tolist(), case.seq_lens.tolist(), parents)
     starts = case.query_start_loc.tolist()
     threads = torch.get_num_threads()
     for num_threads in (1, threads):
@@ -177,7 +173,7 @@ def test_every_instruction_set_gives_the_same_tree_bits(build):
     narrow = cpu_kernel.bind(cpu_build.load_library("paged_attention_cpu", NARROWER_BUILDS[build]))
     specs, parents = tree_batch(seed=7, context=140)
     case = make_case(specs, 16, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
-    trees = DraftTrees.from_parents(case.query_start_loc.tolist(), parents)
+    trees = DraftTrees.from_parents(case.query_start_loc.tolist(), case.seq_lens.tolist(), parents)
     want = cpu_kernel.paged_attention_cpu(*case.args(), trees)
     assert torch.equal(cpu_kernel.paged_attention_cpu(*case.args(), trees, function=narrow), want)
 
@@ -185,19 +181,55 @@ def test_every_instruction_set_gives_the_same_tree_bits(build):
 def test_the_dispatcher_passes_trees_on():
     specs, parents = tree_batch(seed=3, context=30)
     case = make_case(specs, 16)
-    trees = DraftTrees.from_parents(case.query_start_loc.tolist(), parents)
+    trees = DraftTrees.from_parents(case.query_start_loc.tolist(), case.seq_lens.tolist(), parents)
     assert torch.equal(pa.paged_attention(*case.args(), trees), cpu_kernel.paged_attention_cpu(*case.args(), trees))
 
 
 def test_from_parents_computes_depths_and_paths():
-    trees = DraftTrees.from_parents([0, 1, 6], [-1, -1, 0, 0, 1, 3])
-    assert trees.is_tree.tolist() == [0, 1]
+    trees = DraftTrees.from_parents([0, 1, 6], [4, 10], [-1, -1, 0, 0, 1, 3])
+    assert trees.is_tree.tolist() == [0, 1] and trees.prefix_lens.tolist() == [0, 5]
     assert trees.depths.tolist() == [0, 0, 1, 1, 2, 3]
-    assert trees.paths.tolist()[1:] == [[0, -1, -1, -1], [0, 1, -1, -1], [0, 2, -1, -1], [0, 1, 3, -1],
-                                        [0, 1, 3, 4]]
+    assert trees.paths.tolist()[1:] == [[5, -1, -1, -1], [5, 6, -1, -1], [5, 7, -1, -1], [5, 6, 8, -1],
+                                        [5, 6, 8, 9]]
 
 
 @pytest.mark.parametrize("parents", [[-1, 1], [-1, -2], [0, 0]])
 def test_from_parents_refuses_a_parent_that_is_not_an_earlier_row(parents):
     with pytest.raises(ValueError, match="an earlier row of the same sequence"):
-        DraftTrees.from_parents([0, 2], parents)
+        DraftTrees.from_parents([0, 2], [2], parents)
+
+
+def level_batch(dtype, context: int = 40):
+    """A drafter's third level: per tree sequence, 3 levels of 2 nodes were written after a prefix of `context`
+    keys (positions context .. context + 5) and the query is the newest level (2 rows at the end), each row's
+    path two earlier nodes and itself. Beside them a decode and a chain."""
+    specs = [(2, context + 6), (1, 30), (2, context + 8), (3, 50)]
+    case = make_case(specs, 16, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype)
+    starts = case.query_start_loc.tolist()
+    paths = [[context + 1, context + 2, context + 4], [context + 1, context + 3, context + 5], None,
+             [context, context + 3, context + 6], [context + 1, context + 2, context + 7], None, None, None]
+    trees = DraftTrees.from_paths(starts[:-1], [context, 0, context, 0], paths)
+    assert trees.is_tree.tolist() == [1, 0, 1, 0]
+    return case, trees
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_a_level_whose_ancestors_came_earlier_equals_dense(dtype):
+    case, trees = level_batch(dtype)
+    want = dense_tree_attention(case, trees)
+    for attention in (cpu_kernel.paged_attention_cpu, pa.paged_attention_sdpa):
+        assert (attention(*case.args(), trees).double() - want).abs().max() <= TOLERANCE[dtype]
+    case.key_cache = torch.cat([case.key_cache, torch.zeros(6, *case.key_cache.shape[1:], dtype=dtype)])
+    case.value_cache = torch.cat([case.value_cache, torch.zeros(6, *case.value_cache.shape[1:], dtype=dtype)])
+    together = cpu_kernel.paged_attention_cpu(*case.args(), trees)
+    starts = case.query_start_loc.tolist()
+    for seq in (0, 2):
+        for token in range(starts[seq], starts[seq + 1]):
+            assert torch.equal(together[token], decode_over_path(case, trees, token, seq)), token
+
+
+@requires_triton
+def test_triton_level_whose_ancestors_came_earlier_equals_dense(triton_device):
+    case, trees = level_batch(torch.float32, context=10)
+    out = pa.paged_attention_triton(*case.args(triton_device), trees.to(triton_device))
+    assert (out.cpu().double() - dense_tree_attention(case, trees)).abs().max() <= 1e-5
