@@ -146,6 +146,12 @@ class Eagle3Head(torch.nn.Module):
         probs, ids = torch.softmax(self.lm_head(normed).float(), dim=-1).max(dim=-1)  # [T], [T]
         return self.draft_to_target[ids].tolist(), probs.tolist()
 
+    def top_draft_tokens(self, normed: torch.Tensor, width: int) -> tuple[list[list[int]], list[list[float]]]:
+        """The head's `width` likeliest tokens for each row (target ids), most likely first, and their
+        probabilities."""
+        probs, ids = torch.softmax(self.lm_head(normed).float(), dim=-1).topk(width, dim=-1)  # [T, W], [T, W]
+        return self.draft_to_target[ids].tolist(), probs.tolist()
+
 
 def _linear(weight: torch.Tensor) -> torch.nn.Linear:
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)

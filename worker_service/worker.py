@@ -77,7 +77,7 @@ class Worker:
             return SuffixProposer(self.config.suffix_cache_tokens, self.config.draft_tree_width)
         if self.head is None:
             raise ValueError("proposer 'eagle3' needs an EAGLE-3 head")
-        return Eagle3Proposer(self.head, self.target)
+        return Eagle3Proposer(self.head, self.target, tree_width=self.config.draft_tree_width)
 
     @property
     def eos_token_ids(self) -> list[int]:

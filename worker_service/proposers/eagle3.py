@@ -28,15 +28,29 @@ The drafts are the head's argmax mapped to target ids, deterministic given the
 context, and are verified like copied drafts (no draft probabilities): a draft
 is accepted exactly when it equals the target's (keyed) sample, so the output
 is the target's, greedy or seeded, whatever the head proposes.
+
+Trees (`tree_width` W > 1), as EAGLE-2 grows them: the head's W likeliest
+tokens at each expanded node are candidates, a candidate's confidence the
+product of the head's probabilities along its path. Level by level (one head
+call for every sequence's level), the W most confident candidates of the
+newest level are expanded, the head running over them with their parents'
+features, writing its K/V at lookahead slots after the committed positions
+(at most k - 1 rows, the slots the scheduler reserved) and attending along
+the tree (kernels/draft_tree.py). The draft is then the k most confident
+candidates (proposers/trees.py); candidates below MIN_CONFIDENCE are left out,
+except the first. The head's K/V of the drafted rows is scratch: the catch-up
+rewrites the accepted path's positions from the target's features.
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from kernels.draft_tree import DraftTrees
 from worker_service.eagle3 import Eagle3Head
 from worker_service.model_runner import ModelRunner, SequenceChunk, pack
 from worker_service.proposers import Proposal, Proposer
+from worker_service.proposers.trees import best_nodes
 from worker_service.request_state import RequestState
 
 
@@ -57,6 +71,8 @@ class _Next:
     first_draft: int
     probability: float     # the head's probability of first_draft
     feature: torch.Tensor  # [hidden]: the head's pre-norm output at the last committed position
+    top_drafts: list[int]  # with trees: the head's tree_width likeliest tokens there, most likely first
+    top_probabilities: list[float]
 
 
 class Eagle3Proposer(Proposer):
@@ -64,9 +80,11 @@ class Eagle3Proposer(Proposer):
 
     runs_model = True
 
-    def __init__(self, head: Eagle3Head, target: ModelRunner, min_confidence: float = MIN_CONFIDENCE):
+    def __init__(self, head: Eagle3Head, target: ModelRunner, min_confidence: float = MIN_CONFIDENCE,
+                 tree_width: int = 1):
         self.head = head
         self.min_confidence = min_confidence
+        self.tree_width = tree_width  # 1: chains
         self.target = target
         target.aux_layers = head.aux_layers
         self._next: dict[str, _Next] = {}  # only while the head is caught up
@@ -78,6 +96,8 @@ class Eagle3Proposer(Proposer):
     def propose(self, states: list[RequestState], num_drafts: list[int]) -> Proposal:
         self._drafted = {s.request_id for s, k in zip(states, num_drafts) if k > 0}
         self._catch_up([s for s, k in zip(states, num_drafts) if k > 0 and s.request_id in self._pending])
+        if self.tree_width > 1:
+            return self._propose_trees(states, num_drafts)
         drafts: list[list[int]] = [[] for _ in states]
         active = [i for i, k in enumerate(num_drafts) if k > 0 and states[i].request_id in self._next]
         features, confidence, scores = {}, {}, [0.0] * len(states)
@@ -101,6 +121,67 @@ class Eagle3Proposer(Proposer):
                 confidence[i] *= probability  # P(drafts 1..depth+1 all accepted), if the head is calibrated
                 scores[i] += confidence[i]
         return Proposal(drafts, None, scores=scores)
+
+    def _propose_trees(self, states: list[RequestState], num_drafts: list[int]) -> Proposal:
+        """Trees as the module docstring grows them."""
+        width = self.tree_width
+        active = [i for i, k in enumerate(num_drafts) if k > 0 and states[i].request_id in self._next]
+        # Per sequence, the candidates: (parent candidate or -1, token, confidence, depth).
+        nexts = {i: self._next[states[i].request_id] for i in active}
+        candidates = {i: [(-1, token, p, 1) for token, p in _distinct(nexts[i].top_drafts, nexts[i].top_probabilities)]
+                      for i in active}
+        expanded = {i: {} for i in active}  # candidate -> (its row's position in the cache, its path, pre-norm)
+        for depth in range(1, max((num_drafts[i] for i in active), default=0)):
+            level = {}
+            for i in active:
+                room = num_drafts[i] - 1 - len(expanded[i])
+                newest = [n for n, (_, _, p, d) in enumerate(candidates[i]) if d == depth and p >= self.min_confidence]
+                level[i] = sorted(newest, key=lambda n: -candidates[i][n][2])[:min(width, room)]
+            rows = [(i, n) for i in active for n in level[i]]
+            if not rows:
+                break
+            normed, prenorm = self._run_level(states, candidates, expanded, level, depth)
+            tops, probabilities = self.head.top_draft_tokens(normed, width)
+            for row, (i, n) in enumerate(rows):
+                expanded[i][n] = (*expanded[i][n][:2], prenorm[row])
+                confidence = candidates[i][n][2]
+                candidates[i] += [(n, token, confidence * p, depth + 1)
+                                  for token, p in _distinct(tops[row], probabilities[row])]
+        drafts, parents, scores = [[] for _ in states], [None] * len(states), [0.0] * len(states)
+        for i in active:
+            kept = [n for n, (_, _, p, _) in enumerate(candidates[i]) if n == 0 or p >= self.min_confidence]
+            index = {n: j for j, n in enumerate(kept)}  # kept candidates' parents are kept (more confident)
+            tree = best_nodes([index.get(candidates[i][n][0], -1) for n in kept],
+                              [candidates[i][n][1] for n in kept], [candidates[i][n][2] for n in kept],
+                              num_drafts[i])
+            drafts[i], parents[i], scores[i] = tree.token_ids, tree.parents, tree.score
+        return Proposal(drafts, None, scores=scores, parents=parents)
+
+    def _run_level(self, states, candidates, expanded, level, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over one level's expanded candidates of every sequence (one call): each at the position
+        after its parent's, its K/V at the next free lookahead slot, attending to the committed positions and
+        its path."""
+        chunks, positions, features, paths, prefix_lens = [], [], [], [], []
+        for i, nodes in level.items():
+            if not nodes:
+                continue
+            state, nxt = states[i], self._next[states[i].request_id]
+            assert state.num_draft_computed_tokens == state.num_tokens - 1
+            first_slot = state.num_tokens - 1 + len(expanded[i])
+            chunks.append(SequenceChunk([candidates[i][n][1] for n in nodes], first_slot, state.block_table))
+            prefix_lens.append(state.num_tokens - 1)
+            for j, n in enumerate(nodes):
+                parent = candidates[i][n][0]
+                above = expanded[i][parent][1] if parent >= 0 else []
+                expanded[i][n] = (first_slot + j, [*above, first_slot + j])
+                paths.append(expanded[i][n][1])
+                positions.append(state.num_tokens + depth - 2)
+                features.append(expanded[i][parent][2] if parent >= 0 else nxt.feature)
+        batch = pack(chunks, self.head.kv_cache, self.head.device)
+        starts = batch.metadata.query_start_loc.tolist()[:-1]
+        batch.metadata.trees = DraftTrees.from_paths(starts, prefix_lens, paths).to(self.head.device)
+        return self.head(batch.input_ids, torch.tensor(positions, device=self.head.device), torch.stack(features),
+                         batch.metadata)
 
     def after_step(self, states: list[RequestState], chunks: list[SequenceChunk], num_committed: list[int]) -> None:
         """Keeps the features of the positions the target committed in this step, and catches the head up on
@@ -138,9 +219,12 @@ class Eagle3Proposer(Proposer):
             state.num_draft_computed_tokens = end
         normed, prenorm = self._run(head_chunks, self.head.features(torch.cat(features)), last_rows=True)
         tokens, probabilities = self.head.draft_tokens(normed)
+        tops, top_probabilities = ([[t] for t in tokens], [[p] for p in probabilities]) if self.tree_width == 1 \
+            else self.head.top_draft_tokens(normed, self.tree_width)
         for row, (state, chunk) in enumerate(zip(states, head_chunks)):
             if chunk.num_logits:
-                self._next[state.request_id] = _Next(tokens[row], probabilities[row], prenorm[row])
+                self._next[state.request_id] = _Next(tokens[row], probabilities[row], prenorm[row], tops[row],
+                                                     top_probabilities[row])
 
     def _run(self, chunks: list[SequenceChunk], features: torch.Tensor,
              last_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,3 +243,12 @@ class Eagle3Proposer(Proposer):
         for state in states:
             self._next.pop(state.request_id, None)
             self._pending.pop(state.request_id, None)
+
+
+def _distinct(tokens: list[int], probabilities: list[float]) -> list[tuple[int, float]]:
+    """Siblings with distinct target tokens (draft ids that map to one target token merge, their probabilities
+    summed), the likeliest first."""
+    merged: dict[int, float] = {}
+    for token, probability in zip(tokens, probabilities):
+        merged[token] = merged.get(token, 0.0) + probability
+    return sorted(merged.items(), key=lambda item: -item[1])

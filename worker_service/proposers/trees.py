@@ -63,6 +63,17 @@ def grow_tree(expand: Expand, root: Any, max_nodes: int, max_depth: int, max_wid
     return _depth_first(chosen)
 
 
+def best_nodes(parents: list[int], token_ids: list[int], confidences: list[float], max_nodes: int) -> DraftTree:
+    """The `max_nodes` most confident of these candidate nodes (each parent an earlier candidate, or -1 for the
+    root, and no more confident than it), as a tree numbered depth first."""
+    ranked = sorted(range(len(parents)), key=lambda n: (-confidences[n], n))[:max_nodes]
+    index_of = {n: j for j, n in enumerate(sorted(ranked))}  # the chosen in candidate order: parents first
+    chosen = [(index_of[parents[n]] if parents[n] >= 0 else -1, token_ids[n], confidences[n], n)
+              for n in sorted(ranked)]
+    assert all(parents[n] < 0 or parents[n] in index_of for n in ranked), "a chosen node's parent was not chosen"
+    return _depth_first(chosen)
+
+
 def _depth_first(chosen: list[tuple[int, int, float, Any]]) -> DraftTree:
     """Renumbers the chosen nodes depth first, each node's children by confidence (ties: chosen first)."""
     children: dict[int, list[int]] = {}

@@ -1,0 +1,122 @@
+"""EAGLE-3 draft trees (--draft-tree-width): the head expands its likeliest tokens level by level on its own
+paged KV, attending along the tree; the output stays plain decoding's, and the head's state after steps that
+accepted any branch is a fresh run's."""
+
+import pytest
+import torch
+
+from specdec import step
+from tests.worker.driver import Driver
+from tests.worker.test_eagle3 import (BLOCK_SIZE, NUM_BLOCKS, PROMPTS, head_dir, make_worker,  # noqa: F401
+                                      repeating_head_dir)
+from worker_service.proposers import trees as trees_module
+from worker_service.proposers.trees import chain_length
+
+WIDTH = 3
+
+
+def tree_worker(pair, head_dir, k=5, dtype="float32"):
+    worker = make_worker(pair, head_dir, k=k, dtype=dtype)
+    worker.proposer.tree_width = WIDTH
+    return worker
+
+
+def spy_trees(worker) -> list:
+    """Records every proposal's trees (parents per sequence)."""
+    trees, propose = [], worker.proposer.propose
+    worker.proposer.propose = lambda states, ks: (p := propose(states, ks), trees.extend(p.parents or []))[0]
+    return trees
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_trees_equal_plain_decoding_with_mixed_k(tiny_pair, head_dir, dtype):
+    plain = Driver(make_worker(tiny_pair, dtype=dtype).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 24)
+    worker = tree_worker(tiny_pair, head_dir, dtype=dtype)
+    worker.proposer.min_confidence = 0.0  # full trees from the random head
+    trees = spy_trees(worker)
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
+    assert driver.generate(PROMPTS, 24, num_speculative_tokens=[1, 2, 3, 4, 5]) == plain
+    assert any(p is not None and chain_length(p) < len(p) for p in trees)  # branched
+    assert all(o.num_draft_tokens <= 5 for r in driver.results for o in r.outputs)
+
+
+def test_seeded_trees_equal_plain_seeded_alone_and_batched(tiny_pair, head_dir):
+    sampling = [step.RequestSampling(temperature=0.9, top_p=0.95, seed=100 + i) for i in range(len(PROMPTS))]
+    plain = Driver(make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 20, sampling)
+    worker = tree_worker(tiny_pair, head_dir)
+    batched = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 20, sampling, 4, prefix="b")
+    alone = [Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate([p], 20, [s], 3, prefix=f"a{i}-")[0]
+             for i, (p, s) in enumerate(zip(PROMPTS, sampling))]
+    assert batched == alone == plain
+
+
+def test_a_level_row_is_bitwise_the_heads_chain_step_over_its_path(tiny_pair, head_dir):
+    """Each level's rows attend to the committed positions and their own path only: the row that extends the
+    head's argmax path gives bitwise the output the head's chain step at that depth gives (a row that also saw
+    its siblings' or cousins' K/V would not)."""
+    prompts = [[9] * 5, PROMPTS[0], PROMPTS[3]]
+    chains, trees = make_worker(tiny_pair, head_dir, k=6), tree_worker(tiny_pair, head_dir, k=6)
+    for worker in (chains, trees):
+        worker.proposer.min_confidence = 0.0
+        with torch.no_grad():
+            worker.head.norm.weight.mul_(8.0)  # a sharper head: deeper trees
+        Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate(prompts, 1, keep=True)
+        worker.proposer.propose([worker.requests[f"r{i}"] for i in range(len(prompts))], [6] * len(prompts))
+    chain_rows, level_rows = [], []  # (path tokens, normed row); the heads caught up above
+    draft_tokens, run_level = chains.head.draft_tokens, trees.proposer._run_level
+
+    def record_chain(normed):
+        tokens, probabilities = draft_tokens(normed)
+        chain_rows.append(normed[0].clone())
+        return tokens, probabilities
+
+    def record_level(states, candidates, expanded, level, depth):
+        normed, prenorm = run_level(states, candidates, expanded, level, depth)
+        for row, n in enumerate(n for nodes in level.values() for n in nodes):
+            path, node = [], n
+            while node >= 0:
+                path.insert(0, candidates[0][node][1])
+                node = candidates[0][node][0]
+            level_rows.append((path, normed[row].clone()))
+        return normed, prenorm
+
+    chains.head.draft_tokens, trees.proposer._run_level = record_chain, record_level
+    num_compared = 0
+    for i in range(len(prompts)):
+        chain_rows.clear(), level_rows.clear()
+        chain = chains.proposer.propose([chains.requests[f"r{i}"]], [6]).draft_token_ids[0]
+        trees.proposer.propose([trees.requests[f"r{i}"]], [6])
+        depths = [len(path) for path, _ in level_rows]
+        assert depths.count(1) >= 2 and max(depths) >= 2  # siblings expanded, and a level below them
+        for depth, want in enumerate(chain_rows, start=1):  # the chain's step d reads drafts 1..d
+            got = [row for path, row in level_rows if path == chain[:depth]]
+            if got:
+                assert torch.equal(got[0], want), (i, depth)
+                num_compared += depth >= 2
+    assert num_compared >= 2  # rows below the first level, beside expanded siblings
+
+
+def test_after_tree_steps_the_next_proposal_equals_a_fresh_runs(tiny_pair, repeating_head_dir, monkeypatch):
+    """After steps whose accepted paths were moved into place (the target's K/V and the head's features), the
+    head's state and next tree equal a fresh prefill's over the same tokens. Siblings are numbered least likely
+    first here, so that the paths the target accepts (the head's likeliest tokens) leave the first branch."""
+    monkeypatch.setattr(trees_module, "_by_confidence", lambda indices, chosen: sorted(
+        indices, key=lambda i: chosen[i][2]))
+    prompts = [[9] * 5, PROMPTS[0], PROMPTS[3]]
+    worker = tree_worker(tiny_pair, repeating_head_dir, k=4)
+    worker.proposer.min_confidence = 0.0
+    moved, keep_path = [], worker.target.keep_path
+    worker.target.keep_path = lambda table, start, path: (moved.append(path), keep_path(table, start, path))
+    Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate(prompts, 14, num_speculative_tokens=4, keep=True)
+    assert any(path != list(range(1, len(path) + 1)) for path in moved)  # some paths left the first branch
+    fresh = tree_worker(tiny_pair, repeating_head_dir, k=4)
+    fresh.proposer.min_confidence = 0.0
+    Driver(fresh.execute, BLOCK_SIZE, NUM_BLOCKS).generate(
+        [worker.requests[f"r{i}"].token_ids[:-1] for i in range(len(prompts))], 1, keep=True, prefix="f")
+    for i in range(len(prompts)):
+        stepped, fresh_state = worker.requests[f"r{i}"], fresh.requests[f"f{i}"]
+        assert fresh_state.token_ids == stepped.token_ids
+        a = worker.proposer.propose([stepped], [4])
+        b = fresh.proposer.propose([fresh_state], [4])
+        assert (a.draft_token_ids, a.parents) == (b.draft_token_ids, b.parents)
+        assert torch.equal(worker.proposer._next[f"r{i}"].feature, fresh.proposer._next[f"f{i}"].feature)
