@@ -107,7 +107,7 @@ class WorkerConfig:
     suffix_cache_tokens: int = 65536    # the suffix proposer's index of recent outputs (0: none)
     forced_drafts: bool = True          # structured outputs: draft the tokens a constraint forces
     draft_previews: bool = False        # ngram, suffix: report each sequence's next match (proposers/preview.py)
-    draft_tree_width: int = 1           # suffix, eagle3: at most this many children per draft (1: chains; trees.py)
+    draft_tree_width: int = 1           # ngram, suffix, eagle3: most children per draft (1: chains; trees.py)
     scorer: str = "multi_query"
     kv_cache_memory_bytes: int = 2 << 30   # the KV budget; on CUDA build_worker sets it from the next field
     gpu_memory_utilization: float = 0.9    # on CUDA: the fraction of the GPU's memory the worker uses in all

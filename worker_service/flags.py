@@ -42,7 +42,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "scheduler its match length, on which its goodput policy plans k; off (default): the "
                         "policy plans on each sequence's recent acceptance alone")
     p.add_argument("--draft-tree-width", type=int, default=1, metavar="W",
-                   help="suffix and eagle3: draft a tree of continuations, at most W per node, within the "
+                   help="ngram, suffix and eagle3: draft a tree of continuations, at most W per node, within the "
                         "scheduler's k (the target verifies all in one pass and keeps the path it agrees with); "
                         "1: chains")
     p.add_argument("--scorer", choices=SCORERS, default="multi_query",

@@ -65,7 +65,7 @@ class Worker:
 
     def _make_one(self, name: str) -> Proposer:
         if name == "ngram":
-            return NgramProposer(self.config.ngram_min, self.config.ngram_max)
+            return NgramProposer(self.config.ngram_min, self.config.ngram_max, self.config.draft_tree_width)
         if name == "draft":
             if self.draft is None:
                 raise ValueError("proposer 'draft' needs a draft model runner")

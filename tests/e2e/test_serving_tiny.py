@@ -47,6 +47,13 @@ CONFIGS = {
     "eagle3-async-preempt": ["--proposer", "eagle3", "--num-speculative-tokens", "3", "--scheduling", "async",
                              "--num-kv-blocks", "24", "--speculation-policy", "fixed"],
     "eagle3,suffix-sync": ["--proposer", "eagle3,suffix", "--num-speculative-tokens", "4", "--scheduling", "sync"],
+    # draft trees (--draft-tree-width)
+    "suffix-tree-async-preempt": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--draft-tree-width", "3",
+                                  "--scheduling", "async", "--num-kv-blocks", "24"],
+    "eagle3-tree-sync-preempt": ["--proposer", "eagle3", "--num-speculative-tokens", "4", "--draft-tree-width", "3",
+                                 "--scheduling", "sync", "--num-kv-blocks", "24", "--speculation-policy", "fixed"],
+    "eagle3,suffix-tree-async": ["--proposer", "eagle3,suffix", "--num-speculative-tokens", "4",
+                                 "--draft-tree-width", "2", "--scheduling", "async"],
 }
 
 
@@ -75,9 +82,11 @@ def test_concurrent_greedy_outputs_are_identical(tiny_pair, tiny_eagle3_head, re
             assert sum(p.draft_tokens for u in usages for p in u.proposers) > 0
 
 
-def test_seeded_eagle3_under_preemption_equals_plain_seeded_decoding(tiny_pair, tiny_eagle3_head):
-    """Seeded requests sampled together through an EAGLE-3 server whose KV pool forces preemptions (async)
-    give the tokens each gets from a plain server alone: keyed sampling, whatever the head drafted."""
+@pytest.mark.parametrize("name", ["eagle3-async-preempt", "eagle3-tree-sync-preempt"])
+def test_seeded_eagle3_under_preemption_equals_plain_seeded_decoding(tiny_pair, tiny_eagle3_head, name):
+    """Seeded requests sampled together through an EAGLE-3 server (chains or trees) whose KV pool forces
+    preemptions give the tokens each gets from a plain server alone: keyed sampling, whatever the head
+    drafted."""
     def seeded(i: int, prompt: list[int]) -> pb.GenerateRequest:
         return pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
             temperature=0.8, top_p=0.95, seed=300 + i, max_tokens=MAX_TOKENS, ignore_eos=True))
@@ -85,8 +94,7 @@ def test_seeded_eagle3_under_preemption_equals_plain_seeded_decoding(tiny_pair, 
     requests = [seeded(i, p) for i, p in enumerate(PROMPTS)]
     with serve(tiny_args(tiny_pair, *CONFIGS["plain-sync"])) as server:
         alone = [stream(server.stub, r)[0] for r in requests]
-    with serve(tiny_args(tiny_pair, *CONFIGS["eagle3-async-preempt"], "--draft-model",
-                         str(tiny_eagle3_head))) as server:
+    with serve(tiny_args(tiny_pair, *CONFIGS[name], "--draft-model", str(tiny_eagle3_head))) as server:
         together = [tokens for tokens, _ in stream_all(server.stub, requests)]
         info = server.wait_idle()
     assert together == alone

@@ -13,6 +13,7 @@ from tests.worker.test_speculative import BLOCK_SIZE, NUM_BLOCKS, PROMPTS, MAX_T
 from worker_service.config import WorkerConfig
 from worker_service.flags import add_flags, config_from_args, forwarded_argv
 from worker_service.proposers import Proposal, Proposer, num_matching
+from worker_service.proposers.ngram import propose_ngram, propose_ngram_tree
 from worker_service.proposers.suffix import SuffixProposer, TokenIndex, walk, walk_tree
 from worker_service.proposers.trees import chain_length, grow_tree, tree_depth, tree_matching
 from worker_service.request_state import RequestState
@@ -88,6 +89,17 @@ def test_suffix_tree_keeps_the_continuations_the_walk_drops():
     assert proposal.scores[0] == pytest.approx(4 / 7 + 7 * 2 / 7)
 
 
+def test_ngram_tree_holds_the_continuations_of_the_latest_matches():
+    """[1, 2] occurred three times, followed by 3, 4 and 3: a chain copies the latest (3, 7); the tree has 3 (two
+    of three occurrences) and 4 beside it, and each continues as its occurrences did."""
+    tokens = [1, 2, 3, 7, 1, 2, 4, 8, 1, 2, 3, 7, 9, 1, 2]
+    assert propose_ngram(tokens, 1, 2, 3) == ([3, 7, 9], 2)
+    tree, n = propose_ngram_tree(tokens, 1, 2, max_nodes=4, max_width=2)
+    assert n == 2 and tree.token_ids == [3, 7, 9, 4] and tree.parents == [0, 1, 2, 0]
+    assert tree.confidences == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3])
+    assert propose_ngram_tree([5, 6, 7], 1, 2, 4, 2)[0].token_ids == []  # no match
+
+
 # ------------------------------------------------------------------ verifying trees in the worker
 
 
@@ -146,10 +158,11 @@ def test_seeded_trees_off_the_first_branch_change_no_token(sharp_pair, sampling)
     assert sum(o.num_accepted_tokens for r in driver.results for o in r.outputs) >= len(want) // 2
 
 
+@pytest.mark.parametrize("proposer", ["suffix", "ngram"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_suffix_trees_are_lossless(tiny_pair, dtype):
+def test_copying_trees_are_lossless(tiny_pair, dtype, proposer):
     want = Driver(make_worker(tiny_pair, dtype=dtype).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, MAX_TOKENS)
-    worker = make_worker(tiny_pair, "suffix", K, dtype=dtype, draft_tree_width=3)
+    worker = make_worker(tiny_pair, proposer, K, dtype=dtype, draft_tree_width=3)
     trees = []
     propose = worker.proposer.propose
     worker.proposer.propose = lambda states, ks: (p := propose(states, ks), trees.extend(p.parents or []))[0]
