@@ -15,6 +15,7 @@ from worker_service.eagle3 import HeadError, TargetFacts, load_head
 from worker_service.model_loader import load_model
 from worker_service.model_runner import ModelRunner, SequenceChunk
 from worker_service.proposers.eagle3 import CATCH_UP_EVERY
+from worker_service.proposers.trees import chain_length
 from worker_service.worker import Worker
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 400
@@ -25,10 +26,10 @@ def facts(model) -> TargetFacts:
     return TargetFacts(model.config.hidden_size, model.config.vocab_size, model.config.num_hidden_layers)
 
 
-def make_worker(pair, head_dir=None, k=4, dtype="float32", proposer="eagle3") -> Worker:
+def make_worker(pair, head_dir=None, k=4, dtype="float32", proposer="eagle3", tree_width=1) -> Worker:
     proposer = proposer if head_dir is not None else "none"
     config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k if head_dir else 0,
-                          draft_model=str(head_dir) if head_dir else None, dtype=dtype)
+                          draft_model=str(head_dir) if head_dir else None, dtype=dtype, draft_tree_width=tree_width)
     target = ModelRunner(load_model(pair.target_path, dtype))
     head = None
     if head_dir is not None:
@@ -87,19 +88,33 @@ def head_dir(tmp_path_factory):
     return save_tiny_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head")
 
 
+def spy_trees(worker) -> list:
+    """Records every proposal's trees (parents per sequence; None: a chain)."""
+    trees, propose = [], worker.proposer.propose
+    worker.proposer.propose = lambda states, ks: (p := propose(states, ks), trees.extend(p.parents or []))[0]
+    return trees
+
+
+@pytest.mark.parametrize("tree_width", [1, 3], ids=["chains", "trees"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_eagle3_equals_plain_decoding_with_mixed_k(tiny_pair, head_dir, dtype):
+def test_greedy_eagle3_equals_plain_decoding_with_mixed_k(tiny_pair, head_dir, dtype, tree_width):
     plain = Driver(make_worker(tiny_pair, dtype=dtype).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 24)
-    worker = make_worker(tiny_pair, head_dir, k=5, dtype=dtype)
+    worker = make_worker(tiny_pair, head_dir, k=5, dtype=dtype, tree_width=tree_width)
+    worker.proposer.min_confidence = 0.0 if tree_width > 1 else worker.proposer.min_confidence  # full trees
+    trees = spy_trees(worker)
     driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
     assert driver.generate(PROMPTS, 24, num_speculative_tokens=[1, 2, 3, 4, 5]) == plain
     assert sum(o.num_draft_tokens for r in driver.results for o in r.outputs) > 0
+    assert all(o.num_draft_tokens <= 5 for r in driver.results for o in r.outputs)
+    branched = any(p is not None and chain_length(p) < len(p) for p in trees)
+    assert branched == (tree_width > 1)
 
 
-def test_seeded_eagle3_equals_plain_seeded_alone_and_batched(tiny_pair, head_dir):
+@pytest.mark.parametrize("tree_width", [1, 3], ids=["chains", "trees"])
+def test_seeded_eagle3_equals_plain_seeded_alone_and_batched(tiny_pair, head_dir, tree_width):
     sampling = [step.RequestSampling(temperature=0.9, top_p=0.95, seed=100 + i) for i in range(len(PROMPTS))]
     plain = Driver(make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 20, sampling)
-    worker = make_worker(tiny_pair, head_dir)
+    worker = make_worker(tiny_pair, head_dir, tree_width=tree_width)
     batched = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 20, sampling, 4, prefix="b")
     alone = [Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate([p], 20, [s], 3, prefix=f"a{i}-")[0]
              for i, (p, s) in enumerate(zip(PROMPTS, sampling))]

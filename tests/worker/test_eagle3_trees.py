@@ -1,11 +1,9 @@
 """EAGLE-3 draft trees (--draft-tree-width): the head expands its likeliest tokens level by level on its own
-paged KV, attending along the tree; the output stays plain decoding's, and the head's state after steps that
-accepted any branch is a fresh run's."""
+paged KV, attending along the tree, and its state after steps that accepted any branch is a fresh run's (the
+output equal to plain decoding's: tests/worker/test_eagle3.py, greedy and seeded)."""
 
-import pytest
 import torch
 
-from specdec import step
 from tests.worker.driver import Driver
 from tests.worker.test_eagle3 import (BLOCK_SIZE, NUM_BLOCKS, PROMPTS, head_dir, make_worker,  # noqa: F401
                                       repeating_head_dir)
@@ -16,38 +14,7 @@ WIDTH = 3
 
 
 def tree_worker(pair, head_dir, k=5, dtype="float32"):
-    worker = make_worker(pair, head_dir, k=k, dtype=dtype)
-    worker.proposer.tree_width = WIDTH
-    return worker
-
-
-def spy_trees(worker) -> list:
-    """Records every proposal's trees (parents per sequence)."""
-    trees, propose = [], worker.proposer.propose
-    worker.proposer.propose = lambda states, ks: (p := propose(states, ks), trees.extend(p.parents or []))[0]
-    return trees
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_trees_equal_plain_decoding_with_mixed_k(tiny_pair, head_dir, dtype):
-    plain = Driver(make_worker(tiny_pair, dtype=dtype).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 24)
-    worker = tree_worker(tiny_pair, head_dir, dtype=dtype)
-    worker.proposer.min_confidence = 0.0  # full trees from the random head
-    trees = spy_trees(worker)
-    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
-    assert driver.generate(PROMPTS, 24, num_speculative_tokens=[1, 2, 3, 4, 5]) == plain
-    assert any(p is not None and chain_length(p) < len(p) for p in trees)  # branched
-    assert all(o.num_draft_tokens <= 5 for r in driver.results for o in r.outputs)
-
-
-def test_seeded_trees_equal_plain_seeded_alone_and_batched(tiny_pair, head_dir):
-    sampling = [step.RequestSampling(temperature=0.9, top_p=0.95, seed=100 + i) for i in range(len(PROMPTS))]
-    plain = Driver(make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 20, sampling)
-    worker = tree_worker(tiny_pair, head_dir)
-    batched = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 20, sampling, 4, prefix="b")
-    alone = [Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate([p], 20, [s], 3, prefix=f"a{i}-")[0]
-             for i, (p, s) in enumerate(zip(PROMPTS, sampling))]
-    assert batched == alone == plain
+    return make_worker(pair, head_dir, k=k, dtype=dtype, tree_width=WIDTH)
 
 
 def test_a_level_row_is_bitwise_the_heads_chain_step_over_its_path(tiny_pair, head_dir):
