@@ -56,6 +56,7 @@ def step_result_to_proto(r: step.StepResult) -> pb.ExecuteModelResponse:
                                  num_draft_tokens=o.num_draft_tokens, num_accepted_tokens=o.num_accepted_tokens,
                                  num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer,
                                  num_forced_tokens_next=o.num_forced_tokens_next,
+                                 draft_tree_depth=o.draft_tree_depth,
                                  next_draft=None if o.next_draft is None else pb.DraftPreview(
                                      num_drafts=o.next_draft.num_drafts, match_length=o.next_draft.match_length))
                for o in r.outputs]
@@ -71,6 +72,7 @@ def step_result_from_proto(m: pb.ExecuteModelResponse) -> step.StepResult:
                                    num_accepted_tokens=o.num_accepted_tokens,
                                    num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer,
                                    num_forced_tokens_next=o.num_forced_tokens_next,
+                                   draft_tree_depth=o.draft_tree_depth,
                                    next_draft=step.DraftPreview(o.next_draft.num_drafts, o.next_draft.match_length)
                                    if o.HasField("next_draft") else None)
                for o in m.outputs]

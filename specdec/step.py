@@ -100,6 +100,12 @@ class SequenceOutput:
     proposer: str = ""  # the proposer whose drafts were scored ("" without drafts)
     num_forced_tokens_next: int = 0  # tokens the constraint forces after the emitted ones (at most k)
     next_draft: DraftPreview | None = None  # a copying proposer's draft for the next step (None: no preview)
+    draft_tree_depth: int = 0  # the drafts formed a tree this deep (num_draft_tokens: its nodes); 0: a chain
+
+    @property
+    def num_draft_positions(self) -> int:
+        """Draft positions offered: a chain's drafts, a tree's depth."""
+        return self.draft_tree_depth or self.num_draft_tokens
 
 
 @dataclass

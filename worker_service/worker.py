@@ -24,7 +24,7 @@ from worker_service.proposers.eagle3 import Eagle3Proposer
 from worker_service.proposers.ngram import NgramProposer
 from worker_service.proposers.preview import PreviewingProposer
 from worker_service.proposers.suffix import SuffixProposer
-from worker_service.proposers.trees import chain_length
+from worker_service.proposers.trees import chain_length, tree_depth
 from worker_service.request_state import (InvalidStepError, RequestState, apply_cached, check_cached,
                                           check_schedulable, new_state)
 from worker_service.scorers import SCORERS
@@ -229,6 +229,8 @@ class Worker:
             self._accept(scheduled[i], drafts[i], proposed[i], proposed_parents[i], result, row, out)
             if drafts[i]:
                 out.proposer = sources[i] if sources is not None else self.config.proposer
+            if parents[i] is not None:
+                out.draft_tree_depth = tree_depth(parents[i])
         t_after = time.perf_counter()
         if self.proposer is not None:  # positions committed this step: the chunk's tokens and accepted drafts
             self.proposer.after_step(scheduled, chunks, [s.num_computed_tokens - c.start_pos

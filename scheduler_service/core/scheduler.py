@@ -345,8 +345,8 @@ class Scheduler:
             is_decode = scheduled.is_sampling and scheduled.num_new_tokens == 1
             shape.add(scheduled.num_new_tokens + num_drafts, scheduled.num_context_tokens, is_decode)
             request = self._requests[request_id]
-            if output is not None and not request.is_finished:
-                self.policy.observe_sequence(request, scheduled.num_lookahead_slots, num_drafts,
+            if output is not None and not request.is_finished:  # a tree offers as many positions as it is deep
+                self.policy.observe_sequence(request, scheduled.num_lookahead_slots, output.num_draft_positions,
                                              output.num_accepted_tokens, output.proposer,
                                              step.matches.get(request_id))
         self.stats.worker_step_s += result.stats.total_ms / 1e3
@@ -375,7 +375,8 @@ class Scheduler:
                       output: SequenceOutput | None) -> RequestOutput | None:
         new_token_ids, status = request.apply_step_output(scheduled, output, self.config.max_model_len)
         if output is not None:
-            self.stats.count_speculation(output.num_draft_tokens, output.num_accepted_tokens, output.proposer)
+            self.stats.count_speculation(output.num_draft_tokens, output.num_accepted_tokens, output.proposer,
+                                         output.draft_tree_depth)
             # Before a finishing request releases its blocks: the KV of its committed tokens stays reusable.
             self._cache_blocks(request, output.num_kv_written_tokens)
         if not new_token_ids:

@@ -24,6 +24,9 @@ class SchedulerStats:
     # counts. Replaced, never changed in place, as the tuples are.
     num_draft_tokens_by_proposer: dict[str, int] = field(default_factory=dict)
     num_accepted_tokens_per_pos_by_proposer: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Draft trees: [d] / [n]: (request, step) pairs whose drafts formed a tree d deep / of n nodes.
+    num_tree_steps_by_depth: tuple[int, ...] = ()
+    num_tree_steps_by_nodes: tuple[int, ...] = ()
     num_prompt_tokens: int = 0               # prompts of requests that emitted their first token
     num_emitted_tokens: int = 0              # tokens delivered to clients
     num_sequence_steps: int = 0              # (request, step) pairs that delivered tokens
@@ -71,8 +74,13 @@ class SchedulerStats:
         self.measured_step_s += measured_ms / 1e3
         self.step_time_abs_error_s += abs(predicted_ms - measured_ms) / 1e3
 
-    def count_speculation(self, num_draft_tokens: int, num_accepted_tokens: int, proposer: str = "") -> None:
-        """Adds one (request, step) pair's drafts and accepted drafts, and the proposer that drafted them."""
+    def count_speculation(self, num_draft_tokens: int, num_accepted_tokens: int, proposer: str = "",
+                          draft_tree_depth: int = 0) -> None:
+        """Adds one (request, step) pair's drafts and accepted drafts, the proposer that drafted them, and the
+        shape of a tree of drafts (its depth; 0: a chain)."""
+        if draft_tree_depth > 0:
+            self.num_tree_steps_by_depth = _count_at(self.num_tree_steps_by_depth, draft_tree_depth)
+            self.num_tree_steps_by_nodes = _count_at(self.num_tree_steps_by_nodes, num_draft_tokens)
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
         if num_draft_tokens > 0:
@@ -85,6 +93,13 @@ class SchedulerStats:
             per_pos = dict(self.num_accepted_tokens_per_pos_by_proposer)
             per_pos[proposer] = _count_positions(per_pos.get(proposer, ()), num_accepted_tokens)
             self.num_accepted_tokens_per_pos_by_proposer = per_pos
+
+
+def _count_at(counts: tuple[int, ...], index: int) -> tuple[int, ...]:
+    """The counts with one more at `index`."""
+    grown = list(counts) + [0] * (index + 1 - len(counts))
+    grown[index] += 1
+    return tuple(grown)
 
 
 def _count_positions(per_pos: tuple[int, ...], num_accepted_tokens: int) -> tuple[int, ...]:

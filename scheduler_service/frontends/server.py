@@ -49,7 +49,8 @@ def _counters(st: SchedulerStats, busy: BusyStats, num_failures: int, num_moved:
         predicted_step_seconds=st.predicted_step_s, measured_step_seconds=st.measured_step_s,
         step_time_abs_error_seconds=st.step_time_abs_error_s, prefix_cache_queries=st.num_prefix_cache_queries,
         prefix_cache_hits=st.num_prefix_cache_hits, num_prefix_cache_evictions=st.num_prefix_cache_evictions,
-        worker_step_seconds=st.worker_step_s, propose_seconds=st.propose_s)
+        worker_step_seconds=st.worker_step_s, propose_seconds=st.propose_s,
+        num_tree_steps_by_depth=st.num_tree_steps_by_depth, num_tree_steps_by_nodes=st.num_tree_steps_by_nodes)
 
 
 def _workers(snap: ClusterSnapshot) -> list[pb.WorkerStatus]:

@@ -78,6 +78,10 @@ METRICS = (
           "spec_decode_num_accepted_tokens_per_pos_total split by the proposer that drafted.", "proposer", "position"),
     _info("spec_decode_num_sequence_steps_by_k_total", "counter",
           "Decoding sequence-steps by the draft length k (0..K) the speculation policy chose.", "k"),
+    _info("spec_decode_num_tree_steps_by_depth_total", "counter",
+          "Sequence-steps whose drafts formed a tree (--draft-tree-width), by its depth.", "depth"),
+    _info("spec_decode_num_tree_steps_by_nodes_total", "counter",
+          "Sequence-steps whose drafts formed a tree, by its number of nodes.", "nodes"),
     _info("spec_decode_predicted_step_seconds_total", "counter",
           "The policy's step-cost model: predicted worker step time, summed over the steps it predicted."),
     _info("spec_decode_measured_step_seconds_total", "counter",
@@ -255,10 +259,13 @@ def _counters(snap: ClusterSnapshot) -> Iterator[Metric]:
         for position in range(max(k, len(counts))):
             per_pos.add_metric([proposer, str(position)], counts[position] if position < len(counts) else 0)
     yield per_pos
-    by_k = _counter("specdec_spec_decode_num_sequence_steps_by_k_total")
-    for value, count in enumerate(st.num_sequence_steps_by_k):
-        by_k.add_metric([str(value)], count)
-    yield by_k
+    for name, label, counts in (("num_sequence_steps_by_k", "k", st.num_sequence_steps_by_k),
+                                ("num_tree_steps_by_depth", "depth", st.num_tree_steps_by_depth),
+                                ("num_tree_steps_by_nodes", "nodes", st.num_tree_steps_by_nodes)):
+        histogram = _counter(f"specdec_spec_decode_{name}_total")
+        for value, count in enumerate(counts):
+            histogram.add_metric([str(value)], count)
+        yield histogram
 
 
 def cluster_registry(snapshot: Callable[[], ClusterSnapshot], request_metrics: RequestMetrics) -> CollectorRegistry:

@@ -183,7 +183,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("num_requests", "num_drafted_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate", "mean_accepted_length", "num_steps", "num_steps_speculation_disabled", "num_preemptions", "worker_busy_seconds", "active_wall_seconds", "num_worker_failures", "num_moved_requests", "num_accepted_tokens_per_pos", "num_sequence_steps_by_k", "num_predicted_steps", "predicted_step_seconds", "measured_step_seconds", "step_time_abs_error_seconds", "prefix_cache_queries", "prefix_cache_hits", "num_prefix_cache_evictions", "worker_step_seconds", "propose_seconds")
+    __slots__ = ("num_requests", "num_drafted_tokens", "num_accepted_tokens", "num_emitted_tokens", "acceptance_rate", "mean_accepted_length", "num_steps", "num_steps_speculation_disabled", "num_preemptions", "worker_busy_seconds", "active_wall_seconds", "num_worker_failures", "num_moved_requests", "num_accepted_tokens_per_pos", "num_sequence_steps_by_k", "num_predicted_steps", "predicted_step_seconds", "measured_step_seconds", "step_time_abs_error_seconds", "prefix_cache_queries", "prefix_cache_hits", "num_prefix_cache_evictions", "worker_step_seconds", "propose_seconds", "num_tree_steps_by_depth", "num_tree_steps_by_nodes")
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,8 @@ class Counters(_message.Message):
     NUM_PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     WORKER_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TREE_STEPS_BY_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TREE_STEPS_BY_NODES_FIELD_NUMBER: _ClassVar[int]
     num_requests: float
     num_drafted_tokens: float
     num_accepted_tokens: float
@@ -232,7 +234,9 @@ class Counters(_message.Message):
     num_prefix_cache_evictions: float
     worker_step_seconds: float
     propose_seconds: float
-    def __init__(self, num_requests: _Optional[float] = ..., num_drafted_tokens: _Optional[float] = ..., num_accepted_tokens: _Optional[float] = ..., num_emitted_tokens: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_steps: _Optional[float] = ..., num_steps_speculation_disabled: _Optional[float] = ..., num_preemptions: _Optional[float] = ..., worker_busy_seconds: _Optional[float] = ..., active_wall_seconds: _Optional[float] = ..., num_worker_failures: _Optional[float] = ..., num_moved_requests: _Optional[float] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[float]] = ..., num_sequence_steps_by_k: _Optional[_Iterable[float]] = ..., num_predicted_steps: _Optional[float] = ..., predicted_step_seconds: _Optional[float] = ..., measured_step_seconds: _Optional[float] = ..., step_time_abs_error_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[float] = ..., prefix_cache_hits: _Optional[float] = ..., num_prefix_cache_evictions: _Optional[float] = ..., worker_step_seconds: _Optional[float] = ..., propose_seconds: _Optional[float] = ...) -> None: ...
+    num_tree_steps_by_depth: _containers.RepeatedScalarFieldContainer[float]
+    num_tree_steps_by_nodes: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, num_requests: _Optional[float] = ..., num_drafted_tokens: _Optional[float] = ..., num_accepted_tokens: _Optional[float] = ..., num_emitted_tokens: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_steps: _Optional[float] = ..., num_steps_speculation_disabled: _Optional[float] = ..., num_preemptions: _Optional[float] = ..., worker_busy_seconds: _Optional[float] = ..., active_wall_seconds: _Optional[float] = ..., num_worker_failures: _Optional[float] = ..., num_moved_requests: _Optional[float] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[float]] = ..., num_sequence_steps_by_k: _Optional[_Iterable[float]] = ..., num_predicted_steps: _Optional[float] = ..., predicted_step_seconds: _Optional[float] = ..., measured_step_seconds: _Optional[float] = ..., step_time_abs_error_seconds: _Optional[float] = ..., prefix_cache_queries: _Optional[float] = ..., prefix_cache_hits: _Optional[float] = ..., num_prefix_cache_evictions: _Optional[float] = ..., worker_step_seconds: _Optional[float] = ..., propose_seconds: _Optional[float] = ..., num_tree_steps_by_depth: _Optional[_Iterable[float]] = ..., num_tree_steps_by_nodes: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("address", "state", "num_running", "num_waiting", "num_free_kv_blocks", "num_kv_blocks", "counters", "last_error", "num_cached_kv_blocks")

@@ -125,7 +125,7 @@ class ExecuteModelRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "num_draft_tokens", "num_accepted_tokens", "num_kv_written_tokens", "proposer", "num_forced_tokens_next", "next_draft")
+    __slots__ = ("request_id", "token_ids", "logprobs", "num_draft_tokens", "num_accepted_tokens", "num_kv_written_tokens", "proposer", "num_forced_tokens_next", "next_draft", "draft_tree_depth")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class SequenceOutput(_message.Message):
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     NUM_FORCED_TOKENS_NEXT_FIELD_NUMBER: _ClassVar[int]
     NEXT_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -144,7 +145,8 @@ class SequenceOutput(_message.Message):
     proposer: str
     num_forced_tokens_next: int
     next_draft: DraftPreview
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_kv_written_tokens: _Optional[int] = ..., proposer: _Optional[str] = ..., num_forced_tokens_next: _Optional[int] = ..., next_draft: _Optional[_Union[DraftPreview, _Mapping]] = ...) -> None: ...
+    draft_tree_depth: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_kv_written_tokens: _Optional[int] = ..., proposer: _Optional[str] = ..., num_forced_tokens_next: _Optional[int] = ..., next_draft: _Optional[_Union[DraftPreview, _Mapping]] = ..., draft_tree_depth: _Optional[int] = ...) -> None: ...
 
 class DraftPreview(_message.Message):
     __slots__ = ("num_drafts", "match_length")

@@ -74,6 +74,9 @@ def test_concurrent_greedy_outputs_are_identical(tiny_pair, tiny_eagle3_head, re
             assert info.counters.num_preemptions > 0
         if not name.startswith("plain"):
             assert info.counters.num_drafted_tokens > 0
+        by_depth, by_nodes = info.counters.num_tree_steps_by_depth, info.counters.num_tree_steps_by_nodes
+        assert (sum(by_depth) > 0) == ("tree" in name) and sum(by_nodes) == sum(by_depth)
+        assert sum(d * n for d, n in enumerate(by_depth)) <= sum(n * c for n, c in enumerate(by_nodes))
         if "," in name:  # several proposers: each request's usage says which drafted, summing to its totals
             usages = [last.usage for _, last in results]
             assert {p.proposer for u in usages for p in u.proposers} <= {"eagle3", "suffix"}

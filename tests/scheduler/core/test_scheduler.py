@@ -302,3 +302,34 @@ def test_stats_count_drafts_by_proposer_and_sum_over_workers():
     assert total.num_draft_tokens_by_proposer == {"eagle3": 8, "suffix": 5}
     assert total.num_accepted_tokens_per_pos_by_proposer == {"eagle3": (3, 1), "suffix": (1, 1, 1, 1, 1)}
     assert total.num_draft_tokens == 15 and sum(total.num_accepted_tokens_per_pos) == total.num_accepted_tokens
+
+
+@pytest.mark.parametrize("tree_depth", [0, 2], ids=["chain", "tree"])
+def test_a_tree_teaches_the_policy_by_its_depth_and_is_counted_by_its_shape(tree_depth):
+    """A step whose 4 drafts formed a tree 2 deep, both levels accepted, offered no third position: the policy
+    learns nothing about position 3 (a chain of 4 with 2 accepted rejected it), and the stats count the tree."""
+    scheduler, worker = make(num_speculative_tokens=4)
+    worker.num_accepted = lambda step_id, request_id: 2
+    execute = worker.execute
+
+    def execute_as_trees(step: StepRequest) -> StepResult:
+        result = execute(step)
+        for output in result.outputs:
+            if output.num_draft_tokens == 4:  # fewer near max_tokens
+                assert output.num_accepted_tokens == 2
+                output.draft_tree_depth = tree_depth
+        return result
+
+    worker.execute = execute_as_trees
+    scheduler.add_request(Request("a", [1, 2, 3], max_tokens=13))
+    assert streamed(run(scheduler, worker)["a"]) == reference_output([1, 2, 3], 13)
+    acceptance = scheduler.policy.worker_acceptance
+    assert acceptance.num_tried[1] > 0 and acceptance.num_accepted[1] == acceptance.num_tried[1]
+    stats = scheduler.stats
+    if tree_depth:
+        assert acceptance.num_tried[2] == 0 and acceptance.num_delivered[2] == 0
+        assert stats.num_tree_steps_by_depth[2] == stats.num_tree_steps_by_nodes[4] == sum(
+            stats.num_tree_steps_by_depth) > 0
+    else:
+        assert acceptance.num_tried[2] > 0 and acceptance.num_accepted[2] == 0
+        assert stats.num_tree_steps_by_depth == stats.num_tree_steps_by_nodes == ()
