@@ -10,6 +10,9 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = {"none": 0, "ngram": 5, "draft": 5, "suffix": 1
 # Proposers that may run together (`--proposer eagle3,suffix`): the copy-like ones, whose drafts carry no
 # draft probabilities (proposers/combined.py); none and draft run alone.
 COMBINABLE_PROPOSERS = ("ngram", "suffix", "eagle3")
+# Proposers that draft trees with --draft-tree-width (proposers/trees.py); `draft` verifies with its own
+# probabilities, which a tree's siblings would need corrected.
+TREE_PROPOSERS = ("ngram", "suffix", "eagle3")
 # What `specdec serve` and `specdec worker` speculate with unless --proposer says otherwise: the best measured
 # for the default model at batch 1 (the goodput policy keeps it from costing throughput under load).
 DEFAULT_PROPOSER = "suffix"
@@ -136,6 +139,9 @@ class WorkerConfig:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.draft_tree_width < 1:
             raise ValueError(f"draft_tree_width must be >= 1, got {self.draft_tree_width}")
+        if self.draft_tree_width > 1 and not set(self.proposer_names) & set(TREE_PROPOSERS):
+            raise ValueError(f"draft trees (draft_tree_width {self.draft_tree_width}) need a proposer that drafts "
+                             f"them ({', '.join(TREE_PROPOSERS)}), got {self.proposer!r}")
         if self.draft_tree_width > 1 and self.scorer != "multi_query":
             raise ValueError(f"draft trees (draft_tree_width {self.draft_tree_width}) need the multi_query scorer, "
                              f"got {self.scorer}")

@@ -183,6 +183,8 @@ def test_the_flag_reaches_the_config_and_bad_values_are_refused():
     assert parser.parse_args([]).draft_tree_width == 1
     with pytest.raises(ValueError, match="draft_tree_width must be >= 1"):
         WorkerConfig(model="model", proposer="suffix", num_speculative_tokens=8, draft_tree_width=0)
+    with pytest.raises(ValueError, match="need a proposer that drafts them"):
+        WorkerConfig(model="model", proposer="draft", draft_model="d", num_speculative_tokens=8, draft_tree_width=2)
     with pytest.raises(ValueError, match="need the multi_query scorer"):
         WorkerConfig(model="model", proposer="suffix", num_speculative_tokens=8, draft_tree_width=2,
                      scorer="batch_expansion")
