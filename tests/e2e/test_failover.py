@@ -108,12 +108,15 @@ STEP_TIMEOUT_S = 3.0
 
 
 @pytest.mark.parametrize("how, proposer", [("SIGKILL", "ngram"), ("SIGSTOP", "ngram"), ("SIGTERM", "ngram"),
-                                           ("SIGKILL", "eagle3,suffix")])
+                                           ("SIGKILL", "eagle3,suffix"), ("SIGKILL", "eagle3,suffix tree")])
 def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, tiny_eagle3_head, reference, how, proposer):
     """Killed (its stream fails), stopped (no step result: the step timeout finds it) or terminated (it finishes
     its step in flight and leaves): its requests move and every stream completes exactly; then a worker
-    restarted at the same address takes work again. With an EAGLE-3 head and suffix at once too."""
-    args = [*WORKER_ARGS[:2], "--proposer", proposer, "--num-speculative-tokens", "3"]
+    restarted at the same address takes work again. With an EAGLE-3 head and suffix at once too, drafting
+    chains or trees."""
+    args = [*WORKER_ARGS[:2], "--proposer", proposer.split()[0], "--num-speculative-tokens", "3"]
+    if proposer.endswith("tree"):
+        args += ["--draft-tree-width", "2"]
     if "eagle3" in proposer:
         args += ["--draft-model", str(tiny_eagle3_head)]
     workers = [start_worker(tiny_pair, args=args) for _ in range(2)]
