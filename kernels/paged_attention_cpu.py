@@ -40,13 +40,22 @@ def kernel():
 
 
 def bind(library: ctypes.CDLL):
-    """The C function of a loaded build of kernels/csrc/paged_attention_cpu.c, its signature declared."""
+    """The C function of a loaded build of kernels/csrc/paged_attention_cpu.c, its signature declared. A build
+    from before draft trees (bench/bench_kernel_revisions.py builds old revisions) is wrapped to take the same
+    arguments, and refuses trees."""
     function = library.specdec_paged_attention
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    function.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
-                         i32, i32, i32, i32, i32, ctypes.c_float, ptr, ptr, ptr, ptr, i64, i32]
+    causal = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float]
     function.restype = i32
-    return function
+    if hasattr(library, "specdec_paged_attention_takes_trees"):
+        function.argtypes = [*causal, ptr, ptr, ptr, ptr, i64, i32]
+        return function
+    function.argtypes = [*causal, i32]
+
+    def without_trees(*args):
+        assert not any(args[len(causal):-1]), "this build of the attention kernel predates draft trees"
+        return function(*args[:len(causal)], args[-1])
+    return without_trees
 
 
 def available() -> bool:

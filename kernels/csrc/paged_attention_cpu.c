@@ -432,6 +432,9 @@ static void combine_row(const struct Args *a, const float *partial, int64_t part
     store_row(a->dtype, a->out, out_offset, D, acc);
 }
 
+/* Present in builds that take draft trees (the five tree arguments below): a binding can tell an older build. */
+int specdec_paged_attention_takes_trees(void) { return 1; }
+
 /* Returns 0, -1 for a head_dim above MAX_HEAD_DIM (the caller checks first), -2 when scratch memory cannot
  * be had. */
 int specdec_paged_attention(int dtype, const void *query, int64_t q_stride_t, int64_t q_stride_h,
