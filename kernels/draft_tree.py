@@ -63,7 +63,7 @@ class DraftTrees:
             ctx_start = seq_lens[b] - (end - start)
             prefix_lens.append(0 if chain else ctx_start)
             paths += [None] * (end - start) if chain else [[ctx_start + r for r in rows[t]] for t in range(start, end)]
-        return DraftTrees.from_paths([start for start in query_start_loc[:-1]], prefix_lens, paths)
+        return DraftTrees.from_paths(query_start_loc[:-1], prefix_lens, paths)
 
     @staticmethod
     def from_paths(query_starts: list[int], prefix_lens: list[int], paths: list[list[int] | None]) -> "DraftTrees":

@@ -22,6 +22,7 @@ import torch
 from kernels.rejection_sampler import race
 from kernels.tree_acceptance import accept_tree
 from worker_service.keyed_random import STREAM_TOKEN, keyed_exponential
+from worker_service.proposers.trees import row_depths
 from worker_service.rejection_sampler import RejectionSampler
 from worker_service.request_state import RequestState
 from worker_service.sampling import logits_to_probs, sampling_tensors
@@ -62,18 +63,19 @@ def _accept_trees(states: list[RequestState], logits: torch.Tensor, drafts: list
                   parents: list[list[int] | None]) -> tuple[list[list[int]], list[list[int]]]:
     """Every row's keyed sample y (argmax for greedy), at its position num_tokens + depth; then each sequence's
     accepted path (a chain is the tree whose parents are the previous rows)."""
-    tree_parents = [[-1, *(p if p is not None else range(len(d)))] for d, p in zip(drafts, parents)]
-    depths = [_depths(p) for p in tree_parents]
+    draft_parents = [p if p is not None else list(range(len(d))) for d, p in zip(drafts, parents)]
+    tree_parents = [[-1, *p] for p in draft_parents]
+    depths = [row_depths(p) for p in draft_parents]
     row_params = [s.sampling for s, p in zip(states, tree_parents) for _ in p]
     targets = logits.argmax(dim=-1)  # [N]
     sampled = [i for i, params in enumerate(row_params) if not params.is_greedy]
     if sampled:
         row_states = [s for s, p in zip(states, tree_parents) for _ in p]
-        row_depths = [d for seq_depths in depths for d in seq_depths]
+        depth_of_row = [d for seq_depths in depths for d in seq_depths]
         index = torch.tensor(sampled, device=logits.device)  # [R]
         probs = logits_to_probs(logits[index], *sampling_tensors([row_params[i] for i in sampled], logits.device))
         noise = keyed_exponential([row_states[i].sampling.seed for i in sampled],
-                                  [row_states[i].num_tokens + row_depths[i] for i in sampled], STREAM_TOKEN,
+                                  [row_states[i].num_tokens + depth_of_row[i] for i in sampled], STREAM_TOKEN,
                                   logits.shape[-1], logits.device)  # [R, V]
         targets[index] = race(probs, noise)  # [R]
     targets_host, token_ids, paths, offset = targets.tolist(), [], [], 0
@@ -83,13 +85,6 @@ def _accept_trees(states: list[RequestState], logits: torch.Tensor, drafts: list
         paths.append(path)
         offset += len(seq_parents)
     return token_ids, paths
-
-
-def _depths(parents: list[int]) -> list[int]:
-    depths = []
-    for parent in parents:
-        depths.append(depths[parent] + 1 if parent >= 0 else 0)
-    return depths
 
 
 def _greedy(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:

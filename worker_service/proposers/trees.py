@@ -97,12 +97,17 @@ def _by_confidence(indices: list[int], chosen) -> list[int]:
     return sorted(indices, key=lambda i: -chosen[i][2])  # stable: ties keep the order they were chosen in
 
 
-def tree_depth(parents: list[int]) -> int:
-    """The most drafts one step of this tree can accept (its deepest node's depth)."""
+def row_depths(parents: list[int]) -> list[int]:
+    """The depth of each row: the root's 0, then each draft's (its parent's + 1)."""
     depths = [0]
     for parent in parents:
         depths.append(depths[parent] + 1)
-    return max(depths)
+    return depths
+
+
+def tree_depth(parents: list[int]) -> int:
+    """The most drafts one step of this tree can accept (its deepest node's depth)."""
+    return max(row_depths(parents))
 
 
 def chain_length(parents: list[int]) -> int:
