@@ -41,7 +41,10 @@ CONFIGS = {
                            "--num-kv-blocks", "24"],
     "draft-async-preempt": ["--proposer", "draft", "--num-speculative-tokens", "3", "--scheduling", "async",
                             "--num-kv-blocks", "24"],
-    "suffix-sync": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "sync"],
+    # fixed k: the goodput policy may keep k at 0 on a loaded machine (its measured step times) before the
+    # tiny model's output repeats enough for suffix to match, and drafted > 0 is asserted
+    "suffix-sync": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "sync",
+                    "--speculation-policy", "fixed"],
     "suffix-async-preempt": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "async",
                              "--num-kv-blocks", "24"],
     "eagle3-async-preempt": ["--proposer", "eagle3", "--num-speculative-tokens", "3", "--scheduling", "async",
