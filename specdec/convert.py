@@ -22,12 +22,13 @@ def step_request_to_proto(r: step.StepRequest) -> pb.ExecuteModelRequest:
     new = [pb.NewRequest(request_id=n.request_id, token_ids=n.token_ids, num_prompt_tokens=n.num_prompt_tokens,
                          sampling=_sampling_to_proto(n.sampling), block_ids=n.block_ids,
                          num_new_tokens=n.num_new_tokens, num_speculative_tokens=n.num_speculative_tokens,
-                         num_computed_tokens=n.num_computed_tokens, grammar=n.grammar)
+                         num_computed_tokens=n.num_computed_tokens, grammar=n.grammar,
+                         draft_tree_width=n.draft_tree_width)
            for n in r.new_requests]
     cached = [pb.CachedRequest(request_id=c.request_id, new_block_ids=c.new_block_ids,
                                num_blocks_kept=c.num_blocks_kept, num_new_tokens=c.num_new_tokens,
                                num_speculative_tokens=c.num_speculative_tokens,
-                               forced_drafts_only=c.forced_drafts_only)
+                               forced_drafts_only=c.forced_drafts_only, draft_tree_width=c.draft_tree_width)
               for c in r.cached_requests]
     return pb.ExecuteModelRequest(step_id=r.step_id, new_requests=new, cached_requests=cached,
                                   finished_request_ids=r.finished_request_ids)
@@ -40,12 +41,13 @@ def step_request_from_proto(m: pb.ExecuteModelRequest) -> step.StepRequest:
                            sampling=_sampling_from_proto(n.sampling, n.request_id),
                            block_ids=list(n.block_ids), num_new_tokens=n.num_new_tokens,
                            num_speculative_tokens=n.num_speculative_tokens,
-                           num_computed_tokens=n.num_computed_tokens, grammar=n.grammar)
+                           num_computed_tokens=n.num_computed_tokens, grammar=n.grammar,
+                           draft_tree_width=n.draft_tree_width)
            for n in m.new_requests]
     cached = [step.CachedRequest(request_id=c.request_id, new_block_ids=list(c.new_block_ids),
                                  num_blocks_kept=c.num_blocks_kept, num_new_tokens=c.num_new_tokens,
                                  num_speculative_tokens=c.num_speculative_tokens,
-                                 forced_drafts_only=c.forced_drafts_only)
+                                 forced_drafts_only=c.forced_drafts_only, draft_tree_width=c.draft_tree_width)
               for c in m.cached_requests]
     return step.StepRequest(step_id=m.step_id, new_requests=new, cached_requests=cached,
                             finished_request_ids=list(m.finished_request_ids))
@@ -56,7 +58,7 @@ def step_result_to_proto(r: step.StepResult) -> pb.ExecuteModelResponse:
                                  num_draft_tokens=o.num_draft_tokens, num_accepted_tokens=o.num_accepted_tokens,
                                  num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer,
                                  num_forced_tokens_next=o.num_forced_tokens_next,
-                                 draft_tree_depth=o.draft_tree_depth,
+                                 draft_tree_depth=o.draft_tree_depth, accepted_draft_ranks=o.accepted_draft_ranks,
                                  next_draft=None if o.next_draft is None else pb.DraftPreview(
                                      num_drafts=o.next_draft.num_drafts, match_length=o.next_draft.match_length))
                for o in r.outputs]
@@ -73,6 +75,7 @@ def step_result_from_proto(m: pb.ExecuteModelResponse) -> step.StepResult:
                                    num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer,
                                    num_forced_tokens_next=o.num_forced_tokens_next,
                                    draft_tree_depth=o.draft_tree_depth,
+                                   accepted_draft_ranks=list(o.accepted_draft_ranks),
                                    next_draft=step.DraftPreview(o.next_draft.num_drafts, o.next_draft.match_length)
                                    if o.HasField("next_draft") else None)
                for o in m.outputs]

@@ -59,6 +59,7 @@ class NewRequest:
     num_speculative_tokens: int = 0  # this step's k (lookahead slots reserved); the worker may propose fewer
     num_computed_tokens: int = 0  # KV already in the first blocks (a prefix-cache hit); computing starts here
     grammar: str = ""             # the output's constraint, as llguidance compiles it ("": unconstrained)
+    draft_tree_width: int = 0     # this step's most children per draft (CachedRequest)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class CachedRequest:
     num_new_tokens: int
     num_speculative_tokens: int = 0  # this step's k, sent every step
     forced_drafts_only: bool = False  # k is for the constraint's forced tokens: no proposer call
+    draft_tree_width: int = 0     # this step's most children per draft (1: a chain; 0: the worker's own width)
 
 
 @dataclass
@@ -101,11 +103,7 @@ class SequenceOutput:
     num_forced_tokens_next: int = 0  # tokens the constraint forces after the emitted ones (at most k)
     next_draft: DraftPreview | None = None  # a copying proposer's draft for the next step (None: no preview)
     draft_tree_depth: int = 0  # the drafts formed a tree this deep (num_draft_tokens: its nodes); 0: a chain
-
-    @property
-    def num_draft_positions(self) -> int:
-        """Draft positions offered: a chain's drafts, a tree's depth."""
-        return self.draft_tree_depth or self.num_draft_tokens
+    accepted_draft_ranks: list[int] = field(default_factory=list)  # a tree's accepted nodes' ranks (1: likeliest)
 
 
 @dataclass

@@ -25,6 +25,7 @@ class RequestState:
     block_table: list[int]
     num_speculative_tokens: int   # this step's k (the scheduler's lookahead slots); drafts may be fewer
     forced_drafts_only: bool = False  # this step's k is for the constraint's forced tokens: no proposer
+    draft_tree_width: int = 0     # this step's most children per draft (1: a chain; 0: the proposer's own width)
     num_computed_tokens: int = 0  # target KV written for token_ids[:num_computed_tokens]
     num_draft_computed_tokens: int = 0  # the same for the draft model's KV
     scheduled_new_tokens: int = field(default=0, repr=False)  # this step's chunk size
@@ -80,7 +81,7 @@ def new_state(r: step.NewRequest, vocab_size: int, num_blocks: int) -> RequestSt
                         num_speculative_tokens=r.num_speculative_tokens, scheduled_new_tokens=r.num_new_tokens,
                         # A prefix-cache hit: the blocks hold every model's KV of these positions.
                         num_computed_tokens=r.num_computed_tokens, num_draft_computed_tokens=r.num_computed_tokens,
-                        grammar=r.grammar)
+                        grammar=r.grammar, draft_tree_width=r.draft_tree_width)
 
 
 def check_cached(c: step.CachedRequest, state: RequestState | None, num_blocks: int) -> None:
@@ -102,15 +103,19 @@ def apply_cached(c: step.CachedRequest, state: RequestState) -> None:
     state.scheduled_new_tokens = c.num_new_tokens
     state.num_speculative_tokens = c.num_speculative_tokens
     state.forced_drafts_only = c.forced_drafts_only
+    state.draft_tree_width = c.draft_tree_width
 
 
 def check_schedulable(state: RequestState, block_size: int, max_model_len: int,
-                      max_num_speculative_tokens: int) -> None:
-    """The chunk fits the known tokens, k is within the worker's, and the block table covers the chunk
-    (plus k lookahead slots for a decode)."""
+                      max_num_speculative_tokens: int, max_draft_tree_width: int = 1) -> None:
+    """The chunk fits the known tokens, k and the tree width are within the worker's, and the block table
+    covers the chunk (plus k lookahead slots for a decode)."""
     if state.num_speculative_tokens > max_num_speculative_tokens:
         raise InvalidStepError(f"request {state.request_id!r}: num_speculative_tokens {state.num_speculative_tokens} "
                                f"exceeds this worker's {max_num_speculative_tokens}")
+    if not 0 <= state.draft_tree_width <= max(max_draft_tree_width, 1):
+        raise InvalidStepError(f"request {state.request_id!r}: draft_tree_width {state.draft_tree_width} is outside "
+                               f"[0, {max(max_draft_tree_width, 1)}] (this worker's --draft-tree-width)")
     pending = state.num_tokens - state.num_computed_tokens
     if not 1 <= state.scheduled_new_tokens <= pending:
         raise InvalidStepError(f"request {state.request_id!r}: num_new_tokens {state.scheduled_new_tokens} must be "

@@ -83,7 +83,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_blocks_capacity=config.kv_cache_memory_bytes // bytes_per_block,
             eos_token_ids=eos_ids, dtype=config.dtype, proposer=config.proposer,
             max_num_speculative_tokens=worker.max_num_speculative_tokens, draft_model_id=config.draft_model or "",
-            scorer=config.scorer, device=config.device)
+            scorer=config.scorer, device=config.device, max_draft_tree_width=worker.max_draft_tree_width)
 
     def InitCache(self, request, context):
         """Starts a scheduler session: allocates the KV cache, drops every request; the worker then reports

@@ -6,6 +6,7 @@ with any number of drafts — run in ONE target forward pass; the batch is never
 split into a speculative and a non-speculative pass.
 """
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -152,19 +153,17 @@ class Worker:
             news.append(new_state(r, self.target.vocab_size, self.num_blocks))
         for c in request.cached_requests:
             check_cached(c, staged.get(c.request_id), self.num_blocks)
-        originals = {c.request_id: (staged[c.request_id].block_table, staged[c.request_id].scheduled_new_tokens,
-                                    staged[c.request_id].num_speculative_tokens,
-                                    staged[c.request_id].forced_drafts_only) for c in request.cached_requests}
+        originals = {c.request_id: dataclasses.replace(staged[c.request_id]) for c in request.cached_requests}
         for c in request.cached_requests:
             apply_cached(c, staged[c.request_id])
         scheduled = news + [staged[c.request_id] for c in request.cached_requests]
         try:
             for state in scheduled:
-                check_schedulable(state, self.block_size, self.max_model_len, self.max_num_speculative_tokens)
+                check_schedulable(state, self.block_size, self.max_model_len, self.max_num_speculative_tokens,
+                                  self.max_draft_tree_width)
         except InvalidStepError:
-            for rid, (table, num_new, k, forced_only) in originals.items():  # roll back: the step is rejected whole
-                staged[rid].block_table, staged[rid].scheduled_new_tokens = table, num_new
-                staged[rid].num_speculative_tokens, staged[rid].forced_drafts_only = k, forced_only
+            for rid, original in originals.items():  # roll back: the step is rejected whole
+                vars(staged[rid]).update(vars(original))
             raise
         self._release(finished)
         self.requests.update({s.request_id: s for s in news})
@@ -177,6 +176,11 @@ class Worker:
     def max_num_speculative_tokens(self) -> int:
         """The most drafts per sequence and step this worker proposes (its K; 0 without a proposer)."""
         return self.config.num_speculative_tokens if self.proposer is not None else 0
+
+    @property
+    def max_draft_tree_width(self) -> int:
+        """The most children per draft the scheduler may ask for (1: chains only)."""
+        return self.config.draft_tree_width if self.proposer is not None else 1
 
     def _num_drafts(self, state: RequestState) -> int:
         """The drafts to ask of the proposer: the scheduler's k for a decode, fewer only near max_model_len."""
@@ -197,10 +201,12 @@ class Worker:
         num_drafts = [0 if f or s.forced_drafts_only else k for s, k, f in zip(scheduled, num_slots, forced)]
         drafts, draft_probs, sources = [[] for _ in scheduled], None, None
         parents: list[list[int] | None] = [None] * len(scheduled)  # per sequence, a tree's parent rows
+        ranks: list[list[int] | None] = [None] * len(scheduled)    # ... and the order its rows were chosen in
         if any(num_drafts):  # every k = 0: a plain step, the proposer is not called
             proposal = self.proposer.propose(scheduled, num_drafts)
             drafts, draft_probs, sources = proposal.draft_token_ids, proposal.draft_probs, proposal.sources
             parents = proposal.parents or parents
+            ranks = [proposal.ranks_of(i) for i in range(len(scheduled))]
         proposed, proposed_parents = drafts, parents
         if is_constrained:  # a constrained sequence drafts the tree's first chain (masks follow one prefix)
             drafts, parents = list(drafts), list(parents)
@@ -231,6 +237,8 @@ class Worker:
                 out.proposer = sources[i] if sources is not None else self.config.proposer
             if parents[i] is not None:
                 out.draft_tree_depth = tree_depth(parents[i])
+                order = ranks[i] or range(1, len(parents[i]) + 1)  # a proposer that gave none: rows in order
+                out.accepted_draft_ranks = [order[path_row - 1] for path_row in result.paths[row]]
         t_after = time.perf_counter()
         if self.proposer is not None:  # positions committed this step: the chunk's tokens and accepted drafts
             self.proposer.after_step(scheduled, chunks, [s.num_computed_tokens - c.start_pos

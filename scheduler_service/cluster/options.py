@@ -99,5 +99,6 @@ def scheduler_config(opts: SchedulerOptions, info) -> SchedulerConfig:
                            num_speculative_tokens=k if info.proposer != "none" else 0,
                            speculative_disable_queue_size=opts.speculative_disable_queue_size,
                            speculation_policy=opts.speculation_policy,
+                           max_draft_tree_width=max(info.max_draft_tree_width, 1),
                            scheduling=opts.scheduling, enable_prefix_caching=opts.enable_prefix_caching,
                            kv_cache_facts=(info.model_id, info.dtype, info.proposer, info.draft_model_id))

@@ -23,6 +23,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0                   # server k; 0 = no speculation
     speculative_disable_queue_size: int | None = None  # None = never auto-disable
     speculation_policy: str = "goodput"
+    max_draft_tree_width: int = 1                     # the worker's --draft-tree-width (1: chains only)
     scheduling: str = "sync"
     enable_prefix_caching: bool = True
     # What besides the tokens makes the worker's KV what it is (model, dtype, draft model): the root of the

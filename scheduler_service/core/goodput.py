@@ -39,6 +39,30 @@ policy drafts the full k (optimism gives the fit the varied row counts it needs)
 Acceptance: `AcceptanceEstimate` keeps exponentially decayed counts of drafts
 tried and accepted per position, per sequence (recent history, decay 0.8 per
 speculating step) and per worker (the prior of a new sequence, decay 0.99).
+
+Draft trees (a worker with --draft-tree-width W > 1). A sequence may instead
+draft a tree of at most k nodes, grown best-first (worker_service/proposers/
+trees.py): the tree of budget j is the j nodes the proposer rates likeliest,
+so budget j adds the j-th ranked node, whose value is the probability that
+it lies on the accepted path. `TreeAcceptance` learns that value per rank
+from the ranks of the accepted nodes the worker reports
+(SequenceOutput.accepted_draft_ranks), and how often a tree has a j-th node
+at all. A tree's increment j then adds q_j v_j tokens for q_j rows: nodes
+are priced as rows, whatever their depth, and its expected accepted length
+sum_j q_j v_j is that of the tree (each accepted node is one accepted
+token). Before a worker has seen trees, a tree's values are the chain's
+(the likeliest chain is a tree of that budget, and a calibrated proposer's
+best j nodes are worth at least as much).
+
+Chain or tree, per sequence (`choose_drafts`): each of a sequence's two
+curves is worth its surplus at a token rate r, max_k sum_{j<=k} (gain_j -
+r cost_j); the sequence takes the curve worth more (a tree on a tie), first at
+the rate of a plain step, then at the goodput that choice reaches, and k
+is chosen over the taken curves as above. A tree of one node is the chain of
+one draft. So where extra nodes cost more than they return the sequence
+gets a chain or k = 0, and where rows are cheap and the first guess is often
+wrong (the second ranked node, a sibling, is worth more than the chain's
+second draft) a tree.
 """
 
 from dataclasses import dataclass, field
@@ -74,10 +98,7 @@ class AcceptanceEstimate:
         if num_requested <= 0:
             return
         d = self.decay
-        grow = num_requested - len(self.num_requested)
-        if grow > 0:
-            for counts in (self.num_requested, self.num_delivered, self.num_tried, self.num_accepted):
-                counts += [0.0] * grow
+        _grow(num_requested, self.num_requested, self.num_delivered, self.num_tried, self.num_accepted)
         for m in range(len(self.num_requested)):
             self.num_requested[m] = d * self.num_requested[m] + (m < num_requested)
             self.num_delivered[m] = d * self.num_delivered[m] + (m < num_drafts)
@@ -96,6 +117,47 @@ class AcceptanceEstimate:
         if position >= len(self.num_requested) or self.num_requested[position] + weight <= 0:
             return prior
         return (self.num_delivered[position] + weight * prior) / (self.num_requested[position] + weight)
+
+
+@dataclass
+class TreeAcceptance:
+    """Decayed counts, per node rank (the j-th node a best-first tree chose), of tree steps whose budget allowed
+    it / whose tree had it / whose accepted path held it (module docstring: Draft trees)."""
+
+    decay: float = SEQUENCE_DECAY
+    num_requested: list[float] = field(default_factory=list)
+    num_delivered: list[float] = field(default_factory=list)
+    num_accepted: list[float] = field(default_factory=list)
+
+    def observe(self, num_requested: int, num_nodes: int, accepted_ranks: list[int]) -> None:
+        """One tree step with a budget of `num_requested` nodes: the tree had `num_nodes`, and its accepted path
+        the nodes of these ranks (1-based)."""
+        if num_requested <= 0:
+            return
+        d, accepted = self.decay, set(accepted_ranks)
+        _grow(num_requested, self.num_requested, self.num_delivered, self.num_accepted)
+        for m in range(len(self.num_requested)):
+            self.num_requested[m] = d * self.num_requested[m] + (m < num_requested)
+            self.num_delivered[m] = d * self.num_delivered[m] + (m < num_nodes)
+            self.num_accepted[m] = d * self.num_accepted[m] + (m + 1 in accepted)
+
+    def value(self, rank: int, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        """P(the node of this rank (0-based) is accepted | the tree has it), shrunk towards `prior`."""
+        if rank >= len(self.num_delivered):
+            return prior
+        return (self.num_accepted[rank] + weight * prior) / (self.num_delivered[rank] + weight)
+
+    def delivery(self, rank: int, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        """P(the tree has a node of this rank | the budget allowed it), shrunk towards `prior`."""
+        if rank >= len(self.num_requested):
+            return prior
+        return (self.num_delivered[rank] + weight * prior) / (self.num_requested[rank] + weight)
+
+
+def _grow(n: int, *counts: list[float]) -> None:
+    """Extends each list of per-position counts with zeros to length n."""
+    for c in counts:
+        c += [0.0] * (n - len(c))
 
 
 @dataclass(frozen=True)
@@ -206,6 +268,10 @@ class Candidate:
     num_context_tokens: int         # context the sequence's query rows attend to
     delivery: tuple[float, ...]     # q_1..q_cap: P(the proposer drafts a token at that position)
     acceptance: tuple[float, ...]   # a_1..a_cap: conditional acceptance by position
+    # Where it may draft a tree instead (module docstring: Draft trees), per node rank: P(the tree has it) and
+    # P(it is accepted | the tree has it). Empty: chains only.
+    tree_delivery: tuple[float, ...] = ()
+    tree_value: tuple[float, ...] = ()
 
 
 def expected_accepted(candidate: Candidate, k: int) -> float:
@@ -219,22 +285,85 @@ def expected_accepted(candidate: Candidate, k: int) -> float:
 
 def choose_num_drafts(candidates: list[Candidate], cost: CostCoefficients, num_prefill_rows: int,
                       num_prefill_seqs: int, num_base_tokens: float) -> list[int]:
-    """The k per candidate maximising G(k) (module docstring); the step also runs prefill chunks.
+    """The k per candidate maximising G(k) (module docstring) with chains; the step also runs prefill chunks.
 
     num_base_tokens: tokens the step emits with k = 0 for all (N).
     """
+    return _select([_chain_curve(c) for c in candidates], candidates, cost, num_prefill_rows, num_prefill_seqs,
+                   num_base_tokens)[0]
+
+
+def choose_drafts(candidates: list[Candidate], cost: CostCoefficients, num_prefill_rows: int,
+                  num_prefill_seqs: int, num_base_tokens: float) -> tuple[list[int], list[bool]]:
+    """The k per candidate, and whether it drafts a tree (module docstring: Chain or tree, per sequence)."""
+    chains = [_chain_curve(c) for c in candidates]
+    trees = [_tree_curve(c) for c in candidates]
+    is_tree = [False] * len(candidates)
+    if not any(trees):
+        return choose_num_drafts(candidates, cost, num_prefill_rows, num_prefill_seqs, num_base_tokens), is_tree
+    base_ms = _base_step_ms(candidates, cost, num_prefill_rows, num_prefill_seqs)
+    rate = num_base_tokens / max(base_ms, 1e-9)
+    for _ in range(2):  # at a plain step's rate, then at the goodput that choice reaches
+        is_tree = [bool(tree) and _surplus(tree, rate, _row_ms(c, cost)) >= _surplus(chain, rate, _row_ms(c, cost))
+                   for c, chain, tree in zip(candidates, chains, trees)]
+        ks, rate = _select([t if tree_taken else ch for ch, t, tree_taken in zip(chains, trees, is_tree)],
+                           candidates, cost, num_prefill_rows, num_prefill_seqs, num_base_tokens)
+    return ks, [tree_taken and k > 1 for tree_taken, k in zip(is_tree, ks)]
+
+
+def _chain_curve(c: Candidate) -> list[tuple[float, float]]:
+    """Per draft increment j: (accepted tokens it adds, P(a draft comes) = rows it adds)."""
+    curve, survive = [], 1.0
+    for q, a in zip(c.delivery[:c.cap], c.acceptance[:c.cap]):
+        survive *= a
+        if survive <= 0.0:
+            break
+        curve.append((q * survive, q))
+    return curve
+
+
+def _tree_curve(c: Candidate) -> list[tuple[float, float]]:
+    """Per node increment j: (q_j v_j, q_j), the values kept non-increasing (a later rank is chosen as no
+    likelier than an earlier one; a noisy estimate must not make a larger budget look better per row)."""
+    curve, ceiling = [], 1.0
+    for q, v in zip(c.tree_delivery[:c.cap], c.tree_value[:c.cap]):
+        ceiling = min(ceiling, v)
+        if ceiling <= 0.0:
+            break
+        curve.append((q * ceiling, q))
+    return curve
+
+
+def _row_ms(c: Candidate, cost: CostCoefficients) -> float:
+    return cost.c_row + cost.c_ctx * c.num_context_tokens / CONTEXT_SCALE
+
+
+def _surplus(curve: list[tuple[float, float]], rate: float, row_ms: float) -> float:
+    """max_k sum_{j<=k} (gain_j - rate * cost_j): what the curve is worth at this token rate."""
+    best = total = 0.0
+    for gain, rows in curve:
+        total += gain - rate * rows * row_ms
+        best = max(best, total)
+    return best
+
+
+def _base_step_ms(candidates: list[Candidate], cost: CostCoefficients, num_prefill_rows: int,
+                  num_prefill_seqs: int) -> float:
     attended = sum(c.num_context_tokens for c in candidates)
-    step_ms = cost.step_ms(len(candidates), num_prefill_rows, num_prefill_seqs + len(candidates), attended)
+    return cost.step_ms(len(candidates), num_prefill_rows, num_prefill_seqs + len(candidates), attended)
+
+
+def _select(curves: list[list[tuple[float, float]]], candidates: list[Candidate], cost: CostCoefficients,
+            num_prefill_rows: int, num_prefill_seqs: int, num_base_tokens: float) -> tuple[list[int], float]:
+    """The prefix of all increments, sorted by gain per ms, with the highest goodput; (k per curve, goodput)."""
+    step_ms = _base_step_ms(candidates, cost, num_prefill_rows, num_prefill_seqs)
     increments = []   # (gain per ms, candidate index, gain, cost in ms)
-    for i, c in enumerate(candidates):
-        row_ms = cost.c_row + cost.c_ctx * c.num_context_tokens / CONTEXT_SCALE
-        survive = 1.0
-        for q, a in zip(c.delivery[:c.cap], c.acceptance[:c.cap]):
-            survive *= a
-            if survive <= 0.0:
-                break
-            ratio = survive / row_ms if row_ms > 0 else float("inf")
-            increments.append((ratio, i, q * survive, q * row_ms))
+    for i, (c, curve) in enumerate(zip(candidates, curves)):
+        row_ms = _row_ms(c, cost)
+        for gain, rows in curve:
+            value = gain / rows if rows > 0 else 0.0  # per row it adds: a draft's acceptance, a node's value
+            ratio = value / row_ms if row_ms > 0 else float("inf")
+            increments.append((ratio, i, gain, rows * row_ms))
     increments.sort(key=lambda item: -item[0])  # stable: each sequence's positions stay in order
     tokens, best, best_len = num_base_tokens, num_base_tokens / max(step_ms, 1e-9), 0
     for n, (_, _, gain, row_ms) in enumerate(increments, start=1):
@@ -246,4 +375,4 @@ def choose_num_drafts(candidates: list[Candidate], cost: CostCoefficients, num_p
     ks = [0] * len(candidates)
     for _, i, _, _ in increments[:best_len]:
         ks[i] += 1
-    return ks
+    return ks, best

@@ -29,7 +29,15 @@ never more. Two policies (SPECULATION_POLICIES in config.py):
   and no probe). With a step in flight (async) it describes the draft of
   the step before, so delivery is learnt per class too, apart from the
   fresh ones.
-- "fixed": every decoding sequence gets its full cap.
+  With draft trees (the worker's --draft-tree-width W > 1) it also chooses,
+  per sequence and step, a chain (width 1) or a tree of up to W children per
+  node (StepPlan.tree_widths; goodput.py, Draft trees): it learns each
+  sequence's tree values per node rank from its tree steps, its chain
+  acceptance from its chain steps, and a sequence that has drafted chains
+  for TREE_PROBE_INTERVAL steps drafts one tree, so a tree that lost once
+  is tried again. Constrained requests draft chains (the worker masks one
+  prefix per position).
+- "fixed": every decoding sequence gets its full cap (and the worker's width).
 
 Both keep the seed design's hard limit: with more than
 `speculative_disable_queue_size` running requests every k is 0 (the worker
@@ -39,13 +47,14 @@ then runs a plain step), and speculation resumes once the load falls.
 from dataclasses import dataclass, field
 
 from scheduler_service.core.goodput import (INITIAL_ACCEPTANCE, SEQUENCE_DECAY, WORKER_DECAY, AcceptanceEstimate,
-                                            Candidate, StepCostModel, choose_num_drafts)
+                                            Candidate, StepCostModel, TreeAcceptance, choose_drafts)
 from scheduler_service.core.request import Request
 from specdec.structured import FORCED_PROPOSER
 
 DEFAULT_PROBE_INTERVAL = 16
 MAX_PROBE_INTERVAL = 256
 PROBE_ALIGNMENT = 8  # probes fall on steps numbered a multiple of this: short requests still get theirs
+TREE_PROBE_INTERVAL = 16  # a sequence drafting chains drafts a tree after this many chain steps
 
 
 @dataclass
@@ -57,6 +66,8 @@ class StepPlan:
     forced_only: set[str] = field(default_factory=set)
     # (match class, fresh) of the preview each request's k was planned on: observe_sequence learns from it
     matches: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    # draft_tree_width per request (1: a chain; W: a tree); absent: 0, the worker's own --draft-tree-width
+    tree_widths: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,7 +109,8 @@ class SpeculationPolicy:
     """Decides every sequence's k for every step, and learns from what the steps returned."""
 
     def __init__(self, num_speculative_tokens: int, speculative_disable_queue_size: int | None,
-                 policy: str = "goodput", probe_interval: int = DEFAULT_PROBE_INTERVAL) -> None:
+                 policy: str = "goodput", probe_interval: int = DEFAULT_PROBE_INTERVAL,
+                 max_draft_tree_width: int = 1) -> None:
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.num_speculative_tokens = num_speculative_tokens
@@ -112,6 +124,8 @@ class SpeculationPolicy:
         self.worker_acceptance_by_proposer: dict[str, AcceptanceEstimate] = {}
         # With previews: delivery and acceptance learnt per (match_class, fresh) of the preview planned on.
         self.acceptance_by_match: dict[tuple[int, bool], AcceptanceEstimate] = {}
+        self.max_draft_tree_width = max_draft_tree_width
+        self.worker_tree_acceptance = TreeAcceptance(decay=WORKER_DECAY)  # every sequence's tree prior
 
     def is_disabled_for_step(self, num_running: int) -> bool:
         """Whether the running-queue size switches speculation off for a step."""
@@ -142,11 +156,13 @@ class SpeculationPolicy:
             return StepPlan({r.request_id: cap for r, cap in zip(decodes, caps)})
         matches = [_match_key(r) for r in decodes]
         candidates = [self._candidate(r, cap, match) for r, cap, match in zip(decodes, caps, matches)]
-        ks = choose_num_drafts(candidates, cost, other.num_prefill_rows, other.num_seqs,
-                               num_base_tokens=len(decodes))
+        ks, trees = choose_drafts(candidates, cost, other.num_prefill_rows, other.num_seqs,
+                                  num_base_tokens=len(decodes))
         plan = StepPlan({})
         self.num_planned_steps += 1
-        for request, cap, k, match in zip(decodes, caps, ks, matches):
+        for request, cap, k, match, tree in zip(decodes, caps, ks, matches, trees):
+            if self.max_draft_tree_width > 1:  # a constrained request drafts a chain (the worker masks one prefix)
+                plan.tree_widths[request.request_id] = 1 if request.grammar else self._tree_width(request, k, tree)
             estimate = self._estimate(request)
             interval = estimate.probe_interval or self.probe_interval
             no_drafts = match is not None and match[1] and request.next_draft.num_drafts == 0  # fresh: none come
@@ -165,6 +181,15 @@ class SpeculationPolicy:
                 k = forced
             plan.ks[request.request_id] = k
         return plan
+
+    def _tree_width(self, request: Request, k: int, is_tree: bool) -> int:
+        """The width sent with k: the worker's W for a tree, 1 for a chain; a sequence that drafted chains for
+        TREE_PROBE_INTERVAL steps drafts a tree (its tree values may have risen since it last did)."""
+        if k > 1 and not is_tree and request.num_chain_steps >= TREE_PROBE_INTERVAL:
+            is_tree = True
+        if k > 1:
+            request.num_chain_steps = 0 if is_tree else request.num_chain_steps + 1
+        return self.max_draft_tree_width if is_tree else 1
 
     def _estimate(self, request: Request) -> AcceptanceEstimate:
         if request.acceptance is None:
@@ -187,6 +212,7 @@ class SpeculationPolicy:
             # observed only in steps where that proposer drafted: depth given a first draft
             delivery = [first] + [first * estimate.delivery(m, prior.delivery(m, 1.0)) for m in range(1, cap)]
         acceptance = tuple(estimate.acceptance(m, prior.acceptance(m, INITIAL_ACCEPTANCE)) for m in range(cap))
+        tree_delivery, tree_value = self._tree_curve(request, delivery, acceptance, cap)
         if match is not None:  # the worker previewed the draft: acceptance by its match's class
             by_match = self.acceptance_by_match.get(match)
             if by_match is not None:
@@ -196,7 +222,25 @@ class SpeculationPolicy:
                 delivery = [1.0] * cap
             elif by_match is not None:
                 delivery = [by_match.delivery(m, q) for m, q in enumerate(delivery)]
-        return Candidate(cap, request.num_computed_tokens, tuple(delivery[:cap]), acceptance[:cap])
+        return Candidate(cap, request.num_computed_tokens, tuple(delivery[:cap]), acceptance[:cap],
+                         tree_delivery[:cap], tree_value[:cap])
+
+    def _tree_curve(self, request: Request, delivery, acceptance,
+                    cap: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per node rank, P(the tree has it) and its value, from the request's tree steps, shrunk towards the
+        worker's, shrunk towards the chain's draft at that position (goodput.py, Draft trees); () without
+        trees or for a constrained request."""
+        if self.max_draft_tree_width <= 1 or request.grammar:
+            return (), ()
+        own = request.tree_acceptance or TreeAcceptance()
+        worker = self.worker_tree_acceptance
+        chain_values, survive = [], 1.0
+        for a in acceptance[:cap]:
+            survive *= a
+            chain_values.append(survive)
+        tree_delivery = tuple(own.delivery(j, worker.delivery(j, q)) for j, q in enumerate(delivery[:cap]))
+        tree_value = tuple(own.value(j, worker.value(j, v)) for j, v in enumerate(chain_values))
+        return tree_delivery, tree_value
 
     def observe_sequence(self, request: Request, num_requested: int, num_drafts: int, num_accepted: int,
                          proposer: str = "", match: tuple[int, bool] | None = None) -> None:
@@ -221,6 +265,16 @@ class SpeculationPolicy:
                                          (self.worker_acceptance_by_proposer, WORKER_DECAY)):
                     estimates.setdefault(proposer, AcceptanceEstimate(decay=decay)).observe(
                         num_requested, num_drafts, num_accepted)
+
+    def observe_tree(self, request: Request, num_requested: int, num_nodes: int, accepted_ranks: list[int],
+                     proposer: str = "") -> None:
+        """A sequence's tree step: its node budget, the nodes the tree had, the ranks of the accepted ones."""
+        if request.tree_acceptance is None:
+            request.tree_acceptance = TreeAcceptance()
+        request.tree_acceptance.observe(num_requested, num_nodes, accepted_ranks)
+        self.worker_tree_acceptance.observe(num_requested, num_nodes, accepted_ranks)
+        if proposer:
+            request.last_proposer = proposer
 
     def observe_step(self, shape: StepShape, step_ms: float) -> float | None:
         """A step's measured time; returns what the model predicted for it beforehand (None: no model yet)."""

@@ -5,7 +5,7 @@ import enum
 
 from scheduler_service.core.block_hash import BlockHashes
 from scheduler_service.core.detokenizer import IncrementalDetokenizer
-from scheduler_service.core.goodput import AcceptanceEstimate
+from scheduler_service.core.goodput import AcceptanceEstimate, TreeAcceptance
 from specdec.step import DraftPreview, RequestSampling, SequenceOutput
 
 
@@ -63,6 +63,9 @@ class Request:
     # With several proposers: the policy's estimate per proposer, and the one that drafted last.
     acceptance_by_proposer: dict[str, AcceptanceEstimate] = field(default_factory=dict, repr=False)
     last_proposer: str = ""
+    # With draft trees: the policy's value per node rank, and the steps it has drafted chains since its last tree.
+    tree_acceptance: TreeAcceptance | None = field(default=None, repr=False)
+    num_chain_steps: int = 0
     num_forced_tokens_next: int = 0  # the worker's last step: tokens the constraint forces next (free drafts)
     next_draft: DraftPreview | None = None  # the worker's last step: its copying proposer's next draft
     # proposer -> (draft tokens, accepted tokens) of this request

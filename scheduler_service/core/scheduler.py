@@ -50,6 +50,7 @@ class _Step:
     num_drafts: dict[str, int] = field(default_factory=dict)      # the policy's k per decoding request
     forced_only: set[str] = field(default_factory=set)            # ... of which k is for forced tokens only
     matches: dict[str, tuple[int, bool]] = field(default_factory=dict)  # ... the previews they were planned on
+    tree_widths: dict[str, int] = field(default_factory=dict)     # ... their draft_tree_width (absent: 0)
 
 
 class Scheduler:
@@ -67,7 +68,7 @@ class Scheduler:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self._cache_root = cache_root(*config.kv_cache_facts)
         self.policy = SpeculationPolicy(config.num_speculative_tokens, config.speculative_disable_queue_size,
-                                        config.speculation_policy)
+                                        config.speculation_policy, max_draft_tree_width=config.max_draft_tree_width)
         self.stats = stats if stats is not None else SchedulerStats()  # passed on: counters outlive a scheduler
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []         # sorted by arrival_index
@@ -172,6 +173,7 @@ class Scheduler:
         plan.num_running = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
         decided = self._plan_num_drafts(plan.num_running)
         plan.num_drafts, plan.forced_only, plan.matches = decided.ks, decided.forced_only, decided.matches
+        plan.tree_widths = decided.tree_widths
         self._schedule_running(plan)
         if not plan.is_preempting:  # memory is short: admit nobody this step
             self._schedule_waiting(plan)
@@ -231,7 +233,8 @@ class Scheduler:
             new_block_ids = self.block_manager.append_slots(request_id, num_tokens_total, num_lookahead)
             plan.cached_requests.append(CachedRequest(
                 request_id, new_block_ids, num_blocks_kept, num_new, num_speculative_tokens=num_lookahead,
-                forced_drafts_only=num_lookahead > 0 and request_id in plan.forced_only))
+                forced_drafts_only=num_lookahead > 0 and request_id in plan.forced_only,
+                draft_tree_width=plan.tree_widths.get(request_id, 0)))
             self._commit(request, plan, num_new, num_lookahead)
 
     def _schedule_waiting(self, plan: _Step) -> None:
@@ -345,8 +348,11 @@ class Scheduler:
             is_decode = scheduled.is_sampling and scheduled.num_new_tokens == 1
             shape.add(scheduled.num_new_tokens + num_drafts, scheduled.num_context_tokens, is_decode)
             request = self._requests[request_id]
-            if output is not None and not request.is_finished:  # a tree offers as many positions as it is deep
-                self.policy.observe_sequence(request, scheduled.num_lookahead_slots, output.num_draft_positions,
+            if output is not None and not request.is_finished and output.draft_tree_depth:
+                self.policy.observe_tree(request, scheduled.num_lookahead_slots, output.num_draft_tokens,
+                                         output.accepted_draft_ranks, output.proposer)
+            elif output is not None and not request.is_finished:
+                self.policy.observe_sequence(request, scheduled.num_lookahead_slots, output.num_draft_tokens,
                                              output.num_accepted_tokens, output.proposer,
                                              step.matches.get(request_id))
         self.stats.worker_step_s += result.stats.total_ms / 1e3

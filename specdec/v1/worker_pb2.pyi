@@ -13,7 +13,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, block_size: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_model_len", "kv_bytes_per_block", "num_blocks_capacity", "eos_token_ids", "dtype", "proposer", "max_num_speculative_tokens", "draft_model_id", "scorer", "device")
+    __slots__ = ("model_id", "vocab_size", "max_model_len", "kv_bytes_per_block", "num_blocks_capacity", "eos_token_ids", "dtype", "proposer", "max_num_speculative_tokens", "draft_model_id", "scorer", "device", "max_draft_tree_width")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class DescribeResponse(_message.Message):
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SCORER_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_model_len: int
@@ -38,7 +39,8 @@ class DescribeResponse(_message.Message):
     draft_model_id: str
     scorer: str
     device: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., num_blocks_capacity: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., proposer: _Optional[str] = ..., max_num_speculative_tokens: _Optional[int] = ..., draft_model_id: _Optional[str] = ..., scorer: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    max_draft_tree_width: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., num_blocks_capacity: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., proposer: _Optional[str] = ..., max_num_speculative_tokens: _Optional[int] = ..., draft_model_id: _Optional[str] = ..., scorer: _Optional[str] = ..., device: _Optional[str] = ..., max_draft_tree_width: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
     __slots__ = ("num_blocks", "block_size", "previous_session_id", "take_over")
@@ -75,7 +77,7 @@ class RequestSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_new_tokens", "num_speculative_tokens", "num_computed_tokens", "grammar")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_new_tokens", "num_speculative_tokens", "num_computed_tokens", "grammar", "draft_tree_width")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +87,7 @@ class NewRequest(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -94,23 +97,26 @@ class NewRequest(_message.Message):
     num_speculative_tokens: int
     num_computed_tokens: int
     grammar: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[RequestSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+    draft_tree_width: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[RequestSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., draft_tree_width: _Optional[int] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
-    __slots__ = ("request_id", "new_block_ids", "num_blocks_kept", "num_new_tokens", "num_speculative_tokens", "forced_drafts_only")
+    __slots__ = ("request_id", "new_block_ids", "num_blocks_kept", "num_new_tokens", "num_speculative_tokens", "forced_drafts_only", "draft_tree_width")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_KEPT_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORCED_DRAFTS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_blocks_kept: int
     num_new_tokens: int
     num_speculative_tokens: int
     forced_drafts_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_blocks_kept: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., forced_drafts_only: _Optional[bool] = ...) -> None: ...
+    draft_tree_width: int
+    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_blocks_kept: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., forced_drafts_only: _Optional[bool] = ..., draft_tree_width: _Optional[int] = ...) -> None: ...
 
 class ExecuteModelRequest(_message.Message):
     __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids")
@@ -125,7 +131,7 @@ class ExecuteModelRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "num_draft_tokens", "num_accepted_tokens", "num_kv_written_tokens", "proposer", "num_forced_tokens_next", "next_draft", "draft_tree_depth")
+    __slots__ = ("request_id", "token_ids", "logprobs", "num_draft_tokens", "num_accepted_tokens", "num_kv_written_tokens", "proposer", "num_forced_tokens_next", "next_draft", "draft_tree_depth", "accepted_draft_ranks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +142,7 @@ class SequenceOutput(_message.Message):
     NUM_FORCED_TOKENS_NEXT_FIELD_NUMBER: _ClassVar[int]
     NEXT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_RANKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -146,7 +153,8 @@ class SequenceOutput(_message.Message):
     num_forced_tokens_next: int
     next_draft: DraftPreview
     draft_tree_depth: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_kv_written_tokens: _Optional[int] = ..., proposer: _Optional[str] = ..., num_forced_tokens_next: _Optional[int] = ..., next_draft: _Optional[_Union[DraftPreview, _Mapping]] = ..., draft_tree_depth: _Optional[int] = ...) -> None: ...
+    accepted_draft_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_kv_written_tokens: _Optional[int] = ..., proposer: _Optional[str] = ..., num_forced_tokens_next: _Optional[int] = ..., next_draft: _Optional[_Union[DraftPreview, _Mapping]] = ..., draft_tree_depth: _Optional[int] = ..., accepted_draft_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftPreview(_message.Message):
     __slots__ = ("num_drafts", "match_length")

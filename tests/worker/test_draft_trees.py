@@ -15,8 +15,9 @@ from worker_service.flags import add_flags, config_from_args, forwarded_argv
 from worker_service.proposers import Proposal, Proposer, num_matching
 from worker_service.proposers.ngram import propose_ngram, propose_ngram_tree
 from worker_service.proposers.suffix import SuffixProposer, TokenIndex, walk, walk_tree
-from worker_service.proposers.trees import chain_length, grow_tree, tree_depth, tree_matching
-from worker_service.request_state import RequestState
+from worker_service.proposers.trees import (best_nodes, chain_length, first_ranks, grow_tree, tree_depth,
+                                            tree_matching)
+from worker_service.request_state import InvalidStepError, RequestState
 
 K = 8
 
@@ -46,6 +47,20 @@ def test_grow_tree_takes_the_most_confident_nodes_depth_first():
     assert tree.parents == [0, 1, 2, 3, 2, 0]
     assert chain_length(tree.parents) == 4 and tree_depth(tree.parents) == 4
     assert tree.score == pytest.approx(0.6 + 0.54 + 0.27 + 0.27 + 0.216 + 0.3)
+
+
+def test_a_tree_ranks_its_nodes_in_the_order_it_chose_them():
+    """Rank j: the j-th node best-first growth chose (ties: the earlier chosen), so the first j ranks are the
+    tree a budget of j grows; the ranks of a depth-first prefix (a preview cut to k) are renumbered."""
+    tree = grow_tree(expand, (), max_nodes=6, max_depth=8, max_width=3, min_confidence=0.01)
+    assert tree.states == [(1,), (1, 4), (1, 4, 8), (1, 4, 8, 10), (1, 4, 9), (2,)]
+    assert tree.ranks == [1, 2, 4, 5, 6, 3]
+    for budget in range(1, 7):
+        smaller = grow_tree(expand, (), max_nodes=budget, max_depth=8, max_width=3, min_confidence=0.01)
+        assert sorted(smaller.states) == sorted(s for s, r in zip(tree.states, tree.ranks) if r <= budget)
+    assert first_ranks(tree.ranks, 5) == [1, 2, 3, 4, 5] and first_ranks([1, 3, 4, 2], 3) == [1, 2, 3]
+    picked = best_nodes([-1, -1, 0, 1], [7, 8, 9, 10], [0.5, 0.4, 0.45, 0.1], 3)
+    assert picked.token_ids == [7, 9, 8] and picked.ranks == [1, 2, 3]
 
 
 def test_grow_tree_respects_width_depth_and_confidence():
@@ -127,6 +142,54 @@ class OracleTrees(Proposer):
             drafts.append(tokens)
             parents.append(tree if tokens else None)
         return Proposal(drafts, parents=parents)
+
+
+class RankedOracleTrees(OracleTrees):
+    """OracleTrees whose proposer ranked the right tokens first: right_0, wrong_0, right_1, wrong_1, ..."""
+
+    def propose(self, states, num_drafts):
+        proposal = super().propose(states, num_drafts)
+        proposal.ranks = [[r + 1 + (1 if r % 2 == 0 else -1) for r in range(len(d))] if d else None
+                          for d in proposal.draft_token_ids]
+        return proposal
+
+
+def test_the_accepted_path_is_reported_by_its_nodes_ranks(tiny_pair):
+    want = Driver(make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, MAX_TOKENS)
+    worker = make_worker(tiny_pair, "ngram", K, draft_previews=False)
+    worker.proposer = RankedOracleTrees({f"r{i}": out + [0] * K for i, out in enumerate(want)},
+                                        {f"r{i}": len(p) for i, p in enumerate(PROMPTS)})
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
+    assert driver.generate(PROMPTS, MAX_TOKENS, num_speculative_tokens=K) == want
+    trees = [o for r in driver.results for o in r.outputs if o.draft_tree_depth]
+    assert trees and any(o.num_accepted_tokens > 1 for o in trees)
+    for o in trees:  # the right tokens sit at rows 2, 4, 6, ... and were ranked 1, 3, 5, ...
+        assert o.accepted_draft_ranks == [2 * j + 1 for j in range(o.num_accepted_tokens)]
+
+
+@pytest.mark.parametrize("proposer", ["suffix", "ngram"])
+def test_each_sequence_drafts_the_width_the_scheduler_sends(tiny_pair, proposer):
+    """On a worker whose --draft-tree-width is 3: width 1 drafts chains, 3 and 0 (the worker's own) trees, each
+    with the ranks of its accepted nodes (ancestors first, within the tree); a width above the worker's is
+    refused with the step, and the worker serves the next one."""
+    want = Driver(make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, MAX_TOKENS)
+    worker = make_worker(tiny_pair, proposer, K, draft_tree_width=3)
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
+    widths = [1, 0, 3, 1, 3]
+    assert driver.generate(PROMPTS, MAX_TOKENS, num_speculative_tokens=K, tree_widths=widths) == want
+    outputs = [o for r in driver.results for o in r.outputs]
+    drafted = {w: [o for o in outputs if o.num_draft_tokens and widths[int(o.request_id[1:])] == w] for w in (0, 1, 3)}
+    assert drafted[1] and all(o.draft_tree_depth == 0 and o.accepted_draft_ranks == [] for o in drafted[1])
+    assert any(o.draft_tree_depth for o in drafted[3]) and any(o.draft_tree_depth for o in drafted[0])
+    for o in outputs:
+        if o.draft_tree_depth:
+            ranks = o.accepted_draft_ranks
+            assert len(ranks) == o.num_accepted_tokens and ranks == sorted(ranks)
+            assert all(1 <= r <= o.num_draft_tokens for r in ranks)
+    with pytest.raises(InvalidStepError, match=r"draft_tree_width 4 is outside \[0, 3\]"):
+        driver.generate(PROMPTS[:1], 4, num_speculative_tokens=K, tree_widths=[4], prefix="wide")
+    assert driver.generate(PROMPTS[:1], MAX_TOKENS, num_speculative_tokens=K, tree_widths=[2],
+                           prefix="after") == want[:1]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

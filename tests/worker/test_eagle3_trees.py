@@ -87,3 +87,30 @@ def test_after_tree_steps_the_next_proposal_equals_a_fresh_runs(tiny_pair, repea
         b = fresh.proposer.propose([fresh_state], [4])
         assert (a.draft_token_ids, a.parents) == (b.draft_token_ids, b.parents)
         assert torch.equal(worker.proposer._next[f"r{i}"].feature, fresh.proposer._next[f"f{i}"].feature)
+
+
+def test_a_batch_mixing_chains_and_trees_equals_plain_decoding(tiny_pair, head_dir):
+    """The scheduler's width per sequence: in one batch of head calls, width 1 drafts the head's chain (no
+    parents), widths 2 and 3 trees of at most that many children per node, and 0 the worker's own; greedy
+    output is plain decoding's."""
+    plain = Driver(make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 20)
+    worker = tree_worker(tiny_pair, head_dir, k=5)
+    worker.proposer.min_confidence = 0.0  # full trees
+    widths = [1, 2, 3, 0, 1]
+    seen = []  # (width, parents)
+    propose = worker.proposer.propose
+
+    def spy(states, ks):
+        proposal = propose(states, ks)
+        seen.extend((s.draft_tree_width, proposal.parents_of(i)) for i, (s, k) in enumerate(zip(states, ks)) if k)
+        return proposal
+
+    worker.proposer.propose = spy
+    driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
+    assert driver.generate(PROMPTS, 20, num_speculative_tokens=5, tree_widths=widths) == plain
+    assert seen and all(parents is None for width, parents in seen if width == 1)
+    for width in (2, 3, 0):
+        trees = [parents for w, parents in seen if w == width]
+        assert trees and all(parents is not None for parents in trees)
+        most = max(max(parents.count(row) for row in set(parents)) for parents in trees)
+        assert most <= (width or WIDTH) and (width == 2 or most > 2)

@@ -26,10 +26,15 @@ class Proposal:
     sources: list[str] | None = None   # per sequence, the proposer that drafted (several proposers at once)
     match_lengths: list[int] | None = None  # per sequence, the context match behind a copied draft (0: none)
     parents: list[list[int] | None] | None = None  # per sequence, a tree's parent rows (proposers/trees.py)
+    ranks: list[list[int] | None] | None = None    # per sequence, a tree's rows' ranks (proposers/trees.py)
 
     def parents_of(self, i: int) -> list[int] | None:
         """Sequence i's tree (its drafts' parent rows), or None for a chain."""
         return self.parents[i] if self.parents is not None else None
+
+    def ranks_of(self, i: int) -> list[int] | None:
+        """The order sequence i's tree chose its rows in (None: a chain, or a tree given without ranks)."""
+        return self.ranks[i] if self.ranks is not None and self.parents_of(i) is not None else None
 
 
 def num_matching(drafts: list[int], emitted: list[int], parents: list[int] | None = None) -> int:

@@ -68,7 +68,8 @@ class CombinedProposer(Proposer):
         requests = [self._requests.setdefault(state.request_id, _Request()) for state in states]
         for request in requests:
             request.last_drafts = {}
-        best = [([], "", 0.0, None) for _ in states]  # per sequence: (drafts, proposer, expected accepted, parents)
+        best = [([], "", 0.0, None, None) for _ in states]  # per sequence: (drafts, proposer, expected accepted,
+                                                            # parents, ranks)
         for name, proposer in sorted(self.proposers.items(), key=lambda item: item[1].runs_model):
             caps = [min(k, self.max_drafts[name]) for k in num_drafts]
             if proposer.runs_model:  # only where no copy is expected to do better
@@ -86,9 +87,9 @@ class CombinedProposer(Proposer):
                 request.last_drafts[name] = (tokens, score, parents)
                 value = min(score * self._ratio(request, name), len(tokens) if parents is None else tree_depth(parents))
                 if value > best[i][2]:
-                    best[i] = (tokens, name, value, parents)
+                    best[i] = (tokens, name, value, parents, proposal.ranks_of(i))
         return Proposal([b[0] for b in best], None, scores=[b[2] for b in best], sources=[b[1] for b in best],
-                        parents=[b[3] for b in best])
+                        parents=[b[3] for b in best], ranks=[b[4] for b in best])
 
     def _ratio(self, request: _Request, name: str) -> float:
         prior = self.worker_ratios[name].value(1.0, PRIOR_WEIGHT)

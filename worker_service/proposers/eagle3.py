@@ -50,7 +50,7 @@ from kernels.draft_tree import DraftTrees
 from worker_service.eagle3 import Eagle3Head
 from worker_service.model_runner import ModelRunner, SequenceChunk, pack
 from worker_service.proposers import Proposal, Proposer
-from worker_service.proposers.trees import best_nodes
+from worker_service.proposers.trees import best_nodes, draft_width
 from worker_service.request_state import RequestState
 
 
@@ -96,8 +96,9 @@ class Eagle3Proposer(Proposer):
     def propose(self, states: list[RequestState], num_drafts: list[int]) -> Proposal:
         self._drafted = {s.request_id for s, k in zip(states, num_drafts) if k > 0}
         self._catch_up([s for s, k in zip(states, num_drafts) if k > 0 and s.request_id in self._pending])
-        if self.tree_width > 1:
-            return self._propose_trees(states, num_drafts)
+        widths = [draft_width(s, self.tree_width) if k > 0 else 1 for s, k in zip(states, num_drafts)]
+        if max(widths, default=1) > 1:
+            return self._propose_trees(states, num_drafts, widths)
         drafts: list[list[int]] = [[] for _ in states]
         active = [i for i, k in enumerate(num_drafts) if k > 0 and states[i].request_id in self._next]
         features, confidence, scores = {}, {}, [0.0] * len(states)
@@ -122,13 +123,13 @@ class Eagle3Proposer(Proposer):
                 scores[i] += confidence[i]
         return Proposal(drafts, None, scores=scores)
 
-    def _propose_trees(self, states: list[RequestState], num_drafts: list[int]) -> Proposal:
-        """Trees as the module docstring grows them."""
-        width = self.tree_width
+    def _propose_trees(self, states: list[RequestState], num_drafts: list[int], widths: list[int]) -> Proposal:
+        """Trees as the module docstring grows them, at most widths[i] children per node (1: a chain)."""
         active = [i for i, k in enumerate(num_drafts) if k > 0 and states[i].request_id in self._next]
         # Per sequence, the candidates: (parent candidate or -1, token, confidence, depth).
         nexts = {i: self._next[states[i].request_id] for i in active}
-        candidates = {i: [(-1, token, p, 1) for token, p in _distinct(nexts[i].top_drafts, nexts[i].top_probabilities)]
+        candidates = {i: [(-1, token, p, 1) for token, p in _distinct(nexts[i].top_drafts,
+                                                                      nexts[i].top_probabilities)[:widths[i]]]
                       for i in active}
         expanded = {i: {} for i in active}  # candidate -> (its row's position in the cache, its path, pre-norm)
         for depth in range(1, max((num_drafts[i] for i in active), default=0)):
@@ -136,26 +137,29 @@ class Eagle3Proposer(Proposer):
             for i in active:
                 room = num_drafts[i] - 1 - len(expanded[i])
                 newest = [n for n, (_, _, p, d) in enumerate(candidates[i]) if d == depth and p >= self.min_confidence]
-                level[i] = sorted(newest, key=lambda n: -candidates[i][n][2])[:min(width, room)]
+                level[i] = sorted(newest, key=lambda n: -candidates[i][n][2])[:min(widths[i], room)]
             rows = [(i, n) for i in active for n in level[i]]
             if not rows:
                 break
             normed, prenorm = self._run_level(states, candidates, expanded, level, depth)
-            tops, probabilities = self.head.top_draft_tokens(normed, width)
+            tops, probabilities = self.head.top_draft_tokens(normed, max(widths[i] for i, _ in rows))
             for row, (i, n) in enumerate(rows):
                 expanded[i][n] = (*expanded[i][n][:2], prenorm[row])
                 confidence = candidates[i][n][2]
                 candidates[i] += [(n, token, confidence * p, depth + 1)
-                                  for token, p in _distinct(tops[row], probabilities[row])]
+                                  for token, p in _distinct(tops[row], probabilities[row])[:widths[i]]]
         drafts, parents, scores = [[] for _ in states], [None] * len(states), [0.0] * len(states)
+        ranks: list[list[int] | None] = [None] * len(states)
         for i in active:
             kept = [n for n, (_, _, p, _) in enumerate(candidates[i]) if n == 0 or p >= self.min_confidence]
             index = {n: j for j, n in enumerate(kept)}  # kept candidates' parents are kept (more confident)
             tree = best_nodes([index.get(candidates[i][n][0], -1) for n in kept],
                               [candidates[i][n][1] for n in kept], [candidates[i][n][2] for n in kept],
                               num_drafts[i])
-            drafts[i], parents[i], scores[i] = tree.token_ids, tree.parents, tree.score
-        return Proposal(drafts, None, scores=scores, parents=parents)
+            drafts[i], scores[i] = tree.token_ids, tree.score
+            if widths[i] > 1:  # width 1: the chain it is
+                parents[i], ranks[i] = tree.parents, tree.ranks
+        return Proposal(drafts, None, scores=scores, parents=parents, ranks=ranks)
 
     def _run_level(self, states, candidates, expanded, level, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over one level's expanded candidates of every sequence (one call): each at the position

@@ -9,7 +9,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from worker_service.proposers import Proposal, Proposer
-from worker_service.proposers.trees import DraftTree, grow_tree
+from worker_service.proposers.trees import DraftTree, draft_width, grow_tree
 
 MAX_TREE_MATCHES = 16  # the latest occurrences a tree's continuations come from
 
@@ -73,11 +73,16 @@ class NgramProposer(Proposer):
         self.tree_width = tree_width  # 1: chains
 
     def propose(self, states, num_drafts: list[int]) -> Proposal:
-        if self.tree_width > 1:
-            found = [propose_ngram_tree(s.token_ids, self.ngram_min, self.ngram_max, k, self.tree_width)
-                     for s, k in zip(states, num_drafts)]
-            return Proposal([tree.token_ids for tree, _ in found], scores=[tree.score for tree, _ in found],
-                            match_lengths=[n for _, n in found],
-                            parents=[tree.parents if tree.token_ids else None for tree, _ in found])
-        found = [propose_ngram(s.token_ids, self.ngram_min, self.ngram_max, k) for s, k in zip(states, num_drafts)]
-        return Proposal([drafts for drafts, _ in found], match_lengths=[n for _, n in found])
+        found = [self._propose_one(s, k) for s, k in zip(states, num_drafts)]
+        return Proposal([tree.token_ids for tree, _ in found], scores=[tree.score for tree, _ in found],
+                        match_lengths=[n for _, n in found],
+                        parents=[tree.parents if tree.parents and tree.token_ids else None for tree, _ in found],
+                        ranks=[tree.ranks for tree, _ in found])
+
+    def _propose_one(self, state, k: int) -> tuple[DraftTree, int]:
+        """A tree where the sequence's width this step is > 1, else a chain (a DraftTree without parents)."""
+        width = draft_width(state, self.tree_width)
+        if width > 1:
+            return propose_ngram_tree(state.token_ids, self.ngram_min, self.ngram_max, k, width)
+        drafts, n = propose_ngram(state.token_ids, self.ngram_min, self.ngram_max, k)
+        return DraftTree(token_ids=drafts), n

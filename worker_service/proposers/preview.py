@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from specdec.step import DraftPreview
 from worker_service.proposers import Proposal, Proposer
+from worker_service.proposers.trees import first_ranks
 
 
 @dataclass
@@ -35,6 +36,8 @@ class _Kept:
     drafts: list[int]
     match_length: int
     parents: list[int] | None  # a tree's (its first k rows, depth first, are a tree too)
+    ranks: list[int] | None
+    width: int       # the sequence's draft_tree_width then: a step of another width looks up afresh
 
 
 class PreviewingProposer(Proposer):
@@ -51,29 +54,35 @@ class PreviewingProposer(Proposer):
         previews = []
         for i, (state, k, drafts, match_length) in enumerate(zip(states, max_drafts, proposal.draft_token_ids,
                                                                  proposal.match_lengths)):
-            self._kept[state.request_id] = _Kept(state.num_tokens, k, drafts, match_length, proposal.parents_of(i))
+            self._kept[state.request_id] = _Kept(state.num_tokens, k, drafts, match_length, proposal.parents_of(i),
+                                                 proposal.ranks_of(i), state.draft_tree_width)
             previews.append(DraftPreview(len(drafts), match_length))
         return previews
 
     def propose(self, states: list, num_drafts: list[int]) -> Proposal:
         drafts: list[list[int]] = [[] for _ in states]
         parents: list[list[int] | None] = [None] * len(states)
+        ranks: list[list[int] | None] = [None] * len(states)
         match_lengths = [0] * len(states)
         ask = []
         for i, (state, k) in enumerate(zip(states, num_drafts)):
             kept = self._kept.pop(state.request_id, None)
             if k <= 0:
                 continue
-            if kept is not None and kept.num_tokens == state.num_tokens and k <= kept.num_asked:
+            if (kept is not None and kept.num_tokens == state.num_tokens and k <= kept.num_asked
+                    and kept.width == state.draft_tree_width):
                 drafts[i], match_lengths[i] = kept.drafts[:k], kept.match_length
-                parents[i] = kept.parents[:k] if kept.parents is not None else None
+                if kept.parents is not None:
+                    parents[i] = kept.parents[:len(drafts[i])]
+                    ranks[i] = first_ranks(kept.ranks, len(drafts[i])) if kept.ranks is not None else None
             else:
                 ask.append(i)
         if ask:
             proposal = self.proposer.propose([states[i] for i in ask], [num_drafts[i] for i in ask])
             for j, (i, tokens, match_length) in enumerate(zip(ask, proposal.draft_token_ids, proposal.match_lengths)):
-                drafts[i], match_lengths[i], parents[i] = tokens, match_length, proposal.parents_of(j)
-        return Proposal(drafts, match_lengths=match_lengths, parents=parents)
+                drafts[i], match_lengths[i] = tokens, match_length
+                parents[i], ranks[i] = proposal.parents_of(j), proposal.ranks_of(j)
+        return Proposal(drafts, match_lengths=match_lengths, parents=parents, ranks=ranks)
 
     def after_verify(self, state, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         self.proposer.after_verify(state, num_tokens_before, num_drafts, num_accepted)

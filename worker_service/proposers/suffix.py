@@ -58,7 +58,7 @@ import itertools
 import math
 
 from worker_service.proposers import Proposal, Proposer
-from worker_service.proposers.trees import grow_tree
+from worker_service.proposers.trees import draft_width, grow_tree
 from worker_service.request_state import RequestState
 
 MIN_MATCH_TOKENS = 2
@@ -80,6 +80,7 @@ class Draft:
     seq_ids: set[int] = field(default_factory=set)
     match_len: int = 0  # the longest candidate match behind it (0: no draft)
     parents: list[int] | None = None  # a tree: each token's parent row (0: the root); None: a chain
+    ranks: list[int] | None = None    # a tree: the order its rows were chosen in (proposers/trees.py)
 
 
 @dataclass(slots=True)
@@ -224,7 +225,8 @@ def walk_tree(candidates: list[Candidate], max_nodes: int, max_width: int) -> Dr
                      MIN_TOKEN_PROB)
     if not tree.token_ids:
         return Draft()
-    return Draft(tree.token_ids, tree.score, set().union(*map(_voters, tree.states)), match_len, tree.parents)
+    return Draft(tree.token_ids, tree.score, set().union(*map(_voters, tree.states)), match_len, tree.parents,
+                 tree.ranks)
 
 
 def _unanimous(live: list[Candidate], i: int, max_tokens: int) -> list[int]:
@@ -291,18 +293,21 @@ class SuffixProposer(Proposer):
     def propose(self, states: list[RequestState], num_drafts: list[int]) -> Proposal:
         drafts = [self._propose_one(s, k) if k > 0 else Draft() for s, k in zip(states, num_drafts)]
         return Proposal([d.token_ids for d in drafts], scores=[d.score for d in drafts],
-                        match_lengths=[d.match_len for d in drafts], parents=[d.parents for d in drafts])
+                        match_lengths=[d.match_len for d in drafts], parents=[d.parents for d in drafts],
+                        ranks=[d.ranks for d in drafts])
 
-    def _walk(self, candidates: list[Candidate], k: int) -> Draft:
-        return walk(candidates, k) if self.tree_width == 1 else walk_tree(candidates, k, self.tree_width)
+    @staticmethod
+    def _walk(candidates: list[Candidate], k: int, width: int) -> Draft:
+        return walk(candidates, k) if width == 1 else walk_tree(candidates, k, width)
 
     def _propose_one(self, state: RequestState, k: int) -> Draft:
         own = self._own.setdefault(state.request_id, TokenIndex())
         own.extend(0, state.token_ids[own.num_tokens:])
         tail = state.token_ids[-MAX_MATCH_TOKENS:]
-        best = self._walk(own.candidates(tail), k)
+        width = draft_width(state, self.tree_width)
+        best = self._walk(own.candidates(tail), k, width)
         if self.outputs is not None:
-            other = self._walk(self.outputs.index.candidates(tail), k)
+            other = self._walk(self.outputs.index.candidates(tail), k, width)
             if other.score > best.score:
                 self.outputs.touch(other.seq_ids)
                 best = other

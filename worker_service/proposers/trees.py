@@ -14,6 +14,14 @@ parent, the chosen nodes always include their ancestors. The expected
 accepted length of the tree is the sum of its nodes' confidences. Rows are
 then numbered depth first, each node's likeliest child first, so the drafts
 begin with the chain a chain proposer would have drafted (`chain_length`).
+Each row also keeps its *rank*, the order in which the tree chose it (1: the
+most confident node; ties: the earlier chosen): the tree of the first j ranks
+is the tree a budget of j nodes grows, so the scheduler learns from the ranks
+of accepted nodes how much the j-th node of a budget returns.
+
+The width is the scheduler's to choose per sequence and step
+(`RequestState.draft_tree_width`, `draft_width`); a proposer's own width
+(its `tree_width`, the worker's --draft-tree-width) applies where it sent 0.
 """
 
 from collections.abc import Callable
@@ -33,6 +41,7 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)      # each row's parent row (0: the root)
     confidences: list[float] = field(default_factory=list)
     states: list[Any] = field(default_factory=list)       # each node's state (what expand made of it)
+    ranks: list[int] = field(default_factory=list)        # the order each row was chosen in (1: first)
 
     @property
     def score(self) -> float:
@@ -77,6 +86,7 @@ def best_nodes(parents: list[int], token_ids: list[int], confidences: list[float
 def _depth_first(chosen: list[tuple[int, int, float, Any]]) -> DraftTree:
     """Renumbers the chosen nodes depth first, each node's children by confidence (ties: chosen first)."""
     children: dict[int, list[int]] = {}
+    rank_of = {index: rank for rank, index in enumerate(_by_confidence(list(range(len(chosen))), chosen), start=1)}
     for index, (parent, _, _, _) in enumerate(chosen):
         children.setdefault(parent, []).append(index)
     tree, row_of = DraftTree(), {}
@@ -88,6 +98,7 @@ def _depth_first(chosen: list[tuple[int, int, float, Any]]) -> DraftTree:
         tree.parents.append(parent_row)
         tree.confidences.append(confidence)
         tree.states.append(state)
+        tree.ranks.append(rank_of[index])
         row_of[index] = len(tree.token_ids)
         stack.extend((child, row_of[index]) for child in reversed(_by_confidence(children.get(index, []), chosen)))
     return tree
@@ -95,6 +106,20 @@ def _depth_first(chosen: list[tuple[int, int, float, Any]]) -> DraftTree:
 
 def _by_confidence(indices: list[int], chosen) -> list[int]:
     return sorted(indices, key=lambda i: -chosen[i][2])  # stable: ties keep the order they were chosen in
+
+
+def draft_width(state, default: int) -> int:
+    """The most children per draft `state` may get this step: the scheduler's choice, else `default`."""
+    return state.draft_tree_width or default
+
+
+def first_ranks(ranks: list[int], n: int) -> list[int]:
+    """The ranks of a tree's first `n` rows (depth first; a tree too) among themselves."""
+    kept = sorted(range(n), key=lambda row: ranks[row])
+    result = [0] * n
+    for rank, row in enumerate(kept, start=1):
+        result[row] = rank
+    return result
 
 
 def row_depths(parents: list[int]) -> list[int]:

@@ -4,8 +4,8 @@ import pytest
 
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.goodput import (AcceptanceEstimate, Candidate, CostCoefficients, StepCostModel,
-                                       choose_num_drafts, expected_accepted)
-from scheduler_service.core.policy import SpeculationPolicy, StepShape
+                                            TreeAcceptance, choose_drafts, choose_num_drafts, expected_accepted)
+from scheduler_service.core.policy import TREE_PROBE_INTERVAL, SpeculationPolicy, StepShape
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from specdec.step import DraftPreview, StepStats
@@ -128,8 +128,9 @@ def test_one_slow_prefill_does_not_make_draft_rows_free():
     assert 600 < model.predict_ms(0, 400, 1, 0) < 1200
 
 
-def fitted_policy(cost: CostCoefficients, probe_interval: int = 4) -> SpeculationPolicy:
-    policy = SpeculationPolicy(K, None, "goodput", probe_interval=probe_interval)
+def fitted_policy(cost: CostCoefficients, probe_interval: int = 4, max_draft_tree_width: int = 1) -> SpeculationPolicy:
+    policy = SpeculationPolicy(K, None, "goodput", probe_interval=probe_interval,
+                               max_draft_tree_width=max_draft_tree_width)
     for rows in (1, 3, 6, 2, 5, 1, 4, 6):
         policy.observe_step(StepShape(rows, 0, 1, rows * 100), cost.step_ms(rows, 0, 1, rows * 100))
     return policy
@@ -190,6 +191,86 @@ def test_the_tokens_a_constraint_forces_are_allowed_whatever_the_proposer_estima
     assert (list(request.acceptance.num_accepted), request.last_proposer) == before
     request.num_forced_tokens_next = 0
     assert policy.plan_step([request], StepShape(), 1, 1000).ks["r"] == 0
+
+
+# Draft trees. The first guess is often wrong (a chain's first draft: 0.4), but a sibling often right: the
+# tree's node ranked 2 is accepted 0.35 of the time, where the chain's second draft is 0.4 x 0.8 = 0.32.
+UNSURE_CHAIN = (0.4, 0.8, 0.8, 0.8, 0.8)
+UNSURE_TREE = (0.4, 0.35, 0.3, 0.28, 0.25)
+
+
+def tree_candidate(chain: tuple[float, ...], tree: tuple[float, ...]) -> Candidate:
+    return Candidate(K, 100, (1.0,) * K, chain, (1.0,) * K, tree)
+
+
+def test_a_tree_when_rows_are_cheap_and_the_first_guess_is_often_wrong():
+    ks, trees = choose_drafts([tree_candidate(UNSURE_CHAIN, UNSURE_TREE)], CHEAP_ROWS, 0, 0, 1)
+    assert ks == [K] and trees == [True]
+
+
+def test_no_drafts_where_nodes_cost_more_than_they_return():
+    assert choose_drafts([tree_candidate(UNSURE_CHAIN, UNSURE_TREE)], DEAR_ROWS, 0, 0, 1) == ([0], [False])
+
+
+def test_a_chain_where_a_tree_s_extra_nodes_return_less_than_the_chain_s_drafts():
+    """A sure chain (0.9 per draft) and a tree whose proposer ranks poor siblings second: the chain's drafts are
+    worth more than the tree's nodes at every budget, so a chain of the full k."""
+    ks, trees = choose_drafts([tree_candidate((0.9,) * K, (0.9, 0.3, 0.3, 0.3, 0.3))], CHEAP_ROWS, 0, 0, 1)
+    assert ks == [K] and trees == [False]
+    mid = CostCoefficients(c0=10.0, c_row=3.0, c_prefill=1.0, c_seq=0.0, c_ctx=0.0)
+    ks, trees = choose_drafts([tree_candidate((0.9, 0.2, 0.2, 0.2, 0.2), (0.9, 0.3, 0.3, 0.3, 0.3))], mid, 0, 0, 1)
+    assert ks == [1] and trees == [False]  # only the first draft pays; a tree of one node is that chain
+
+
+def test_tree_values_per_rank_are_learnt_from_the_accepted_ranks():
+    estimate = TreeAcceptance(decay=1.0)
+    estimate.observe(4, 4, [1, 3])
+    estimate.observe(4, 2, [2])
+    estimate.observe(0, 0, [])  # no budget: nothing learnt
+    assert estimate.num_requested == [2, 2, 2, 2] and estimate.num_delivered == [2, 2, 1, 1]
+    assert estimate.value(0, 0.0, weight=0) == 0.5 and estimate.value(2, 0.0, weight=0) == 1.0
+    assert estimate.value(3, 0.0, weight=0) == 0.0 and estimate.delivery(2, 0.0, weight=0) == 0.5
+    assert estimate.value(7, 0.25) == 0.25  # a rank never allowed: the prior
+
+
+def observe_unsure(policy: SpeculationPolicy, request: Request, num_steps: int = 20) -> None:
+    """Chain steps whose first draft is accepted 2 times in 5 (the second never), and tree steps that hold the
+    right token 4 times in 5, twice as the sibling ranked 2 and its child."""
+    request.num_computed_tokens = 100  # the context the fitted steps' rows attended to
+    for step_number in range(num_steps):
+        policy.observe_sequence(request, K, K, 1 if step_number % 5 < 2 else 0)
+        policy.observe_tree(request, K, K, [1, 4] if step_number % 5 < 2 else [2, 3] if step_number % 5 < 4 else [])
+
+
+def test_the_policy_sends_a_tree_s_width_where_rows_are_cheap_and_a_chain_or_nothing_where_they_are_dear():
+    cheap = fitted_policy(CHEAP_ROWS, probe_interval=100, max_draft_tree_width=3)
+    request = Request("r", [1, 2, 3], max_tokens=100)
+    observe_unsure(cheap, request)
+    plan = cheap.plan_step([request], StepShape(), 1, 1000)
+    assert plan.ks["r"] > 1 and plan.tree_widths == {"r": 3}
+    dear = fitted_policy(DEAR_ROWS, probe_interval=100, max_draft_tree_width=3)
+    request = Request("r", [1, 2, 3], max_tokens=100)
+    observe_unsure(dear, request)
+    plan = dear.plan_step([request], StepShape(), 1, 1000)
+    assert plan.ks["r"] <= 1 and plan.tree_widths == {"r": 1}
+    constrained = Request("c", [1, 2, 3], max_tokens=100, grammar="start: /[a-z]+/")
+    observe_unsure(cheap, constrained)
+    plan = cheap.plan_step([constrained], StepShape(), 1, 1000)
+    assert plan.ks["c"] > 1 and plan.tree_widths == {"c": 1}  # masks follow one prefix per position
+    chains_only = fitted_policy(CHEAP_ROWS, probe_interval=100)
+    assert chains_only.plan_step([request], StepShape(), 1, 1000).tree_widths == {}  # the worker's own width
+
+
+def test_a_sequence_drafting_chains_tries_a_tree_again():
+    """Trees that lost (their siblings never accepted) give chains; every TREE_PROBE_INTERVAL chain steps the
+    sequence drafts one tree, whose result updates its tree values."""
+    policy = fitted_policy(CHEAP_ROWS, probe_interval=100, max_draft_tree_width=2)
+    request = Request("r", [1, 2, 3], max_tokens=1000)
+    for _ in range(20):
+        policy.observe_sequence(request, K, K, K)
+        policy.observe_tree(request, K, K, [1])
+    widths = [policy.plan_step([request], StepShape(), 1, 1000).tree_widths["r"] for _ in range(2 * TREE_PROBE_INTERVAL + 2)]
+    assert widths == ([1] * TREE_PROBE_INTERVAL + [2]) * 2
 
 
 class TimedWorker(FakeWorker):

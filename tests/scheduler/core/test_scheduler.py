@@ -305,9 +305,10 @@ def test_stats_count_drafts_by_proposer_and_sum_over_workers():
 
 
 @pytest.mark.parametrize("tree_depth", [0, 2], ids=["chain", "tree"])
-def test_a_tree_teaches_the_policy_by_its_depth_and_is_counted_by_its_shape(tree_depth):
-    """A step whose 4 drafts formed a tree 2 deep, both levels accepted, offered no third position: the policy
-    learns nothing about position 3 (a chain of 4 with 2 accepted rejected it), and the stats count the tree."""
+def test_a_tree_teaches_the_policy_by_the_ranks_of_its_accepted_nodes_and_is_counted_by_its_shape(tree_depth):
+    """A step whose 4 drafts formed a tree 2 deep, its accepted path the nodes ranked 1 and 3: the policy learns
+    the value of each node rank (1 and 3 accepted, 2 and 4 not) and nothing about chains (a chain of 4 with 2
+    accepted rejected position 3); the stats count the tree. A chain's step teaches the chain estimate."""
     scheduler, worker = make(num_speculative_tokens=4)
     worker.num_accepted = lambda step_id, request_id: 2
     execute = worker.execute
@@ -318,18 +319,21 @@ def test_a_tree_teaches_the_policy_by_its_depth_and_is_counted_by_its_shape(tree
             if output.num_draft_tokens == 4:  # fewer near max_tokens
                 assert output.num_accepted_tokens == 2
                 output.draft_tree_depth = tree_depth
+                output.accepted_draft_ranks = [1, 3] if tree_depth else []
         return result
 
     worker.execute = execute_as_trees
     scheduler.add_request(Request("a", [1, 2, 3], max_tokens=13))
     assert streamed(run(scheduler, worker)["a"]) == reference_output([1, 2, 3], 13)
-    acceptance = scheduler.policy.worker_acceptance
-    assert acceptance.num_tried[1] > 0 and acceptance.num_accepted[1] == acceptance.num_tried[1]
+    acceptance, trees = scheduler.policy.worker_acceptance, scheduler.policy.worker_tree_acceptance
     stats = scheduler.stats
     if tree_depth:
-        assert acceptance.num_tried[2] == 0 and acceptance.num_delivered[2] == 0
+        assert trees.num_delivered[3] > 0 and trees.num_accepted[0] == trees.num_delivered[0]
+        assert trees.num_accepted[2] == trees.num_delivered[2] and trees.num_accepted[1] == trees.num_accepted[3] == 0
+        assert len(acceptance.num_requested) < 4  # the chains were only the last steps (fewer drafts left)
         assert stats.num_tree_steps_by_depth[2] == stats.num_tree_steps_by_nodes[4] == sum(
             stats.num_tree_steps_by_depth) > 0
     else:
+        assert acceptance.num_tried[1] > 0 and acceptance.num_accepted[1] == acceptance.num_tried[1]
         assert acceptance.num_tried[2] > 0 and acceptance.num_accepted[2] == 0
-        assert stats.num_tree_steps_by_depth == stats.num_tree_steps_by_nodes == ()
+        assert trees.num_requested == [] and stats.num_tree_steps_by_depth == stats.num_tree_steps_by_nodes == ()
