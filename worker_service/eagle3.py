@@ -25,8 +25,10 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from kernels.quantized import QBLOCK
 from worker_service.attention import ATTENTION_NAME, PagedMetadata
-from worker_service.fast_linear import pack_linears
+from worker_service.fast_forward import FastHeadForward
+from worker_service.fast_linear import can_pack, pack_linears, quantize_linear
 from worker_service.kv_cache import KVCache, KVCacheSpec
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,10 @@ LAYER_TENSORS = ("input_layernorm.weight", "hidden_norm.weight", "post_attention
                  "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 HEAD_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t")
+# On the CPU a head's step is a few rows through every weight once (memory bound): its linears are served as
+# llama.cpp's q8_0 blocks (fast_linear.quantize_linear), a quarter of fp32's bytes, with fp32 activations. The
+# head only proposes, so this changes which drafts come (0.5% of argmaxes on random features), never the output.
+HEAD_WEIGHT_FORMAT = "q8_0"
 
 
 class HeadError(ValueError):
@@ -107,6 +113,7 @@ class Eagle3Head(torch.nn.Module):
         self.register_buffer("draft_to_target", torch.arange(len(tensors["d2t"])) + tensors["d2t"].long())
         self.kv_spec = KVCacheSpec(1, config.num_key_value_heads, self.self_attn.head_dim, torch.float32)
         self.kv_cache: KVCache | None = None
+        self.fast: FastHeadForward | None = None  # load_head sets it where the CPU kernels cover the head
         assert 2 * hidden == self.self_attn.q_proj.in_features
 
     @property
@@ -131,7 +138,10 @@ class Eagle3Head(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
                 meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """One step over a packed batch: input_ids [T] (the token after each position), positions [T],
-        features [T, hidden]. Writes the head's K/V; returns (normed [T, hidden], pre-norm [T, hidden])."""
+        features [T, hidden]. Writes the head's K/V; returns (normed [T, hidden], pre-norm [T, hidden]).
+        On the CPU the same step runs as direct kernel calls (fast_forward.FastHeadForward)."""
+        if self.fast is not None:
+            return self.fast(input_ids, positions, features, meta)
         embeds = self.input_layernorm(self.embed_tokens(input_ids).to(features.dtype))
         residual = features
         x = torch.cat([embeds, self.hidden_norm(features)], dim=-1)  # [T, 2 x hidden]
@@ -192,7 +202,15 @@ def load_head(directory: str | pathlib.Path, target: TargetFacts, target_embeddi
         raise HeadError(f"EAGLE-3 head {directory}: d2t maps {len(tensors['d2t'])} draft ids; lm_head scores "
                         f"{tensors['lm_head.weight'].shape[0]}")
     head = Eagle3Head(config, tensors, layer, aux, target_embedding).to(device).eval()
+    if device.type == "cpu" and can_pack(head):  # a step reads every weight once: a quarter of fp32's bytes
+        for module in head.modules():
+            if type(module) is torch.nn.Linear and module.in_features % QBLOCK == 0:
+                quantize_linear(module, HEAD_WEIGHT_FORMAT)
     pack_linears(head)  # on the CPU: the batch-invariant kernel, so a catch-up equals a fresh run's prefill
+    reason = FastHeadForward.supports(head)
+    head.fast = FastHeadForward(head) if reason is None else None
+    if reason is not None and device.type == "cpu":
+        logger.info("the EAGLE-3 head runs transformers' modules (the fast CPU forward does not cover %s)", reason)
     logger.info("EAGLE-3 head %s: draft vocabulary %d, reads target layers %s", directory,
                 tensors["lm_head.weight"].shape[0], list(aux))
     return head

@@ -45,6 +45,16 @@ def block_weight(linear: torch.nn.Linear) -> BlockWeight | None:
     return getattr(linear, BLOCK_WEIGHT, None)
 
 
+def quantize_linear(linear: torch.nn.Linear, format: str) -> BlockWeight:
+    """Gives an fp32 linear blocks of `format` made from its weight (llama.cpp's quantizer), and sets the
+    weight to their dequantised values (what the kernel computes with), in place."""
+    blocks = BlockWeight.quantize(linear.weight, format)
+    with torch.no_grad():
+        linear.weight.copy_(blocks.dequantize())  # in place: a tied embedding keeps sharing it
+    setattr(linear, BLOCK_WEIGHT, blocks)
+    return blocks
+
+
 class PackedLinear(torch.nn.Module):
     """`torch.nn.Linear` with its weight packed for kernels/linear_cpu.py; rows are computed independently.
 

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 
 from kernels.quantized import FORMAT_OF_GGML, FORMATS, QBLOCK, BlockWeight
 from specdec.cache import SOURCE_FILE
-from worker_service.fast_linear import BLOCK_WEIGHT
+from worker_service.fast_linear import BLOCK_WEIGHT, quantize_linear
 
 logger = logging.getLogger(__name__)
 
@@ -202,9 +202,8 @@ def quantize_model(model: PreTrainedModel, format: str, model_path: str | pathli
                              "loaded from it (an unknown tensor layout)")
         counts["from the GGUF" if blocks is not None else "quantized here"] += 1
         if blocks is None:
-            blocks = BlockWeight.quantize(module.weight, wanted)
-            with torch.no_grad():
-                module.weight.copy_(blocks.dequantize())  # in place: a tied embedding keeps sharing it
-        setattr(module, BLOCK_WEIGHT, blocks)
+            quantize_linear(module, wanted)
+        else:
+            setattr(module, BLOCK_WEIGHT, blocks)
     logger.info("%s weights, linear layers: %s (the output layer in %s)", format,
                 ", ".join(f"{count} {how}" for how, count in counts.items() if count), OUTPUT_FORMAT)

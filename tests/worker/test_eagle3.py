@@ -13,7 +13,7 @@ from tests.worker.driver import Driver
 from worker_service.config import WorkerConfig
 from worker_service.eagle3 import HeadError, TargetFacts, load_head
 from worker_service.model_loader import load_model
-from worker_service.model_runner import ModelRunner, SequenceChunk
+from worker_service.model_runner import ModelRunner, SequenceChunk, pack
 from worker_service.proposers.eagle3 import CATCH_UP_EVERY
 from worker_service.proposers.trees import chain_length
 from worker_service.worker import Worker
@@ -86,6 +86,32 @@ def test_the_fast_forward_keeps_the_stream_entering_the_chosen_layers(tiny_pair)
 @pytest.fixture(scope="module")
 def head_dir(tmp_path_factory):
     return save_tiny_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head")
+
+
+def test_the_heads_fast_cpu_step_is_its_modules_step(tiny_pair, head_dir):
+    """On the CPU a head's linears are served as q8_0 blocks and its step runs as direct kernel calls
+    (fast_forward.FastHeadForward): over a prefill chunk and decode rows of two sequences, with history in the
+    head's KV, its outputs and K/V equal transformers' modules on the same weights, and its drafts too."""
+    model = load_model(tiny_pair.target_path)
+    heads = [load_head(head_dir, facts(model), model.model.embed_tokens, model.device) for _ in range(2)]
+    assert heads[0].fast is not None and heads[0].lm_head.weight_format == "q8_0"
+    heads[1].fast = None  # transformers' LlamaAttention / LlamaMLP / LlamaRMSNorm over the paged KV
+    features = torch.randn(16, heads[0].norm.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for head in heads:
+        head.init_cache(16, BLOCK_SIZE)
+        chunks = [[SequenceChunk(list(range(3, 13)), 0, [0, 1, 2, 3]), SequenceChunk([7, 8, 9], 0, [4, 5])],
+                  [SequenceChunk([20, 21], 10, [0, 1, 2, 3]), SequenceChunk([22], 3, [4, 5])]]
+        rows = iter((features[:13], features[13:16]))
+        for batch_chunks in chunks:
+            batch = pack(batch_chunks, head.kv_cache, head.device)
+            normed, prenorm = head(batch.input_ids, batch.positions, next(rows), batch.metadata)
+        outputs.append((normed, prenorm, head.draft_tokens(normed)[0], head.kv_cache.key_caches[0].clone()))
+    fast, modules = outputs
+    torch.testing.assert_close(fast[0], modules[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast[1], modules[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast[3], modules[3], rtol=1e-4, atol=1e-4)
+    assert fast[2] == modules[2]
 
 
 def spy_trees(worker) -> list:

@@ -3,9 +3,10 @@ test" equals catch-up then drafting on the paged KV), and saves what the worker 
 
 import torch
 
+from kernels.quantized import QBLOCK, BlockWeight
 from tests.worker.test_eagle3 import facts
 from worker_service.draft_training.head import TrainableHead, head_config
-from worker_service.eagle3 import default_aux_layers, load_head
+from worker_service.eagle3 import HEAD_WEIGHT_FORMAT, default_aux_layers, load_head
 from worker_service.model_loader import load_model
 from worker_service.model_runner import SequenceChunk, pack
 
@@ -31,10 +32,13 @@ def test_each_unrolled_step_equals_the_serving_head_at_that_depth(tiny_pair, tmp
     trainable.save(tmp_path / "head")
     served = load_head(tmp_path / "head", facts(model), model.model.embed_tokens, model.device)
     served.init_cache(32, BLOCK_SIZE)
-    # The served head reads bf16 weights: train with the same (rounded) weights.
+    # The served head reads bf16 weights, its linears served as HEAD_WEIGHT_FORMAT blocks: train with the same.
     with torch.no_grad():
         for p in trainable.parameters():
             p.copy_(p.to(torch.bfloat16).float())
+        for module in trainable.modules():
+            if type(module) is torch.nn.Linear and module.in_features % QBLOCK == 0:
+                module.weight.copy_(BlockWeight.quantize(module.weight, HEAD_WEIGHT_FORMAT).dequantize())
     tokens = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(1))
     aux = torch.randn(1, 12, 3 * model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
