@@ -8,7 +8,6 @@ from tests.worker.driver import Driver
 from tests.worker.test_eagle3 import (BLOCK_SIZE, NUM_BLOCKS, PROMPTS, head_dir, make_worker,  # noqa: F401
                                       repeating_head_dir)
 from worker_service.proposers import trees as trees_module
-from worker_service.proposers.trees import chain_length
 
 WIDTH = 3
 
