@@ -136,12 +136,14 @@ class Eagle3Head(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
-                meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: PagedMetadata, output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One step over a packed batch: input_ids [T] (the token after each position), positions [T],
-        features [T, hidden]. Writes the head's K/V; returns (normed [T, hidden], pre-norm [T, hidden]).
-        On the CPU the same step runs as direct kernel calls (fast_forward.FastHeadForward)."""
+        features [T, hidden]. Writes the head's K/V of every row; returns (normed, pre-norm) [T, hidden], or
+        only of `output_rows` (each the last row of its sequence: a catch-up needs one row's output). On the
+        CPU the same step runs as direct kernel calls (fast_forward.FastHeadForward), and there the other
+        rows stop after writing their K/V."""
         if self.fast is not None:
-            return self.fast(input_ids, positions, features, meta)
+            return self.fast(input_ids, positions, features, meta, output_rows)
         embeds = self.input_layernorm(self.embed_tokens(input_ids).to(features.dtype))
         residual = features
         x = torch.cat([embeds, self.hidden_norm(features)], dim=-1)  # [T, 2 x hidden]
@@ -149,6 +151,8 @@ class Eagle3Head(torch.nn.Module):
         attn, _ = self.self_attn(x[None], position_embeddings=(cos, sin), attention_mask=None, paged_metadata=meta)
         residual = residual + attn[0]
         prenorm = residual + self.mlp(self.post_attention_layernorm(residual))
+        if output_rows is not None:
+            prenorm = prenorm[output_rows]
         return self.norm(prenorm), prenorm
 
     def draft_tokens(self, normed: torch.Tensor) -> tuple[list[int], list[float]]:

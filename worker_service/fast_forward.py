@@ -189,6 +189,11 @@ class FastHeadForward:
 
     transformers' modules cost the head ~150 small torch ops a step, more than its matmuls on a CPU; the
     kernels are those of FastLlamaForward, so each row is computed alone (batch invariant) as there.
+
+    With `output_rows` (the last row of some sequences), every row writes its K/V but only those rows run on
+    from the attention: a catch-up over many committed positions needs their K/V and one row's output, and
+    the rest of the layer (attention, o_proj, the MLP) is ~60% of a row's cost. Each output row attends to
+    its sequence's whole context as it would in the full step, so it gets the same bits.
     """
 
     def __init__(self, head: torch.nn.Module):
@@ -224,8 +229,9 @@ class FastHeadForward:
         return None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
-                 meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """As Eagle3Head.forward: (normed [T, hidden], pre-norm [T, hidden]); writes the head's K/V."""
+                 meta: PagedMetadata, output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As Eagle3Head.forward: (normed, pre-norm), [T, hidden] or [len(output_rows), hidden]; writes the
+        head's K/V of every row."""
         num_tokens, hidden, dtype = input_ids.shape[0], self.hidden, torch.float32
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
@@ -239,11 +245,7 @@ class FastHeadForward:
         tables, starts, lens, slots = (t.contiguous() for t in (meta.block_tables, meta.query_start_loc,
                                                                  meta.seq_lens, meta.slot_mapping))
         trees = paged_attention_cpu.contiguous_trees(meta.trees, tables.shape[0], num_tokens)
-        x = torch.empty((num_tokens, 2 * hidden), dtype=dtype)
-        qkv, attn = torch.empty((num_tokens, qkv_width), dtype=dtype), torch.empty((num_tokens, q_width), dtype=dtype)
-        h, normed = torch.empty((num_tokens, hidden), dtype=dtype), torch.empty((num_tokens, hidden), dtype=dtype)
-        gate_up = torch.empty((num_tokens, 2 * self.intermediate), dtype=dtype)
-        act = torch.empty((num_tokens, self.intermediate), dtype=dtype)
+        x, qkv = torch.empty((num_tokens, 2 * hidden), dtype=dtype), torch.empty((num_tokens, qkv_width), dtype=dtype)
         code, size, threads = DTYPE_CODES[dtype], 4, torch.get_num_threads()
         ops, attention = layer_ops_cpu.c_library(), paged_attention_cpu.kernel()
         input_norm, hidden_norm, post_norm, final_norm = self.norms
@@ -258,6 +260,20 @@ class FastHeadForward:
         key_cache, value_cache = cache.key_caches[0], cache.value_caches[0]
         ops.specdec_write_kv(code, q_ptr + q_width * size, q_ptr + (q_width + kv_width) * size, qkv_width,
                              num_tokens, kv_width, slots.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr())
+        if output_rows is not None:  # only these rows go on: each its sequence's last, as one-row queries
+            sequences = torch.searchsorted(starts[1:].long(), output_rows, right=True)
+            assert trees is None and bool((starts[sequences + 1] - 1 == output_rows).all()), \
+                "output rows are the last rows of chains"
+            qkv, residual = qkv[output_rows].contiguous(), residual[output_rows].contiguous()
+            tables, lens = tables[sequences].contiguous(), lens[sequences].contiguous()
+            num_tokens = len(output_rows)
+            starts, q_ptr = torch.arange(num_tokens + 1, dtype=starts.dtype), qkv.data_ptr()
+            if num_tokens == 0:
+                return residual, residual
+        attn = torch.empty((num_tokens, q_width), dtype=dtype)
+        h, normed = torch.empty((num_tokens, hidden), dtype=dtype), torch.empty((num_tokens, hidden), dtype=dtype)
+        gate_up = torch.empty((num_tokens, 2 * self.intermediate), dtype=dtype)
+        act = torch.empty((num_tokens, self.intermediate), dtype=dtype)
         status = attention(code, q_ptr, qkv_width, head_dim, key_cache.data_ptr(), value_cache.data_ptr(),
                            tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), attn.data_ptr(),
                            tables.shape[0], heads, kv_heads, head_dim, cache.block_size, self.scaling,

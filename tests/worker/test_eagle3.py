@@ -114,6 +114,36 @@ def test_the_heads_fast_cpu_step_is_its_modules_step(tiny_pair, head_dir):
     assert fast[2] == modules[2]
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["kernels", "modules"])
+def test_a_catch_up_with_output_rows_writes_the_same_kv_and_outputs(tiny_pair, head_dir, fast):
+    """A catch-up asks for the last row's output only (output_rows): every row's K/V, and the output rows'
+    normed and pre-norm outputs, equal those of the full step bit for bit (the kernels run the other rows
+    only as far as their K/V; a mutation that skips writing them, or attends an output row to fewer
+    positions, fails here)."""
+    model = load_model(tiny_pair.target_path)
+    head = load_head(head_dir, facts(model), model.model.embed_tokens, model.device)
+    if not fast:
+        head.fast = None
+    features = torch.randn(13, head.norm.weight.shape[0], generator=torch.Generator().manual_seed(1))
+    chunks = [SequenceChunk(list(range(3, 13)), 0, [0, 1, 2, 3], num_logits=1),
+              SequenceChunk([7, 8], 0, [4, 5], num_logits=0), SequenceChunk([9], 2, [4, 5], num_logits=1)]
+    runs = []
+    for output_rows in (False, True):
+        head.init_cache(16, BLOCK_SIZE)
+        batch = pack(chunks[:2], head.kv_cache, head.device)  # history for the third chunk's sequence
+        head(batch.input_ids, batch.positions, features[:12], batch.metadata)
+        batch = pack(chunks[::2], head.kv_cache, head.device)
+        rows = torch.cat([features[:10], features[12:]])
+        normed, prenorm = head(batch.input_ids, batch.positions, rows, batch.metadata,
+                               batch.logits_indices if output_rows else None)
+        if not output_rows:
+            normed, prenorm = normed[batch.logits_indices], prenorm[batch.logits_indices]
+        runs.append((normed, prenorm, head.kv_cache.key_caches[0].clone(), head.kv_cache.value_caches[0].clone()))
+    assert runs[1][0].shape[0] == 2
+    for full, selected in zip(*runs):
+        assert torch.equal(full, selected)
+
+
 def spy_trees(worker) -> list:
     """Records every proposal's trees (parents per sequence; None: a chain)."""
     trees, propose = [], worker.proposer.propose

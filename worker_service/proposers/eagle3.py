@@ -23,6 +23,9 @@ have gathered: so a sequence that does not draft costs almost no head work,
 and the policy, which times the steps, sees the head's cost where drafting
 causes it. The head's K/V is a function of the tokens and features alone
 (its linears are batch invariant), so when it runs does not change a draft.
+A catch-up needs the output of each sequence's last position only (the next
+first draft): the positions before it only write their K/V (Eagle3Head.forward,
+output_rows), which on the CPU skips their attention, o_proj and MLP.
 
 The drafts are the head's argmax mapped to target ids, deterministic given the
 context, and are verified like copied drafts (no draft probabilities): a draft
@@ -222,23 +225,23 @@ class Eagle3Proposer(Proposer):
             features.append(rows)
             state.num_draft_computed_tokens = end
         normed, prenorm = self._run(head_chunks, self.head.features(torch.cat(features)), last_rows=True)
+        if not len(normed):  # no sequence drafts after these positions yet (a prompt still prefilling)
+            return
         tokens, probabilities = self.head.draft_tokens(normed)
         tops, top_probabilities = ([[t] for t in tokens], [[p] for p in probabilities]) if self.tree_width == 1 \
             else self.head.top_draft_tokens(normed, self.tree_width)
-        for row, (state, chunk) in enumerate(zip(states, head_chunks)):
-            if chunk.num_logits:
-                self._next[state.request_id] = _Next(tokens[row], probabilities[row], prenorm[row], tops[row],
-                                                     top_probabilities[row])
+        drafting = [state for state, chunk in zip(states, head_chunks) if chunk.num_logits]
+        for row, state in enumerate(drafting):
+            self._next[state.request_id] = _Next(tokens[row], probabilities[row], prenorm[row], tops[row],
+                                                 top_probabilities[row])
 
     def _run(self, chunks: list[SequenceChunk], features: torch.Tensor,
              last_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over packed chunks; returns (normed, pre-norm) of every row, or of each chunk's last row."""
+        """The head over packed chunks; returns (normed, pre-norm) of every row, or (`last_rows`) only of the
+        last row of each chunk with num_logits, the others only writing their K/V."""
         batch = pack(chunks, self.head.kv_cache, features.device)
-        normed, prenorm = self.head(batch.input_ids, batch.positions, features, batch.metadata)
-        if last_rows:
-            last = batch.metadata.query_start_loc[1:].long() - 1
-            return normed[last], prenorm[last]
-        return normed, prenorm
+        output_rows = batch.logits_indices if last_rows else None
+        return self.head(batch.input_ids, batch.positions, features, batch.metadata, output_rows)
 
     def num_kv_tokens(self, state: RequestState) -> int:
         return state.num_draft_computed_tokens
