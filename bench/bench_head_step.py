@@ -6,7 +6,8 @@
 Loads the default model (--dtype) and an EAGLE-3 head (default: the one shipped for it), then times, each as
 the median of --repeats calls:
 
-- the target's decode step (one row after --context-tokens of context) and its prefill of --prompt-tokens;
+- the target's prefill of --prompt-tokens, and its step over one sequence after --context-tokens of context with
+  each of --rows rows (a decode, and a decode verifying drafts: what a draft's row costs);
 - the head's draft step (one row, the same context);
 - the head's catch-up over a --prompt-tokens prompt: every row through the whole layer, and with output_rows
   (the rows before the last only as far as their K/V, as Eagle3Proposer's catch-up runs it), and the `fc`
@@ -55,7 +56,9 @@ def main(args) -> None:
 
     time_ms("target prefill", lambda: target.forward([SequenceChunk(prompt, 0, table)]))
     target.forward([SequenceChunk(context, 0, table)])
-    time_ms("target decode step", lambda: target.forward([SequenceChunk([1], len(context), table)]))
+    for rows in args.rows:
+        time_ms(f"target step, {rows} row{'s' if rows > 1 else ''}",
+                lambda: target.forward([SequenceChunk(prompt[:rows], len(context), table, num_logits=rows)]))
 
     def head_call(chunks, features, output_rows: bool):
         batch = pack(chunks, head.kv_cache, head.device)
@@ -79,5 +82,6 @@ if __name__ == "__main__":
     parser.add_argument("--head", type=pathlib.Path, default=DEFAULT_EAGLE3_HEAD)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--context-tokens", type=int, default=300)
+    parser.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 6])
     parser.add_argument("--repeats", type=int, default=15)
     main(parser.parse_args())
