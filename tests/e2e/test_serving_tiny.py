@@ -50,13 +50,15 @@ CONFIGS = {
     "eagle3-async-preempt": ["--proposer", "eagle3", "--num-speculative-tokens", "3", "--scheduling", "async",
                              "--num-kv-blocks", "24", "--speculation-policy", "fixed"],
     "eagle3,suffix-sync": ["--proposer", "eagle3,suffix", "--num-speculative-tokens", "4", "--scheduling", "sync"],
-    # draft trees (--draft-tree-width)
+    # draft trees (--draft-tree-width), fixed k: the worker's width then makes every drafting step a tree, where
+    # the goodput policy may keep k <= 1 (no tree) on a loaded machine, and tree steps > 0 are asserted (the
+    # policy's choice of chain or tree has its own tests in tests/scheduler/core)
     "suffix-tree-async-preempt": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--draft-tree-width", "3",
-                                  "--scheduling", "async", "--num-kv-blocks", "24"],
+                                  "--scheduling", "async", "--num-kv-blocks", "24", "--speculation-policy", "fixed"],
     "eagle3-tree-sync-preempt": ["--proposer", "eagle3", "--num-speculative-tokens", "4", "--draft-tree-width", "3",
                                  "--scheduling", "sync", "--num-kv-blocks", "24", "--speculation-policy", "fixed"],
     "eagle3,suffix-tree-async": ["--proposer", "eagle3,suffix", "--num-speculative-tokens", "4",
-                                 "--draft-tree-width", "2", "--scheduling", "async"],
+                                 "--draft-tree-width", "2", "--scheduling", "async", "--speculation-policy", "fixed"],
 }
 
 
