@@ -237,7 +237,7 @@ class FastHeadForward:
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
         qkv_width = q_width + 2 * kv_width
         embeds = self.head.embed_tokens(input_ids).to(dtype).contiguous()  # the target's embedding may be bf16
-        residual = features.to(dtype).contiguous().clone()  # becomes the pre-norm output, in place
+        residual = features.to(dtype).contiguous()  # a copy of it becomes the pre-norm output, in place
         cos, sin = self.head.rotary_emb(embeds[None], positions[None])
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         cache = meta.kv_cache
@@ -260,11 +260,12 @@ class FastHeadForward:
         key_cache, value_cache = cache.key_caches[0], cache.value_caches[0]
         ops.specdec_write_kv(code, q_ptr + q_width * size, q_ptr + (q_width + kv_width) * size, qkv_width,
                              num_tokens, kv_width, slots.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr())
-        if output_rows is not None:  # only these rows go on: each its sequence's last, as one-row queries
+        if output_rows is None:
+            residual = residual.clone()  # the caller's features stay as they are
+        else:  # only these rows go on, each its sequence's last (a chain's), as one-row queries
+            assert trees is None, "output rows are the last rows of chains"
             sequences = torch.searchsorted(starts[1:].long(), output_rows, right=True)
-            assert trees is None and bool((starts[sequences + 1] - 1 == output_rows).all()), \
-                "output rows are the last rows of chains"
-            qkv, residual = qkv[output_rows].contiguous(), residual[output_rows].contiguous()
+            qkv, residual = qkv[output_rows].contiguous(), residual[output_rows]  # indexing copies
             tables, lens = tables[sequences].contiguous(), lens[sequences].contiguous()
             num_tokens = len(output_rows)
             starts, q_ptr = torch.arange(num_tokens + 1, dtype=starts.dtype), qkv.data_ptr()
