@@ -55,6 +55,18 @@ class _Linear:
         return cls(module.weight_code, module.packed_weight.data_ptr(), module.in_features,
                    module.out_features, bias.data_ptr() if bias is not None else None, (module.packed_weight, bias))
 
+    @classmethod
+    def outputs(cls, module: PackedLinear, start: int, end: int) -> "_Linear | None":
+        """The projection onto outputs [start, end) of `module` alone, on its packed weight's groups (each
+        output's chain is the same, so each gets the same bits); None unless `start` begins a group."""
+        group = linear_cpu.group_out()
+        if start % group:
+            return None
+        packed, bias = module.packed_weight[start // group:-(-end // group)], module.bias
+        bias = bias[start:end] if bias is not None else None
+        return cls(module.weight_code, packed.data_ptr(), module.in_features, end - start,
+                   bias.data_ptr() if bias is not None else None, (packed, bias))
+
 
 @dataclass
 class _Layer:
@@ -192,8 +204,10 @@ class FastHeadForward:
 
     With `output_rows` (the last row of some sequences), every row writes its K/V but only those rows run on
     from the attention: a catch-up over many committed positions needs their K/V and one row's output, and
-    the rest of the layer (attention, o_proj, the MLP) is ~60% of a row's cost. Each output row attends to
-    its sequence's whole context as it would in the full step, so it gets the same bits.
+    the rest of the layer (attention, o_proj, the MLP) is ~60% of a row's cost. The other rows project only
+    k and v (the fused projection's outputs past q, when q fills whole weight groups), the output rows q
+    too. Each output row attends to its sequence's whole context as it would in the full step, so it gets
+    the same bits.
     """
 
     def __init__(self, head: torch.nn.Module):
@@ -204,6 +218,9 @@ class FastHeadForward:
         self.head_dim, self.scaling = attn.head_dim, float(attn.scaling)
         self.eps = head.norm.variance_epsilon
         self.qkv, self.o_proj = _Linear.of(attn.q_proj_k_proj_v_proj.fused), _Linear.of(attn.o_proj)
+        q_width = self.num_heads * self.head_dim
+        self.q = _Linear.outputs(attn.q_proj_k_proj_v_proj.fused, 0, q_width)
+        self.kv = _Linear.outputs(attn.q_proj_k_proj_v_proj.fused, q_width, self.qkv.out_features)
         self.gate_up, self.down = _Linear.of(mlp.gate_proj_up_proj.fused), _Linear.of(mlp.down_proj)
         self.intermediate = self.gate_up.out_features // 2
         self.norms = tuple(n.weight.detach().float().contiguous() for n in (
@@ -253,29 +270,43 @@ class FastHeadForward:
                                  2 * hidden, num_tokens, hidden, self.eps, threads)
         ops.specdec_add_rms_norm(code, None, hidden, residual.data_ptr(), hidden, hidden_norm.data_ptr(),
                                  x.data_ptr() + hidden * size, 2 * hidden, num_tokens, hidden, self.eps, threads)
-        project(self.qkv, x, qkv)
+        q_only = output_rows is not None and self.q is not None and self.kv is not None
+        if q_only:  # k and v of every row here, q of the output rows below
+            project(self.kv, x, qkv[:, q_width:], qkv_width)
+        else:
+            project(self.qkv, x, qkv)
         q_ptr = qkv.data_ptr()
-        ops.specdec_rope(code, q_ptr, qkv_width, num_tokens, heads + kv_heads, head_dim, cos.data_ptr(),
-                         sin.data_ptr(), head_dim, threads)
+        rope_from, rope_heads = (q_width, kv_heads) if q_only else (0, heads + kv_heads)
+        ops.specdec_rope(code, q_ptr + rope_from * size, qkv_width, num_tokens, rope_heads, head_dim,
+                         cos.data_ptr(), sin.data_ptr(), head_dim, threads)
         key_cache, value_cache = cache.key_caches[0], cache.value_caches[0]
         ops.specdec_write_kv(code, q_ptr + q_width * size, q_ptr + (q_width + kv_width) * size, qkv_width,
                              num_tokens, kv_width, slots.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr())
+        q_stride = qkv_width
         if output_rows is None:
             residual = residual.clone()  # the caller's features stay as they are
         else:  # only these rows go on, each its sequence's last (a chain's), as one-row queries
             assert trees is None, "output rows are the last rows of chains"
             sequences = torch.searchsorted(starts[1:].long(), output_rows, right=True)
-            qkv, residual = qkv[output_rows].contiguous(), residual[output_rows]  # indexing copies
+            residual = residual[output_rows]  # indexing copies
             tables, lens = tables[sequences].contiguous(), lens[sequences].contiguous()
             num_tokens = len(output_rows)
-            starts, q_ptr = torch.arange(num_tokens + 1, dtype=starts.dtype), qkv.data_ptr()
             if num_tokens == 0:
                 return residual, residual
+            if q_only:
+                q, q_stride = torch.empty((num_tokens, q_width), dtype=dtype), q_width
+                project(self.q, x[output_rows].contiguous(), q)
+                cos, sin = cos[output_rows].contiguous(), sin[output_rows].contiguous()  # kept while the C reads
+                ops.specdec_rope(code, q.data_ptr(), q_width, num_tokens, heads, head_dim, cos.data_ptr(),
+                                 sin.data_ptr(), head_dim, threads)
+            else:
+                q = qkv[output_rows].contiguous()
+            starts, q_ptr = torch.arange(num_tokens + 1, dtype=starts.dtype), q.data_ptr()
         attn = torch.empty((num_tokens, q_width), dtype=dtype)
         h, normed = torch.empty((num_tokens, hidden), dtype=dtype), torch.empty((num_tokens, hidden), dtype=dtype)
         gate_up = torch.empty((num_tokens, 2 * self.intermediate), dtype=dtype)
         act = torch.empty((num_tokens, self.intermediate), dtype=dtype)
-        status = attention(code, q_ptr, qkv_width, head_dim, key_cache.data_ptr(), value_cache.data_ptr(),
+        status = attention(code, q_ptr, q_stride, head_dim, key_cache.data_ptr(), value_cache.data_ptr(),
                            tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), attn.data_ptr(),
                            tables.shape[0], heads, kv_heads, head_dim, cache.block_size, self.scaling,
                            *paged_attention_cpu.tree_arguments(trees), threads)
@@ -293,12 +324,13 @@ class FastHeadForward:
         return normed, residual
 
 
-def project(layer: _Linear, source: torch.Tensor, target: torch.Tensor) -> None:
-    """target = source @ W.T + b, row by row: the packed linear kernel called directly (contiguous rows)."""
+def project(layer: _Linear, source: torch.Tensor, target: torch.Tensor, target_stride: int | None = None) -> None:
+    """target = source @ W.T + b, row by row: the packed linear kernel called directly (contiguous rows; the
+    target's rows `target_stride` apart, default its width)."""
     status = linear_cpu.c_library().specdec_linear(
         DTYPE_CODES[source.dtype], source.data_ptr(), layer.in_features, source.shape[0], layer.in_features,
-        layer.weight_dtype, layer.weight, layer.out_features, layer.bias, target.data_ptr(), layer.out_features,
-        torch.get_num_threads())
+        layer.weight_dtype, layer.weight, layer.out_features, layer.bias, target.data_ptr(),
+        target_stride or layer.out_features, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"linear_cpu failed (status {status}) for {source.shape[0]} rows")
 

@@ -118,12 +118,14 @@ def test_the_heads_fast_cpu_step_is_its_modules_step(tiny_pair, head_dir):
 def test_a_catch_up_with_output_rows_writes_the_same_kv_and_outputs(tiny_pair, head_dir, fast):
     """A catch-up asks for the last row's output only (output_rows): every row's K/V, and the output rows'
     normed and pre-norm outputs, equal those of the full step bit for bit (the kernels run the other rows
-    only as far as their K/V; a mutation that skips writing them, or attends an output row to fewer
-    positions, fails here)."""
+    only as far as their K/V, projecting only k and v; a mutation that skips writing them, attends an output
+    row to fewer positions, or rotates its q at another row's position, fails here)."""
     model = load_model(tiny_pair.target_path)
     head = load_head(head_dir, facts(model), model.model.embed_tokens, model.device)
     if not fast:
         head.fast = None
+    else:  # the rows before an output row project only k and v
+        assert head.fast.kv is not None and head.fast.kv.out_features < head.fast.qkv.out_features
     features = torch.randn(13, head.norm.weight.shape[0], generator=torch.Generator().manual_seed(1))
     chunks = [SequenceChunk(list(range(3, 13)), 0, [0, 1, 2, 3], num_logits=1),
               SequenceChunk([7, 8], 0, [4, 5], num_logits=0), SequenceChunk([9], 2, [4, 5], num_logits=1)]
