@@ -12,7 +12,7 @@ no-speculation output: expect 0).
 1. batch 1: every Spec-Bench category of ../shared/data/spec_bench_dev.jsonl (--prompts-per-category first
    turns each, --new-tokens tokens): tokens/s, tokens per target forward, acceptance by draft position and
    the proposers' share of the worker's step time, per category; speedups over no speculation as geometric
-   means over the eight MT-Bench categories and over all thirteen;
+   means over the eight MT-Bench categories and over all thirteen (--prompts-per-category 0: skipped);
 2. concurrency (--concurrency, the first dtype of --dtypes, --sweep-configs): mixed categories, 2 x
    concurrency requests per level, --sweep-tokens each: throughput against no speculation.
 
@@ -56,7 +56,7 @@ def main(args) -> None:
             generate(t.stub, [("user", "Hello")], 8, args.request_timeout)
 
         batch1 = {dtype: {} for dtype in args.dtypes}
-        for turn, category in enumerate(categories):
+        for turn, category in enumerate(categories if args.prompts_per_category > 0 else []):  # 0: the sweep only
             rows = by_category[category][:args.prompts_per_category]
             jobs = [(f"b1-{q['question_id']}", [("user", q["turns"][0])]) for q in rows]
             order = [(dtype, t) for dtype, by_proposer in targets.items() for t in by_proposer.values()]
@@ -96,6 +96,8 @@ def summarize(report: dict) -> None:
     """Per dtype and proposer: speedups over none (geomeans), tokens per forward, acceptance, propose share."""
     summary = {}
     for dtype, by_category in report["batch1"].items():
+        if not by_category:  # --prompts-per-category 0
+            continue
         summary[dtype] = {}
         labels = next(iter(by_category.values())).keys()
         for label in labels:
