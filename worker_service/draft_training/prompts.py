@@ -7,8 +7,12 @@ Benchmark text (Spec-Bench, MT-Bench) is never a source: the benchmarks must sta
   licence (their METADATA, as the registry serves it), each wrapped in an instruction (summarise, extract,
   explain, translate, rewrite, ask about it).
 - `python`: small functions of the Python standard library (PSF-2.0), to explain, review or rewrite.
-- `self`: prompts the target writes itself, sampled from an empty user turn of its chat template
-  (written later, by the target: see `train.py`).
+- `self`: prompts the target writes itself, sampled from a user turn of its chat template (written later,
+  by the target: see `train.py`). Left to itself, SmolLM2 writes mostly requests for advice (of 3,994: 25%
+  about business, marketing or careers, 27% opening "Can you", under 1% puzzles), far from what users ask
+  of a general assistant, and a head learns the text it is trained on. So two turns in three start with one
+  of SELF_PROMPT_OPENERS, a few words of a kind of task (written here, from no benchmark), and the target
+  writes the rest; the third starts empty.
 - `--prompts FILE`: one prompt per line, or JSON lines with a "prompt" field.
 """
 
@@ -40,6 +44,28 @@ CODE_TASKS = (
     "Rewrite this Python function in JavaScript.\n\n```python\n{text}\n```",
 )
 TASKS_PER_PARAGRAPH = 2
+# The first words of self-written prompts (module docstring): kinds of tasks a general assistant gets.
+SELF_PROMPT_OPENERS = (
+    "Write a poem about", "Write a short story", "Write a letter", "Write an essay on", "Write a speech",
+    "Compose a", "Draft an email", "Describe", "Imagine you are", "Pretend to be", "You are a", "Act as",
+    "Solve", "Calculate", "What is the value of", "Find the", "How many", "If a train", "Prove that",
+    "A farmer has", "Explain why", "Explain how", "Explain the concept of", "What causes", "Why do",
+    "How does", "What is the difference between", "Compare", "What were the main causes of",
+    "Who was", "What is the history of", "Discuss", "Analyze", "Summarize", "Extract", "List",
+    "Classify", "Rewrite", "Translate", "Edit", "Write a Python function", "Write a function in",
+    "Implement", "Debug this code", "Write a SQL query", "What does this code do", "Give me", "Suggest",
+    "Help me plan", "What are the pros and cons of", "Is it true that", "Which is", "Tell me about",
+    "Create a", "Design a", "Brainstorm", "In three sentences,", "Step by step,",
+)
+SELF_PROMPT_EMPTY_SHARE = 1 / 3  # turns that start empty: the target's own kind of request
+
+
+def self_prompt_openers(num_prompts: int, seed: int) -> list[str]:
+    """How each of `num_prompts` self-written prompts starts: "" (as the target likes) about
+    SELF_PROMPT_EMPTY_SHARE of them, the others one of SELF_PROMPT_OPENERS; the same for the same seed."""
+    rng = random.Random(seed)
+    return ["" if rng.random() < SELF_PROMPT_EMPTY_SHARE else rng.choice(SELF_PROMPT_OPENERS)
+            for _ in range(num_prompts)]
 STDLIB_MODULES = ("textwrap", "heapq", "bisect", "statistics", "fractions", "colorsys", "calendar", "shlex",
                   "difflib", "string", "glob", "fnmatch", "posixpath", "base64", "quopri", "html", "ipaddress",
                   "random", "datetime", "json.encoder", "json.decoder", "csv", "urllib.parse", "gettext",

@@ -181,15 +181,20 @@ def _by_kind(collected):
 
 
 def _self_prompts(config, worker, tokenizer, stop_ids) -> list[prompts.Prompt]:
-    """Prompts the target writes from an empty user turn of its chat template (sampled, keyed by the seed)."""
+    """Prompts the target writes in a user turn of its chat template, most started with an opener
+    (prompts.SELF_PROMPT_OPENERS; sampled, keyed by the seed)."""
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
-    turn = tokenizer(rendered.split(SENTINEL)[0], add_special_tokens=False)["input_ids"]
+    turn_start = rendered.split(SENTINEL)[0]
+    turns = [tokenizer(turn_start + opener, add_special_tokens=False)["input_ids"]
+             for opener in prompts.self_prompt_openers(config.num_self_prompts, config.seed)]
     progress = tqdm(total=config.num_self_prompts, desc="self-written prompts", unit="prompt")
-    written = generate(worker, [turn] * config.num_self_prompts, SELF_PROMPT_MAX_TOKENS, stop_ids,
+    written = generate(worker, turns, SELF_PROMPT_MAX_TOKENS, stop_ids,
                        lambda i: step.RequestSampling(temperature=1.0, top_p=0.95, seed=config.seed * 100003 + i),
                        config.generation_batch_size, on_batch=lambda done: progress.update(len(done)))
     progress.close()
-    texts = {tokenizer.decode(c.token_ids[c.num_prompt_tokens:], skip_special_tokens=True).strip() for c in written}
+    prefix_chars = len(tokenizer.decode(tokenizer(turn_start, add_special_tokens=False)["input_ids"],
+                                        skip_special_tokens=True))
+    texts = {tokenizer.decode(c.token_ids, skip_special_tokens=True)[prefix_chars:].strip() for c in written}
     return [prompts.Prompt(t, "self", "the target's own output") for t in sorted(texts) if len(t) >= 20]
 
 
