@@ -58,7 +58,7 @@ class _Linear:
     @classmethod
     def outputs(cls, module: PackedLinear, start: int, end: int) -> "_Linear | None":
         """The projection onto outputs [start, end) of `module` alone, on its packed weight's groups (each
-        output's chain is the same, so each gets the same bits); None unless `start` begins a group."""
+        output's chain is the same, so each gets the same bits); None unless `start` begins a group (0 does)."""
         group = linear_cpu.group_out()
         if start % group:
             return None
@@ -270,13 +270,13 @@ class FastHeadForward:
                                  2 * hidden, num_tokens, hidden, self.eps, threads)
         ops.specdec_add_rms_norm(code, None, hidden, residual.data_ptr(), hidden, hidden_norm.data_ptr(),
                                  x.data_ptr() + hidden * size, 2 * hidden, num_tokens, hidden, self.eps, threads)
-        q_only = output_rows is not None and self.q is not None and self.kv is not None
-        if q_only:  # k and v of every row here, q of the output rows below
+        q_of_outputs_only = output_rows is not None and self.kv is not None
+        if q_of_outputs_only:  # k and v of every row here, q of the output rows below
             project(self.kv, x, qkv[:, q_width:], qkv_width)
         else:
             project(self.qkv, x, qkv)
         q_ptr = qkv.data_ptr()
-        rope_from, rope_heads = (q_width, kv_heads) if q_only else (0, heads + kv_heads)
+        rope_from, rope_heads = (q_width, kv_heads) if q_of_outputs_only else (0, heads + kv_heads)
         ops.specdec_rope(code, q_ptr + rope_from * size, qkv_width, num_tokens, rope_heads, head_dim,
                          cos.data_ptr(), sin.data_ptr(), head_dim, threads)
         key_cache, value_cache = cache.key_caches[0], cache.value_caches[0]
@@ -293,7 +293,7 @@ class FastHeadForward:
             num_tokens = len(output_rows)
             if num_tokens == 0:
                 return residual, residual
-            if q_only:
+            if q_of_outputs_only:
                 q, q_stride = torch.empty((num_tokens, q_width), dtype=dtype), q_width
                 project(self.q, x[output_rows].contiguous(), q)
                 cos, sin = cos[output_rows].contiguous(), sin[output_rows].contiguous()  # kept while the C reads
