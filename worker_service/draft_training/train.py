@@ -96,7 +96,7 @@ def run(config: TrainConfig) -> dict:
         raise TrainingError(f"cannot load the target {config.model}: {exc}") from exc
     blocks_per_request = -(-(MAX_PROMPT_TOKENS + max(config.max_new_tokens, SELF_PROMPT_MAX_TOKENS) + 1) // BLOCK_SIZE)
     worker.init_cache(config.generation_batch_size * blocks_per_request, BLOCK_SIZE)
-    stop_ids = _stop_token_ids(worker, tokenizer)
+    stop_ids = stop_token_ids(worker, tokenizer)
     prompt_list = _prompts(config, work, worker, tokenizer, stop_ids)
     timings["prompts_min"] = (time.perf_counter() - start) / 60
     conversations = _conversations(config, work, worker, tokenizer, stop_ids, prompt_list)
@@ -144,7 +144,7 @@ def _lm_head_weight(model) -> torch.Tensor:
     return weight if weight is not None and weight.dim() == 2 else model.model.embed_tokens.weight
 
 
-def _stop_token_ids(worker, tokenizer) -> set[int]:
+def stop_token_ids(worker, tokenizer) -> set[int]:
     eos = worker.target.model.generation_config.eos_token_id
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
@@ -161,7 +161,9 @@ def _prompts(config, work, worker, tokenizer, stop_ids) -> list[prompts.Prompt]:
         return [prompts.Prompt(**json.loads(line)) for line in path.read_text().splitlines()]
     collected = prompts.collect(list(config.sources), list(config.prompt_files), config.num_prompts, config.seed)
     if "self" in config.sources and config.num_self_prompts:
-        collected += _self_prompts(config, worker, tokenizer, stop_ids)
+        collected += write_self_prompts(worker, tokenizer, stop_ids,
+                                        prompts.self_prompt_openers(config.num_self_prompts, config.seed),
+                                        config.seed, config.generation_batch_size)
     random.Random(config.seed).shuffle(collected)
     if not collected:
         raise TrainingError("no prompts: the sources and files gave none")
@@ -180,17 +182,17 @@ def _by_kind(collected):
     return kinds
 
 
-def _self_prompts(config, worker, tokenizer, stop_ids) -> list[prompts.Prompt]:
-    """Prompts the target writes in a user turn of its chat template, most started with an opener
-    (prompts.SELF_PROMPT_OPENERS; sampled, keyed by the seed)."""
+def write_self_prompts(worker, tokenizer, stop_ids, openers: list[str], seed: int,
+                       batch_size: int) -> list[prompts.Prompt]:
+    """Prompts the target writes in a user turn of its chat template, the i-th started with openers[i] ("":
+    empty; prompts.self_prompt_openers), sampled and keyed by the seed; duplicates and short ones dropped."""
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
     turn_start = rendered.split(SENTINEL)[0]
-    turns = [tokenizer(turn_start + opener, add_special_tokens=False)["input_ids"]
-             for opener in prompts.self_prompt_openers(config.num_self_prompts, config.seed)]
-    progress = tqdm(total=config.num_self_prompts, desc="self-written prompts", unit="prompt")
+    turns = [tokenizer(turn_start + opener, add_special_tokens=False)["input_ids"] for opener in openers]
+    progress = tqdm(total=len(turns), desc="self-written prompts", unit="prompt")
     written = generate(worker, turns, SELF_PROMPT_MAX_TOKENS, stop_ids,
-                       lambda i: step.RequestSampling(temperature=1.0, top_p=0.95, seed=config.seed * 100003 + i),
-                       config.generation_batch_size, on_batch=lambda done: progress.update(len(done)))
+                       lambda i: step.RequestSampling(temperature=1.0, top_p=0.95, seed=seed * 100003 + i),
+                       batch_size, on_batch=lambda done: progress.update(len(done)))
     progress.close()
     prefix_chars = len(tokenizer.decode(tokenizer(turn_start, add_special_tokens=False)["input_ids"],
                                         skip_special_tokens=True))
