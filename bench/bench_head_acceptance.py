@@ -1,6 +1,6 @@
 """How often an EAGLE-3 head's first draft is accepted, by kind of prompt: text like its training data or not.
 
-    .venv/bin/python bench/bench_head_acceptance.py                     # ~4 min on 2 cores
+    .venv/bin/python bench/bench_head_acceptance.py                     # ~5 min on 2 cores
     .venv/bin/python bench/bench_head_acceptance.py --head DIR --dtypes q4_1,bfloat16,float32
 
 The worker in-process, greedy, one draft every step (k = 1), --new-tokens tokens per prompt, on three sets:

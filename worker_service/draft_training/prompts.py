@@ -58,14 +58,6 @@ SELF_PROMPT_OPENERS = (
     "Create a", "Design a", "Brainstorm", "In three sentences,", "Step by step,",
 )
 SELF_PROMPT_EMPTY_SHARE = 1 / 3  # turns that start empty: the target's own kind of request
-
-
-def self_prompt_openers(num_prompts: int, seed: int) -> list[str]:
-    """How each of `num_prompts` self-written prompts starts: "" (as the target likes) about
-    SELF_PROMPT_EMPTY_SHARE of them, the others one of SELF_PROMPT_OPENERS; the same for the same seed."""
-    rng = random.Random(seed)
-    return ["" if rng.random() < SELF_PROMPT_EMPTY_SHARE else rng.choice(SELF_PROMPT_OPENERS)
-            for _ in range(num_prompts)]
 STDLIB_MODULES = ("textwrap", "heapq", "bisect", "statistics", "fractions", "colorsys", "calendar", "shlex",
                   "difflib", "string", "glob", "fnmatch", "posixpath", "base64", "quopri", "html", "ipaddress",
                   "random", "datetime", "json.encoder", "json.decoder", "csv", "urllib.parse", "gettext",
@@ -110,6 +102,14 @@ def _prose_paragraphs(description: str) -> list[str]:
         if 200 <= len(text) <= 1200 and letters >= 0.9 * len(text) and "http" not in text and "```" not in text:
             paragraphs.append(text)
     return paragraphs
+
+
+def self_prompt_openers(num_prompts: int, seed: int) -> list[str]:
+    """How each of `num_prompts` self-written prompts starts: "" (as the target likes) about
+    SELF_PROMPT_EMPTY_SHARE of them, the others one of SELF_PROMPT_OPENERS; the same for the same seed."""
+    rng = random.Random(seed)
+    return ["" if rng.random() < SELF_PROMPT_EMPTY_SHARE else rng.choice(SELF_PROMPT_OPENERS)
+            for _ in range(num_prompts)]
 
 
 def python_prompts(rng: random.Random) -> list[Prompt]:
