@@ -75,15 +75,14 @@ class DraftTrees:
             if start < num_tokens and paths[start] is not None:
                 is_tree[b] = 1
         width = max((len(p) for p in paths if p is not None), default=1)
-        table = torch.full((num_tokens, width), -1, dtype=torch.int32)  # [T, P]
-        depths = torch.zeros(num_tokens, dtype=torch.int32)  # [T]
-        for t, path in enumerate(paths):
-            if path is not None:
-                table[t, :len(path)] = torch.tensor(path, dtype=torch.int32)
-                depths[t] = len(path) - 1
+        # Python lists, one tensor each: host metadata on its way to the device, no host tensor arithmetic.
+        table = [[-1] * width if path is None else path + [-1] * (width - len(path)) for path in paths]
+        depths = [0 if path is None else len(path) - 1 for path in paths]
         prefix = [p if tree else 0 for p, tree in zip(prefix_lens, is_tree)]
         return DraftTrees(torch.tensor(is_tree, dtype=torch.int32), torch.tensor(prefix, dtype=torch.int32),
-                          depths, table)
+                          torch.tensor(depths, dtype=torch.int32),
+                          torch.tensor(table, dtype=torch.int32) if table
+                          else torch.full((0, width), -1, dtype=torch.int32))  # [T, P]
 
     def to(self, device: torch.device | str) -> "DraftTrees":
         return DraftTrees(*(t.to(device) for t in (self.is_tree, self.prefix_lens, self.depths, self.paths)))

@@ -9,6 +9,7 @@ from torch.utils._pytree import tree_flatten
 from specdec import step
 from specdec.cli import build_parser
 from tests.worker.driver import Driver
+from tests.worker.test_eagle3 import make_worker as make_eagle3_worker
 from tests.worker.test_speculative import BLOCK_SIZE, NUM_BLOCKS, PROMPTS, make_worker
 from worker_service import device as devices
 from worker_service.config import WorkerConfig, check_device, resolve_device
@@ -18,10 +19,11 @@ from worker_service.main import build_worker
 GIB = 2**30
 aten = torch.ops.aten
 # Ops whose host-side output is legitimate: a tensor made from Python or numpy data on its way to the device
-# (block tables, keyed-noise row keys; `detach_` is how torch.tensor(..., pin_memory=True) finishes its host
-# staging tensor), and results copied back to the host.
+# (block tables, keyed-noise row keys, draft-tree paths; `detach_` is how torch.tensor(..., pin_memory=True)
+# finishes its host staging tensor), results copied back to the host, and `tolist` reading host metadata
+# (`resolve_conj` / `resolve_neg`).
 HOST_SIDE_OPS = frozenset({aten.lift_fresh.default, aten.detach_.default, aten._to_copy.default,
-                           aten.copy_.default})
+                           aten.copy_.default, aten.resolve_conj.default, aten.resolve_neg.default})
 
 
 class DeviceRecorder(TorchDispatchMode):
@@ -57,10 +59,15 @@ def test_the_recorder_catches_a_tensor_off_the_device():
         ("aten._to_copy.default", torch.device("meta"))]
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
-def test_every_step_tensor_is_on_the_models_device(tiny_pair, device, proposer):
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "eagle3", "eagle3-trees"])
+def test_every_step_tensor_is_on_the_models_device(tiny_pair, tiny_eagle3_head, device, proposer):
     """Greedy, seeded-sampling and logprob requests speculating together: no op returns a tensor elsewhere."""
-    worker = make_worker(tiny_pair, proposer, 3, device=device)
+    if proposer.startswith("eagle3"):
+        worker = make_eagle3_worker(tiny_pair, tiny_eagle3_head, k=3, device=device,
+                                    tree_width=3 if proposer == "eagle3-trees" else 1)
+        worker.proposer.min_confidence = 0.0  # a random head's drafts: every step drafts
+    else:
+        worker = make_worker(tiny_pair, proposer, 3, device=device)
     samplings = [step.RequestSampling(temperature=0.0),
                  step.RequestSampling(temperature=0.8, top_p=0.9, top_k=20, seed=7, logprobs=True),
                  step.RequestSampling(temperature=1.0, seed=8)]

@@ -26,11 +26,12 @@ def facts(model) -> TargetFacts:
     return TargetFacts(model.config.hidden_size, model.config.vocab_size, model.config.num_hidden_layers)
 
 
-def make_worker(pair, head_dir=None, k=4, dtype="float32", proposer="eagle3", tree_width=1) -> Worker:
+def make_worker(pair, head_dir=None, k=4, dtype="float32", proposer="eagle3", tree_width=1, device="cpu") -> Worker:
     proposer = proposer if head_dir is not None else "none"
     config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k if head_dir else 0,
-                          draft_model=str(head_dir) if head_dir else None, dtype=dtype, draft_tree_width=tree_width)
-    target = ModelRunner(load_model(pair.target_path, dtype))
+                          draft_model=str(head_dir) if head_dir else None, dtype=dtype, draft_tree_width=tree_width,
+                          device=device)
+    target = ModelRunner(load_model(pair.target_path, dtype, device))
     head = None
     if head_dir is not None:
         head = load_head(head_dir, facts(target.model), target.model.model.embed_tokens, target.device)
@@ -155,9 +156,10 @@ def spy_trees(worker) -> list:
 
 @pytest.mark.parametrize("tree_width", [1, 3], ids=["chains", "trees"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_eagle3_equals_plain_decoding_with_mixed_k(tiny_pair, head_dir, dtype, tree_width):
-    plain = Driver(make_worker(tiny_pair, dtype=dtype).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 24)
-    worker = make_worker(tiny_pair, head_dir, k=5, dtype=dtype, tree_width=tree_width)
+def test_greedy_eagle3_equals_plain_decoding_with_mixed_k(tiny_pair, head_dir, dtype, tree_width, device):
+    plain = Driver(make_worker(tiny_pair, dtype=dtype, device=device).execute, BLOCK_SIZE,
+                   NUM_BLOCKS).generate(PROMPTS, 24)
+    worker = make_worker(tiny_pair, head_dir, k=5, dtype=dtype, tree_width=tree_width, device=device)
     worker.proposer.min_confidence = 0.0 if tree_width > 1 else worker.proposer.min_confidence  # full trees
     trees = spy_trees(worker)
     driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
