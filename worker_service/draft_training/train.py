@@ -2,8 +2,10 @@
 
 Every stage leaves its result in the work directory, so a run that stops resumes where it was: the prompts
 (`prompts.jsonl`), the conversations in shards (`shard-NNNNN.pt`, one per generation batch) and the training
-checkpoint (`checkpoint.pt`, every `checkpoint_every` steps). The seed fixes the prompts, the self-written
-prompts' sampling, the split, the initial weights and the batch order, so a run can be repeated.
+checkpoint (`checkpoint.pt`, every `checkpoint_every` steps), and the minutes each stage took
+(`minutes.json`, summed over the runs that resumed it: the card reports the whole work). The seed fixes the
+prompts, the self-written prompts' sampling, the split, the initial weights and the batch order, so a run can be
+repeated.
 """
 
 from dataclasses import asdict, dataclass, field
@@ -86,8 +88,7 @@ def run(config: TrainConfig) -> dict:
     work = pathlib.Path(config.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
-    timings = {}
-    start = time.perf_counter()
+    clock = _Minutes(work / "minutes.json")
     try:
         worker = build_worker(WorkerConfig(model=config.model, dtype=config.dtype, device=config.device,
                                            proposer="none", num_threads=config.num_threads))
@@ -98,9 +99,10 @@ def run(config: TrainConfig) -> dict:
     worker.init_cache(config.generation_batch_size * blocks_per_request, BLOCK_SIZE)
     stop_ids = stop_token_ids(worker, tokenizer)
     prompt_list = _prompts(config, work, worker, tokenizer, stop_ids)
-    timings["prompts_min"] = (time.perf_counter() - start) / 60
-    conversations = _conversations(config, work, worker, tokenizer, stop_ids, prompt_list)
-    timings["responses_min"] = (time.perf_counter() - start) / 60 - timings["prompts_min"]
+    clock.add("prompts_min")
+    conversations = _conversations(config, work, worker, tokenizer, stop_ids, prompt_list,
+                                   on_shard=lambda: clock.add("responses_min"))
+    clock.add("responses_min")
     draft_to_target, coverage = dataset.draft_vocabulary(conversations, config.draft_vocab_coverage,
                                                          config.max_draft_vocab_size)
     train, held_out = dataset.split(conversations, config.eval_fraction, config.seed)
@@ -111,10 +113,9 @@ def run(config: TrainConfig) -> dict:
                          target.model.embed_tokens.weight, _lm_head_weight(target), target.model.norm.weight,
                          draft_to_target).to(worker.target.device)
     del worker
-    trainer = Trainer(head, config, work / "checkpoint.pt")
-    t_train = time.perf_counter()
+    trainer = Trainer(head, config, work / "checkpoint.pt", on_checkpoint=lambda: clock.add("train_min"))
     accuracy = trainer.fit(train, held_out)
-    timings["train_min"] = (time.perf_counter() - t_train) / 60
+    clock.add("train_min")
     head.save(pathlib.Path(config.output))
     summary = {"target_name": pathlib.Path(config.model).name, "machine": _machine(),
                "num_threads": torch.get_num_threads(), "config": {k: v for k, v in asdict(config).items() if k != "meta"},
@@ -122,10 +123,29 @@ def run(config: TrainConfig) -> dict:
                "num_train_tokens": sum(len(c.token_ids) for c in train),
                "num_response_tokens": sum(len(c.token_ids) - c.num_prompt_tokens for c in conversations),
                "draft_vocab_size": len(draft_to_target), "draft_vocab_coverage": round(coverage, 4),
-               "held_out_accuracy_by_position": accuracy, "minutes": {k: round(v, 1) for k, v in timings.items()}}
+               "held_out_accuracy_by_position": accuracy,
+               "minutes": {k: round(v, 1) for k, v in clock.totals.items()}}
     (pathlib.Path(config.output) / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     (pathlib.Path(config.output) / "README.md").write_text(card.render(summary))
     return summary
+
+
+class _Minutes:
+    """Minutes spent per stage, kept in the work directory and summed over the runs that resumed it; `add`
+    counts the time since the last `add` (or the start) towards a stage."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self.totals: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+        self.mark = time.perf_counter()
+
+    def add(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.totals[stage] = self.totals.get(stage, 0.0) + (now - self.mark) / 60
+        self.mark = now
+        partial = self.path.with_suffix(".partial")
+        partial.write_text(json.dumps(self.totals) + "\n")
+        partial.replace(self.path)
 
 
 def _machine() -> str:
@@ -200,7 +220,7 @@ def write_self_prompts(worker, tokenizer, stop_ids, openers: list[str], seed: in
     return [prompts.Prompt(t, "self", "the target's own output") for t in sorted(texts) if len(t) >= 20]
 
 
-def _conversations(config, work, worker, tokenizer, stop_ids, prompt_list) -> list:
+def _conversations(config, work, worker, tokenizer, stop_ids, prompt_list, on_shard) -> list:
     """The target's greedy responses with their features; shards already in the work directory are kept."""
     worker.target.aux_layers = default_aux_layers(worker.target.model.config.num_hidden_layers)
     size = config.generation_batch_size
@@ -214,6 +234,7 @@ def _conversations(config, work, worker, tokenizer, stop_ids, prompt_list) -> li
             done = generate(worker, encoded[index * size:(index + 1) * size], config.max_new_tokens, stop_ids,
                             lambda i: step.RequestSampling(temperature=0.0), size)
             dataset.save_shard(shard, done)
+            on_shard()
         progress.update(min(size, len(encoded) - index * size))
     progress.close()
     conversations = [c for c in dataset.load_shards(shards) if len(c.token_ids) - c.num_prompt_tokens >= 2]

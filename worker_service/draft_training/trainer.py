@@ -24,10 +24,11 @@ WARMUP_FRACTION = 0.05
 
 
 class Trainer:
-    def __init__(self, head: TrainableHead, config, checkpoint: pathlib.Path):
+    def __init__(self, head: TrainableHead, config, checkpoint: pathlib.Path, on_checkpoint=lambda: None):
         self.head = head
         self.config = config
         self.checkpoint = checkpoint
+        self.on_checkpoint = on_checkpoint  # called after each checkpoint is written
         self.device = head.lm_head.weight.device
         self.optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate, betas=(0.9, 0.95),
                                            weight_decay=0.0)
@@ -114,6 +115,7 @@ class Trainer:
         partial = self.checkpoint.with_suffix(".partial")
         torch.save({"step": step, "head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}, partial)
         partial.replace(self.checkpoint)
+        self.on_checkpoint()
 
     def _resume(self) -> int:
         if not self.checkpoint.exists():

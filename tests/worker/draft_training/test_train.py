@@ -1,6 +1,7 @@
 """`specdec train-draft` end to end on the tiny target: the target's own responses and features, a head the
 worker loads that beats a random head, a run that resumes from its checkpoint exactly, and one-line errors."""
 
+import json
 import pathlib
 import shutil
 import subprocess
@@ -86,6 +87,8 @@ def test_an_interrupted_run_resumes_to_the_same_head(tiny_pair, trained, tmp_pat
     cfg, _ = trained
     resumed = config(tiny_pair, tmp_path, "resumed")
     shutil.copytree(cfg.work_dir, resumed.work_dir, ignore=shutil.ignore_patterns("checkpoint.pt"))
+    earlier = {"prompts_min": 5.0, "responses_min": 7.0, "train_min": 0.0}  # as if the stages had taken that long
+    (pathlib.Path(resumed.work_dir) / "minutes.json").write_text(json.dumps(earlier))
     real_step, calls = Trainer._train_step, []
 
     def interrupted(self, batch):
@@ -97,8 +100,13 @@ def test_an_interrupted_run_resumes_to_the_same_head(tiny_pair, trained, tmp_pat
     monkeypatch.setattr(Trainer, "_train_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run(resumed)
+    after_interruption = json.loads((pathlib.Path(resumed.work_dir) / "minutes.json").read_text())
+    assert after_interruption["train_min"] > 0  # the steps up to the checkpoint count
     monkeypatch.setattr(Trainer, "_train_step", real_step)
-    run(resumed)  # from the checkpoint of step 4: steps 5.. only
+    summary = run(resumed)  # from the checkpoint of step 4: steps 5.. only
+    # The card's minutes are the whole work's, the stages done before the resumed run included.
+    assert summary["minutes"]["prompts_min"] >= 5.0 and summary["minutes"]["responses_min"] >= 7.0
+    assert summary["minutes"]["train_min"] >= round(after_interruption["train_min"], 1)
     expected, got = load_file(f"{cfg.output}/model.safetensors"), load_file(f"{resumed.output}/model.safetensors")
     assert expected.keys() == got.keys()
     for name in expected:
