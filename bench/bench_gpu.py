@@ -1,4 +1,4 @@
-"""The worker on one device, in one run: plain decoding vs `transformers`, and n-gram speculation vs plain.
+"""The worker on one device, in one run: plain decoding vs `transformers`, and speculation vs plain.
 
     .venv/bin/python bench/bench_gpu.py --device cuda --dtype bfloat16      # the GPU numbers of the README
     .venv/bin/python bench/bench_gpu.py --device cuda --proposers "ngram;eagle3;eagle3,suffix"  # and the head
