@@ -143,9 +143,14 @@ class _Minutes:
         now = time.perf_counter()
         self.totals[stage] = self.totals.get(stage, 0.0) + (now - self.mark) / 60
         self.mark = now
-        partial = self.path.with_suffix(".partial")
-        partial.write_text(json.dumps(self.totals) + "\n")
-        partial.replace(self.path)
+        _write_atomically(self.path, json.dumps(self.totals) + "\n")
+
+
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+    """Writes `path` so that an interrupted write is never taken for a finished file."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def _machine() -> str:
@@ -187,9 +192,7 @@ def _prompts(config, work, worker, tokenizer, stop_ids) -> list[prompts.Prompt]:
     random.Random(config.seed).shuffle(collected)
     if not collected:
         raise TrainingError("no prompts: the sources and files gave none")
-    partial = path.with_suffix(".partial")
-    partial.write_text("".join(json.dumps(asdict(p)) + "\n" for p in collected))
-    partial.replace(path)
+    _write_atomically(path, "".join(json.dumps(asdict(p)) + "\n" for p in collected))
     logger.info("%d prompts (%s)", len(collected), ", ".join(f"{s}: {e['num_prompts']}" for s, e in
                                                             _by_kind(collected).items()))
     return collected
