@@ -37,7 +37,9 @@ CONFIGS = {
     "ngram-async": ["--proposer", "ngram", "--num-speculative-tokens", "4", "--scheduling", "async"],
     "ngram-sync-preempt": ["--proposer", "ngram", "--num-speculative-tokens", "4", "--scheduling", "sync",
                            "--num-kv-blocks", "12"],
-    "suffix-async": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "async"],
+    # fixed k: under the goodput policy suffix may draft nothing on a loaded machine (tests/e2e/test_serving_tiny.py)
+    "suffix-async": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "async",
+                     "--speculation-policy", "fixed"],
     # The head that ships for the default model, found without a path.
     "eagle3-async": ["--proposer", "eagle3", "--scheduling", "async"],
     "eagle3,suffix-sync-preempt": ["--proposer", "eagle3,suffix", "--scheduling", "sync", "--num-kv-blocks", "12"],
