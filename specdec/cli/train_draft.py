@@ -37,6 +37,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="the draft vocabulary: the most frequent response tokens covering this fraction of them")
     p.add_argument("--max-draft-vocab-size", type=int, default=d.max_draft_vocab_size)
     p.add_argument("--num-steps", type=int, default=d.num_steps, help="draft steps unrolled in training")
+    p.add_argument("--soft-labels", action="store_true", default=d.soft_labels,
+                   help="train on the target's whole next-token distribution (recomputed from the stored "
+                        "features by its last layers), not only its greedy token")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--learning-rate", type=float, default=d.learning_rate)
     p.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded tokens per training batch")
@@ -58,7 +61,8 @@ def train_draft(args: argparse.Namespace) -> int:
             num_prompts=args.num_prompts, num_self_prompts=args.num_self_prompts, max_new_tokens=args.max_new_tokens,
             generation_batch_size=args.generation_batch_size, dtype=args.dtype, device=args.device,
             num_threads=args.num_threads, draft_vocab_coverage=args.draft_vocab_coverage,
-            max_draft_vocab_size=args.max_draft_vocab_size, num_steps=args.num_steps, epochs=args.epochs,
+            max_draft_vocab_size=args.max_draft_vocab_size, num_steps=args.num_steps, soft_labels=args.soft_labels,
+            epochs=args.epochs,
             learning_rate=args.learning_rate, batch_tokens=args.batch_tokens, eval_fraction=args.eval_fraction,
             checkpoint_every=args.checkpoint_every, seed=args.seed,
             meta={"command": "specdec train-draft " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else [])})

@@ -3,6 +3,9 @@
 import platform
 
 
+_LABELS = {False: "the target's token", True: "the target's distribution over the draft vocabulary (soft)"}
+
+
 def render(summary: dict) -> str:
     """Markdown: what the head is for, the command, its data and their licences, time, held-out accuracy."""
     config = summary["config"]
@@ -26,7 +29,8 @@ def render(summary: dict) -> str:
         f"{minutes.get('responses_min', 0):.1f} min, training {minutes.get('train_min', 0):.1f} min.",
         f"- Data: {summary['num_conversations']} conversations, {summary['num_train_tokens']} training tokens "
         f"({summary['num_response_tokens']} response tokens written by the target, greedy, at most "
-        f"{config['max_new_tokens']} each); {config['epochs']} epochs, {config['num_steps']} unrolled draft steps, "
+        f"{config['max_new_tokens']} each); labels: {_LABELS[bool(config.get('soft_labels'))]}; "
+        f"{config['epochs']} epochs, {config['num_steps']} unrolled draft steps, "
         f"learning rate {config['learning_rate']}, seed {config['seed']}.",
         f"- Draft vocabulary: {summary['draft_vocab_size']} tokens, covering "
         f"{summary['draft_vocab_coverage']:.1%} of the response tokens.",

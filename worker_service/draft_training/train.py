@@ -25,6 +25,7 @@ from worker_service.config import WorkerConfig
 from worker_service.draft_training import card, dataset, prompts
 from worker_service.draft_training.generation import generate
 from worker_service.draft_training.head import TrainableHead, head_config
+from worker_service.draft_training.teacher import TargetTail
 from worker_service.draft_training.trainer import Trainer
 from worker_service.eagle3 import default_aux_layers
 
@@ -59,6 +60,7 @@ class TrainConfig:
     draft_vocab_coverage: float = 0.98
     max_draft_vocab_size: int = 8192
     num_steps: int = 6                      # draft steps unrolled in training (EAGLE-3's training-time test)
+    soft_labels: bool = False               # the target's distribution as labels, not its token (teacher.py)
     epochs: int = 3
     learning_rate: float = 1e-3
     batch_tokens: int = 1024
@@ -112,8 +114,11 @@ def run(config: TrainConfig) -> dict:
     head = TrainableHead(head_config(target.config, len(draft_to_target), aux_layers),
                          target.model.embed_tokens.weight, _lm_head_weight(target), target.model.norm.weight,
                          draft_to_target).to(worker.target.device)
+    teacher = (TargetTail(target, aux_layers, _lm_head_weight(target), draft_to_target)
+               if config.soft_labels else None)
     del worker
-    trainer = Trainer(head, config, work / "checkpoint.pt", on_checkpoint=lambda: clock.add("train_min"))
+    trainer = Trainer(head, config, work / "checkpoint.pt", on_checkpoint=lambda: clock.add("train_min"),
+                      teacher=teacher)
     accuracy = trainer.fit(train, held_out)
     clock.add("train_min")
     head.save(pathlib.Path(config.output))

@@ -2,6 +2,10 @@
 
 The loss of step j is the cross-entropy of the draft vocabulary against the token the target wrote at that
 position (its greedy choice: the responses are the target's own), weighted 0.8^j as EAGLE-3 weights its steps.
+With a teacher (soft labels, draft_training/teacher.py) each step adds the cross-entropy against the target's
+whole distribution there over the draft vocabulary: what the target thought of the other tokens, while the
+greedy token keeps its own term (serving drafts the argmax; on a flat distribution the soft term alone barely
+moves it: measured on the tiny test target, whose soft-only head never had a draft accepted).
 Held-out accuracy at position j is how often step j's argmax is that token, with the earlier tokens right: the
 chance that draft j + 1 is accepted given the drafts before it were.
 """
@@ -16,6 +20,7 @@ from tqdm import tqdm
 
 from worker_service.draft_training import dataset
 from worker_service.draft_training.head import TrainableHead
+from worker_service.draft_training.teacher import TargetTail
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +29,10 @@ WARMUP_FRACTION = 0.05
 
 
 class Trainer:
-    def __init__(self, head: TrainableHead, config, checkpoint: pathlib.Path, on_checkpoint=lambda: None):
+    def __init__(self, head: TrainableHead, config, checkpoint: pathlib.Path, on_checkpoint=lambda: None,
+                 teacher: TargetTail | None = None):
         self.head = head
+        self.teacher = teacher  # soft labels where given
         self.config = config
         self.checkpoint = checkpoint
         self.on_checkpoint = on_checkpoint  # called after each checkpoint is written
@@ -78,12 +85,20 @@ class Trainer:
     def _losses(self, batch: list) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         tokens, features, labels = dataset.collate(batch, self.config.num_steps, self.device)
         logits = self.head(tokens, features, self.config.num_steps)
+        # row q: the target's log-probabilities of token q + 1, which step j's row q - j - 1 predicts
+        teacher = self.teacher.log_probs(features) if self.teacher is not None else None
         loss, weights, counts = 0.0, 0.0, []
         for j, (step_logits, label) in enumerate(zip(logits, labels)):
             draft_label = torch.where(label >= 0, self.target_to_draft[label.clamp(min=0)], dataset.IGNORE)
             if (draft_label >= 0).any():
-                loss = loss + STEP_WEIGHT ** j * torch.nn.functional.cross_entropy(
-                    step_logits.flatten(0, 1), draft_label.flatten(), ignore_index=dataset.IGNORE)
+                step_loss = torch.nn.functional.cross_entropy(step_logits.flatten(0, 1), draft_label.flatten(),
+                                                              ignore_index=dataset.IGNORE)
+                if teacher is not None:
+                    soft = torch.nn.functional.pad(teacher[:, j + 1:], (0, 0, 0, j + 1),
+                                                   value=float("-inf")).exp()  # [B, R, draft V]
+                    soft_cross_entropy = -(soft * torch.log_softmax(step_logits, dim=-1)).sum(-1)
+                    step_loss = step_loss + soft_cross_entropy[label >= 0].mean()
+                loss = loss + STEP_WEIGHT ** j * step_loss
                 weights += STEP_WEIGHT ** j
             predicted = self.head.draft_to_target[step_logits.argmax(-1)]
             valid = label >= 0

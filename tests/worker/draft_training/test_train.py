@@ -62,6 +62,19 @@ def test_a_trained_head_loads_and_beats_a_random_head(tiny_pair, trained, tmp_pa
     assert trained_rate > random_rate + 0.1, (trained_rate, random_rate)
 
 
+def test_a_head_trained_on_soft_labels_beats_a_random_head(tiny_pair, trained, tmp_path):
+    """--soft-labels: the same shards, the target's distribution as labels (its tail over the stored features)."""
+    cfg, hard = trained
+    soft = config(tiny_pair, tmp_path, "soft", soft_labels=True)
+    shutil.copytree(cfg.work_dir, soft.work_dir, ignore=shutil.ignore_patterns("checkpoint.pt"))
+    summary = run(soft)
+    assert summary["num_train_tokens"] == hard["num_train_tokens"]
+    assert "the target's distribution over the draft vocabulary" in (pathlib.Path(soft.output) / "README.md").read_text()
+    random_head = save_tiny_eagle3_head(tmp_path / "random", draft_vocab_size=summary["draft_vocab_size"])
+    soft_rate, random_rate = acceptance(tiny_pair, soft.output), acceptance(tiny_pair, random_head)
+    assert soft_rate > random_rate + 0.1, (soft_rate, random_rate)
+
+
 @pytest.mark.gpu
 def test_a_head_trained_on_cuda_saves_and_loads(tiny_pair, tmp_path):
     """The whole recipe on CUDA: the head trains there and is written with its vocabulary maps on the host."""
