@@ -24,7 +24,7 @@ from bench.common import save  # noqa: E402
 from worker_service.draft_training import dataset  # noqa: E402
 from worker_service.draft_training.head import TrainableHead, head_config  # noqa: E402
 from worker_service.draft_training.teacher import TargetTail  # noqa: E402
-from worker_service.draft_training.train import TrainConfig, _lm_head_weight  # noqa: E402
+from worker_service.draft_training.train import TrainConfig, lm_head_weight  # noqa: E402
 from worker_service.draft_training.trainer import Trainer  # noqa: E402
 from worker_service.eagle3 import default_aux_layers  # noqa: E402
 from worker_service.model_loader import load_model  # noqa: E402
@@ -45,9 +45,9 @@ def train(mode: str, args) -> list[float]:
     aux_layers = default_aux_layers(target.config.num_hidden_layers)
     torch.manual_seed(config.seed)
     head = TrainableHead(head_config(target.config, len(draft_to_target), aux_layers),
-                         target.model.embed_tokens.weight, _lm_head_weight(target), target.model.norm.weight,
+                         target.model.embed_tokens.weight, lm_head_weight(target), target.model.norm.weight,
                          draft_to_target)
-    teacher = TargetTail(target, aux_layers, _lm_head_weight(target), draft_to_target) if mode == "soft" else None
+    teacher = TargetTail(target, aux_layers, lm_head_weight(target), draft_to_target) if mode == "soft" else None
     logging.info("%d conversations for training (%d tokens), %d held out", len(train_set),
                  sum(len(c.token_ids) for c in train_set), len(held_out))
     with tempfile.TemporaryDirectory() as scratch:

@@ -38,8 +38,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-draft-vocab-size", type=int, default=d.max_draft_vocab_size)
     p.add_argument("--num-steps", type=int, default=d.num_steps, help="draft steps unrolled in training")
     p.add_argument("--soft-labels", action="store_true", default=d.soft_labels,
-                   help="train on the target's whole next-token distribution (recomputed from the stored "
-                        "features by its last layers), not only its greedy token")
+                   help="a second label beside the target's greedy token: its whole next-token distribution "
+                        "(recomputed from the stored features by its last layers)")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--learning-rate", type=float, default=d.learning_rate)
     p.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded tokens per training batch")

@@ -4,8 +4,9 @@ A shard keeps, for every position, the residual stream entering each auxiliary l
 reads). The one entering the deepest of them is all the target's remaining layers need: running those layers
 (causal attention over the conversation), its final norm and its output rows of the draft vocabulary over it
 gives the target's distribution of the next token at every position, over the draft vocabulary. So a run
-trains on the target's whole distribution (EAGLE-3 and SpecForge do: the forward KL to the target), not only
-its greedy token, from the same shards: no second pass over the text, no new data.
+can train on the target's whole distribution (EAGLE-3 and SpecForge train on it alone: the forward KL to the
+target), beside its greedy token (draft_training/trainer.py), from the same shards: no second pass over the
+text, no new data.
 
 The features are stored in bf16, so the distribution is the target's up to that rounding; it is a label, it
 never reaches a served token.

@@ -60,7 +60,7 @@ class TrainConfig:
     draft_vocab_coverage: float = 0.98
     max_draft_vocab_size: int = 8192
     num_steps: int = 6                      # draft steps unrolled in training (EAGLE-3's training-time test)
-    soft_labels: bool = False               # the target's distribution as labels, not its token (teacher.py)
+    soft_labels: bool = False               # the target's distribution as a second label (teacher.py)
     epochs: int = 3
     learning_rate: float = 1e-3
     batch_tokens: int = 1024
@@ -112,9 +112,9 @@ def run(config: TrainConfig) -> dict:
     aux_layers = default_aux_layers(target.config.num_hidden_layers)
     torch.manual_seed(config.seed)
     head = TrainableHead(head_config(target.config, len(draft_to_target), aux_layers),
-                         target.model.embed_tokens.weight, _lm_head_weight(target), target.model.norm.weight,
+                         target.model.embed_tokens.weight, lm_head_weight(target), target.model.norm.weight,
                          draft_to_target).to(worker.target.device)
-    teacher = (TargetTail(target, aux_layers, _lm_head_weight(target), draft_to_target)
+    teacher = (TargetTail(target, aux_layers, lm_head_weight(target), draft_to_target)
                if config.soft_labels else None)
     del worker
     trainer = Trainer(head, config, work / "checkpoint.pt", on_checkpoint=lambda: clock.add("train_min"),
@@ -169,7 +169,8 @@ def _machine() -> str:
     return platform.processor() or platform.machine()
 
 
-def _lm_head_weight(model) -> torch.Tensor:
+def lm_head_weight(model) -> torch.Tensor:
+    """The target's output layer's weight [vocab, hidden] (its input embedding where the two are tied)."""
     weight = model.lm_head.weight if hasattr(model.lm_head, "weight") else None
     return weight if weight is not None and weight.dim() == 2 else model.model.embed_tokens.weight
 
