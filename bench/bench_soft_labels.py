@@ -22,11 +22,8 @@ import torch  # noqa: E402
 
 from bench.common import save  # noqa: E402
 from worker_service.draft_training import dataset  # noqa: E402
-from worker_service.draft_training.head import TrainableHead, head_config  # noqa: E402
-from worker_service.draft_training.teacher import TargetTail  # noqa: E402
-from worker_service.draft_training.train import TrainConfig, lm_head_weight  # noqa: E402
+from worker_service.draft_training.train import TrainConfig, new_head  # noqa: E402
 from worker_service.draft_training.trainer import Trainer  # noqa: E402
-from worker_service.eagle3 import default_aux_layers  # noqa: E402
 from worker_service.model_loader import load_model  # noqa: E402
 from worker_service.models import fetch_default_model  # noqa: E402
 
@@ -42,12 +39,7 @@ def train(mode: str, args) -> list[float]:
     config = TrainConfig(model="", output="", work_dir="", epochs=args.epochs, eval_fraction=args.eval_fraction,
                          checkpoint_every=args.checkpoint_every, soft_labels=mode == "soft")
     train_set, held_out = dataset.split(conversations, config.eval_fraction, config.seed)
-    aux_layers = default_aux_layers(target.config.num_hidden_layers)
-    torch.manual_seed(config.seed)
-    head = TrainableHead(head_config(target.config, len(draft_to_target), aux_layers),
-                         target.model.embed_tokens.weight, lm_head_weight(target), target.model.norm.weight,
-                         draft_to_target)
-    teacher = TargetTail(target, aux_layers, lm_head_weight(target), draft_to_target) if mode == "soft" else None
+    head, teacher = new_head(target, draft_to_target, config)
     logging.info("%d conversations for training (%d tokens), %d held out", len(train_set),
                  sum(len(c.token_ids) for c in train_set), len(held_out))
     with tempfile.TemporaryDirectory() as scratch:

@@ -108,14 +108,8 @@ def run(config: TrainConfig) -> dict:
     draft_to_target, coverage = dataset.draft_vocabulary(conversations, config.draft_vocab_coverage,
                                                          config.max_draft_vocab_size)
     train, held_out = dataset.split(conversations, config.eval_fraction, config.seed)
-    target = worker.target.model
-    aux_layers = default_aux_layers(target.config.num_hidden_layers)
-    torch.manual_seed(config.seed)
-    head = TrainableHead(head_config(target.config, len(draft_to_target), aux_layers),
-                         target.model.embed_tokens.weight, lm_head_weight(target), target.model.norm.weight,
-                         draft_to_target).to(worker.target.device)
-    teacher = (TargetTail(target, aux_layers, lm_head_weight(target), draft_to_target)
-               if config.soft_labels else None)
+    head, teacher = new_head(worker.target.model, draft_to_target, config)
+    head = head.to(worker.target.device)
     del worker
     trainer = Trainer(head, config, work / "checkpoint.pt", on_checkpoint=lambda: clock.add("train_min"),
                       teacher=teacher)
@@ -167,6 +161,17 @@ def _machine() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def new_head(target, draft_to_target: torch.Tensor, config: TrainConfig) -> tuple[TrainableHead, TargetTail | None]:
+    """A head for `target` before training (seeded with config.seed) and, with config.soft_labels, its teacher."""
+    aux_layers = default_aux_layers(target.config.num_hidden_layers)
+    torch.manual_seed(config.seed)
+    head = TrainableHead(head_config(target.config, len(draft_to_target), aux_layers),
+                         target.model.embed_tokens.weight, lm_head_weight(target), target.model.norm.weight,
+                         draft_to_target)
+    teacher = TargetTail(target, aux_layers, lm_head_weight(target), draft_to_target) if config.soft_labels else None
+    return head, teacher
 
 
 def lm_head_weight(model) -> torch.Tensor:
