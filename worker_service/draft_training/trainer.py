@@ -82,11 +82,13 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.learning_rate * scale
 
-    def _losses(self, batch: list) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    def _losses(self, batch: list, soft: bool = True) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """(the weighted loss, per step (correct, counted)); soft=False leaves the teacher out (evaluation counts
+        only)."""
         tokens, features, labels = dataset.collate(batch, self.config.num_steps, self.device)
         logits = self.head(tokens, features, self.config.num_steps)
         # row q: the target's log-probabilities of token q + 1, which step j's row q - j - 1 predicts
-        teacher = self.teacher.log_probs(features) if self.teacher is not None else None
+        teacher = self.teacher.log_probs(features) if self.teacher is not None and soft else None
         loss, weights, counts = 0.0, 0.0, []
         for j, (step_logits, label) in enumerate(zip(logits, labels)):
             draft_label = torch.where(label >= 0, self.target_to_draft[label.clamp(min=0)], dataset.IGNORE)
@@ -121,7 +123,7 @@ class Trainer:
         self.head.eval()
         totals = [[0, 0] for _ in range(self.config.num_steps)]
         for batch in dataset.batches(held_out, self.config.batch_tokens):
-            for total, (correct, count) in zip(totals, self._losses(batch)[1]):
+            for total, (correct, count) in zip(totals, self._losses(batch, soft=False)[1]):
                 total[0] += correct
                 total[1] += count
         return [round(correct / max(count, 1), 4) for correct, count in totals]
