@@ -12,6 +12,7 @@ from worker_service.draft_training import prompts
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     from worker_service.draft_training.train import TrainConfig
+    from worker_service.draft_training.trainer import PRECISIONS
 
     d = TrainConfig(model="", output="", work_dir="")
     p.add_argument("--output", required=True, metavar="DIR", help="where the head is written (config.json, "
@@ -40,6 +41,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--soft-labels", action="store_true", default=d.soft_labels,
                    help="a second label beside the target's greedy token: its whole next-token distribution "
                         "(recomputed from the stored features by its last layers)")
+    p.add_argument("--train-precision", choices=PRECISIONS, default=d.precision,
+                   help="the head's forward and backward in training: bfloat16 autocast (fp32 weights), float32, "
+                        "or auto: bfloat16 where the device has native bf16 matmuls")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--learning-rate", type=float, default=d.learning_rate)
     p.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded tokens per training batch")
@@ -62,6 +66,7 @@ def train_draft(args: argparse.Namespace) -> int:
             generation_batch_size=args.generation_batch_size, dtype=args.dtype, device=args.device,
             num_threads=args.num_threads, draft_vocab_coverage=args.draft_vocab_coverage,
             max_draft_vocab_size=args.max_draft_vocab_size, num_steps=args.num_steps, soft_labels=args.soft_labels,
+            precision=args.train_precision,
             epochs=args.epochs,
             learning_rate=args.learning_rate, batch_tokens=args.batch_tokens, eval_fraction=args.eval_fraction,
             checkpoint_every=args.checkpoint_every, seed=args.seed,

@@ -31,7 +31,8 @@ def render(summary: dict) -> str:
         f"({summary['num_response_tokens']} response tokens written by the target, greedy, at most "
         f"{config['max_new_tokens']} each); labels: {_LABELS[bool(config.get('soft_labels'))]}; "
         f"{config['epochs']} epochs, {config['num_steps']} unrolled draft steps, "
-        f"learning rate {config['learning_rate']}, seed {config['seed']}.",
+        f"learning rate {config['learning_rate']}, seed {config['seed']}, "
+        f"training precision {summary.get('train_precision', 'float32')}.",
         f"- Draft vocabulary: {summary['draft_vocab_size']} tokens, covering "
         f"{summary['draft_vocab_coverage']:.1%} of the response tokens.",
         "",

@@ -26,7 +26,7 @@ from worker_service.draft_training import card, dataset, prompts
 from worker_service.draft_training.generation import generate
 from worker_service.draft_training.head import TrainableHead, head_config
 from worker_service.draft_training.teacher import TargetTail
-from worker_service.draft_training.trainer import Trainer
+from worker_service.draft_training.trainer import PRECISIONS, Trainer
 from worker_service.eagle3 import default_aux_layers
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class TrainConfig:
     max_draft_vocab_size: int = 8192
     num_steps: int = 6                      # draft steps unrolled in training (EAGLE-3's training-time test)
     soft_labels: bool = False               # the target's distribution as a second label (teacher.py)
+    precision: str = "auto"                  # the head's matmuls in training: trainer.PRECISIONS
     epochs: int = 3
     learning_rate: float = 1e-3
     batch_tokens: int = 1024
@@ -77,6 +78,8 @@ class TrainConfig:
                      "batch_tokens", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; choose from {', '.join(PRECISIONS)}")
         if not 0 < self.draft_vocab_coverage <= 1 or not 0 < self.eval_fraction < 1:
             raise ValueError("draft_vocab_coverage must be in (0, 1] and eval_fraction in (0, 1)")
 
@@ -122,6 +125,7 @@ def run(config: TrainConfig) -> dict:
                "num_train_tokens": sum(len(c.token_ids) for c in train),
                "num_response_tokens": sum(len(c.token_ids) - c.num_prompt_tokens for c in conversations),
                "draft_vocab_size": len(draft_to_target), "draft_vocab_coverage": round(coverage, 4),
+               "train_precision": str(trainer.autocast_dtype or torch.float32).removeprefix("torch."),
                "held_out_accuracy_by_position": accuracy,
                "minutes": {k: round(v, 1) for k, v in clock.totals.items()}}
     (pathlib.Path(config.output) / "training.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -8,6 +8,11 @@ greedy token keeps its own term (serving drafts the argmax; on a flat distributi
 moves it: measured on the tiny test target, whose soft-only head never had a draft accepted).
 Held-out accuracy at position j is how often step j's argmax is that token, with the earlier tokens right: the
 chance that draft j + 1 is accepted given the drafts before it were.
+
+Precision (PRECISIONS): the weights and the optimizer stay fp32; "bfloat16" runs the head's forward and backward
+under bf16 autocast (matmuls in bf16, reductions and the losses in fp32), "auto" does so where the device has
+native bf16 matmuls (a CPU with AVX-512 BF16 or AMX, a CUDA GPU that supports it) and stays fp32 elsewhere, where
+bf16 would be emulated and slower.
 """
 
 import logging
@@ -24,6 +29,8 @@ from worker_service.draft_training.teacher import TargetTail
 
 logger = logging.getLogger(__name__)
 
+PRECISIONS = ("auto", "float32", "bfloat16")
+
 STEP_WEIGHT = 0.8
 WARMUP_FRACTION = 0.05
 
@@ -37,6 +44,8 @@ class Trainer:
         self.checkpoint = checkpoint
         self.on_checkpoint = on_checkpoint  # called after each checkpoint is written
         self.device = head.lm_head.weight.device
+        self.autocast_dtype = autocast_dtype(config.precision, self.device)  # None: fp32
+        logger.info("training precision: %s", "bfloat16 autocast" if self.autocast_dtype else "float32")
         self.optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate, betas=(0.9, 0.95),
                                            weight_decay=0.0)
         # target id -> draft id, or IGNORE outside the draft vocabulary
@@ -85,6 +94,11 @@ class Trainer:
     def _losses(self, batch: list, soft: bool = True) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """(the weighted loss, per step (correct, counted)); soft=False leaves the teacher out (evaluation counts
         only)."""
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                            enabled=self.autocast_dtype is not None):
+            return self._autocast_losses(batch, soft)
+
+    def _autocast_losses(self, batch: list, soft: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         tokens, features, labels = dataset.collate(batch, self.config.num_steps, self.device)
         logits = self.head(tokens, features, self.config.num_steps)
         # row q: the target's log-probabilities of token q + 1, which step j's row q - j - 1 predicts
@@ -142,6 +156,21 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         logger.info("resuming training at step %d (%s)", state["step"], self.checkpoint)
         return state["step"]
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The dtype training autocasts to on `device` for a PRECISIONS value; None: fp32 throughout."""
+    if precision == "auto":
+        precision = "bfloat16" if has_native_bf16(device) else "float32"
+    return torch.bfloat16 if precision == "bfloat16" else None
+
+
+def has_native_bf16(device: torch.device) -> bool:
+    """Whether `device` runs bf16 matmuls in hardware (oneDNN's check on the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _fmt(accuracy: list[float]) -> str:

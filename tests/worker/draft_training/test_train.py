@@ -17,7 +17,7 @@ from tests.worker.test_eagle3 import BLOCK_SIZE, NUM_BLOCKS, make_worker
 from worker_service.draft_training import dataset
 from worker_service.model_runner import SequenceChunk
 from worker_service.draft_training.train import TrainConfig, run
-from worker_service.draft_training.trainer import Trainer
+from worker_service.draft_training.trainer import Trainer, autocast_dtype
 
 PROMPT_WORDS = [[10, 11, 12, 13, 14], [20, 21, 22], [30, 31, 30, 31, 30], [40, 41, 42, 43], [50, 60, 70, 80]]
 
@@ -55,6 +55,9 @@ def test_a_trained_head_loads_and_beats_a_random_head(tiny_pair, trained, tmp_pa
     cfg, summary = trained
     assert summary["num_conversations"] > 20 and summary["sources"]["self"]["num_prompts"] > 0
     assert len(summary["held_out_accuracy_by_position"]) == 3
+    expected_precision = "bfloat16" if autocast_dtype("auto", torch.device("cpu")) else "float32"
+    assert summary["train_precision"] == expected_precision
+    assert f"training precision {expected_precision}" in (pathlib.Path(cfg.output) / "README.md").read_text()
     card = pathlib.Path(cfg.output) / "README.md"
     assert "| self | the target's own output |" in card.read_text() and "Held-out accuracy" in card.read_text()
     random_head = save_tiny_eagle3_head(tmp_path / "random", draft_vocab_size=summary["draft_vocab_size"])
@@ -63,12 +66,14 @@ def test_a_trained_head_loads_and_beats_a_random_head(tiny_pair, trained, tmp_pa
 
 
 def test_a_head_trained_on_soft_labels_beats_a_random_head(tiny_pair, trained, tmp_path):
-    """--soft-labels: the same shards, the target's distribution as labels (its tail over the stored features)."""
+    """--soft-labels: the same shards, the target's distribution as labels (its tail over the stored features).
+    In fp32 (the other runs take the default precision, bf16 where the CPU has it): both precisions train."""
     cfg, hard = trained
-    soft = config(tiny_pair, tmp_path, "soft", soft_labels=True)
+    soft = config(tiny_pair, tmp_path, "soft", soft_labels=True, precision="float32")
     shutil.copytree(cfg.work_dir, soft.work_dir, ignore=shutil.ignore_patterns("checkpoint.pt"))
     summary = run(soft)
     assert summary["num_train_tokens"] == hard["num_train_tokens"]
+    assert summary["train_precision"] == "float32"
     assert "the target's distribution over the draft vocabulary" in (pathlib.Path(soft.output) / "README.md").read_text()
     random_head = save_tiny_eagle3_head(tmp_path / "random", draft_vocab_size=summary["draft_vocab_size"])
     soft_rate, random_rate = acceptance(tiny_pair, soft.output), acceptance(tiny_pair, random_head)
