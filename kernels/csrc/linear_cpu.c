@@ -23,8 +23,13 @@
  * GROUP_OUT, 2] for bf16, in padded to even with zeros): for each i the
  * weights of a group's outputs lie side by side, so a tile streams them in
  * one pass. A tile
- * is up to ROW_TILE rows times one group: ROW_TILE * GROUP_OUT / 16
- * accumulator vectors held in registers for the whole chain. Work units
+ * is up to ROW_TILE rows times PASS_VECTORS vectors of a group's outputs:
+ * ROW_TILE * PASS_VECTORS accumulator vectors held in registers for the
+ * whole chain. With AVX-512 a vector holds 16 floats and a pass is the
+ * whole group (16 of the 32 registers); with AVX2 (16 registers of 8
+ * floats) a pass is 16 of the group's 64 outputs, and the group takes four
+ * (64-byte vectors there would spill every accumulator to memory: 5-7
+ * GFLOP/s instead of ~60 on an AMD EPYC without AVX-512). Work units
  * (a group, a block of rows) run in parallel with OpenMP; a group's weights
  * stay in cache while its row tiles take turns.
  *
@@ -53,9 +58,16 @@
 #include <immintrin.h>
 #endif
 
-#define LANES 16                /* floats per vector */
-#define GROUP_VECTORS 4         /* vectors of outputs per group */
-#define GROUP_OUT (LANES * GROUP_VECTORS)
+#if defined(__AVX512F__)
+#define LANES 16                /* floats per vector: one AVX-512 register */
+#define PASS_VECTORS 4          /* vectors of outputs a tile accumulates at once: the whole group */
+#else
+#define LANES 8                 /* one AVX2 register (the scalar path uses the same shape) */
+#define PASS_VECTORS 2          /* 4 rows x 2 accumulators, the weights and x fit in 16 registers */
+#endif
+#define GROUP_OUT 64            /* outputs per packed group (the layout: the same on every CPU) */
+#define GROUP_VECTORS (GROUP_OUT / LANES)
+#define HALF_VECTORS (16 / LANES) /* vectors of 16 outputs: a q4_1 record's low or high nibbles of 16 bytes */
 #define ROW_TILE 4              /* rows a tile computes at once: 16 accumulators */
 #define ROW_BLOCK (ROW_TILE * 8) /* rows of one work unit */
 #define QBLOCK 32               /* inputs per quantization block (q8_0, q4_1) */
@@ -70,20 +82,14 @@ typedef uint32_t vec_u32 __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef _Float16 vec_f16 __attribute__((vector_size(LANES * sizeof(_Float16))));
 typedef int8_t vec_i8 __attribute__((vector_size(LANES)));
 typedef uint8_t vec_u8 __attribute__((vector_size(LANES)));
+typedef vec acc_tile[ROW_TILE][GROUP_VECTORS]; /* a tile's rows times a whole group, between passes */
 
 /* a * b + c, rounded once, lane by lane. */
 static inline vec fma_vec(vec a, vec b, vec c) {
 #if defined(__AVX512F__)
     return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #elif defined(__FMA__)
-    __m256 a2[2], b2[2], c2[2];
-    memcpy(a2, &a, sizeof a);
-    memcpy(b2, &b, sizeof b);
-    memcpy(c2, &c, sizeof c);
-    c2[0] = _mm256_fmadd_ps(a2[0], b2[0], c2[0]);
-    c2[1] = _mm256_fmadd_ps(a2[1], b2[1], c2[1]);
-    memcpy(&c, c2, sizeof c);
-    return c;
+    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
     for (int lane = 0; lane < LANES; lane++) c[lane] = fmaf(a[lane], b[lane], c[lane]);
     return c;
@@ -96,10 +102,15 @@ static inline vec load_vec(int dtype, const void *base, int64_t offset) {
     if (dtype == DTYPE_F32) {
         memcpy(&v, (const float *)base + offset, sizeof v);
     } else if (dtype == DTYPE_BF16) {
+#if !defined(__AVX512F__) && defined(__AVX2__)
+        __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + offset))), 16);
+        memcpy(&v, &u, sizeof v);
+#else
         half_vec_u16 h;
         memcpy(&h, (const uint16_t *)base + offset, sizeof h);
         vec_u32 u = __builtin_convertvector(h, vec_u32) << 16;
         memcpy(&v, &u, sizeof v);
+#endif
     } else {
         vec_f16 h;
         memcpy(&h, (const _Float16 *)base + offset, sizeof h);
@@ -116,23 +127,27 @@ static inline void prefetch_ahead(const void *p, int bytes) {
     for (int line = 0; line < bytes; line += 64) __builtin_prefetch((const char *)p + PREFETCH_BYTES + line);
 }
 
-/* Rows x[0..num_rows) (fp32, row stride in) times one group's packed weights w [in, GROUP_OUT]:
- * acc[r][v] holds outputs v*LANES.. of row r. num_rows is a constant where this is inlined, so the
- * loops unroll and the accumulators stay in registers. */
+/* Rows x[0..num_rows) (fp32, row stride in) times one group's packed weights w [in, GROUP_OUT], the pass of
+ * output vectors v0 .. v0 + PASS_VECTORS - 1: acc[r][v] holds outputs v*LANES.. of row r. num_rows is a
+ * constant where this is inlined, so the loops unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile(int num_rows, const float *x, int64_t in, int w_dtype,
-                                                       const void *w, vec acc[ROW_TILE][GROUP_VECTORS]) {
+                                                       const void *w, int v0, acc_tile acc) {
+    vec a[ROW_TILE][PASS_VECTORS];
     for (int r = 0; r < num_rows; r++)
-        for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = (vec){0};
+        for (int v = 0; v < PASS_VECTORS; v++) a[r][v] = (vec){0};
     int w_size = w_dtype == DTYPE_F32 ? 4 : 2;
     for (int64_t i = 0; i < in; i++) {
-        vec wv[GROUP_VECTORS];
-        prefetch_ahead((const char *)w + i * GROUP_OUT * w_size, GROUP_OUT * w_size);
-        for (int v = 0; v < GROUP_VECTORS; v++) wv[v] = load_vec(w_dtype, w, i * GROUP_OUT + v * LANES);
+        vec wv[PASS_VECTORS];
+        int64_t first = i * GROUP_OUT + v0 * LANES;
+        prefetch_ahead((const char *)w + first * w_size, PASS_VECTORS * LANES * w_size);
+        for (int v = 0; v < PASS_VECTORS; v++) wv[v] = load_vec(w_dtype, w, first + v * LANES);
         for (int r = 0; r < num_rows; r++) {
             vec xv = (vec){0} + x[r * in + i];
-            for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = fma_vec(xv, wv[v], acc[r][v]);
+            for (int v = 0; v < PASS_VECTORS; v++) a[r][v] = fma_vec(xv, wv[v], a[r][v]);
         }
     }
+    for (int r = 0; r < num_rows; r++)
+        for (int v = 0; v < PASS_VECTORS; v++) acc[r][v0 + v] = a[r][v];
 }
 
 /* acc + x_odd * w_odd, then + x_even * w_even: LANES outputs, each from its pair of bf16 weights (one
@@ -157,27 +172,29 @@ static inline vec dot_pairs(vec acc, uint32_t x_pair, const uint16_t *w_pairs) {
 
 /* tile() for bf16 rows x (row stride x_stride, bf16) and pair-packed weights w [ceil(in/2), GROUP_OUT, 2]. */
 static inline __attribute__((always_inline)) void tile_bf16(int num_rows, const uint16_t *x, int64_t x_stride,
-                                                            int64_t in, const uint16_t *w,
-                                                            vec acc[ROW_TILE][GROUP_VECTORS]) {
+                                                            int64_t in, const uint16_t *w, int v0, acc_tile acc) {
+    vec a[ROW_TILE][PASS_VECTORS];
     for (int r = 0; r < num_rows; r++)
-        for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = (vec){0};
+        for (int v = 0; v < PASS_VECTORS; v++) a[r][v] = (vec){0};
     int64_t num_pairs = in / 2;
     for (int64_t p = 0; p < num_pairs; p++) {
-        const uint16_t *wp = w + p * GROUP_OUT * 2;
-        prefetch_ahead(wp, GROUP_OUT * 4);
+        const uint16_t *wp = w + p * GROUP_OUT * 2 + v0 * LANES * 2;
+        prefetch_ahead(wp, PASS_VECTORS * LANES * 4);
         for (int r = 0; r < num_rows; r++) {
             uint32_t x_pair;
             memcpy(&x_pair, x + r * x_stride + 2 * p, 4);
-            for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = dot_pairs(acc[r][v], x_pair, wp + v * LANES * 2);
+            for (int v = 0; v < PASS_VECTORS; v++) a[r][v] = dot_pairs(a[r][v], x_pair, wp + v * LANES * 2);
         }
     }
     if (in % 2) { /* the last input pairs with a zero (its weight is padded with zero too) */
-        const uint16_t *wp = w + num_pairs * GROUP_OUT * 2;
+        const uint16_t *wp = w + num_pairs * GROUP_OUT * 2 + v0 * LANES * 2;
         for (int r = 0; r < num_rows; r++) {
             uint32_t x_pair = x[r * x_stride + in - 1];
-            for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = dot_pairs(acc[r][v], x_pair, wp + v * LANES * 2);
+            for (int v = 0; v < PASS_VECTORS; v++) a[r][v] = dot_pairs(a[r][v], x_pair, wp + v * LANES * 2);
         }
     }
+    for (int r = 0; r < num_rows; r++)
+        for (int v = 0; v < PASS_VECTORS; v++) acc[r][v0 + v] = a[r][v];
 }
 
 /* Bytes of one packed record: a block of QBLOCK inputs times a group's outputs (see the header). */
@@ -189,12 +206,7 @@ static inline int64_t record_bytes(int w_dtype) {
 #if defined(__AVX512F__)
 static inline vec to_vec(__m512 v) { return (vec)v; }
 #elif defined(__AVX2__)
-static inline vec to_vec2(__m256 low, __m256 high) {
-    vec v;
-    memcpy(&v, &low, sizeof low);
-    memcpy((char *)&v + sizeof low, &high, sizeof high);
-    return v;
-}
+static inline vec to_vec(__m256 v) { return (vec)v; }
 #endif
 
 /* LANES fp16 values at p, widened to fp32 (exact). */
@@ -202,8 +214,7 @@ static inline vec load_f16(const uint8_t *p) {
 #if defined(__AVX512F__)
     return to_vec(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)));
 #elif defined(__AVX2__) && defined(__F16C__)
-    return to_vec2(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
-                   _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return to_vec(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)));
 #else
     vec_f16 h;
     memcpy(&h, p, sizeof h);
@@ -216,9 +227,7 @@ static inline vec load_i8(const uint8_t *p) {
 #if defined(__AVX512F__)
     return to_vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))));
 #elif defined(__AVX2__)
-    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
-    return to_vec2(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
-                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+    return to_vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))));
 #else
     vec_i8 q;
     memcpy(&q, p, sizeof q);
@@ -226,68 +235,61 @@ static inline vec load_i8(const uint8_t *p) {
 #endif
 }
 
-/* LANES bytes at p split into their low and high nibbles, as fp32. */
-static inline void load_nibbles(const uint8_t *p, vec *low, vec *high) {
+/* The low (high == 0) or high nibbles of the LANES bytes at p, as fp32. */
+static inline vec load_nibbles(const uint8_t *p, int high) {
 #if defined(__AVX512F__)
     /* A nibble's value as fp32 from a table: the permute reads the low 4 bits of each index, so it both
      * masks and converts (one instruction where and + convert take two). */
     const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *low = to_vec(_mm512_permutexvar_ps(u, values));
-    *high = to_vec(_mm512_permutexvar_ps(_mm512_srli_epi32(u, 4), values));
+    return to_vec(_mm512_permutexvar_ps(high ? _mm512_srli_epi32(u, 4) : u, values));
 #elif defined(__AVX2__)
-    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
-    __m256i u0 = _mm256_cvtepu8_epi32(bytes), u1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-    __m256i mask = _mm256_set1_epi32(15);
-    *low = to_vec2(_mm256_cvtepi32_ps(_mm256_and_si256(u0, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(u1, mask)));
-    *high = to_vec2(_mm256_cvtepi32_ps(_mm256_srli_epi32(u0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(u1, 4)));
+    __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return to_vec(_mm256_cvtepi32_ps(high ? _mm256_srli_epi32(u, 4) : _mm256_and_si256(u, _mm256_set1_epi32(15))));
 #else
     vec_u8 bytes;
     memcpy(&bytes, p, sizeof bytes);
     vec_u32 u = __builtin_convertvector(bytes, vec_u32);
-    *low = __builtin_convertvector(u & 15u, vec);
-    *high = __builtin_convertvector(u >> 4, vec);
+    return __builtin_convertvector(high ? u >> 4 : u & 15u, vec);
 #endif
 }
 
-/* A record's scales d (and for q4_1 its minimums m), widened to fp32. */
-static inline __attribute__((always_inline)) void load_scales(int w_dtype, const uint8_t *rec,
-                                                              vec d[GROUP_VECTORS], vec m[GROUP_VECTORS]) {
-    for (int v = 0; v < GROUP_VECTORS; v++) {
-        d[v] = load_f16(rec + v * LANES * 2);
-        m[v] = w_dtype == DTYPE_Q4_1 ? load_f16(rec + GROUP_OUT * 2 + v * LANES * 2) : (vec){0};
+/* A record's scales d (and for q4_1 its minimums m) of output vectors v0 .., widened to fp32. */
+static inline __attribute__((always_inline)) void load_scales(int w_dtype, const uint8_t *rec, int v0,
+                                                              vec d[PASS_VECTORS], vec m[PASS_VECTORS]) {
+    for (int v = 0; v < PASS_VECTORS; v++) {
+        d[v] = load_f16(rec + (v0 + v) * LANES * 2);
+        m[v] = w_dtype == DTYPE_Q4_1 ? load_f16(rec + GROUP_OUT * 2 + (v0 + v) * LANES * 2) : (vec){0};
     }
 }
 
-/* Input j's weights of a record's outputs, dequantised to their exact fp32 values: q8_0 d * q, q4_1 d * q + m
- * (= fma(d, q, m): d * q is exact). */
-static inline __attribute__((always_inline)) void dequantize_input(int w_dtype, const uint8_t *rec, int j,
-                                                                   const vec d[GROUP_VECTORS],
-                                                                   const vec m[GROUP_VECTORS],
-                                                                   vec wv[GROUP_VECTORS]) {
+/* Input j's weights of a record's output vectors v0 .., dequantised to their exact fp32 values: q8_0 d * q,
+ * q4_1 d * q + m (= fma(d, q, m): d * q is exact). In a q4_1 record each 32 outputs are 16 bytes, output
+ * 32h + t in the low nibble of byte t and 32h + 16 + t in its high one. */
+static inline __attribute__((always_inline)) void dequantize_input(int w_dtype, const uint8_t *rec, int j, int v0,
+                                                                   const vec d[PASS_VECTORS],
+                                                                   const vec m[PASS_VECTORS],
+                                                                   vec wv[PASS_VECTORS]) {
     if (w_dtype == DTYPE_Q8_0) {
         const uint8_t *q = rec + GROUP_OUT * 2 + j * GROUP_OUT;
-        for (int v = 0; v < GROUP_VECTORS; v++) wv[v] = d[v] * load_i8(q + v * LANES);
+        for (int v = 0; v < PASS_VECTORS; v++) wv[v] = d[v] * load_i8(q + (v0 + v) * LANES);
     } else {
         const uint8_t *q = rec + GROUP_OUT * 4 + j * (GROUP_OUT / 2);
-        for (int half = 0; half < 2; half++) {
-            vec low, high;
-            load_nibbles(q + half * LANES, &low, &high);
-            wv[2 * half] = fma_vec(d[2 * half], low, m[2 * half]);
-            wv[2 * half + 1] = fma_vec(d[2 * half + 1], high, m[2 * half + 1]);
+        for (int v = 0; v < PASS_VECTORS; v++) {
+            int u = v0 + v, in_half = u % (2 * HALF_VECTORS); /* vector u: outputs u*LANES .. */
+            const uint8_t *bytes = q + u / (2 * HALF_VECTORS) * 16 + in_half % HALF_VECTORS * LANES;
+            wv[v] = fma_vec(d[v], load_nibbles(bytes, in_half >= HALF_VECTORS), m[v]);
         }
     }
 }
 
 /* Record b of a group's block-quantized weights w: asks for the record PREFETCH_RECORDS ahead (at one row a
  * block's arithmetic is short beside its fetch from memory; past the group's end it is the next group's, which
- * comes next) and loads the record's scales d (and minimums m). */
-static inline __attribute__((always_inline)) const uint8_t *open_record(int w_dtype, const uint8_t *w, int64_t b,
-                                                                        vec d[GROUP_VECTORS], vec m[GROUP_VECTORS]) {
+ * comes next). */
+static inline __attribute__((always_inline)) const uint8_t *open_record(int w_dtype, const uint8_t *w, int64_t b) {
     int64_t record = record_bytes(w_dtype);
     const uint8_t *rec = w + b * record;
     for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(rec + PREFETCH_RECORDS * record + line);
-    load_scales(w_dtype, rec, d, m);
     return rec;
 }
 
@@ -295,63 +297,72 @@ static inline __attribute__((always_inline)) const uint8_t *open_record(int w_dt
  * multiple of QBLOCK. Each weight is dequantised to its exact fp32 value in registers, then the chain is
  * tile()'s. */
 static inline __attribute__((always_inline)) void tile_quantized(int num_rows, const float *x, int64_t in,
-                                                                 int w_dtype, const uint8_t *w,
-                                                                 vec acc[ROW_TILE][GROUP_VECTORS]) {
+                                                                 int w_dtype, const uint8_t *w, int v0,
+                                                                 acc_tile acc) {
+    vec a[ROW_TILE][PASS_VECTORS];
     for (int r = 0; r < num_rows; r++)
-        for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = (vec){0};
+        for (int v = 0; v < PASS_VECTORS; v++) a[r][v] = (vec){0};
     for (int64_t b = 0; b < in / QBLOCK; b++) {
-        vec d[GROUP_VECTORS], m[GROUP_VECTORS];
-        const uint8_t *rec = open_record(w_dtype, w, b, d, m);
+        vec d[PASS_VECTORS], m[PASS_VECTORS];
+        const uint8_t *rec = open_record(w_dtype, w, b);
+        load_scales(w_dtype, rec, v0, d, m);
         const float *xb = x + b * QBLOCK;
         for (int j = 0; j < QBLOCK; j++) {
-            vec wv[GROUP_VECTORS];
-            dequantize_input(w_dtype, rec, j, d, m, wv);
+            vec wv[PASS_VECTORS];
+            dequantize_input(w_dtype, rec, j, v0, d, m, wv);
             for (int r = 0; r < num_rows; r++) {
                 vec xv = (vec){0} + xb[r * in + j];
-                for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = fma_vec(xv, wv[v], acc[r][v]);
+                for (int v = 0; v < PASS_VECTORS; v++) a[r][v] = fma_vec(xv, wv[v], a[r][v]);
             }
         }
     }
+    for (int r = 0; r < num_rows; r++)
+        for (int v = 0; v < PASS_VECTORS; v++) acc[r][v0 + v] = a[r][v];
 }
 
-/* Rows xb[r * in + j] (r < num_rows, j < QBLOCK) of one block of inputs times its dequantised weights wv:
- * the tile()'s chain continued over the block, acc[r] holding row r's outputs before and after. */
+/* Rows xb[r * in + j] (r < num_rows, j < QBLOCK) of one block of inputs times its dequantised weights wv, output
+ * vectors v0 ..: the tile()'s chain continued over the block, acc[r] holding row r's outputs before and after. */
 static inline __attribute__((always_inline)) void accumulate_block(int num_rows, const float *xb, int64_t in,
-                                                                   const vec wv[QBLOCK][GROUP_VECTORS],
+                                                                   const vec wv[QBLOCK][GROUP_VECTORS], int v0,
                                                                    vec acc[][GROUP_VECTORS]) {
-    vec a[ROW_TILE][GROUP_VECTORS]; /* a local copy: stays in registers while x is read */
+    vec a[ROW_TILE][PASS_VECTORS]; /* a local copy: stays in registers while x is read */
     for (int r = 0; r < num_rows; r++)
-        for (int v = 0; v < GROUP_VECTORS; v++) a[r][v] = acc[r][v];
+        for (int v = 0; v < PASS_VECTORS; v++) a[r][v] = acc[r][v0 + v];
     for (int j = 0; j < QBLOCK; j++)
         for (int r = 0; r < num_rows; r++) {
             vec xv = (vec){0} + xb[r * in + j];
-            for (int v = 0; v < GROUP_VECTORS; v++) a[r][v] = fma_vec(xv, wv[j][v], a[r][v]);
+            for (int v = 0; v < PASS_VECTORS; v++) a[r][v] = fma_vec(xv, wv[j][v0 + v], a[r][v]);
         }
     for (int r = 0; r < num_rows; r++)
-        for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = a[r][v];
+        for (int v = 0; v < PASS_VECTORS; v++) acc[r][v0 + v] = a[r][v];
 }
 
 /* tile_quantized() for more rows than one tile holds (num_rows <= ROW_BLOCK): dequantising a record costs
  * more than a row's FMAs, so each record is dequantised once into wv (8 KiB, in L1) and every tile of
- * rows runs over it in turn, its accumulators kept in acc between records. Each element's chain is
- * tile_quantized()'s: inputs in order. */
+ * rows runs over it in turn, pass by pass, its accumulators kept in acc between records. Each element's
+ * chain is tile_quantized()'s: inputs in order. */
 static inline __attribute__((always_inline)) void rows_quantized(int num_rows, const float *x, int64_t in,
                                                                  int w_dtype, const uint8_t *w,
                                                                  vec acc[ROW_BLOCK][GROUP_VECTORS]) {
     for (int r = 0; r < num_rows; r++)
         for (int v = 0; v < GROUP_VECTORS; v++) acc[r][v] = (vec){0};
     for (int64_t b = 0; b < in / QBLOCK; b++) {
-        vec d[GROUP_VECTORS], m[GROUP_VECTORS], wv[QBLOCK][GROUP_VECTORS];
-        const uint8_t *rec = open_record(w_dtype, w, b, d, m);
-        for (int j = 0; j < QBLOCK; j++) dequantize_input(w_dtype, rec, j, d, m, wv[j]);
+        vec wv[QBLOCK][GROUP_VECTORS];
+        const uint8_t *rec = open_record(w_dtype, w, b);
+        for (int v0 = 0; v0 < GROUP_VECTORS; v0 += PASS_VECTORS) {
+            vec d[PASS_VECTORS], m[PASS_VECTORS];
+            load_scales(w_dtype, rec, v0, d, m);
+            for (int j = 0; j < QBLOCK; j++) dequantize_input(w_dtype, rec, j, v0, d, m, wv[j] + v0);
+        }
         for (int r = 0; r < num_rows; r += ROW_TILE) {
             const float *xb = x + r * in + b * QBLOCK;
-            switch (num_rows - r < ROW_TILE ? num_rows - r : ROW_TILE) {
-                case 4: accumulate_block(4, xb, in, wv, acc + r); break;
-                case 3: accumulate_block(3, xb, in, wv, acc + r); break;
-                case 2: accumulate_block(2, xb, in, wv, acc + r); break;
-                default: accumulate_block(1, xb, in, wv, acc + r); break;
-            }
+            for (int v0 = 0; v0 < GROUP_VECTORS; v0 += PASS_VECTORS)
+                switch (num_rows - r < ROW_TILE ? num_rows - r : ROW_TILE) {
+                    case 4: accumulate_block(4, xb, in, wv, v0, acc + r); break;
+                    case 3: accumulate_block(3, xb, in, wv, v0, acc + r); break;
+                    case 2: accumulate_block(2, xb, in, wv, v0, acc + r); break;
+                    default: accumulate_block(1, xb, in, wv, v0, acc + r); break;
+                }
         }
     }
 }
@@ -384,15 +395,16 @@ static inline __attribute__((always_inline)) void run_quantized_unit(const float
                        out_features, bias, out_dtype, out, out_stride);
         return;
     }
-    vec acc[ROW_TILE][GROUP_VECTORS];
+    acc_tile acc;
     const float *xr = x + row0 * in;
     int num_rows = (int)(row_end - row0);
-    switch (num_rows) {
-        case 4: tile_quantized(4, xr, in, w_dtype, w, acc); break;
-        case 3: tile_quantized(3, xr, in, w_dtype, w, acc); break;
-        case 2: tile_quantized(2, xr, in, w_dtype, w, acc); break;
-        default: tile_quantized(1, xr, in, w_dtype, w, acc); break;
-    }
+    for (int v0 = 0; v0 < GROUP_VECTORS; v0 += PASS_VECTORS)
+        switch (num_rows) {
+            case 4: tile_quantized(4, xr, in, w_dtype, w, v0, acc); break;
+            case 3: tile_quantized(3, xr, in, w_dtype, w, v0, acc); break;
+            case 2: tile_quantized(2, xr, in, w_dtype, w, v0, acc); break;
+            default: tile_quantized(1, xr, in, w_dtype, w, v0, acc); break;
+        }
     store_tile(num_rows, acc, row0, out0, out_features, bias, out_dtype, out, out_stride);
 }
 
@@ -413,24 +425,26 @@ static void run_unit(const void *x, int64_t x_stride, int64_t in, int64_t row0, 
     }
     int64_t group_bytes = (w_dtype == DTYPE_BF16 ? (in + 1) / 2 * 2 : in) * GROUP_OUT * (w_dtype == DTYPE_F32 ? 4 : 2);
     const void *group_w = (const char *)w + g * group_bytes;
-    vec acc[ROW_TILE][GROUP_VECTORS];
+    acc_tile acc;
     for (int64_t r = row0; r < row_end; r += ROW_TILE) {
         int num_rows = row_end - r < ROW_TILE ? (int)(row_end - r) : ROW_TILE;
-        if (w_dtype == DTYPE_BF16) {
-            const uint16_t *xr = (const uint16_t *)x + r * x_stride;
-            switch (num_rows) { /* each case inlines the tile with a constant row count */
-                case 4: tile_bf16(4, xr, x_stride, in, group_w, acc); break;
-                case 3: tile_bf16(3, xr, x_stride, in, group_w, acc); break;
-                case 2: tile_bf16(2, xr, x_stride, in, group_w, acc); break;
-                default: tile_bf16(1, xr, x_stride, in, group_w, acc); break;
-            }
-        } else {
-            const float *xr = (const float *)x + r * in;
-            switch (num_rows) {
-                case 4: tile(4, xr, in, w_dtype, group_w, acc); break;
-                case 3: tile(3, xr, in, w_dtype, group_w, acc); break;
-                case 2: tile(2, xr, in, w_dtype, group_w, acc); break;
-                default: tile(1, xr, in, w_dtype, group_w, acc); break;
+        for (int v0 = 0; v0 < GROUP_VECTORS; v0 += PASS_VECTORS) {
+            if (w_dtype == DTYPE_BF16) {
+                const uint16_t *xr = (const uint16_t *)x + r * x_stride;
+                switch (num_rows) { /* each case inlines the tile with a constant row count */
+                    case 4: tile_bf16(4, xr, x_stride, in, group_w, v0, acc); break;
+                    case 3: tile_bf16(3, xr, x_stride, in, group_w, v0, acc); break;
+                    case 2: tile_bf16(2, xr, x_stride, in, group_w, v0, acc); break;
+                    default: tile_bf16(1, xr, x_stride, in, group_w, v0, acc); break;
+                }
+            } else {
+                const float *xr = (const float *)x + r * in;
+                switch (num_rows) {
+                    case 4: tile(4, xr, in, w_dtype, group_w, v0, acc); break;
+                    case 3: tile(3, xr, in, w_dtype, group_w, v0, acc); break;
+                    case 2: tile(2, xr, in, w_dtype, group_w, v0, acc); break;
+                    default: tile(1, xr, in, w_dtype, group_w, v0, acc); break;
+                }
             }
         }
         store_tile(num_rows, acc, r, g * GROUP_OUT, out_features, bias, out_dtype, out, out_stride);
