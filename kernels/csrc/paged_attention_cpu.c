@@ -42,19 +42,32 @@
 
 #include "dtypes.h"
 #pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vectors between inline functions, never across the ABI */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 #define KEY_TILE 16
 #define ROW_TILE 32
 #define MAX_HEAD_DIM 256
+/* The hot loops' registers: a KEY_TILE vector is one AVX-512 register, or HALVES registers of REG_LANES floats
+ * (AVX2 and narrower: GCC moves a 64-byte vector through the stack in 16-byte pieces there, ~10x slower), and
+ * fewer rows side by side where there are 16 registers, not 32. Which sums advance side by side, never a sum. */
+#if defined(__AVX512F__)
+#define REG_LANES 16
 #define SCORE_ROWS 4   /* query rows whose sums advance side by side (passes 1 and 2) */
 #define VALUE_SLICE 64 /* dimensions of a row's output held in registers at once (pass 2) */
+#else
+#define REG_LANES 8
+#define SCORE_ROWS 2
+#define VALUE_SLICE 32
+#endif
+#define HALVES (KEY_TILE / REG_LANES)
 #define PART_KEYS 128  /* keys of one work item (a multiple of KEY_TILE): a row's keys split at fixed positions */
 
 /* KEY_TILE floats as one GCC vector: element-wise arithmetic, so no reordering of a sum. */
 typedef float key_vector __attribute__((vector_size(KEY_TILE * sizeof(float))));
+/* REG_LANES floats: one register. */
+typedef float reg_vector __attribute__((vector_size(REG_LANES * sizeof(float))));
 
 /* n elements of dtype at src (element offset) into floats. */
 static inline void load_row(int dtype, const void *src, int64_t offset, int n, float *dst) {
@@ -241,36 +254,44 @@ static void load_key_tile(const struct Args *a, const struct Keys *where, int kv
 static inline __attribute__((always_inline)) void score_rows(int num_rows, int D, const float (*q)[MAX_HEAD_DIM],
                                                              const key_vector kt[2][MAX_HEAD_DIM], const int *end,
                                                              int j0, int k0, float *scores) {
-    key_vector s[SCORE_ROWS][2];
-    for (int r = 0; r < num_rows; r++) s[r][0] = s[r][1] = (key_vector){0};
-    for (int d = 0; d < D; d++)
-        for (int r = 0; r < num_rows; r++) {
-            s[r][0] = s[r][0] + q[r][d] * kt[0][d];
-            s[r][1] = s[r][1] + q[r][d] * kt[1][d];
-        }
+    reg_vector s[SCORE_ROWS][2 * HALVES]; /* [r][t * HALVES + h]: keys j0 + t * KEY_TILE + h * REG_LANES .. */
+    for (int r = 0; r < num_rows; r++)
+        for (int u = 0; u < 2 * HALVES; u++) s[r][u] = (reg_vector){0};
+    for (int d = 0; d < D; d++) {
+        reg_vector k[2 * HALVES];
+        for (int t = 0; t < 2; t++)
+            for (int h = 0; h < HALVES; h++) memcpy(&k[t * HALVES + h], (const float *)&kt[t][d] + h * REG_LANES,
+                                                    sizeof k[0]);
+        for (int r = 0; r < num_rows; r++)
+            for (int u = 0; u < 2 * HALVES; u++) s[r][u] = s[r][u] + q[r][d] * k[u];
+    }
     for (int r = 0; r < num_rows; r++)
         for (int t = 0; t < 2; t++)
             if (j0 + t * KEY_TILE < end[r] && j0 + t * KEY_TILE < k0 + PART_KEYS)
-                memcpy(scores + r * PART_KEYS + (j0 + t * KEY_TILE - k0), &s[r][t], sizeof s[r][t]);
+                memcpy(scores + r * PART_KEYS + (j0 + t * KEY_TILE - k0), &s[r][t * HALVES], sizeof(key_vector));
 }
 
-/* KEY_TILE floats at p (any alignment) in one load: GCC copies a memcpy through the stack in halves here. */
-static inline key_vector load_vector(const float *p) {
+/* REG_LANES floats at p (any alignment) in one load: GCC copies a memcpy through the stack in halves here. */
+static inline reg_vector load_vector(const float *p) {
 #if defined(__AVX512F__)
-    return (key_vector)_mm512_loadu_ps(p);
+    return (reg_vector)_mm512_loadu_ps(p);
+#elif defined(__AVX__)
+    return (reg_vector)_mm256_loadu_ps(p);
 #else
-    key_vector v;
+    reg_vector v;
     memcpy(&v, p, sizeof v);
     return v;
 #endif
 }
 
 /* a * b + c, rounded once, lane by lane: fmaf's result. */
-static inline key_vector fma_vector(key_vector a, key_vector b, key_vector c) {
+static inline reg_vector fma_vector(reg_vector a, reg_vector b, reg_vector c) {
 #if defined(__AVX512F__)
-    return (key_vector)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+    return (reg_vector)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (reg_vector)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
-    for (int i = 0; i < KEY_TILE; i++) c[i] = fmaf(a[i], b[i], c[i]);
+    for (int i = 0; i < REG_LANES; i++) c[i] = fmaf(a[i], b[i], c[i]);
     return c;
 #endif
 }
@@ -289,30 +310,30 @@ static inline __attribute__((always_inline)) void accumulate_values(const struct
                                                                     const struct Keys *keys, int kv, int k0, int d0,
                                                                     const float *values, const float *scores,
                                                                     const int *end, float *partial) {
-    enum { SLICE_VECTORS = VALUE_SLICE / KEY_TILE };
-    key_vector acc[SCORE_ROWS][SLICE_VECTORS];
+    enum { SLICE_VECTORS = VALUE_SLICE / REG_LANES };
+    reg_vector acc[SCORE_ROWS][SLICE_VECTORS];
     int all_end = k0 + PART_KEYS, row_end = k0; /* keys k0 .. all_end - 1 every row has; some, up to row_end */
     for (int r = 0; r < num_rows; r++) {
-        for (int c = 0; c < SLICE_VECTORS; c++) acc[r][c] = (key_vector){0};
+        for (int c = 0; c < SLICE_VECTORS; c++) acc[r][c] = (reg_vector){0};
         if (end[r] > row_end) row_end = end[r];
         if (end[r] < all_end) all_end = end[r];
     }
     for (int j = k0; j < all_end; j++) {
         const float *v = value_row(a, keys, kv, k0, j, d0, values);
-        key_vector vv[SLICE_VECTORS];
-        for (int c = 0; c < SLICE_VECTORS; c++) vv[c] = load_vector(v + c * KEY_TILE);
+        reg_vector vv[SLICE_VECTORS];
+        for (int c = 0; c < SLICE_VECTORS; c++) vv[c] = load_vector(v + c * REG_LANES);
         for (int r = 0; r < num_rows; r++) {
-            key_vector p = (key_vector){0} + scores[r * PART_KEYS + (j - k0)]; /* p >= +0: adding 0 keeps it */
+            reg_vector p = (reg_vector){0} + scores[r * PART_KEYS + (j - k0)]; /* p >= +0: adding 0 keeps it */
             for (int c = 0; c < SLICE_VECTORS; c++) acc[r][c] = fma_vector(p, vv[c], acc[r][c]);
         }
     }
     for (int j = all_end > k0 ? all_end : k0; j < row_end; j++) {
         const float *v = value_row(a, keys, kv, k0, j, d0, values);
-        key_vector vv[SLICE_VECTORS];
-        for (int c = 0; c < SLICE_VECTORS; c++) vv[c] = load_vector(v + c * KEY_TILE);
+        reg_vector vv[SLICE_VECTORS];
+        for (int c = 0; c < SLICE_VECTORS; c++) vv[c] = load_vector(v + c * REG_LANES);
         for (int r = 0; r < num_rows; r++) {
             if (j >= end[r]) continue;
-            key_vector p = (key_vector){0} + scores[r * PART_KEYS + (j - k0)];
+            reg_vector p = (reg_vector){0} + scores[r * PART_KEYS + (j - k0)];
             for (int c = 0; c < SLICE_VECTORS; c++) acc[r][c] = fma_vector(p, vv[c], acc[r][c]);
         }
     }
@@ -354,8 +375,10 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
         load_key_tile(a, &keys, kv, j0 + KEY_TILE, max_end, kt[1]);
         for (int r = 0; r < num_rows; r += SCORE_ROWS) {
             switch (num_rows - r < SCORE_ROWS ? num_rows - r : SCORE_ROWS) {
+#if SCORE_ROWS > 2
                 case 4: score_rows(4, D, q + r, kt, end + r, j0, k0, scores + r * PART_KEYS); break;
                 case 3: score_rows(3, D, q + r, kt, end + r, j0, k0, scores + r * PART_KEYS); break;
+#endif
                 case 2: score_rows(2, D, q + r, kt, end + r, j0, k0, scores + r * PART_KEYS); break;
                 default: score_rows(1, D, q + r, kt, end + r, j0, k0, scores + r * PART_KEYS); break;
             }
@@ -406,8 +429,10 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
             const float *s = scores + r * PART_KEYS;
             float *out = partial + r * (D + 2);
             switch (num_rows - r < SCORE_ROWS ? num_rows - r : SCORE_ROWS) {
+#if SCORE_ROWS > 2
                 case 4: accumulate_values(a, 4, &keys, kv, k0, d0, values, s, end + r, out); break;
                 case 3: accumulate_values(a, 3, &keys, kv, k0, d0, values, s, end + r, out); break;
+#endif
                 case 2: accumulate_values(a, 2, &keys, kv, k0, d0, values, s, end + r, out); break;
                 default: accumulate_values(a, 1, &keys, kv, k0, d0, values, s, end + r, out); break;
             }
