@@ -271,11 +271,11 @@ static inline __attribute__((always_inline)) void score_rows(int num_rows, int D
                 memcpy(scores + r * PART_KEYS + (j0 + t * KEY_TILE - k0), &s[r][t * HALVES], sizeof(key_vector));
 }
 
-/* REG_LANES floats at p (any alignment) in one load: GCC copies a memcpy through the stack in halves here. */
+/* REG_LANES floats at p (any alignment) in one load. */
 static inline reg_vector load_vector(const float *p) {
 #if defined(__AVX512F__)
     return (reg_vector)_mm512_loadu_ps(p);
-#elif defined(__AVX__)
+#elif defined(__FMA__) /* AVX2 builds: the header is included with FMA (an AVX-only build takes memcpy) */
     return (reg_vector)_mm256_loadu_ps(p);
 #else
     reg_vector v;
