@@ -112,14 +112,15 @@ def run(config: TrainConfig) -> dict:
                                                          config.max_draft_vocab_size)
     train, held_out = dataset.split(conversations, config.eval_fraction, config.seed)
     head, teacher = new_head(worker.target.model, draft_to_target, config)
-    head = head.to(worker.target.device)
+    device = worker.target.device
+    head = head.to(device)
     del worker
     trainer = Trainer(head, config, work / "checkpoint.pt", on_checkpoint=lambda: clock.add("train_min"),
                       teacher=teacher)
     accuracy = trainer.fit(train, held_out)
     clock.add("train_min")
     head.save(pathlib.Path(config.output))
-    summary = {"target_name": pathlib.Path(config.model).name, "machine": _machine(),
+    summary = {"target_name": pathlib.Path(config.model).name, "machine": _machine(device),
                "num_threads": torch.get_num_threads(), "config": {k: v for k, v in asdict(config).items() if k != "meta"},
                **config.meta, "sources": prompts.licences(prompt_list), "num_conversations": len(conversations),
                "num_train_tokens": sum(len(c.token_ids) for c in train),
@@ -156,8 +157,15 @@ def _write_atomically(path: pathlib.Path, text: str) -> None:
     partial.replace(path)
 
 
-def _machine() -> str:
-    """The CPU's model name (what `lscpu` shows), for the card."""
+def _machine(device: torch.device) -> str:
+    """Where the run trained, for the card: the GPU's name on CUDA (and its host's CPU), else the CPU's."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA; host CPU {_cpu_name()})"
+    return _cpu_name()
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (what `lscpu` shows)."""
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

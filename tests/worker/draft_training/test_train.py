@@ -60,6 +60,7 @@ def test_a_trained_head_loads_and_beats_a_random_head(tiny_pair, trained, tmp_pa
     assert f"training precision {expected_precision}" in (pathlib.Path(cfg.output) / "README.md").read_text()
     card = pathlib.Path(cfg.output) / "README.md"
     assert "| self | the target's own output |" in card.read_text() and "Held-out accuracy" in card.read_text()
+    assert "CUDA" not in summary["machine"] and f"- Machine: {summary['machine']}," in card.read_text()
     random_head = save_tiny_eagle3_head(tmp_path / "random", draft_vocab_size=summary["draft_vocab_size"])
     trained_rate, random_rate = acceptance(tiny_pair, cfg.output), acceptance(tiny_pair, random_head)
     assert trained_rate > random_rate + 0.1, (trained_rate, random_rate)
@@ -86,6 +87,7 @@ def test_a_head_trained_on_cuda_saves_and_loads(tiny_pair, tmp_path):
     cfg = config(tiny_pair, tmp_path, "cuda-head", device="cuda", epochs=2)
     summary = run(cfg)
     assert len(summary["held_out_accuracy_by_position"]) == 3
+    assert torch.cuda.get_device_name() in (pathlib.Path(cfg.output) / "README.md").read_text()  # the card's machine
     assert acceptance(tiny_pair, cfg.output) >= 0.0  # the worker (on the CPU) loads and drafts with it
 
 
