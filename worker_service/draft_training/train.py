@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from specdec import step
+from worker_service import device as devices
 from worker_service.config import WorkerConfig
 from worker_service.draft_training import card, dataset, prompts
 from worker_service.draft_training.generation import generate
@@ -158,9 +159,9 @@ def _write_atomically(path: pathlib.Path, text: str) -> None:
 
 
 def _machine(device: torch.device) -> str:
-    """Where the run trained, for the card: the GPU's name on CUDA (and its host's CPU), else the CPU's."""
+    """Where the run trained, for the card: the GPU on CUDA (and its host's CPU), else the CPU's name."""
     if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (CUDA; host CPU {_cpu_name()})"
+        return f"{devices.describe(device)}; host CPU {_cpu_name()}"
     return _cpu_name()
 
 
