@@ -14,7 +14,8 @@ no-speculation output: expect 0).
    the proposers' share of the worker's step time, per category; speedups over no speculation as geometric
    means over the eight MT-Bench categories and over all thirteen (--prompts-per-category 0: skipped);
 2. concurrency (--concurrency, the first dtype of --dtypes, --sweep-configs): mixed categories, 2 x
-   concurrency requests per level, --sweep-tokens each: throughput against no speculation.
+   concurrency requests per level, --sweep-tokens each, --sweep-rounds times (each round in another order):
+   throughput against no speculation over all rounds, and each round's ratio (their spread is the noise).
 
 Results: bench/results/eagle3-*.json.
 """
@@ -71,14 +72,20 @@ def main(args) -> None:
         # Prompts batch 1 did not use, categories interleaved (repeated if the file has too few).
         unused = [rows[args.prompts_per_category:] for rows in by_category.values()]
         pool = [rows[i] for i in range(max(map(len, unused))) for rows in unused if i < len(rows)]
-        mixed = [pool[i % len(pool)] for i in range(max(args.concurrency) * 2)]
         for turn, concurrency in enumerate(args.concurrency):
-            jobs = [(f"sw{concurrency}-{q['question_id']}", [("user", q["turns"][0])]) for q in mixed[:2 * concurrency]]
-            sweep[concurrency] = {}
             chosen = [targets[sweep_dtype][p] for p in args.sweep_configs]
-            for t in rotate(chosen, turn):
-                sweep[concurrency][t.label] = t.run(jobs, concurrency, args.sweep_tokens, args.request_timeout)
-                logger.info("concurrency %d / %s: %.1f tok/s", concurrency, t.label, sweep[concurrency][t.label]["tok_s"])
+            rounds: dict[str, list[dict]] = {t.label: [] for t in chosen}
+            # Each round its own prompts (a repeated request is one the suffix proposer and the prefix cache
+            # have seen), and its own order of the configurations (drift hits all alike).
+            for round_index in range(args.sweep_rounds):
+                first = round_index * 2 * concurrency
+                jobs = [(f"sw{concurrency}-{round_index}-{i}", [("user", pool[i % len(pool)]["turns"][0])])
+                        for i in range(first, first + 2 * concurrency)]
+                for t in rotate(chosen, turn + round_index):
+                    rounds[t.label].append(t.run(jobs, concurrency, args.sweep_tokens, args.request_timeout))
+                    logger.info("concurrency %d, round %d / %s: %.1f tok/s", concurrency, round_index + 1, t.label,
+                                rounds[t.label][-1]["tok_s"])
+            sweep[concurrency] = {label: merge_rounds(runs) for label, runs in rounds.items()}
         report["sweep"] = {"dtype": sweep_dtype, "levels": sweep}
 
         report["num_outputs_differing"] = {
@@ -90,6 +97,20 @@ def main(args) -> None:
     summarize(report)
     print_report(report)
     save("eagle3", report)
+
+
+def merge_rounds(runs: list[dict]) -> dict:
+    """One configuration's rounds at a concurrency level as one run (tokens over wall time, counters summed),
+    with each round's tok/s beside it."""
+    tokens, wall_s = sum(r["num_tokens"] for r in runs), sum(r["wall_s"] for r in runs)
+    by_k = [sum(r["num_sequence_steps_by_k"][k] for r in runs if k < len(r["num_sequence_steps_by_k"]))
+            for k in range(max(len(r["num_sequence_steps_by_k"]) for r in runs))]
+    drafted, accepted = sum(r["num_drafted"] for r in runs), sum(r["num_accepted"] for r in runs)
+    return {"num_requests": sum(r["num_requests"] for r in runs), "num_tokens": tokens, "wall_s": wall_s,
+            "tok_s": tokens / wall_s, "round_tok_s": [r["tok_s"] for r in runs],
+            "num_steps": sum(r["num_steps"] for r in runs), "num_sequence_steps_by_k": by_k,
+            "mean_k": sum(k * n for k, n in enumerate(by_k)) / sum(by_k) if sum(by_k) else None,
+            "num_drafted": drafted, "acceptance_rate": accepted / drafted if drafted else None}
 
 
 def summarize(report: dict) -> None:
@@ -123,6 +144,10 @@ def summarize(report: dict) -> None:
     report["sweep"]["ratio_to_none"] = {c: {label: run["tok_s"] / by_label["none"]["tok_s"]
                                             for label, run in by_label.items()}
                                         for c, by_label in levels.items() if "none" in by_label}
+    report["sweep"]["round_ratios_to_none"] = {
+        c: {label: [tok_s / none for tok_s, none in zip(run["round_tok_s"], by_label["none"]["round_tok_s"])]
+            for label, run in by_label.items()}
+        for c, by_label in levels.items() if "none" in by_label}
 
 
 def print_report(report: dict) -> None:
@@ -141,7 +166,14 @@ def print_report(report: dict) -> None:
             print(f"  {label:16} " + " ".join(f"{c[:6]}={v:.2f}" for c, v in s["speedup_by_category"].items()))
     print(f"\n== concurrency ({report['sweep']['dtype']}), throughput x none")
     for c, ratios in report["sweep"]["ratio_to_none"].items():
-        print(f"  {c:3}: " + "  ".join(f"{label}={r:.2f}" for label, r in ratios.items()))
+        rounds = report["sweep"]["round_ratios_to_none"][c]
+        print(f"  {c:3}: " + "  ".join(
+            f"{label}={r:.2f}" + (f" ({' '.join(f'{x:.2f}' for x in rounds[label])})" if len(rounds[label]) > 1 else "")
+            for label, r in ratios.items()))
+        for label, run in report["sweep"]["levels"][c].items():
+            if run["num_drafted"]:
+                print(f"       {label}: mean k {run['mean_k']:.2f}, acceptance {run['acceptance_rate']:.2f}, "
+                      f"{run['num_tokens'] / run['num_steps']:.2f} tokens a step")
     print(f"\noutputs differing from no speculation: {report['num_outputs_differing']}")
 
 
@@ -157,6 +189,8 @@ def parse_args(argv=None):
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
     parser.add_argument("--sweep-configs", type=lambda s: s.split(";"), default=["none", "eagle3", "eagle3,suffix"])
     parser.add_argument("--sweep-tokens", type=int, default=64)
+    parser.add_argument("--sweep-rounds", type=int, default=1,
+                        help="each concurrency level this many times, every configuration once a round (default: 1)")
     parser.add_argument("--request-timeout", type=float, default=900.0)
     return parser.parse_args(argv)
 
