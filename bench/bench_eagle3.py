@@ -110,7 +110,9 @@ def merge_rounds(runs: list[dict]) -> dict:
             "tok_s": tokens / wall_s, "round_tok_s": [r["tok_s"] for r in runs],
             "num_steps": sum(r["num_steps"] for r in runs), "num_sequence_steps_by_k": by_k,
             "mean_k": sum(k * n for k, n in enumerate(by_k)) / sum(by_k) if sum(by_k) else None,
-            "num_drafted": drafted, "acceptance_rate": accepted / drafted if drafted else None}
+            "num_drafted": drafted, "acceptance_rate": accepted / drafted if drafted else None,
+            **{key: sum(r[key] for r in runs) for key in ("worker_step_s", "propose_s", "predicted_step_s",
+                                                          "measured_step_s")}}
 
 
 def summarize(report: dict) -> None:
@@ -173,7 +175,9 @@ def print_report(report: dict) -> None:
         for label, run in report["sweep"]["levels"][c].items():
             if run["num_drafted"]:
                 print(f"       {label}: mean k {run['mean_k']:.2f}, acceptance {run['acceptance_rate']:.2f}, "
-                      f"{run['num_tokens'] / run['num_steps']:.2f} tokens a step")
+                      f"{run['num_tokens'] / run['num_steps']:.2f} tokens a step, proposing "
+                      f"{run['propose_s'] / run['worker_step_s']:.1%} of worker time, step time predicted / "
+                      f"measured {run['predicted_step_s'] / run['measured_step_s']:.2f}")
     print(f"\noutputs differing from no speculation: {report['num_outputs_differing']}")
 
 
