@@ -14,8 +14,9 @@ no-speculation output: expect 0).
    the proposers' share of the worker's step time, per category; speedups over no speculation as geometric
    means over the eight MT-Bench categories and over all thirteen (--prompts-per-category 0: skipped);
 2. concurrency (--concurrency, the first dtype of --dtypes, --sweep-configs): mixed categories, 2 x
-   concurrency requests per level, --sweep-tokens each, --sweep-rounds times (each round in another order):
-   throughput against no speculation over all rounds, and each round's ratio (their spread is the noise).
+   concurrency requests per level, --sweep-tokens each, --sweep-rounds times (each round on the next prompts
+   and in another order; every level starts from the same prompts, which a lower level served): throughput
+   against no speculation over all rounds, and each round's ratio (their spread is the noise).
 
 Results: bench/results/eagle3-*.json.
 """
