@@ -29,7 +29,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from bench.bench_goodput import MT_CATEGORIES, Target, generate, geomean, rotate, strip_texts  # noqa: E402
+from bench.bench_goodput import MT_CATEGORIES, Target, generate, geomean, mean_k, rotate, strip_texts  # noqa: E402
 from bench.bench_serving import spawned  # noqa: E402
 from bench.common import load_questions, save  # noqa: E402
 
@@ -110,7 +110,7 @@ def merge_rounds(runs: list[dict]) -> dict:
     return {"num_requests": sum(r["num_requests"] for r in runs), "num_tokens": tokens, "wall_s": wall_s,
             "tok_s": tokens / wall_s, "round_tok_s": [r["tok_s"] for r in runs],
             "num_steps": sum(r["num_steps"] for r in runs), "num_sequence_steps_by_k": by_k,
-            "mean_k": sum(k * n for k, n in enumerate(by_k)) / sum(by_k) if sum(by_k) else None,
+            "mean_k": mean_k(by_k),
             "num_drafted": drafted, "acceptance_rate": accepted / drafted if drafted else None,
             **{key: sum(r[key] for r in runs) for key in ("worker_step_s", "propose_s", "predicted_step_s",
                                                           "measured_step_s")}}
@@ -170,9 +170,11 @@ def print_report(report: dict) -> None:
     print(f"\n== concurrency ({report['sweep']['dtype']}), throughput x none")
     for c, ratios in report["sweep"]["ratio_to_none"].items():
         rounds = report["sweep"]["round_ratios_to_none"][c]
-        print(f"  {c:3}: " + "  ".join(
-            f"{label}={r:.2f}" + (f" ({' '.join(f'{x:.2f}' for x in rounds[label])})" if len(rounds[label]) > 1 else "")
-            for label, r in ratios.items()))
+
+        def spread(label: str) -> str:  # each round's ratio, where there were several
+            return f" ({' '.join(f'{x:.2f}' for x in rounds[label])})" if len(rounds[label]) > 1 else ""
+
+        print(f"  {c:3}: " + "  ".join(f"{label}={r:.2f}{spread(label)}" for label, r in ratios.items()))
         for label, run in report["sweep"]["levels"][c].items():
             if run["num_drafted"]:
                 print(f"       {label}: mean k {run['mean_k']:.2f}, acceptance {run['acceptance_rate']:.2f}, "

@@ -61,6 +61,12 @@ def generate(stub, messages: list[tuple[str, str]], max_tokens: int, timeout_s: 
     return token_ids, "".join(text)
 
 
+def mean_k(num_sequence_steps_by_k: list[int]) -> float | None:
+    """The mean draft length of sequence-steps counted by k (None: no steps)."""
+    total = sum(num_sequence_steps_by_k)
+    return sum(k * n for k, n in enumerate(num_sequence_steps_by_k)) / total if total else None
+
+
 def counters_delta(before: pb.Counters, after: pb.Counters) -> dict:
     """The speculation counters over an interval: k histogram, acceptance by position, step-time model."""
     def diff(a, b):
@@ -73,7 +79,7 @@ def counters_delta(before: pb.Counters, after: pb.Counters) -> dict:
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     measured = after.measured_step_seconds - before.measured_step_seconds
     return {"num_sequence_steps_by_k": by_k,
-            "mean_k": sum(k * n for k, n in enumerate(by_k)) / sum(by_k) if sum(by_k) else None,
+            "mean_k": mean_k(by_k),
             "num_accepted_per_pos": per_pos, "num_drafted": drafted, "num_accepted": accepted,
             "acceptance_rate": accepted / drafted if drafted else None,
             "num_steps": after.num_steps - before.num_steps,
