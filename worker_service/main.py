@@ -3,7 +3,6 @@
 from dataclasses import replace
 import logging
 import os
-import signal
 import threading
 import time
 
@@ -12,6 +11,7 @@ import torch
 
 from specdec.announce import announce
 from specdec.metrics_server import start_metrics_server
+from specdec.stop_signals import StopSignals
 from worker_service import device as devices
 from worker_service.config import WorkerConfig, resolve_dtype
 from worker_service.eagle3 import TargetFacts, load_head
@@ -75,9 +75,8 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
         server.stop(grace=None)
         raise
     announce(f"worker listening on {host}:{bound_port}")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = threading.Event()   # set by the parent watch (a thread)
+    signals = StopSignals()
     if parent_fd is not None:
         threading.Thread(target=_exit_with_parent, args=(parent_fd, stop), name="parent-watch", daemon=True).start()
     try:
@@ -88,8 +87,7 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
     servicer.set_worker(worker, config.model)
     if ready_line:
         announce("worker model loaded")
-    while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
-        pass
+    signals.wait(stop)
     # Finish the step in flight and end the step stream: the scheduler moves the requests elsewhere.
     logger.info("shutting down: finishing the step in flight")
     servicer.begin_shutdown()  # no step starts from now on

@@ -7,7 +7,6 @@ period; what is left then ends with UNAVAILABLE, and the process exits 0.
 """
 
 import logging
-import signal
 import threading
 import time
 
@@ -24,6 +23,7 @@ from scheduler_service.process.metrics import RequestMetrics, cluster_registry
 from scheduler_service.process.stats_logger import StatsLogger
 from specdec.announce import announce
 from specdec.metrics_server import start_metrics_server
+from specdec.stop_signals import StopSignals
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +40,7 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     tokenizer = ChatTokenizer(opts.model_dir)
     server, servicer, port = create_server(opts.host, opts.port, opts.max_open_streams, **security_hooks(opts))
     announce(f"scheduler listening on {opts.host}:{port}")
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+    signals = StopSignals()   # only on the main thread (tests run the scheduler on others, with `stop`)
     stoppers = [lambda: server.stop(grace=None)]  # what has started, stopped last first if starting fails
     try:
         http = _start_http(servicer.frontend, opts)
@@ -67,8 +65,7 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     announce("scheduler ready")
     stats_logger = StatsLogger(cluster.snapshot, opts.log_stats_interval_s)
     stats_logger.start()
-    while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
-        pass
+    signals.wait(stop)
     drain(servicer, cluster, opts.shutdown_grace_period_s)
     stats_logger.stop()
     stopped = server.stop(grace=2)  # the last messages (aborts included) go out
