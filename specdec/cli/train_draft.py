@@ -11,8 +11,7 @@ from worker_service.draft_training import prompts
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    from worker_service.draft_training.train import TrainConfig
-    from worker_service.draft_training.trainer import PRECISIONS
+    from worker_service.draft_training.recipe import PRECISIONS, TrainConfig
 
     d = TrainConfig(model="", output="", work_dir="")
     p.add_argument("--output", required=True, metavar="DIR", help="where the head is written (config.json, "
@@ -55,7 +54,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 def train_draft(args: argparse.Namespace) -> int:
     """Runs the recipe; any failure is one line on stderr and exit status 1."""
     from worker_service.draft_training.prompts import PromptSourceError
-    from worker_service.draft_training.train import TrainConfig, TrainingError, run
+    from worker_service.draft_training.recipe import TrainConfig
+    from worker_service.draft_training.train import TrainingError, run
 
     try:
         sources = tuple(s for s in args.sources.split(",") if s and s != "none")

@@ -212,3 +212,12 @@ def test_the_served_name_is_the_models_own_name_unless_a_flag_names_it(model, na
         args = build_parser().parse_args(["scheduler", "--worker", "10.0.0.1:1", *argv])
         options = scheduler_flags.options_from_args(args, "/cache/x", args.worker, models.model_name(model))
         assert options.served_model_name == served
+
+
+def test_the_client_and_the_parser_start_without_the_model_libraries():
+    """`specdec generate` (a client) and every subcommand's --help load neither torch nor transformers: with
+    them, each start took about 10 s (train-draft's flags had imported its trainer)."""
+    probe = ("import sys; import specdec.cli, specdec.cli.generate; specdec.cli.build_parser(); "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]"

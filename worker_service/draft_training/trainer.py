@@ -25,11 +25,10 @@ from tqdm import tqdm
 
 from worker_service.draft_training import dataset
 from worker_service.draft_training.head import TrainableHead
+from worker_service.draft_training.recipe import PRECISIONS
 from worker_service.draft_training.teacher import TargetTail
 
 logger = logging.getLogger(__name__)
-
-PRECISIONS = ("auto", "float32", "bfloat16")
 
 STEP_WEIGHT = 0.8
 WARMUP_FRACTION = 0.05

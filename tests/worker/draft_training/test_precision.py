@@ -1,4 +1,4 @@
-"""Training precision (trainer.PRECISIONS): bf16 autocast runs the head's matmuls in bf16 and keeps its weights,
+"""Training precision (recipe.PRECISIONS): bf16 autocast runs the head's matmuls in bf16 and keeps its weights,
 gradients and loss in fp32; fp32 runs everything in fp32; auto follows the device's native bf16 support."""
 
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ import torch
 from tests.worker.draft_training.test_teacher import NUM_STEPS, conversations
 from worker_service.draft_training import trainer as trainer_module
 from worker_service.draft_training.head import TrainableHead, head_config
-from worker_service.draft_training.train import TrainConfig
+from worker_service.draft_training.recipe import TrainConfig
 from worker_service.draft_training.trainer import Trainer, autocast_dtype
 from worker_service.eagle3 import default_aux_layers
 from worker_service.model_loader import load_model

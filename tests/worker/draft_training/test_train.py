@@ -16,7 +16,8 @@ from tests.worker.driver import Driver
 from tests.worker.test_eagle3 import BLOCK_SIZE, NUM_BLOCKS, make_worker
 from worker_service.draft_training import dataset
 from worker_service.model_runner import SequenceChunk
-from worker_service.draft_training.train import TrainConfig, run
+from worker_service.draft_training.recipe import TrainConfig
+from worker_service.draft_training.train import run
 from worker_service.draft_training.trainer import Trainer, autocast_dtype
 
 PROMPT_WORDS = [[10, 11, 12, 13, 14], [20, 21, 22], [30, 31, 30, 31, 30], [40, 41, 42, 43], [50, 60, 70, 80]]
