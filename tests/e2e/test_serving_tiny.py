@@ -206,6 +206,9 @@ def test_port_taken_exits_nonzero(tiny_pair, plain_server):
         proc.wait_for("error: cannot listen")
 
 
+DRAIN_TOKENS = 400   # long enough that all four still run when SIGTERM lands (40 took under 0.5 s)
+
+
 def test_sigterm_drains_running_requests_then_exits_cleanly(tiny_pair):
     """SIGTERM with requests running: they finish (within the grace period), new ones are refused, exit 0."""
     from tests.processes import running
@@ -213,7 +216,7 @@ def test_sigterm_drains_running_requests_then_exits_cleanly(tiny_pair):
     with running(["serve", "--port", "0", *tiny_args(tiny_pair, "--shutdown-grace-period", "60")]) as proc:
         server = Server(proc)
         worker_lines = len([line for line in proc.lines if line.startswith("[worker ")])
-        calls = [server.stub.Generate(greedy_request(p, 40), timeout=120) for p in PROMPTS[:4]]
+        calls = [server.stub.Generate(greedy_request(p, DRAIN_TOKENS), timeout=120) for p in PROMPTS[:4]]
         for call in calls:
             next(call)  # every request runs
         proc.proc.terminate()
