@@ -107,8 +107,9 @@ class Streams:
 STEP_TIMEOUT_S = 3.0
 
 
+# eagle3,suffix with trees allowed (--draft-tree-width 2): the policy picks a chain or a tree per sequence and step.
 @pytest.mark.parametrize("how, proposer", [("SIGKILL", "ngram"), ("SIGSTOP", "ngram"), ("SIGTERM", "ngram"),
-                                           ("SIGKILL", "eagle3,suffix"), ("SIGKILL", "eagle3,suffix tree")])
+                                           ("SIGKILL", "eagle3,suffix tree")])
 def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, tiny_eagle3_head, reference, how, proposer):
     """Killed (its stream fails), stopped (no step result: the step timeout finds it) or terminated (it finishes
     its step in flight and leaves): its requests move and every stream completes exactly; then a worker

@@ -28,7 +28,7 @@ from tests.e2e.client import greedy_request, http_json
 from tests.processes import Process, free_port, running
 from tests.sim_worker import SimWorkerServer
 
-NUM_STARTS = 8  # 4 per health path: each start takes ~10 s of the suite
+NUM_STARTS = 4  # 2 per health path: each start takes ~10 s of the suite
 POLL_S = 0.005          # as fast as a client that retries at once
 WORKER_EXIT_S = 10.0
 
