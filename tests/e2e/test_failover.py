@@ -52,10 +52,21 @@ def reference(tiny_pair):
 
 
 def start_worker(pair, port: int = 0, args: list[str] = WORKER_ARGS) -> Process:
-    process = Process(["worker", "--host", "127.0.0.1", "--port", str(port), "--model", str(pair.target_path),
-                       *args])
-    process.wait_for("model loaded")
-    return process
+    return start_workers(pair, 1, args, port)[0]
+
+
+def start_workers(pair, count: int, args: list[str] = WORKER_ARGS, port: int = 0) -> list[Process]:
+    """`count` worker processes, started together (their imports overlap on the cores) and then waited for."""
+    processes = [Process(["worker", "--host", "127.0.0.1", "--port", str(port), "--model", str(pair.target_path),
+                          *args]) for _ in range(count)]
+    try:
+        for process in processes:
+            process.wait_for("model loaded")
+    except BaseException:
+        for process in processes:
+            process.stop()
+        raise
+    return processes
 
 
 def worker_status(stub, address: str) -> pb.WorkerStatus | None:
@@ -120,7 +131,7 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, tiny_eagle3_head, 
         args += ["--draft-tree-width", "2"]
     if "eagle3" in proposer:
         args += ["--draft-model", str(tiny_eagle3_head)]
-    workers = [start_worker(tiny_pair, args=args) for _ in range(2)]
+    workers = start_workers(tiny_pair, 2, args)
     addresses = [w.address() for w in workers]
     try:
         # Least-loaded routing: the restarted worker must take work, which cache-aware routing would send to
@@ -186,7 +197,7 @@ def test_requests_moved_after_a_kill_resume_from_the_survivor_s_cached_prefix(ti
     """Both workers hold the shared prefix (the requests arrive together, before either has cached it, so they
     spread by headroom); one is killed mid-stream: its requests move, find the prefix in the survivor's cache,
     and finish exactly."""
-    workers = [start_worker(tiny_pair) for _ in range(2)]
+    workers = start_workers(tiny_pair, 2)
     addresses = [w.address() for w in workers]
     try:
         with running(["scheduler", "--port", "0", "--model", str(tiny_pair.target_path), "--block-size", "4",

@@ -301,12 +301,12 @@ def _failover_reference(pair) -> list[list[int]]:
 def test_constrained_streams_survive_preemption_and_a_killed_worker(byte_pair):
     """Two worker processes, a KV pool small enough to preempt, one worker killed mid-stream: every
     constrained stream (greedy and seeded) ends with exactly the tokens it has alone, valid JSON."""
-    from tests.e2e.test_failover import start_worker, wait_until, worker_status
+    from tests.e2e.test_failover import start_workers, wait_until, worker_status
     from tests.processes import Process
 
     reference = _failover_reference(byte_pair)
     args = ["--num-threads", "1", "--proposer", "ngram", "--num-speculative-tokens", "3"]
-    workers = [start_worker(byte_pair, args=args) for _ in range(2)]
+    workers = start_workers(byte_pair, 2, args)
     addresses = [w.address() for w in workers]
     try:
         scheduler = Process(["scheduler", "--port", "0", "--model", str(byte_pair.target_path), "--block-size", "4",
