@@ -194,12 +194,20 @@ def parse_args(argv=None):
     parser.add_argument("--prompts-per-category", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
-    parser.add_argument("--sweep-configs", type=lambda s: s.split(";"), default=["none", "eagle3", "eagle3,suffix"])
+    parser.add_argument("--sweep-configs", type=lambda s: s.split(";"), default=None,
+                        help="the configurations of the concurrency sweep, from --proposers (default: those of "
+                             "none;eagle3;eagle3,suffix that --proposers runs)")
     parser.add_argument("--sweep-tokens", type=int, default=64)
     parser.add_argument("--sweep-rounds", type=int, default=1,
                         help="each concurrency level this many times, every configuration once a round (default: 1)")
     parser.add_argument("--request-timeout", type=float, default=900.0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.sweep_configs is None:
+        args.sweep_configs = [p for p in ("none", "eagle3", "eagle3,suffix") if p in args.proposers]
+    missing = [p for p in args.sweep_configs if p not in args.proposers]
+    if missing:
+        parser.error(f"--sweep-configs {';'.join(missing)}: not among --proposers {';'.join(args.proposers)}")
+    return args
 
 
 if __name__ == "__main__":
