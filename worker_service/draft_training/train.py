@@ -26,8 +26,8 @@ from worker_service.config import WorkerConfig
 from worker_service.draft_training import card, dataset, prompts
 from worker_service.draft_training.generation import generate
 from worker_service.draft_training.head import TrainableHead, head_config
-from worker_service.draft_training.teacher import TargetTail
 from worker_service.draft_training.recipe import TrainConfig
+from worker_service.draft_training.teacher import TargetTail
 from worker_service.draft_training.trainer import Trainer
 from worker_service.eagle3 import default_aux_layers
 

@@ -9,7 +9,7 @@ moves it: measured on the tiny test target, whose soft-only head never had a dra
 Held-out accuracy at position j is how often step j's argmax is that token, with the earlier tokens right: the
 chance that draft j + 1 is accepted given the drafts before it were.
 
-Precision (PRECISIONS): the weights and the optimizer stay fp32; "bfloat16" runs the head's forward and backward
+Precision (recipe.PRECISIONS): the weights and the optimizer stay fp32; "bfloat16" runs the head's forward and backward
 under bf16 autocast (matmuls in bf16, reductions and the losses in fp32), "auto" does so where the device has
 native bf16 matmuls (a CPU with AVX-512 BF16 or AMX, a CUDA GPU that supports it) and stays fp32 elsewhere, where
 bf16 would be emulated and slower.
@@ -25,7 +25,6 @@ from tqdm import tqdm
 
 from worker_service.draft_training import dataset
 from worker_service.draft_training.head import TrainableHead
-from worker_service.draft_training.recipe import PRECISIONS
 from worker_service.draft_training.teacher import TargetTail
 
 logger = logging.getLogger(__name__)
@@ -158,7 +157,7 @@ class Trainer:
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The dtype training autocasts to on `device` for a PRECISIONS value; None: fp32 throughout."""
+    """The dtype training autocasts to on `device` for a recipe.PRECISIONS value; None: fp32 throughout."""
     if precision == "auto":
         precision = "bfloat16" if has_native_bf16(device) else "float32"
     return torch.bfloat16 if precision == "bfloat16" else None
