@@ -193,7 +193,8 @@ def parse_args(argv=None):
                         help="flags added to every configuration")
     parser.add_argument("--prompts-per-category", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 4, 8, 16],
+                        help="levels of the concurrency sweep ('': no sweep)")
     parser.add_argument("--sweep-configs", type=lambda s: s.split(";"), default=None,
                         help="the configurations of the concurrency sweep, from --proposers (default: those of "
                              "none;eagle3;eagle3,suffix that --proposers runs)")
