@@ -360,6 +360,12 @@ class Scheduler:
         predicted_ms = self.policy.observe_step(shape, result.stats.total_ms)
         if predicted_ms is not None:
             self.stats.count_prediction(predicted_ms, result.stats.total_ms)
+        if logger.isEnabledFor(logging.DEBUG):  # the cost model's data, one line a step (--log-level DEBUG)
+            logger.debug("step %d: %d decode rows (%d drafts), %d prefill rows, %d seqs, %d attended: %.2f ms "
+                         "(proposing %.2f), predicted %s", step.step_id, shape.num_rows,
+                         sum(o.num_draft_tokens for o in outputs_by_id.values()), shape.num_prefill_rows,
+                         shape.num_seqs, shape.num_attended, result.stats.total_ms, result.stats.propose_ms,
+                         "-" if predicted_ms is None else f"{predicted_ms:.2f} ms")
 
     def _check_result(self, step: _Step, result: StepResult) -> dict[str, SequenceOutput]:
         """Validates the worker's outputs against what the step allowed, before changing any state."""

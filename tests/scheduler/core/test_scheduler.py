@@ -7,6 +7,7 @@ own tokens. Freeing or sharing a block too early therefore fails a test.
 """
 
 from collections import defaultdict, deque
+import logging
 import subprocess
 import sys
 
@@ -337,3 +338,27 @@ def test_a_tree_teaches_the_policy_by_the_ranks_of_its_accepted_nodes_and_is_cou
         assert acceptance.num_tried[1] > 0 and acceptance.num_accepted[1] == acceptance.num_tried[1]
         assert acceptance.num_tried[2] > 0 and acceptance.num_accepted[2] == 0
         assert trees.num_requested == [] and stats.num_tree_steps_by_depth == stats.num_tree_steps_by_nodes == ()
+
+
+def test_debug_log_traces_each_steps_shape_and_time(caplog):
+    """--log-level DEBUG: one line a step with what the cost model is fitted on (the shape and measured time)."""
+    scheduler, worker = make(scheduling="sync", num_speculative_tokens=2, speculation_policy="fixed")
+    prompt_by_id = prompts(2)
+    add_all(scheduler, prompt_by_id, max_tokens=6)
+    steps, drafts = [], []
+
+    class Timed(FakeWorker):
+        def execute(self, step: StepRequest) -> StepResult:
+            result = super().execute(step)
+            result.stats.total_ms = 12.5
+            drafts.append(sum(o.num_draft_tokens for o in result.outputs))
+            return result
+
+    timed = Timed(worker.block_size)
+    with caplog.at_level(logging.DEBUG, logger="scheduler_service.core.scheduler"):
+        run(scheduler, timed, on_step=steps.append)
+    lines = [r.getMessage() for r in caplog.records if "decode rows" in r.getMessage()]
+    assert len(lines) == len(steps) and any(drafts)
+    assert lines[0].startswith(f"step 0: 0 decode rows (0 drafts), {sum(map(len, prompt_by_id.values()))} "
+                               "prefill rows, 2 seqs, 0 attended: 12.50 ms")
+    assert [f"({n} drafts)" in line for line, n in zip(lines, drafts)] == [True] * len(lines)
