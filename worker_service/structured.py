@@ -20,7 +20,6 @@ import logging
 import threading
 
 from llguidance import LLMatcher
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 import torch
 
 from kernels import token_bitmask
@@ -98,10 +97,10 @@ def valid_drafts(matcher: LLMatcher, drafts: list[int], keep_first_forbidden: bo
 def masks(matcher: LLMatcher, drafts: list[int], vocab_size: int) -> torch.Tensor:
     """Bitmasks ([1 + len(drafts), ceil(V / 32)] int32) of the positions a verify step samples: position j's
     mask is the grammar state after the committed tokens and drafts[:j]. The matcher ends where it began."""
-    bitmask = allocate_token_bitmask(len(drafts) + 1, vocab_size)
+    bitmask = torch.full((len(drafts) + 1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
     num_consumed = 0
     for j in range(len(drafts) + 1):
-        fill_next_token_bitmask(matcher, bitmask, j)
+        fill_mask(matcher, bitmask[j])
         if j < len(drafts):
             if matcher.validate_tokens([drafts[j]]) != 1:  # a kept forbidden draft: it is rejected for certain,
                 bitmask[j + 1:] = 0                       # the rows past it are never emitted (EOS only)
@@ -111,6 +110,17 @@ def masks(matcher: LLMatcher, drafts: list[int], vocab_size: int) -> torch.Tenso
     if not matcher.rollback(num_consumed):
         raise RuntimeError(f"the grammar matcher could not step back {num_consumed} tokens: {matcher.get_error()}")
     return bitmask
+
+
+def fill_mask(matcher: LLMatcher, words: torch.Tensor) -> None:
+    """Writes the tokens the matcher allows next into `words` (one contiguous int32 row on the CPU).
+
+    What llguidance.torch.fill_next_token_bitmask does, without importing that module: it compiles a function
+    with torch.compile when imported, which took ~1.3 s of every worker's start for a function we do not use
+    (the masks are applied by kernels/token_bitmask.py)."""
+    if words.dtype != torch.int32 or not words.is_cpu or not words.is_contiguous():
+        raise ValueError(f"a mask row must be contiguous int32 on the CPU, got {words.dtype} on {words.device}")
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
 
 def apply_masks(logits: torch.Tensor, rows: list[int], bitmasks: list[torch.Tensor],

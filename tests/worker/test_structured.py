@@ -221,6 +221,36 @@ def test_drafts_the_grammar_forbids_are_not_scored(byte_pair):
     assert worker_structured.valid_drafts(matcher, tok.encode("ab").ids) == tok.encode("ab").ids
 
 
+def test_a_mask_row_is_what_llguidance_writes_and_the_worker_does_not_import_its_torch_module(byte_pair):
+    """fill_mask writes the bits llguidance.torch's own helper writes, at the start and after tokens; the worker
+    leaves that module out (importing it compiles a function with torch.compile: ~1.3 s of every start)."""
+    import subprocess
+    import sys
+
+    import torch
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+    from tokenizers import Tokenizer
+
+    tokenizer_json = (byte_pair.target_path / "tokenizer.json").read_text()
+    matcher = worker_structured.Grammars(lambda: tokenizer_json, BYTE_VOCAB_SIZE, [EOS]).start(GRAMMAR).result()
+    matcher = matcher.deep_copy()
+    in_string = Tokenizer.from_str(tokenizer_json).encode(' "ab').ids
+    for tokens in ([], matcher.compute_ff_tokens(), in_string):  # the start, after `{"name"`, inside its string
+        assert matcher.consume_tokens(tokens)
+        ours, theirs = torch.zeros((2, (BYTE_VOCAB_SIZE + 31) // 32), dtype=torch.int32), allocate_token_bitmask(
+            2, BYTE_VOCAB_SIZE)
+        worker_structured.fill_mask(matcher, ours[1])
+        fill_next_token_bitmask(matcher, theirs, 1)
+        assert torch.equal(ours[1], theirs[1]) and ours[1].any() and not ours[1].all()
+    with pytest.raises(ValueError, match="contiguous int32"):
+        worker_structured.fill_mask(matcher, torch.zeros((4, 2), dtype=torch.int32)[:, 0])
+    imported = subprocess.run([sys.executable, "-c", "import sys, worker_service.main; "
+                               "print('llguidance.torch' in sys.modules)"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    assert imported == "False"
+
+
 def test_a_grammar_the_worker_cannot_compile_fails_the_step_naming_the_request(byte_pair):
     worker = make_worker(byte_pair)
     bad = structured.to_grammar("regex", "(unclosed")
