@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import save  # noqa: E402
 from scheduler_service.core.goodput import StepCostModel  # noqa: E402
 
+# The line scheduler_service/core/scheduler.py logs (Scheduler._observe; test_debug_log_traces_each_steps_shape_and_time
+# pins its wording).
 STEP_LINE = re.compile(r"step (\d+): (\d+) decode rows \((\d+) drafts\), (\d+) prefill rows, (\d+) seqs, "
                        r"(\d+) attended: ([\d.]+) ms \(proposing ([\d.]+)\), predicted (?:([\d.]+) ms|-)")
 
@@ -33,7 +35,7 @@ def read_steps(path: str) -> list[dict]:
     for line in open(path, encoding="utf-8", errors="replace"):
         m = STEP_LINE.search(line)
         if m:
-            step_id, rows, drafts, prefill_rows, seqs, attended = map(int, m.groups()[:6])
+            rows, drafts, prefill_rows, seqs, attended = map(int, m.groups()[1:6])
             steps.append({"rows": rows, "drafts": drafts, "prefill_rows": prefill_rows, "seqs": seqs,
                           "attended": attended, "ms": float(m[7]), "proposing_ms": float(m[8]),
                           "predicted_ms": float(m[9]) if m[9] else None})
@@ -74,8 +76,8 @@ def main(args) -> None:
         d = describe(group)
         if d["steps"]:
             error = d["median_prediction_error"]
-            print(f"decode steps of >= {args.min_seqs} seqs with proposing {name} {args.proposing_ms} ms: {d['steps']}, "
-                  f"proposing {d['mean_proposing_ms']:.1f} ms on average, predicted "
+            print(f"decode steps of >= {args.min_seqs} seqs with proposing {name} {args.proposing_ms} ms: "
+                  f"{d['steps']}, proposing {d['mean_proposing_ms']:.1f} ms on average, predicted "
                   + ("-" if error is None else f"{100 * error:+.0f}% (median)"))
     save("step-trace", results)
 

@@ -227,10 +227,9 @@ def test_a_mask_row_is_what_llguidance_writes_and_the_worker_does_not_import_its
     import subprocess
     import sys
 
-    import torch
     from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
-
     from tokenizers import Tokenizer
+    import torch
 
     tokenizer_json = (byte_pair.target_path / "tokenizer.json").read_text()
     matcher = worker_structured.Grammars(lambda: tokenizer_json, BYTE_VOCAB_SIZE, [EOS]).start(GRAMMAR).result()
@@ -238,8 +237,8 @@ def test_a_mask_row_is_what_llguidance_writes_and_the_worker_does_not_import_its
     in_string = Tokenizer.from_str(tokenizer_json).encode(' "ab').ids
     for tokens in ([], matcher.compute_ff_tokens(), in_string):  # the start, after `{"name"`, inside its string
         assert matcher.consume_tokens(tokens)
-        ours, theirs = torch.zeros((2, (BYTE_VOCAB_SIZE + 31) // 32), dtype=torch.int32), allocate_token_bitmask(
-            2, BYTE_VOCAB_SIZE)
+        ours = torch.zeros((2, (BYTE_VOCAB_SIZE + 31) // 32), dtype=torch.int32)
+        theirs = allocate_token_bitmask(2, BYTE_VOCAB_SIZE)
         worker_structured.fill_mask(matcher, ours[1])
         fill_next_token_bitmask(matcher, theirs, 1)
         assert torch.equal(ours[1], theirs[1]) and ours[1].any() and not ours[1].all()
