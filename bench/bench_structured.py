@@ -1,25 +1,35 @@
 """Structured outputs with speculation: a JSON-extraction workload over gRPC, configurations side by side.
 
-    .venv/bin/python bench/bench_structured.py                       # ~15 min on 2 cores
+    .venv/bin/python bench/bench_structured.py                       # ~20 min on 2 cores
     .venv/bin/python bench/bench_structured.py --num-texts 2 --concurrency 4 --proposers ngram
 
-Starts one `specdec serve --port 0` per configuration, all at once: no speculation unconstrained (the
-constraint's overhead), no speculation constrained, and each of --proposers with forced drafts on and off
-(`--no-forced-drafts`), with their default k and the default goodput policy. Every job runs on every
-configuration in turn (rotating the order), greedy.
+Starts one `specdec serve --port 0` per configuration, one after another, and keeps them all: no speculation
+unconstrained (the constraint's overhead), no speculation constrained, and each of --proposers with forced
+drafts on and off (`--no-forced-drafts`), with their default k and the default goodput policy. Every job runs
+on every configuration in turn, greedy.
 
 Workload: the first --num-texts articles of Spec-Bench's summarization category and passages of its rag
 category (../shared/data/spec_bench_dev.jsonl, cut to --text-chars characters), each with an instruction to
-extract a record as JSON and the JSON schema of that record (written here): batch 1 (one request at a time),
-then --concurrency requests at a time (2 x concurrency jobs). Per configuration: tokens/s, the speedup over
-constrained decoding without speculation, both over whole requests and over their decode phase (the tokens
-after each request's first, timed from its first token: speculation cannot shorten the prefill, which at
-batch 1 here is a third to a half of a plain request), the mean time to the first token, tokens per streamed
-message (at batch 1 one message per step: tokens per step), outputs that validate against their schema
-(jsonschema) and outputs that differ from constrained decoding without speculation (expect 0); drafts by
-proposer (`forced`: the constraint's). Constraint overhead: unconstrained over constrained tokens/s, no
-speculation, batch 1 (the unconstrained requests generate as many tokens as the constrained ones did). Each
-server is warmed up on two texts that no measured job uses (the prefix cache would skip their prefill).
+extract a record as JSON and the JSON schema of that record (written here): batch 1 (one request at a time,
+the servers' order rotating from job to job), then --concurrency requests at a time, in --rounds rounds of
+2 x concurrency jobs each (other texts every round).
+
+The servers run one after another, and the machine drifts while they do (one round once measured the three
+servers that ran last 20-25% slower than the first, the unconstrained one included), so the rounds alternate
+the order: forward, then reversed (rotated by one every two rounds). Over an even number of rounds every
+proposer's server then has the same mean place, and constrained plain decoding half a place before it (the
+unconstrained server, which takes its lengths from it, runs right after it, half a place after). The
+concurrency speedups are over all rounds, with each round's printed beside them.
+
+Per configuration: tokens/s, the speedup over constrained decoding without speculation, both over whole
+requests and over their decode phase (the tokens after each request's first, timed from its first token:
+speculation cannot shorten the prefill, which at batch 1 here is a third to a half of a plain request), the
+mean time to the first token, tokens per streamed message (at batch 1 one message per step: tokens per step),
+outputs that validate against their schema (jsonschema; the others are named, with their finish reason and
+length) and outputs that differ from constrained decoding without speculation (expect 0); drafts by proposer
+(`forced`: the constraint's). Constraint overhead: unconstrained over constrained tokens/s, no speculation,
+batch 1 (the unconstrained requests generate as many tokens as the constrained ones did). Each server is
+warmed up on two texts that no measured job uses (the prefix cache would skip their prefill).
 
 Results: bench/results/structured-*.json.
 """
@@ -119,13 +129,14 @@ def run_level(server: Server, jobs: list[dict], concurrency: int, args, lengths:
 def summarize(level: dict, jobs: list[dict], reference: dict | None) -> dict:
     replies = level["replies"]
     tokens = sum(len(r["token_ids"]) for r in replies.values())
-    valid = 0
+    valid, invalid = 0, []
     for job in jobs:
+        reply = replies[job["key"]]
         try:
-            jsonschema.validate(json.loads(replies[job["key"]]["text"]), job["schema"])
+            jsonschema.validate(json.loads(reply["text"]), job["schema"])
             valid += 1
         except (ValueError, jsonschema.ValidationError):
-            pass
+            invalid.append(f"{job['key']} ({reply['finish']}, {len(reply['token_ids'])} tokens)")
     drafted: dict[str, list[int]] = {}
     for r in replies.values():
         for name, (d, a) in r["proposers"].items():
@@ -137,11 +148,25 @@ def summarize(level: dict, jobs: list[dict], reference: dict | None) -> dict:
     decode_s = sum(r["decode_s"] for r in replies.values())
     decode_tokens = sum(max(len(r["token_ids"]) - 1, 0) for r in replies.values())  # after each first token
     return {"tokens": tokens, "wall_s": level["wall_s"], "tok_s": tokens / level["wall_s"], "valid": valid,
+            "invalid": invalid,
             "ttft_s": sum(r["ttft_s"] for r in replies.values()) / len(replies), "decode_s": decode_s,
             "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else None,
             "tokens_per_message": tokens / max(sum(r["num_messages"] for r in replies.values()), 1),
             "num_jobs": len(jobs), "stopped": sum(r["finish"] == "FINISH_REASON_STOP" for r in replies.values()),
             "differing": differing, "drafts_by_proposer": drafted}
+
+
+def round_order(servers: list[Server], turn: int) -> list[Server]:
+    """The concurrency level's server order in round `turn`: constrained plain decoding, the unconstrained server
+    (it takes its lengths from the former) and the rest, forward in even rounds and reversed in odd ones, the
+    rest rotated by one every two rounds (module docstring)."""
+    unconstrained, plain, rest = servers[0], servers[1], servers[2:]
+    order = [plain, unconstrained] + rotate(rest, turn // 2)
+    return order if turn % 2 == 0 else order[2:][::-1] + order[:2]
+
+
+def _decode_s(level: dict) -> float:
+    return sum(r["decode_s"] for r in level["replies"].values())
 
 
 def main(args) -> None:
@@ -150,8 +175,14 @@ def main(args) -> None:
         configs += [(f"{proposer}", f"--proposer {proposer}", True),
                     (f"{proposer}, no forced", f"--proposer {proposer} --no-forced-drafts", True)]
     batch1_jobs = jobs_of(args.num_texts, args.text_chars)
-    conc_jobs = jobs_of(args.concurrency, args.text_chars, offset=args.num_texts)
-    warm_up_jobs = jobs_of(1, args.text_chars, offset=args.num_texts + args.concurrency)  # one of each schema
+    rounds = [jobs_of(args.concurrency, args.text_chars, offset=args.num_texts + r * args.concurrency)
+              for r in range(args.rounds)]
+    conc_jobs = [job for jobs in rounds for job in jobs]
+    warm_up_offset = args.num_texts + args.rounds * args.concurrency
+    warm_up_jobs = jobs_of(1, args.text_chars, offset=warm_up_offset)  # one of each schema
+    if len(warm_up_jobs) < len(WORKLOADS):
+        raise SystemExit(f"--num-texts + --rounds x --concurrency = {warm_up_offset} texts per category, and one "
+                         f"more to warm up: more than the data has")
     report: dict = {"args": vars(args), "batch1": {}, "concurrency": {}}
     with contextlib.ExitStack() as stack:
         servers = []
@@ -165,17 +196,19 @@ def main(args) -> None:
         # Constrained first (their lengths set the unconstrained requests'), every job on every server in turn.
         ordered = servers[1:] + servers[:1]
         for name, jobs, concurrency in (("batch1", batch1_jobs, 1), ("concurrency", conc_jobs, args.concurrency)):
-            groups = [[job] for job in jobs] if concurrency == 1 else [jobs]
+            groups = [[job] for job in jobs] if concurrency == 1 else rounds
             for turn, group in enumerate(groups):
-                for server in rotate(ordered[:-1], turn) + ordered[-1:]:
+                for server in (rotate(ordered[:-1], turn) + ordered[-1:] if concurrency == 1
+                               else round_order(servers, turn)):
                     lengths = None
                     if not server.constrained:
                         ref = levels[name][constrained_plain.label]["replies"]
                         lengths = {job["key"]: max(len(ref[job["key"]]["token_ids"]), 1) for job in group}
                     result = run_level(server, group, concurrency, args, lengths)
-                    into = levels[name].setdefault(server.label, {"wall_s": 0.0, "replies": {}})
+                    into = levels[name].setdefault(server.label, {"wall_s": 0.0, "replies": {}, "rounds": []})
                     into["wall_s"] += result["wall_s"]
                     into["replies"].update(result["replies"])
+                    into["rounds"].append(result)
                 logger.info("%s: %d/%d", name, turn + 1, len(groups))
             reference = levels[name][constrained_plain.label]
             for server in servers:
@@ -183,12 +216,17 @@ def main(args) -> None:
                 base = summarize(reference, jobs, None)
                 row["speedup"] = row["tok_s"] / base["tok_s"]
                 row["decode_speedup"] = base["decode_s"] / row["decode_s"] if row["decode_s"] > 0 else None
+                if concurrency > 1:  # each round's own ratios: how far the machine's drift moved them
+                    pairs = list(zip(levels[name][server.label]["rounds"], reference["rounds"]))
+                    row["speedup_by_round"] = [b["wall_s"] / r["wall_s"] for r, b in pairs]
+                    row["decode_speedup_by_round"] = [_decode_s(b) / _decode_s(r) for r, b in pairs]
                 report[name][server.label] = row
         report["constraint_overhead_batch1"] = (report["batch1"]["none, unconstrained"]["tok_s"]
                                                 / report["batch1"]["none"]["tok_s"])
     print(f"\nJSON extraction, {len(batch1_jobs)} jobs at batch 1, {len(conc_jobs)} at concurrency "
           f"{args.concurrency}; speedup over constrained decoding without speculation, whole requests and decode "
           f"(after each request's first token)")
+    is_constrained = {label: constrained for label, _, constrained in configs}
     for name in ("batch1", "concurrency"):
         print(f"\n{name}:")
         for label, row in report[name].items():
@@ -197,6 +235,11 @@ def main(args) -> None:
                   f"tok/s {row['decode_speedup']:5.2f}x  TTFT {row['ttft_s'] * 1e3:4.0f} ms  "
                   f"{row['tokens_per_message']:4.2f} tok/msg  valid {row['valid']}/{row['num_jobs']}  stop "
                   f"{row['stopped']}  differ {row['differing']}  drafts/accepted: {drafted}")
+            if row["invalid"] and is_constrained[label]:
+                print(f"  {'':22s} not valid: {', '.join(row['invalid'])}")
+            if "speedup_by_round" in row:
+                print(f"  {'':22s} by round: {' / '.join(f'{v:.2f}' for v in row['speedup_by_round'])}x, decode "
+                      f"{' / '.join(f'{v:.2f}' for v in row['decode_speedup_by_round'])}x")
     print(f"\nconstraint overhead (unconstrained / constrained tok/s, no speculation, batch 1): "
           f"{report['constraint_overhead_batch1']:.3f}")
     speedups = [report["batch1"][label]["speedup"] for label, _, c in configs[2:]]
@@ -216,6 +259,8 @@ if __name__ == "__main__":
                         help="semicolon-separated --proposer values")
     parser.add_argument("--num-texts", type=int, default=4, help="texts per category at batch 1")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds at --concurrency, 2 x concurrency other texts each, the order alternating")
     parser.add_argument("--text-chars", type=int, default=1500)
     parser.add_argument("--max-tokens", type=int, default=320, help="enough for every record to close")
     parser.add_argument("--request-timeout", type=float, default=600.0)
