@@ -1,13 +1,14 @@
 """Would masking an EAGLE-3 head's drafts by the grammar help constrained requests? Its first draft, as drafted
 and as the grammar would mask it, against the token the target emits.
 
-    .venv/bin/python bench/bench_head_grammar.py                    # ~1 min on 2 cores
+    .venv/bin/python bench/bench_head_grammar.py                    # ~2 min on 2 cores
     .venv/bin/python bench/bench_head_grammar.py --num-texts 4 --offset 30 --top 20
 
 The worker in-process with the shipped head, greedy, one draft every step (k = 1), forced drafts off, on
 bench_structured.py's JSON-extraction jobs (--num-texts texts of each category from --offset; the default
 offset is past the texts bench_structured.py uses with its defaults), each request constrained by its schema.
-At every step where the grammar allows more than one token (where it forces one, forced drafts cost no head),
+At every position of the record (up to its EOS) where the grammar allows more than one token (where it
+forces one, forced drafts cost no head),
 it records the head's first choice, whether the grammar allows it, and the likeliest token among the head's
 --top that the grammar allows (the draft a grammar-masked head would make); after the step, whether each
 equals the token the target emitted there. Prints the shares over all such positions. Not a speed benchmark.
@@ -101,7 +102,13 @@ def main(args) -> None:
         watch.records.clear()
         output = driver.generate([prompt], args.max_tokens, num_speculative_tokens=1,
                                  grammar=to_grammar("json", json.dumps(job["schema"])), prefix=f"j{n}-")[0]
-        tokens = prompt + output
+        # The driver decodes past EOS to --max-tokens; only the record's own positions count (after it the
+        # grammar allows EOS alone, and then nothing).
+        end = next((i for i, t in enumerate(output) if t in worker.grammars.eos_token_ids), None)
+        if end is None:
+            print(f"{job['key']}: the record did not close within --max-tokens {args.max_tokens}; skipped")
+            continue
+        tokens = prompt + output[:end]
         job_counts = dict.fromkeys(counts, 0)
         for record in watch.records:
             if record["position"] >= len(tokens):
@@ -113,7 +120,7 @@ def main(args) -> None:
                 c["first_equal"] += record["first"] == emitted
                 c["masked_equal"] += record["masked"] == emitted
         per_job[job["key"]] = job_counts
-        print(f"{job['key']}: {len(output)} tokens, {job_counts}", flush=True)
+        print(f"{job['key']}: a record of {end} tokens, {job_counts}", flush=True)
     total = max(counts["positions"], 1)
     shares = {key: counts[key] / total for key in ("first_allowed", "first_equal", "masked_equal")}
     print(f"\n{counts['positions']} positions where the grammar allows more than one token: the head's first choice "
@@ -124,10 +131,10 @@ def main(args) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-texts", type=int, default=2, help="texts per category")
+    parser.add_argument("--num-texts", type=int, default=4, help="texts per category")
     parser.add_argument("--offset", type=int, default=25, help="the first text of each category")
     parser.add_argument("--text-chars", type=int, default=1500)
-    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=320, help="enough for every record to close")
     parser.add_argument("--top", type=int, default=50, help="the head's likeliest first drafts the mask may pick from")
     logging.basicConfig(level=logging.WARNING)
     main(parser.parse_args())
