@@ -11,16 +11,17 @@ on every configuration in turn, greedy.
 Workload: the first --num-texts articles of Spec-Bench's summarization category and passages of its rag
 category (../shared/data/spec_bench_dev.jsonl, cut to --text-chars characters), each with an instruction to
 extract a record as JSON and the JSON schema of that record (written here): batch 1 (one request at a time,
-the servers' order rotating from job to job), then --concurrency requests at a time, in --rounds rounds of
+the servers' order rotating from job to job), then --concurrency requests at a time, in --num-rounds rounds of
 2 x concurrency jobs each (other texts every round).
 
 The servers run one after another, and the machine drifts while they do: in a single pass the three servers
-that ran last took 18-24% longer than the first (the unconstrained one among them); with rounds, one forward
-round measured every configuration at 0.84-1.07x plain decoding and the reversed round after it at
-1.02-1.21x. So the rounds alternate the order: forward, then reversed (rotated by one every two rounds). Over
-an even number of rounds every proposer's server then has the same mean place, and constrained plain decoding
-half a place before it (the unconstrained server, which takes its lengths from it, runs right after it, half a
-place after). The concurrency speedups are over all rounds, with each round's printed beside them.
+that ran last took 18-24% longer than the first (the unconstrained one among them); with rounds, every
+proposer's server once measured 0.84-1.07x plain decoding over whole requests in a forward round and
+1.04-1.21x in the reversed round after it. So the rounds alternate the order: forward, then reversed
+(rotated by one every two rounds). Over an even number of rounds every proposer's server then has the same
+mean place, and constrained plain decoding half a place before it (the unconstrained server, which takes its
+lengths from it, runs right after it, half a place after). The concurrency speedups are over all rounds,
+with each round's printed beside them.
 
 Per configuration: tokens/s, the speedup over constrained decoding without speculation, both over whole
 requests and over their decode phase (the tokens after each request's first, timed from its first token:
@@ -127,6 +128,10 @@ def run_level(server: Server, jobs: list[dict], concurrency: int, args, lengths:
     return {"wall_s": wall_s, "replies": dict(zip((j["key"] for j in jobs), replies))}
 
 
+def _decode_s(replies: dict) -> float:
+    return sum(r["decode_s"] for r in replies.values())
+
+
 def summarize(level: dict, jobs: list[dict], reference: dict | None) -> dict:
     replies = level["replies"]
     tokens = sum(len(r["token_ids"]) for r in replies.values())
@@ -146,7 +151,7 @@ def summarize(level: dict, jobs: list[dict], reference: dict | None) -> dict:
             drafted[name][1] += a
     differing = None if reference is None else sum(
         replies[k]["token_ids"] != reference["replies"][k]["token_ids"] for k in replies)
-    decode_s = sum(r["decode_s"] for r in replies.values())
+    decode_s = _decode_s(replies)
     decode_tokens = sum(max(len(r["token_ids"]) - 1, 0) for r in replies.values())  # after each first token
     return {"tokens": tokens, "wall_s": level["wall_s"], "tok_s": tokens / level["wall_s"], "valid": valid,
             "invalid": invalid,
@@ -166,68 +171,49 @@ def round_order(servers: list[Server], turn: int) -> list[Server]:
     return order if turn % 2 == 0 else order[2:][::-1] + order[:2]
 
 
-def _decode_s(level: dict) -> float:
-    return sum(r["decode_s"] for r in level["replies"].values())
+def measure(servers: list[Server], groups: list[list[dict]], concurrency: int, args) -> dict:
+    """Every group of jobs on every server in turn: {label: {"wall_s", "replies", "rounds"}} (rounds: each
+    group's own result, at concurrency > 1). Batch 1 rotates the order job by job, the unconstrained server
+    last; rounds go as round_order says. The unconstrained server takes its lengths from constrained plain
+    decoding's replies of the same group."""
+    ordered = servers[1:] + servers[:1]
+    level: dict[str, dict] = {}
+    for turn, group in enumerate(groups):
+        order = rotate(ordered[:-1], turn) + ordered[-1:] if concurrency == 1 else round_order(servers, turn)
+        for server in order:
+            lengths = None
+            if not server.constrained:
+                ref = level[servers[1].label]["replies"]
+                lengths = {job["key"]: max(len(ref[job["key"]]["token_ids"]), 1) for job in group}
+            result = run_level(server, group, concurrency, args, lengths)
+            into = level.setdefault(server.label, {"wall_s": 0.0, "replies": {}, "rounds": []})
+            into["wall_s"] += result["wall_s"]
+            into["replies"].update(result["replies"])
+            if concurrency > 1:
+                into["rounds"].append(result)
+        logger.info("concurrency %d: %d/%d", concurrency, turn + 1, len(groups))
+    return level
 
 
-def main(args) -> None:
-    configs = [("none, unconstrained", "--proposer none", False), ("none", "--proposer none", True)]
-    for proposer in args.proposers:
-        configs += [(f"{proposer}", f"--proposer {proposer}", True),
-                    (f"{proposer}, no forced", f"--proposer {proposer} --no-forced-drafts", True)]
-    batch1_jobs = jobs_of(args.num_texts, args.text_chars)
-    rounds = [jobs_of(args.concurrency, args.text_chars, offset=args.num_texts + r * args.concurrency)
-              for r in range(args.rounds)]
-    conc_jobs = [job for jobs in rounds for job in jobs]
-    warm_up_offset = args.num_texts + args.rounds * args.concurrency
-    warm_up_jobs = jobs_of(1, args.text_chars, offset=warm_up_offset)  # one of each schema
-    if len(warm_up_jobs) < len(WORKLOADS):
-        raise SystemExit(f"--num-texts + --rounds x --concurrency = {warm_up_offset} texts per category, and one "
-                         f"more to warm up: more than the data has")
-    report: dict = {"args": vars(args), "batch1": {}, "concurrency": {}}
-    with contextlib.ExitStack() as stack:
-        servers = []
-        for label, flags, constrained in configs:  # one at a time: eight starting at once starve each other
-            logger.info("starting specdec serve %s %s", flags, args.common_flags)
-            servers.append(Server(label, stack.enter_context(spawned(f"{flags} {args.common_flags}")), constrained))
-            for job in warm_up_jobs:  # the kernels, both schemas' grammars
-                run_job(servers[-1], job, 8, args.request_timeout, 8)
-        constrained_plain = servers[1]
-        levels: dict[str, dict] = {"batch1": {}, "concurrency": {}}
-        # Constrained first (their lengths set the unconstrained requests'), every job on every server in turn.
-        ordered = servers[1:] + servers[:1]
-        for name, jobs, concurrency in (("batch1", batch1_jobs, 1), ("concurrency", conc_jobs, args.concurrency)):
-            groups = [[job] for job in jobs] if concurrency == 1 else rounds
-            for turn, group in enumerate(groups):
-                for server in (rotate(ordered[:-1], turn) + ordered[-1:] if concurrency == 1
-                               else round_order(servers, turn)):
-                    lengths = None
-                    if not server.constrained:
-                        ref = levels[name][constrained_plain.label]["replies"]
-                        lengths = {job["key"]: max(len(ref[job["key"]]["token_ids"]), 1) for job in group}
-                    result = run_level(server, group, concurrency, args, lengths)
-                    into = levels[name].setdefault(server.label, {"wall_s": 0.0, "replies": {}, "rounds": []})
-                    into["wall_s"] += result["wall_s"]
-                    into["replies"].update(result["replies"])
-                    into["rounds"].append(result)
-                logger.info("%s: %d/%d", name, turn + 1, len(groups))
-            reference = levels[name][constrained_plain.label]
-            for server in servers:
-                row = summarize(levels[name][server.label], jobs, reference if server.constrained else None)
-                base = summarize(reference, jobs, None)
-                row["speedup"] = row["tok_s"] / base["tok_s"]
-                row["decode_speedup"] = base["decode_s"] / row["decode_s"] if row["decode_s"] > 0 else None
-                if concurrency > 1:  # each round's own ratios: how far the machine's drift moved them
-                    pairs = list(zip(levels[name][server.label]["rounds"], reference["rounds"]))
-                    row["speedup_by_round"] = [b["wall_s"] / r["wall_s"] for r, b in pairs]
-                    row["decode_speedup_by_round"] = [_decode_s(b) / _decode_s(r) for r, b in pairs]
-                report[name][server.label] = row
-        report["constraint_overhead_batch1"] = (report["batch1"]["none, unconstrained"]["tok_s"]
-                                                / report["batch1"]["none"]["tok_s"])
-    print(f"\nJSON extraction, {len(batch1_jobs)} jobs at batch 1, {len(conc_jobs)} at concurrency "
-          f"{args.concurrency}; speedup over constrained decoding without speculation, whole requests and decode "
-          f"(after each request's first token)")
-    is_constrained = {label: constrained for label, _, constrained in configs}
+def rows_of(level: dict, servers: list[Server], jobs: list[dict]) -> dict:
+    """Each server's summary, with its speedups over constrained plain decoding (servers[1]), and each round's."""
+    reference = level[servers[1].label]
+    base = summarize(reference, jobs, None)
+    rows = {}
+    for server in servers:
+        row = summarize(level[server.label], jobs, reference if server.constrained else None)
+        row["speedup"] = row["tok_s"] / base["tok_s"]
+        row["decode_speedup"] = base["decode_s"] / row["decode_s"] if row["decode_s"] > 0 else None
+        if reference["rounds"]:  # each round's own ratios: how far the machine's drift moved them
+            pairs = list(zip(level[server.label]["rounds"], reference["rounds"]))
+            row["speedup_by_round"] = [b["wall_s"] / r["wall_s"] for r, b in pairs]
+            row["decode_speedup_by_round"] = [_decode_s(b["replies"]) / _decode_s(r["replies"]) for r, b in pairs]
+        rows[server.label] = row
+    return rows
+
+
+def print_report(report: dict, servers: list[Server]) -> None:
+    is_constrained = {server.label: server.constrained for server in servers}
     for name in ("batch1", "concurrency"):
         print(f"\n{name}:")
         for label, row in report[name].items():
@@ -243,14 +229,42 @@ def main(args) -> None:
                       f"{' / '.join(f'{v:.2f}' for v in row['decode_speedup_by_round'])}x")
     print(f"\nconstraint overhead (unconstrained / constrained tok/s, no speculation, batch 1): "
           f"{report['constraint_overhead_batch1']:.3f}")
-    speedups = [report["batch1"][label]["speedup"] for label, _, c in configs[2:]]
-    report["geomean_speedup_batch1"] = geomean(speedups) if speedups else None
-    decode_speedups = [report["batch1"][label]["decode_speedup"] for label, _, c in configs[2:]]
-    report["geomean_decode_speedup_batch1"] = geomean(decode_speedups) if decode_speedups else None
-    for level in levels.values():
-        for row in level.values():
-            for reply in row["replies"].values():
-                reply.pop("text", None)
+
+
+def main(args) -> None:
+    configs = [("none, unconstrained", "--proposer none", False), ("none", "--proposer none", True)]
+    for proposer in args.proposers:
+        configs += [(f"{proposer}", f"--proposer {proposer}", True),
+                    (f"{proposer}, no forced", f"--proposer {proposer} --no-forced-drafts", True)]
+    batch1_jobs = jobs_of(args.num_texts, args.text_chars)
+    round_jobs = [jobs_of(args.concurrency, args.text_chars, offset=args.num_texts + r * args.concurrency)
+                  for r in range(args.num_rounds)]
+    warm_up_offset = args.num_texts + args.num_rounds * args.concurrency
+    warm_up_jobs = jobs_of(1, args.text_chars, offset=warm_up_offset)  # one of each schema
+    if len(warm_up_jobs) < len(WORKLOADS):
+        raise SystemExit(f"--num-texts + --num-rounds x --concurrency = {warm_up_offset} texts per category, and "
+                         f"one more to warm up: more than the data has")
+    report: dict = {"args": vars(args)}
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for label, flags, constrained in configs:  # one at a time: eight starting at once starve each other
+            logger.info("starting specdec serve %s %s", flags, args.common_flags)
+            servers.append(Server(label, stack.enter_context(spawned(f"{flags} {args.common_flags}")), constrained))
+            for job in warm_up_jobs:  # the kernels, both schemas' grammars
+                run_job(servers[-1], job, 8, args.request_timeout, 8)
+        batch1 = measure(servers, [[job] for job in batch1_jobs], 1, args)
+        concurrent = measure(servers, round_jobs, args.concurrency, args)
+    report["batch1"] = rows_of(batch1, servers, batch1_jobs)
+    report["concurrency"] = rows_of(concurrent, servers, [job for jobs in round_jobs for job in jobs])
+    report["constraint_overhead_batch1"] = (report["batch1"]["none, unconstrained"]["tok_s"]
+                                            / report["batch1"]["none"]["tok_s"])
+    print(f"\nJSON extraction, {len(batch1_jobs)} jobs at batch 1, {sum(map(len, round_jobs))} at concurrency "
+          f"{args.concurrency}; speedup over constrained decoding without speculation, whole requests and decode "
+          f"(after each request's first token)")
+    print_report(report, servers)
+    for key, metric in (("geomean_speedup_batch1", "speedup"), ("geomean_decode_speedup_batch1", "decode_speedup")):
+        values = [report["batch1"][label][metric] for label, _, _ in configs[2:]]
+        report[key] = geomean(values) if values else None
     save("structured", report)
 
 
@@ -260,7 +274,7 @@ if __name__ == "__main__":
                         help="semicolon-separated --proposer values")
     parser.add_argument("--num-texts", type=int, default=4, help="texts per category at batch 1")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--num-rounds", type=int, default=2,
                         help="rounds at --concurrency, 2 x concurrency other texts each, the order alternating")
     parser.add_argument("--text-chars", type=int, default=1500)
     parser.add_argument("--max-tokens", type=int, default=512,
