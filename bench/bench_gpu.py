@@ -30,10 +30,10 @@ import torch  # noqa: E402
 from bench.bench_spec import CATEGORIES  # noqa: E402
 from bench.common import chat_ids, load_questions, save  # noqa: E402
 from tests.worker.driver import Driver  # noqa: E402
-from worker_service.config import WorkerConfig  # noqa: E402
-from worker_service.main import build_worker  # noqa: E402
-from worker_service.model_loader import load_model, load_tokenizer  # noqa: E402
-from worker_service.models import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
+from worker_service.speculation.config import WorkerConfig  # noqa: E402
+from worker_service.speculation.build import build_worker  # noqa: E402
+from worker_service.runtime.loader import load_model, load_tokenizer  # noqa: E402
+from worker_service.runtime.default_model import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
 
 BLOCK_SIZE = 16
 logger = logging.getLogger("bench.gpu")

@@ -29,11 +29,11 @@ from transformers import AutoTokenizer  # noqa: E402
 from bench.bench_goodput import MT_CATEGORIES  # noqa: E402
 from bench.common import chat_ids, load_questions, save  # noqa: E402
 from tests.worker.driver import Driver  # noqa: E402
-from worker_service.config import WorkerConfig  # noqa: E402
-from worker_service.draft_training.prompts import SELF_PROMPT_OPENERS  # noqa: E402
-from worker_service.draft_training.train import BLOCK_SIZE, stop_token_ids, write_self_prompts  # noqa: E402
-from worker_service.main import build_worker  # noqa: E402
-from worker_service.models import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
+from worker_service.speculation.config import WorkerConfig  # noqa: E402
+from draft_training.prompts import SELF_PROMPT_OPENERS  # noqa: E402
+from draft_training.train import BLOCK_SIZE, stop_token_ids, write_self_prompts  # noqa: E402
+from worker_service.speculation.build import build_worker  # noqa: E402
+from worker_service.runtime.default_model import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
 
 NUM_BLOCKS = 4096
 

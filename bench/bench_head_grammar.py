@@ -33,10 +33,10 @@ from bench.common import chat_ids, save  # noqa: E402
 from specdec.structured import to_grammar  # noqa: E402
 from tests.worker.driver import Driver  # noqa: E402
 from worker_service import structured  # noqa: E402
-from worker_service.config import WorkerConfig  # noqa: E402
-from worker_service.main import build_worker  # noqa: E402
-from worker_service.models import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
-from worker_service.proposers.eagle3 import Eagle3Proposer  # noqa: E402
+from worker_service.speculation.config import WorkerConfig  # noqa: E402
+from worker_service.speculation.build import build_worker  # noqa: E402
+from worker_service.runtime.default_model import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
+from worker_service.speculation.proposers.eagle3 import Eagle3Proposer  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 2048

@@ -26,10 +26,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import median_time, save  # noqa: E402
-from worker_service.eagle3 import TargetFacts, load_head  # noqa: E402
-from worker_service.model_loader import load_model  # noqa: E402
-from worker_service.model_runner import ModelRunner, SequenceChunk, pack  # noqa: E402
-from worker_service.models import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
+from worker_service.runtime.eagle3_head import TargetFacts, load_head  # noqa: E402
+from worker_service.runtime.loader import load_model  # noqa: E402
+from worker_service.runtime.runner import ModelRunner, SequenceChunk, pack  # noqa: E402
+from worker_service.runtime.default_model import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
 
 BLOCK_SIZE = 16
 

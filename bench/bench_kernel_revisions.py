@@ -33,9 +33,9 @@ from bench.bench_linear import cpu_name  # noqa: E402
 from bench.common import ROOT, save  # noqa: E402
 from kernels import linear_cpu, paged_attention_cpu  # noqa: E402
 from kernels.cpu_build import load_library  # noqa: E402
-from worker_service.model_loader import load_model  # noqa: E402
-from worker_service.model_runner import ModelRunner, SequenceChunk  # noqa: E402
-from worker_service.models import fetch_default_model  # noqa: E402
+from worker_service.runtime.loader import load_model  # noqa: E402
+from worker_service.runtime.runner import ModelRunner, SequenceChunk  # noqa: E402
+from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 
 ROWS = (1, 2, 3, 5, 8)
 BLOCK_SIZE = 16

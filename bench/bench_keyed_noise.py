@@ -3,7 +3,7 @@
 For 1, 6, 8 and 48 rows of V = 49152 (a plain decode step samples one row per
 sequence; a batch of 8 sequences verifying k = 5 n-gram drafts samples 48):
 
-- keyed noise: ``keyed_exponential`` (worker_service/keyed_random.py)
+- keyed noise: ``keyed_exponential`` (worker_service/speculation/keyed_random.py)
 - exponential_: ``torch.empty(N, V).exponential_()``, the stateful-RNG noise it replaced
 - sampling step: logits -> ``logits_to_probs`` -> keyed exponential race (``sample_from_probs``)
 - step with exponential_: the same step with ``exponential_`` noise
@@ -25,8 +25,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from bench.common import save  # noqa: E402
 from kernels.rejection_sampler import race  # noqa: E402
 from specdec.step import RequestSampling  # noqa: E402
-from worker_service.keyed_random import STREAM_TOKEN, keyed_exponential  # noqa: E402
-from worker_service.sampling import logits_to_probs, sample_from_probs, sampling_tensors  # noqa: E402
+from worker_service.speculation.keyed_random import STREAM_TOKEN, keyed_exponential  # noqa: E402
+from worker_service.speculation.sampling import logits_to_probs, sample_from_probs, sampling_tensors  # noqa: E402
 
 NUM_VOCAB = 49152  # SmolLM2
 ROW_COUNTS = (1, 6, 8, 48)

@@ -36,9 +36,9 @@ from bench.common import save  # noqa: E402
 from kernels import linear_cpu  # noqa: E402
 from kernels.cpu_build import load_library  # noqa: E402
 from worker_service import model_runner as model_runner_module  # noqa: E402
-from worker_service.model_loader import load_model  # noqa: E402
-from worker_service.model_runner import ModelRunner, SequenceChunk  # noqa: E402
-from worker_service.models import fetch_default_model  # noqa: E402
+from worker_service.runtime.loader import load_model  # noqa: E402
+from worker_service.runtime.runner import ModelRunner, SequenceChunk  # noqa: E402
+from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 
 BLOCK_SIZE = 16
 WORKLOADS = [("decode", 1, 1), ("decode", 4, 1), ("decode", 16, 1), ("verify", 1, 2), ("verify", 1, 4),

@@ -11,7 +11,7 @@ length is its common prefix with the rest of the answer (greedy
 verification). Grouped by the match behind the draft (n-gram: n; suffix: the
 policy's match class, 2-3, 4-7, ...): positions, P(first draft accepted),
 accepted and drafted tokens per position. This is what draft previews
-(`--draft-previews`, worker_service/proposers/preview.py) let the goodput
+(`--draft-previews`, worker_service/speculation/proposers/preview.py) let the goodput
 policy learn. Prints the CPU's model name; saves JSON under bench/results/.
 """
 
@@ -28,10 +28,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from bench.bench_linear import cpu_name  # noqa: E402
 from bench.common import chat_ids, load_questions, save  # noqa: E402
 from scheduler_service.core.policy import match_class  # noqa: E402
-from worker_service.models import fetch_default_model  # noqa: E402
-from worker_service.proposers import num_matching  # noqa: E402
-from worker_service.proposers import suffix  # noqa: E402
-from worker_service.proposers.ngram import propose_ngram  # noqa: E402
+from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
+from worker_service.speculation.proposers import num_matching  # noqa: E402
+from worker_service.speculation.proposers import suffix  # noqa: E402
+from worker_service.speculation.proposers.ngram import propose_ngram  # noqa: E402
 
 
 def answers(per_category: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:

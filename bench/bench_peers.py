@@ -46,7 +46,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from bench.common import load_questions, save  # noqa: E402
 from tests.processes import Process, free_port  # noqa: E402
-from worker_service.models import cache_dir, default_gguf_path, fetch_default_model  # noqa: E402
+from worker_service.runtime.default_model import cache_dir, default_gguf_path, fetch_default_model  # noqa: E402
 
 logger = logging.getLogger("bench.peers")
 
@@ -189,7 +189,7 @@ def run_transformers(prompts: list[str], max_tokens: int, lookup_tokens: int) ->
     """`generate` with prompt lookup, greedy, batch 1, in this process."""
     import torch
 
-    from worker_service.model_loader import load_model, load_tokenizer
+    from worker_service.runtime.loader import load_model, load_tokenizer
 
     path = fetch_default_model()
     model, tokenizer = load_model(path, "float32"), load_tokenizer(path)

@@ -36,7 +36,7 @@ from scheduler_service.cluster.membership import Membership, parse_worker_spec  
 from scheduler_service.cluster.options import SchedulerOptions  # noqa: E402
 from scheduler_service.core.request import Request  # noqa: E402
 from scheduler_service.frontends.tokenizer import ChatTokenizer  # noqa: E402
-from worker_service.models import fetch_default_model  # noqa: E402
+from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 
 logger = logging.getLogger("bench")
 VOCAB = 50  # the simulated model's vocabulary

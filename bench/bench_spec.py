@@ -36,13 +36,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import chat_ids, load_questions, median_time, save  # noqa: E402
-from worker_service.models import fetch_default_model  # noqa: E402
+from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 from tests.worker.driver import Driver  # noqa: E402
-from worker_service.config import WorkerConfig  # noqa: E402
-from worker_service.model_loader import load_model, load_tokenizer  # noqa: E402
-from worker_service.model_runner import ModelRunner, SequenceChunk  # noqa: E402
-from worker_service.scorers import score_batch_expansion, score_multi_query  # noqa: E402
-from worker_service.worker import Worker  # noqa: E402
+from worker_service.speculation.config import WorkerConfig  # noqa: E402
+from worker_service.runtime.loader import load_model, load_tokenizer  # noqa: E402
+from worker_service.runtime.runner import ModelRunner, SequenceChunk  # noqa: E402
+from worker_service.speculation.scorers import score_batch_expansion, score_multi_query  # noqa: E402
+from worker_service.speculation.worker import Worker  # noqa: E402
 
 CATEGORIES = ("summarization", "rag", "qa", "translation", "math_reasoning")
 BLOCK_SIZE = 16

@@ -25,12 +25,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import save  # noqa: E402
-from worker_service.draft_training import dataset  # noqa: E402
-from worker_service.draft_training.recipe import TrainConfig  # noqa: E402
-from worker_service.draft_training.train import new_head  # noqa: E402
-from worker_service.draft_training.trainer import Trainer  # noqa: E402
-from worker_service.model_loader import load_model  # noqa: E402
-from worker_service.models import fetch_default_model  # noqa: E402
+from draft_training import dataset  # noqa: E402
+from draft_training.recipe import TrainConfig  # noqa: E402
+from draft_training.train import new_head  # noqa: E402
+from draft_training.trainer import Trainer  # noqa: E402
+from worker_service.runtime.loader import load_model  # noqa: E402
+from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 
 VARIANTS = {
     "hard": {"soft_labels": False, "precision": "float32"},

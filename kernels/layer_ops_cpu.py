@@ -5,7 +5,7 @@ first use like the other CPU kernels; ``available()`` is False without a C compi
 the `transformers` forward.
 
 The functions below check their tensors and state each kernel's contract (the tests call them);
-worker_service/fast_forward.py checks its tensors once per step and calls ``c_library()`` directly.
+worker_service/runtime/backends/cpu_llama.py checks its tensors once per step and calls ``c_library()`` directly.
 """
 
 import ctypes
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 @functools.lru_cache(maxsize=1)
 def c_library():
     """The C library (its argument types declared), or None when it cannot be built here (logged once).
-    Callers that validated their tensors once may call its functions directly (worker_service/fast_forward.py)."""
+    Callers that validated their tensors once may call its functions directly (worker_service/runtime/backends/cpu_llama.py)."""
     try:
         library = load_library("layer_ops_cpu")
     except (KernelBuildError, OSError) as exc:

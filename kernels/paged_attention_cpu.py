@@ -7,7 +7,7 @@ call. A (k+1)-token verify query therefore gets bitwise the attention output
 k+1 single-token decode steps would (and a draft tree's row what a decode at
 its position over its path gives), so greedy speculation emits exactly
 plain decoding's tokens in bf16 too (the linear layers are batch invariant
-as well: worker_service/fast_linear.py). SDPA is not: its blocking, and so
+as well: worker_service/runtime/fast_linear.py). SDPA is not: its blocking, and so
 its rounding, depends on the number of query rows.
 
 The kernel is built on first use (kernels/cpu_build.py); without a C

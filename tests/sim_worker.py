@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from specdec.convert import step_request_from_proto, step_result_to_proto
 from specdec.step import SequenceOutput, StepRequest, StepResult
 from specdec.v1 import worker_pb2, worker_pb2_grpc
-from worker_service.session import SessionError, SessionGate, session_stream
+from worker_service.serving.session import SessionError, SessionGate, session_stream
 
 VOCAB_SIZE = 50
 PIECES = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMN"  # one character per token id

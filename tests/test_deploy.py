@@ -20,8 +20,8 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec.cli import build_parser
-from worker_service import flags as worker_flags
-from worker_service.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
+from worker_service.serving import flags as worker_flags
+from worker_service.speculation.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
 
 DEFAULT_K = DEFAULT_NUM_SPECULATIVE_TOKENS[DEFAULT_PROPOSER]
 

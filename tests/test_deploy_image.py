@@ -100,7 +100,7 @@ def test_cpu_image_installs_cpu_torch_first_and_no_triton(tmp_path):
     assert not any("triton" in r for r in _installed_requirements(commands))
     installs = [argv for argv in commands if argv[:2] == ["apt-get", "install"]]
     assert installs and "gcc" in installs[0]  # the worker builds its CPU attention kernel at first use
-    assert ["python", "-m", "worker_service.models", "fetch"] in commands  # the model is baked in
+    assert ["python", "-m", "worker_service.runtime.default_model", "fetch"] in commands  # the model is baked in
 
 
 def test_documented_gpu_image_installs_cuda_torch_triton_and_a_compiler(tmp_path):

@@ -21,7 +21,7 @@ from specdec.cli import build_parser
 from tests.certs import TestCA
 from tests.test_deploy import (ANSWERS, HEALTHCHECK, K8S, K8S_MANIFESTS, ROOT, _container, _docker_compose,
                                _expand_env, _k8s_docs, _kubernetes_validate)
-from worker_service.config import DEFAULT_PROPOSER
+from worker_service.speculation.config import DEFAULT_PROPOSER
 
 TLS_OVERLAY = K8S / "tls"
 HEALTHCHECK_FLAGS = ("--ca-file", "--cert-file", "--key-file")

@@ -5,7 +5,7 @@ import pathlib
 import re
 
 from scheduler_service.process.metrics import METRICS as SCHEDULER_METRICS
-from worker_service.metrics import METRICS as WORKER_METRICS
+from worker_service.serving.metrics import METRICS as WORKER_METRICS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "specdec-dashboard.json"

@@ -41,7 +41,7 @@ tried and accepted per position, per sequence (recent history, decay 0.8 per
 speculating step) and per worker (the prior of a new sequence, decay 0.99).
 
 Draft trees (a worker with --draft-tree-width W > 1). A sequence may instead
-draft a tree of at most k nodes, grown best-first (worker_service/proposers/
+draft a tree of at most k nodes, grown best-first (worker_service/speculation/proposers/
 trees.py): the tree of budget j is the j nodes the proposer rates likeliest,
 so budget j adds the j-th ranked node, whose value is the probability that
 it lies on the accepted path. `TreeAcceptance` learns that value per rank

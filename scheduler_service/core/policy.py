@@ -20,7 +20,7 @@ never more. Two policies (SPECULATION_POLICIES in config.py):
   and are nearly always accepted, so they come whatever the proposer's
   estimates; steps that drafted them do not feed those estimates.
   Where the worker previews a copying proposer's next draft (SequenceOutput.
-  next_draft, worker_service/proposers/preview.py), acceptance is learnt per
+  next_draft, worker_service/speculation/proposers/preview.py), acceptance is learnt per
   class of the match behind it (match_class: none, 1, 2-3, 4-7, ...;
   worker-wide, with the sequence's own estimate as prior), since a long
   match is far more often accepted than a short one. A preview is *fresh*

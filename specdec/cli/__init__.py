@@ -13,10 +13,8 @@ from scheduler_service.process import flags as scheduler_flags
 from specdec import security
 from specdec.cli import logs, parsing
 from specdec.metrics_server import check_metrics_port
-from worker_service import flags as worker_flags
-from worker_service import models
-
-
+from worker_service.serving import flags as worker_flags
+from worker_service.runtime import default_model as models
 def _add_model_flag(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--model", default=None, help=f"{help_text} (default: the embedded SmolLM2-135M-Instruct)")
 
@@ -32,11 +30,11 @@ def _worker_address(value: str) -> str:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from worker_service.compat import check_versions
+    from worker_service.serving.compat import check_versions
 
     try:
         check_versions()  # before the model code imports what an old library lacks
-        from worker_service.main import run_worker
+        from worker_service.serving.main import run_worker
 
         credentials = security.server_credentials(security.server_tls_from_args(args))  # before the model
         config = worker_flags.config_from_args(args, str(models.resolve_model(args.model)), args.num_threads)

@@ -20,7 +20,7 @@ import textwrap
 from specdec.cli.logs import LOG_FORMATS, LOG_LEVELS
 
 ENV_PREFIX = "SPECDEC_"
-# Variables that already mean something of their own (specdec/security.py, worker_service/models.py): never
+# Variables that already mean something of their own (specdec/security.py, worker_service/runtime/default_model.py): never
 # read as flags. `specdec generate --api-key` takes SPECDEC_API_KEY through security.load_client_api_key.
 OWN_MEANING_ENV = frozenset({"SPECDEC_API_KEY", "SPECDEC_CACHE_DIR"})
 TRUE_WORDS = ("1", "true", "yes", "on")

@@ -17,9 +17,8 @@ import threading
 from scheduler_service.process import flags as scheduler_flags
 from specdec import security
 from specdec.cli.parsing import flag_free_environ
-from worker_service import flags as worker_flags
-from worker_service import models
-
+from worker_service.serving import flags as worker_flags
+from worker_service.runtime import default_model as models
 logger = logging.getLogger(__name__)
 
 

@@ -1,17 +1,17 @@
-"""`specdec train-draft`: train an EAGLE-3 head for a target (worker_service/draft_training)."""
+"""`specdec train-draft`: train an EAGLE-3 head for a target (draft_training)."""
 
 import argparse
 import shlex
 import sys
 
-from worker_service import models
-from worker_service.config import DEVICE_SPELLINGS, DTYPE_CHOICES
-from worker_service.draft_training import prompts
+from worker_service.runtime import default_model as models
+from worker_service.runtime.dtypes import DEVICE_SPELLINGS, DTYPE_CHOICES
+from draft_training import prompts
 
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    from worker_service.draft_training.recipe import PRECISIONS, TrainConfig
+    from draft_training.recipe import PRECISIONS, TrainConfig
 
     d = TrainConfig(model="", output="", work_dir="")
     p.add_argument("--output", required=True, metavar="DIR", help="where the head is written (config.json, "
@@ -53,9 +53,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 def train_draft(args: argparse.Namespace) -> int:
     """Runs the recipe; any failure is one line on stderr and exit status 1."""
-    from worker_service.draft_training.prompts import PromptSourceError
-    from worker_service.draft_training.recipe import TrainConfig
-    from worker_service.draft_training.train import TrainingError, run
+    from draft_training.prompts import PromptSourceError
+    from draft_training.recipe import TrainConfig
+    from draft_training.train import TrainingError, run
 
     try:
         sources = tuple(s for s in args.sources.split(",") if s and s != "none")

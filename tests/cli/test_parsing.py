@@ -10,10 +10,10 @@ import pytest
 
 from scheduler_service.process import flags as scheduler_flags
 from specdec.cli import build_parser, parsing
-from worker_service import flags as worker_flags
-from worker_service import models
-from worker_service.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
-from worker_service.models import DEFAULT_MODEL_NAME
+from worker_service.serving import flags as worker_flags
+from worker_service.runtime import default_model as models
+from worker_service.speculation.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
+from worker_service.runtime.default_model import DEFAULT_MODEL_NAME
 
 SUBCOMMANDS = ("worker", "scheduler", "serve", "generate")
 

@@ -126,7 +126,7 @@ def stream_all(stub, requests: list[pb.GenerateRequest]) -> list[tuple[list[int]
 
 def chat_prompts(model_path, questions: list[str]) -> list[list[int]]:
     """Each question as a user message, rendered with the model's chat template, as token ids."""
-    from worker_service.model_loader import load_tokenizer
+    from worker_service.runtime.loader import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
     return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

@@ -63,7 +63,7 @@ def test_worker_configured_by_environment_variables_logs_json(tiny_pair):
         finally:
             client.close()
         entries = [json.loads(line) for line in process.lines if line.startswith("{")]
-    loading = [e for e in entries if e["logger"] == "worker_service.model_loader" and "loading model" in e["message"]]
+    loading = [e for e in entries if e["logger"] == "worker_service.runtime.loader" and "loading model" in e["message"]]
     assert loading and loading[0]["level"] == "INFO" and "(float16 on " in loading[0]["message"]
     assert {"time", "level", "logger", "message"} <= set(loading[0])
 

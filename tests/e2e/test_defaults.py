@@ -8,8 +8,8 @@ from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from tests.e2e.client import http_json
 from tests.processes import free_port, running
-from worker_service.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
-from worker_service.models import DEFAULT_MODEL_NAME, default_model_path
+from worker_service.speculation.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
+from worker_service.runtime.default_model import DEFAULT_MODEL_NAME, default_model_path
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,10 @@ from specdec.v1 import generation_pb2_grpc
 from tests.e2e.test_prefix_caching import SYSTEM  # a shared system prompt: 9 full blocks of 4
 from tests.processes import Process, running
 from tests.worker.driver import Driver
-from worker_service.config import WorkerConfig
-from worker_service.model_loader import load_model
-from worker_service.model_runner import ModelRunner
-from worker_service.worker import Worker
+from worker_service.speculation.config import WorkerConfig
+from worker_service.runtime.loader import load_model
+from worker_service.runtime.runner import ModelRunner
+from worker_service.speculation.worker import Worker
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [40] * 12, [10, 11, 12, 10, 11], list(range(3, 23)),
            [100, 101, 102], [9, 8, 7, 9, 8, 7, 9], [200, 201], [33, 34, 35, 36, 33, 34]]

@@ -11,7 +11,7 @@ from specdec.v1 import generation_pb2 as pb
 from tests.e2e.client import greedy_request, serve, stream_all
 from tests.processes import free_port
 from tests.scheduler.process.test_metrics import Scrape
-from worker_service.metrics import METRICS as WORKER_METRICS
+from worker_service.serving.metrics import METRICS as WORKER_METRICS
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40] * 12, [10, 11, 12, 10, 11, 12, 10]]
 PROMTOOL = pathlib.Path(sys.executable).parent / "promtool"

@@ -74,7 +74,7 @@ def test_outputs_with_cache_hits_equal_outputs_without_caching(tiny_pair, uncach
     if "draft" in name:
         # Model drafts are accepted with probability q/p: a seeded request's tokens then depend on which positions
         # were drafted, which the goodput policy's k and async preemption vary from run to run, cache or not
-        # (worker_service/rejection_sampler.py). Greedy ones must still match.
+        # (worker_service/speculation/rejection_sampler.py). Greedy ones must still match.
         outputs, expected = greedy_only(outputs), greedy_only(expected)
     assert outputs == expected
     assert info.enable_prefix_caching and info.routing == "cache-aware"

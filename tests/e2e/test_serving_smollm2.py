@@ -5,7 +5,7 @@ import torch
 
 from specdec.v1 import generation_pb2 as pb
 from tests.e2e.client import as_complete, chat_prompts, serve, stream_all
-from worker_service.model_loader import load_model
+from worker_service.runtime.loader import load_model
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
              "Explain why the sky is blue in one sentence.", "Translate 'good morning' into German.",
@@ -76,7 +76,7 @@ def test_chat_messages_and_text(smollm2_path):
 def test_a_second_turn_reuses_the_first_and_still_matches_transformers(smollm2_path, name):
     """Turn 2 sent with turn 1's answer in the history finds turn 1's prompt and answer in the prefix cache;
     its greedy output is still `transformers`' own."""
-    from worker_service.model_loader import load_tokenizer
+    from worker_service.runtime.loader import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_path)
     model = load_model(smollm2_path)

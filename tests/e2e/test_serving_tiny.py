@@ -8,7 +8,7 @@ import torch
 
 from specdec.v1 import generation_pb2 as pb
 from tests.e2e.client import Server, as_complete, expect_status, greedy_request, serve, stream, stream_all
-from worker_service.model_loader import load_model
+from worker_service.runtime.loader import load_model
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [40] * 12, [10, 11, 12, 10, 11], list(range(3, 23)), [100, 101, 102],
            [9, 8, 7, 9, 8, 7, 9], [200, 201], [33, 34, 35, 36, 33, 34]]

@@ -280,10 +280,10 @@ def _failover_reference(pair) -> list[list[int]]:
     from scheduler_service.frontends.tokenizer import ChatTokenizer
     from specdec import step, structured
     from tests.worker.driver import Driver
-    from worker_service.config import WorkerConfig
-    from worker_service.model_loader import load_model
-    from worker_service.model_runner import ModelRunner
-    from worker_service.worker import Worker
+    from worker_service.speculation.config import WorkerConfig
+    from worker_service.runtime.loader import load_model
+    from worker_service.runtime.runner import ModelRunner
+    from worker_service.speculation.worker import Worker
 
     tokenizer = ChatTokenizer(pair.target_path)
     worker = Worker(WorkerConfig(model=str(pair.target_path)), ModelRunner(load_model(pair.target_path)))

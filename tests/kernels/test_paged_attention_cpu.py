@@ -5,7 +5,7 @@ import torch
 
 from kernels import cpu_build, paged_attention_cpu as cpu_kernel
 from tests.kernels.test_paged_attention import CASES, dense_attention, make_case
-from tests.worker.test_fast_linear import NARROWER_BUILDS
+from tests.worker.runtime.test_fast_linear import NARROWER_BUILDS
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 

@@ -77,7 +77,7 @@ def test_the_child_equal_to_the_targets_sample_is_accepted_not_its_sibling():
 
 
 def test_a_chain_follows_the_chain_rule():
-    """On a chain: accept while the draft equals y, then emit y (worker_service/verify.py's rule)."""
+    """On a chain: accept while the draft equals y, then emit y (worker_service/speculation/verify.py's rule)."""
     parents, tokens = [-1, 0, 1, 2], [None, 4, 5, 6]
     assert accept_tree([4, 5, 9, 0], tokens, parents) == ([1, 2], [4, 5, 9])
     assert accept_tree([4, 5, 6, 3], tokens, parents) == ([1, 2, 3], [4, 5, 6, 3])

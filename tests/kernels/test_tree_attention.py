@@ -11,7 +11,7 @@ import kernels.paged_attention as pa
 from kernels import cpu_build, paged_attention_cpu as cpu_kernel
 from kernels.draft_tree import DraftTrees
 from tests.kernels.test_paged_attention import make_case, requires_triton
-from tests.worker.test_fast_linear import NARROWER_BUILDS
+from tests.worker.runtime.test_fast_linear import NARROWER_BUILDS
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 

@@ -1,0 +1,155 @@
+"""The fast CPU Llama forward (worker_service/runtime/backends/cpu_llama.py) and its row-wise kernels
+(kernels/layer_ops_cpu.py) against `transformers`: each kernel op by op, and whole steps' logits against the
+`transformers` forward of the same model on its own paged cache (prefill chunks, decodes, verify queries)."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from kernels import layer_ops_cpu
+from tests.tiny_models import tiny_llama
+from worker_service.runtime.backends.cpu_llama import CpuLlamaForward
+from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
+from worker_service.runtime.loader import load_model
+from worker_service.runtime.runner import ModelRunner, SequenceChunk
+from worker_service.runtime.backends.transformers_layers import TransformersForward
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BLOCK_SIZE = 4
+
+
+def _random(shape, dtype, seed, scale=1.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=generator) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_is_the_residual_add_then_llama_rms_norm(dtype):
+    x, residual = _random((37, 96), dtype, 0), _random((37, 96), dtype, 1)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data = _random((96,), dtype, 2)
+    total = residual + x
+    ours_residual = residual.clone()
+    out = layer_ops_cpu.add_rms_norm(x, ours_residual, norm.weight.data, 1e-5)
+    assert torch.equal(ours_residual, total)  # the add is exact: one rounding, as torch's
+    torch.testing.assert_close(out, norm(total))  # the mean's sum order differs: the dtype's tolerance
+    alone = layer_ops_cpu.add_rms_norm(None, total.clone(), norm.weight.data, 1e-5)  # the first layer's
+    assert torch.equal(alone, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rounds_as_apply_rotary_pos_emb(dtype):
+    """Bitwise: the same products and sum, each rounded to the dtype where `transformers` rounds."""
+    config = tiny_llama(0, 1, 64, 4, 2).config
+    heads, kv_heads, head_dim, tokens = 4, 2, 16, 11
+    rotary = LlamaRotaryEmbedding(config)
+    positions = torch.tensor([[0, 1, 2, 7, 8, 9, 10, 100, 101, 300, 511]])
+    cos, sin = rotary(torch.zeros(1, dtype=dtype), positions)  # [1, T, D]
+    qkv = _random((tokens, (heads + 2 * kv_heads) * head_dim), dtype, 3)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim).transpose(0, 1)[None]  # [1, H, T, D]
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim).transpose(0, 1)[None]
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    ours = qkv.clone()
+    layer_ops_cpu.rope_(ours, heads + kv_heads, head_dim, cos[0].contiguous(), sin[0].contiguous())
+    assert torch.equal(ours[:, :heads * head_dim], q_ref[0].transpose(0, 1).reshape(tokens, -1))
+    assert torch.equal(ours[:, heads * head_dim:(heads + kv_heads) * head_dim],
+                       k_ref[0].transpose(0, 1).reshape(tokens, -1))
+    assert torch.equal(ours[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])  # v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_silu_of_gate_times_up(dtype):
+    gate_up = _random((37, 2 * 80), dtype, 4, scale=3.0)
+    gate, up = gate_up.split(80, dim=1)
+    torch.testing.assert_close(layer_ops_cpu.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_stores_each_row_at_its_slot_as_the_cache_does(dtype):
+    """The fast forward's K/V write equals KVCache.write (index_copy_) from the k and v parts of qkv rows."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16, dtype=dtype)
+    ours, theirs = KVCache(spec, 8, BLOCK_SIZE), KVCache(spec, 8, BLOCK_SIZE)
+    qkv = _random((5, (4 + 2 * 2) * 16), dtype, 10)
+    k, v = qkv[:, 64:96].view(5, 2, 16), qkv[:, 96:].view(5, 2, 16)
+    slots = torch.tensor([30, 3, 17, 0, 9])
+    theirs.write(0, k, v, slots)
+    layer_ops_cpu.write_kv(k, v, slots, ours.key_caches[0], ours.value_caches[0])
+    assert torch.equal(ours.key_caches[0], theirs.key_caches[0])
+    assert torch.equal(ours.value_caches[0], theirs.value_caches[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_kernel_computes_a_row_alone(dtype):
+    """Bitwise the same row whether the call has 1 row or 300 (past the size where threads split rows)."""
+    rows = _random((300, 128), dtype, 5)
+    weight = _random((128,), dtype, 6)
+    cos, sin = _random((300, 32), dtype, 7), _random((300, 32), dtype, 8)
+    residual = _random((300, 128), dtype, 9)
+    batched = [layer_ops_cpu.add_rms_norm(rows, residual.clone(), weight, 1e-6), layer_ops_cpu.silu_mul(rows)]
+    rotated = rows.clone()
+    layer_ops_cpu.rope_(rotated, 4, 32, cos, sin)
+    for r in (0, 151, 299):
+        alone = [layer_ops_cpu.add_rms_norm(rows[r:r + 1], residual[r:r + 1].clone(), weight, 1e-6),
+                 layer_ops_cpu.silu_mul(rows[r:r + 1])]
+        one = rows[r:r + 1].clone()
+        layer_ops_cpu.rope_(one, 4, 32, cos[r:r + 1], sin[r:r + 1])
+        assert all(torch.equal(b[r:r + 1], a) for b, a in zip(batched, alone)) and torch.equal(rotated[r:r + 1], one)
+
+
+def _steps(vocab: int) -> list[list[tuple[int, int, int]]]:
+    """Per step, per sequence (index, tokens in the step, logits wanted): prefills (one chunked), decodes,
+    verify queries of several rows, all mixed."""
+    return [[(0, 9, 1), (1, 5, 0)], [(0, 1, 1), (1, 6, 6), (2, 3, 3)], [(0, 4, 4), (1, 1, 1), (2, 1, 1), (3, 12, 1)],
+            [(0, 1, 1), (1, 5, 5), (2, 2, 2), (3, 1, 1)]]
+
+
+def _run(runner: ModelRunner, seed: int) -> list[torch.Tensor]:
+    """The _steps schedule on `runner` (its own cache), with the same tokens and block tables for every runner."""
+    rng = random.Random(seed)
+    runner.init_cache(num_blocks=64, block_size=BLOCK_SIZE)
+    free = list(range(64))
+    rng.shuffle(free)
+    tokens = [[rng.randrange(3, runner.vocab_size) for _ in range(32)] for _ in range(4)]
+    tables = [[free.pop() for _ in range(8)] for _ in range(4)]
+    done = [0] * 4
+    outputs = []
+    for step in _steps(runner.vocab_size):
+        chunks = []
+        for seq, num, num_logits in step:
+            chunks.append(SequenceChunk(tokens[seq][done[seq]:done[seq] + num], done[seq], tables[seq], num_logits))
+            done[seq] += num
+        outputs.append(runner.forward(chunks))
+    return outputs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_fast_forward_logits_equal_the_transformers_forward(request, model, dtype):
+    path = request.getfixturevalue("tiny_pair").target_path if model == "tiny" \
+        else request.getfixturevalue("smollm2_path")
+    name = str(dtype).removeprefix("torch.")
+    fast = ModelRunner(load_model(path, name))
+    reference = ModelRunner(load_model(path, name))
+    assert fast.backend.name == "cpu_llama"
+    reference.backend = TransformersForward(reference.model)  # transformers' decoder layers, on the same kernels for linears and attention
+    for ours, theirs in zip(_run(fast, 0), _run(reference, 0)):
+        # fp32: only sum orders differ (RMSNorm's mean); bf16/fp16: that, carried through the layers in the
+        # dtype's rounding, so a tolerance of a few of its ulps at the logits' magnitude.
+        scale = theirs.abs().max().item()
+        tolerance = {torch.float32: 1e-5, torch.bfloat16: 4e-2, torch.float16: 5e-3}[dtype] * scale
+        torch.testing.assert_close(ours, theirs, atol=tolerance, rtol=0)
+        if dtype == torch.float32:
+            assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_other_models_keep_the_transformers_forward(tiny_pair):
+    runner = ModelRunner(load_model(tiny_pair.target_path, "float32"))
+    assert CpuLlamaForward.supports(runner.model) is None
+    gelu = tiny_llama(0, 1, 64, 4, 2)
+    gelu.config.hidden_act = "gelu"
+    assert "hidden_act gelu" in CpuLlamaForward.supports(gelu)
+    runner.model.config.model_type = "mistral"
+    assert "mistral" in CpuLlamaForward.supports(runner.model)

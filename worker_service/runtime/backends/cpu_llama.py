@@ -1,0 +1,160 @@
+"""The Llama forward on the CPU as a short fixed sequence of C calls per decoder layer.
+
+`transformers`' decoder layer runs ~50 small torch ops per layer (RMSNorm's
+casts and reductions, rotate_half's slices and cat, SiLU, the residual adds),
+each with its Python, dispatch and allocation cost: ~10 ms of a 35 ms SmolLM2
+decode step on two cores, beside ~23 ms of matmuls. Here a layer is ten
+direct calls into our kernels, every one batch invariant (each row alone, in a
+fixed order), into buffers the step reuses:
+
+    x = add_rms_norm(h, residual)          # residual += h; RMSNorm (kernels/layer_ops_cpu.py)
+    qkv = project(x); rope(q and k heads)  # fused q/k/v projection (kernels/linear_cpu.py)
+    write_kv(k, v); attn = attention(q)    # the paged cache (kernels/paged_attention_cpu.py)
+    h = project(attn)                      # o_proj
+    x = add_rms_norm(h, residual)
+    h = project(silu_mul(project(x)))      # fused gate/up, then down
+
+It rounds where `transformers` rounds (fp32 math, intermediates kept in the
+model's dtype), so its logits equal the `transformers` forward's up to the
+order of a few sums (tests/worker/runtime/test_fast_forward.py). `transformers` stays
+the loader (the weights, the rotary embedding's cos/sin, every config option)
+and the reference; models this does not cover run its forward unchanged.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from kernels import layer_ops_cpu, linear_cpu, paged_attention_cpu
+from kernels.cpu_build import DTYPE_CODES
+from worker_service.runtime.attention import PagedMetadata
+from worker_service.runtime.backends.cpu_calls import KernelLinear, project
+from worker_service.runtime.fast_linear import PackedLinear, SharedInputLinears
+from worker_service.runtime.kv_cache import KVCacheSpec
+
+MODEL_TYPES = ("llama",)  # decoder layers of exactly the shape below (SmolLM2, Llama 2/3, TinyLlama)
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: KernelLinear
+    o_proj: KernelLinear
+    post_norm: torch.Tensor
+    gate_up: KernelLinear
+    down: KernelLinear
+    scaling: float
+
+
+class CpuLlamaForward:
+    name = "cpu_llama"
+
+    """model.model's forward (the hidden states after the final norm) for a packed CPU Llama.
+
+    The tensors are checked here and once per step; the kernels are then called directly (their Python
+    wrappers' checks and allocations cost more than the kernels at batch 1), into buffers the step reuses
+    from layer to layer.
+    """
+
+    def __init__(self, model: PreTrainedModel):
+        config = model.config
+        self.model = model
+        self.dtype = model.dtype
+        spec = KVCacheSpec.from_config(config, model.dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, spec.num_kv_heads, spec.head_dim
+        self.hidden = config.hidden_size
+        self.eps = config.rms_norm_eps
+        self.layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                layer.input_layernorm.weight.detach().contiguous(), KernelLinear.of(attn.q_proj_k_proj_v_proj.fused),
+                KernelLinear.of(attn.o_proj), layer.post_attention_layernorm.weight.detach().contiguous(),
+                KernelLinear.of(mlp.gate_proj_up_proj.fused), KernelLinear.of(mlp.down_proj), attn.scaling))
+        self.final_norm = model.model.norm.weight.detach().contiguous()
+        self.intermediate = self.layers[0].gate_up.out_features // 2
+
+    @staticmethod
+    def supports(model: PreTrainedModel) -> str | None:
+        """None when this forward covers `model`, else why not."""
+        config = model.config
+        if model.device.type != "cpu" or config.model_type not in MODEL_TYPES:
+            return f"a {config.model_type} model on {model.device.type}"
+        if config.hidden_act != "silu" or getattr(config, "pretraining_tp", 1) != 1:
+            return f"hidden_act {config.hidden_act}, pretraining_tp {getattr(config, 'pretraining_tp', 1)}"
+        if not (layer_ops_cpu.available() and paged_attention_cpu.available() and linear_cpu.available()):
+            return "the C kernels are not built"
+        if model.dtype not in DTYPE_CODES:
+            return f"dtype {model.dtype}"
+        spec = KVCacheSpec.from_config(config, model.dtype)
+        if spec.head_dim > paged_attention_cpu.MAX_HEAD_DIM or spec.head_dim % 2:
+            return f"head_dim {spec.head_dim}"
+        qkv_sizes = [config.num_attention_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, gate_up = getattr(attn, "q_proj_k_proj_v_proj", None), getattr(mlp, "gate_proj_up_proj", None)
+            if not (isinstance(qkv, SharedInputLinears) and qkv.sizes == qkv_sizes
+                    and isinstance(gate_up, SharedInputLinears) and gate_up.sizes[0] == gate_up.sizes[1]
+                    and isinstance(attn.o_proj, PackedLinear) and isinstance(mlp.down_proj, PackedLinear)):
+                return "its linears are not packed and fused (fast_linear.pack_linears)"
+        return None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata,
+                 rows: torch.Tensor, aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, positions: [T]; returns the normed hidden states of `rows` ([N] int64), [N, hidden], and
+        the residual stream entering each of `aux_layers` for every row, [T, len(aux_layers) x hidden] (None
+        without aux_layers)."""
+        num_tokens, hidden, dtype = input_ids.shape[0], self.hidden, self.dtype
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_width, kv_width = heads * head_dim, kv_heads * head_dim
+        qkv_width = q_width + 2 * kv_width
+        residual = self.model.model.embed_tokens(input_ids)  # [T, hidden], a fresh tensor: updated in place
+        cos, sin = self.model.model.rotary_emb(residual[None], positions[None])  # [1, T, D] each
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        cache = meta.kv_cache
+        assert residual.is_contiguous() and residual.dtype == dtype == cache.spec.dtype and cos.dtype == dtype
+        assert cache.block_size * kv_width == cache.key_caches[0][0].numel()  # [blocks, block size, KVH, D]
+        tables, starts, lens, slots = (t.contiguous() for t in (meta.block_tables, meta.query_start_loc,
+                                                                 meta.seq_lens, meta.slot_mapping))
+        assert tables.dtype == starts.dtype == lens.dtype == torch.int32 and slots.dtype == torch.int64
+        trees = paged_attention_cpu.contiguous_trees(meta.trees, tables.shape[0], num_tokens)
+        # One buffer per intermediate, reused by every layer (each kernel writes its output whole).
+        x, h, attn = (torch.empty((num_tokens, width), dtype=dtype) for width in (hidden, hidden, q_width))
+        qkv = torch.empty((num_tokens, qkv_width), dtype=dtype)
+        gate_up, act = torch.empty((num_tokens, 2 * self.intermediate), dtype=dtype), \
+            torch.empty((num_tokens, self.intermediate), dtype=dtype)
+        code, size, threads = DTYPE_CODES[dtype], residual.element_size(), torch.get_num_threads()
+        ops, attention = layer_ops_cpu.c_library(), paged_attention_cpu.kernel()
+        linear = project  # looked up once per step (a test replaces it to give the check teeth)
+        q_ptr = qkv.data_ptr()
+        aux = torch.empty((num_tokens, len(aux_layers) * hidden), dtype=dtype) if aux_layers else None
+        for index, layer in enumerate(self.layers):
+            ops.specdec_add_rms_norm(code, h.data_ptr() if index else None, hidden, residual.data_ptr(), hidden,
+                                     layer.input_norm.data_ptr(), x.data_ptr(), hidden, num_tokens, hidden,
+                                     self.eps, threads)
+            for slot in (j for j, i in enumerate(aux_layers) if i == index):  # the stream entering this layer
+                aux[:, slot * hidden:(slot + 1) * hidden] = residual
+            linear(layer.qkv, x, qkv)
+            ops.specdec_rope(code, q_ptr, qkv_width, num_tokens, heads + kv_heads, head_dim, cos.data_ptr(),
+                             sin.data_ptr(), head_dim, threads)
+            key_cache, value_cache = cache.key_caches[index], cache.value_caches[index]
+            ops.specdec_write_kv(code, q_ptr + q_width * size, q_ptr + (q_width + kv_width) * size, qkv_width,
+                                 num_tokens, kv_width, slots.data_ptr(), key_cache.data_ptr(),
+                                 value_cache.data_ptr())
+            status = attention(code, q_ptr, qkv_width, head_dim, key_cache.data_ptr(), value_cache.data_ptr(),
+                               tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(),
+                               attn.data_ptr(), tables.shape[0], heads, kv_heads, head_dim, cache.block_size,
+                               float(layer.scaling), *paged_attention_cpu.tree_arguments(trees), threads)
+            if status != 0:
+                raise ValueError(f"paged_attention_cpu failed (status {status})")
+            linear(layer.o_proj, attn, h)
+            ops.specdec_add_rms_norm(code, h.data_ptr(), hidden, residual.data_ptr(), hidden,
+                                     layer.post_norm.data_ptr(), x.data_ptr(), hidden, num_tokens, hidden,
+                                     self.eps, threads)
+            linear(layer.gate_up, x, gate_up)
+            ops.specdec_silu_mul(code, gate_up.data_ptr(), 2 * self.intermediate, num_tokens, self.intermediate,
+                                 act.data_ptr(), self.intermediate, threads)
+            linear(layer.down, act, h)
+        # The last residual add and the final norm: only the rows whose logits are wanted.
+        return layer_ops_cpu.add_rms_norm(h[rows], residual[rows], self.final_norm, self.eps), aux

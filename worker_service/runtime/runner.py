@@ -1,0 +1,151 @@
+"""Runs a `transformers` causal LM over a packed batch on the paged KV cache.
+
+One forward takes any mix of sequence chunks: a prefill chunk (many tokens,
+with or without a cached prefix), a single-token decode, or a multi-token
+query over a cached prefix (speculative scoring). Every chunk's tokens are
+computed at positions `start_pos ..`, their K/V written into the blocks of
+the chunk's block table, and logits are returned for its last `num_logits`
+tokens only (the output layer is the costliest matmul of a small model).
+
+A chunk may also be a draft tree (`parents`): its rows are written to slots
+start_pos .. in row order but computed at positions start_pos + depth, each
+attending to the cached prefix and its own path (kernels/draft_tree.py).
+After acceptance, `keep_path` moves the accepted path's K/V to the positions
+the next step reads.
+"""
+
+from dataclasses import dataclass
+import logging
+
+import torch
+from transformers import PreTrainedModel
+
+from kernels import paged_attention_cpu
+from kernels.draft_tree import DraftTrees
+from kernels.slot_mapping import compute_slot_mapping
+from worker_service.runtime import backends
+from worker_service.runtime.attention import ATTENTION_NAME, PagedMetadata
+from worker_service.runtime.fast_linear import pack_linears
+from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SequenceChunk:
+    """The tokens of one sequence to compute in a forward pass."""
+
+    token_ids: list[int]   # tokens at positions start_pos .. start_pos + len - 1
+    start_pos: int         # tokens before this position already have their K/V cached
+    block_table: list[int] # block ids covering at least start_pos + len positions
+    num_logits: int = 1    # logits wanted for the last num_logits tokens (0 for a mid-prompt chunk)
+    parents: list[int] | None = None  # a draft tree: each row's parent row (-1: the cached prefix); None a chain
+
+
+@dataclass
+class PackedBatch:
+    """Chunks flattened into the tensors one forward pass needs."""
+
+    input_ids: torch.Tensor       # [T] int64
+    positions: torch.Tensor       # [T] int64
+    logits_indices: torch.Tensor  # [N] int64: packed rows whose logits are returned
+    metadata: PagedMetadata
+
+
+def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -> PackedBatch:
+    """Builds the packed inputs and cache metadata for `chunks` (see SequenceChunk).
+
+    The index lists are built on the host and each becomes one tensor on `device`: no per-sequence device work.
+    """
+    input_ids, rows, logits_indices, starts, seq_lens = [], [], [], [0], []
+    for chunk in chunks:
+        num_tokens = len(chunk.token_ids)
+        offset = starts[-1]
+        input_ids.extend(chunk.token_ids)
+        rows.extend(range(chunk.start_pos, chunk.start_pos + num_tokens))
+        logits_indices.extend(range(offset + num_tokens - chunk.num_logits, offset + num_tokens))
+        starts.append(offset + num_tokens)
+        seq_lens.append(chunk.start_pos + num_tokens)
+    # `rows`: where each token's K/V goes; `positions`: where it is computed (a tree row: at its depth).
+    trees, positions = None, rows
+    if any(c.parents is not None for c in chunks):
+        parents = [p for c in chunks for p in (c.parents if c.parents is not None
+                                                 else range(-1, len(c.token_ids) - 1))]
+        trees = DraftTrees.from_parents(starts, seq_lens, parents)
+        chunk_starts = [c.start_pos for c in chunks for _ in c.token_ids]
+        is_tree = [bool(tree) for c, tree in zip(chunks, trees.is_tree.tolist()) for _ in c.token_ids]
+        positions = [start + depth if tree else row
+                     for start, depth, tree, row in zip(chunk_starts, trees.depths.tolist(), is_tree, rows)]
+        trees = trees.to(device)
+    block_tables = _block_tables(chunks, device)  # [B, M] int32
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)  # [T]
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)  # [B+1]
+    slot_mapping = compute_slot_mapping(block_tables, query_start_loc, rows_t, kv_cache.block_size)  # [T]
+    metadata = PagedMetadata(kv_cache=kv_cache, slot_mapping=slot_mapping, block_tables=block_tables,
+                             query_start_loc=query_start_loc,
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), trees=trees)
+    return PackedBatch(input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+                       positions=rows_t if trees is None else torch.tensor(positions, dtype=torch.int64,
+                                                                            device=device),
+                       logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+                       metadata=metadata)
+
+
+def _block_tables(chunks: list[SequenceChunk], device: torch.device) -> torch.Tensor:  # [B, M] int32
+    """The chunks' block tables padded with block 0 (never read: seq_lens bound every access) into one host
+    tensor, copied to `device` at once; pinned on CUDA, so the copy does not wait for the host."""
+    max_blocks = max(len(c.block_table) for c in chunks)
+    rows = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks]
+    host = torch.tensor(rows, dtype=torch.int32, pin_memory=device.type == "cuda")  # [B, M]
+    return host.to(device, non_blocking=True)
+
+
+class ModelRunner:
+    """Owns one model and its paged KV cache."""
+
+    def __init__(self, model: PreTrainedModel, backend: str | None = None):
+        """backend: a name of backends.BACKENDS; None: the first that covers the model (backends.choose)."""
+        self.model = model
+        model.set_attn_implementation(ATTENTION_NAME)
+        if model.device.type == "cpu":
+            paged_attention_cpu.available()  # builds the CPU attention kernel (or warns) now, not in a step
+        pack_linears(model)  # CPU only; other devices keep nn.Linear
+        self.backend = backends.choose(model) if backend is None else backends.build(backend, model)
+        self.device = model.device
+        self.dtype = model.dtype
+        self.kv_spec = KVCacheSpec.from_config(model.config, model.dtype)
+        self.vocab_size = model.config.vocab_size
+        self.kv_cache: KVCache | None = None
+        # Layers whose input (the residual stream entering them) a forward keeps for an EAGLE-3 head, and what
+        # the last forward kept: [T, len(aux_layers) x hidden], every packed row (proposers/eagle3.py).
+        self.aux_layers: tuple[int, ...] = ()
+        self.last_aux_hidden: torch.Tensor | None = None
+
+    def init_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        """(Re)allocates the KV cache; every cached K/V is dropped."""
+        self.kv_cache = None  # freed first: the old and the new cache may not both fit in the budget
+        self.kv_cache = KVCache(self.kv_spec, num_blocks, block_size, self.device)
+        logger.info("allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
+                    self.kv_cache.num_bytes / 2**20)
+        return self.kv_cache
+
+    def keep_path(self, block_table: list[int], start_pos: int, path_rows: list[int]) -> None:
+        """After a draft tree was verified: moves the K/V of its accepted rows (`path_rows`, root's children
+        first; row r was written at start_pos + r) to start_pos + 1, + 2, ..., where the next step reads them.
+        Row 0 (the root) is in place already; a row already in place is not moved."""
+        moves = [(start_pos + row, start_pos + depth) for depth, row in enumerate(path_rows, start=1) if row != depth]
+        if moves:
+            size = self.kv_cache.block_size
+            slots = [[block_table[p // size] * size + p % size for p in ends] for ends in zip(*moves)]
+            self.kv_cache.move(*(torch.tensor(s, dtype=torch.int64, device=self.device) for s in slots))
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        """Computes every chunk; returns fp32 logits `[sum(num_logits), V]` in chunk order."""
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is not initialised")
+        batch = pack(chunks, self.kv_cache, self.device)
+        # the hidden states of the logits rows only: [N, hidden]
+        hidden, self.last_aux_hidden = self.backend(batch.input_ids, batch.positions, batch.metadata,
+                                                    batch.logits_indices, self.aux_layers)
+        return self.model.lm_head(hidden).float()  # [N, V]

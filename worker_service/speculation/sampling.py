@@ -1,0 +1,101 @@
+"""Turning target logits into token distributions, and sampling from them.
+
+Small pure functions in the spirit of gpt-fast's ``logits_to_probs`` /
+``sample``, batched with per-row parameters so one call serves a whole step.
+Sampling is an exponential race, ``argmax(probs / E)`` with ``E ~ Exp(1)``,
+which picks token v with probability ``probs[v]``; each row's noise is keyed
+by (request seed, token position) (worker_service/speculation/keyed_random.py), so a
+seeded request samples the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.rejection_sampler import race
+from specdec.step import RequestSampling
+from worker_service.speculation.keyed_random import keyed_exponential
+
+
+def sampling_tensors(
+    params: Sequence[RequestSampling], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stack per-request params into the ``(temperature, top_k, top_p)`` tensors
+    that :func:`logits_to_probs` takes (top_k 0 = off)."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)  # [N]
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)  # [N]
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)  # [N]
+    return temperature, top_k, top_p
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # [N] float, 0 = greedy
+    top_k: torch.Tensor,  # [N] int, 0 = off
+    top_p: torch.Tensor,  # [N] float in (0, 1], 1 = off
+) -> torch.Tensor:  # [N, V] float32
+    """Per-row temperature, top-k then top-p, renormalised; greedy rows get a
+    one-hot on the argmax.
+
+    top-p keeps the smallest set of most likely tokens whose mass is at least
+    ``top_p`` (always at least the top token).
+    """
+    logits = logits.float()  # [N, V]
+    is_greedy = temperature == 0  # [N]
+    safe_temperature = torch.where(is_greedy, torch.ones_like(temperature), temperature)  # [N]
+    scaled = logits / safe_temperature.unsqueeze(1).float()  # [N, V]
+    if bool(((top_k > 0) | (top_p < 1)).any()):
+        probs = _top_k_top_p_probs(scaled, top_k, top_p)  # [N, V]
+    else:
+        probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    if bool(is_greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # [N, V]
+        probs = torch.where(is_greedy.unsqueeze(1), one_hot, probs)  # [N, V]
+    return probs
+
+
+def _top_k_top_p_probs(
+    scaled: torch.Tensor,  # [N, V] temperature-scaled logits
+    top_k: torch.Tensor,  # [N]
+    top_p: torch.Tensor,  # [N]
+) -> torch.Tensor:  # [N, V] float32
+    """Softmax restricted to each row's top-k / top-p set, in sorted order and
+    scattered back to vocabulary order."""
+    num_vocab = scaled.shape[-1]
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [N, V], [N, V]
+    rank = torch.arange(num_vocab, device=scaled.device)  # [V]
+    k = torch.where(top_k > 0, top_k, num_vocab).unsqueeze(1)  # [N, 1]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))  # [N, V]
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [N, V]
+    # A token is dropped when the tokens ranked above it already reach top_p;
+    # the top token (mass above it: 0) always stays. top_p == 1 drops nothing,
+    # even when rounding makes the cumulative sum reach 1 early.
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V]
+    is_dropped = (mass_above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)  # [N, V]
+    sorted_probs = sorted_probs.masked_fill(is_dropped, 0.0)  # [N, V]
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)  # [N, V]
+    return torch.zeros_like(sorted_probs).scatter_(1, sorted_ids, sorted_probs)  # [N, V]
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [N, V]
+    seeds: Sequence[int],  # N request seeds
+    positions: Sequence[int],  # N absolute positions of the sampled tokens
+    stream: int,
+    is_greedy: Sequence[bool] | None = None,  # N; None: every row samples
+) -> torch.Tensor:  # [N] int64
+    """One token per row by the exponential race with keyed noise, ``argmax(probs / E(seed, position))``.
+
+    Greedy rows (one-hot probs) take their argmax: no noise is computed for them.
+    """
+    rows = [i for i in range(len(seeds)) if is_greedy is None or not is_greedy[i]]
+    if len(rows) == len(seeds):
+        noise = keyed_exponential(seeds, positions, stream, probs.shape[-1], probs.device)  # [N, V]
+    else:
+        noise = torch.ones_like(probs, dtype=torch.float32)  # [N, V]
+        if rows:
+            noise[torch.tensor(rows, device=probs.device)] = keyed_exponential(
+                [seeds[i] for i in rows], [positions[i] for i in rows], stream, probs.shape[-1], probs.device)
+    return race(probs.float(), noise)  # [N]

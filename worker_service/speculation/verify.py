@@ -1,0 +1,154 @@
+"""Turns a step's target logits into emitted tokens: keyed sampling, or rejection sampling of the drafts.
+
+Row j of a sequence samples the token at absolute position ``num_tokens + j``
+(``num_tokens``: prompt + every token emitted so far): a plain step samples
+position n, a verify step with k drafts positions n..n+k. Each row's
+randomness is keyed by (request seed, that position), and the accept rule
+(worker_service/speculation/rejection_sampler.py) emits, for n-gram drafts, exactly the
+tokens a plain step would have sampled; so a seeded request's tokens depend
+neither on the batch nor on n-gram speculation.
+
+A sequence's drafts may form a tree (`parents`): row j then samples position
+``num_tokens + depth(j)``, and the accepted path follows those samples from
+the root (kernels/tree_acceptance.py, where the rule is argued exact). Tree
+drafts are one-hot (no draft probabilities).
+"""
+
+from dataclasses import dataclass
+import itertools
+
+import torch
+
+from kernels.rejection_sampler import race
+from kernels.tree_acceptance import accept_tree
+from worker_service.speculation.keyed_random import STREAM_TOKEN, keyed_exponential
+from worker_service.speculation.proposers.trees import row_depths
+from worker_service.speculation.rejection_sampler import RejectionSampler
+from worker_service.speculation.request_state import RequestState
+from worker_service.speculation.sampling import logits_to_probs, sampling_tensors
+
+_sampler = RejectionSampler()
+
+
+@dataclass
+class VerifyResult:
+    token_ids: list[list[int]]   # emitted tokens per sequence: accepted drafts + one recovered/bonus token
+    logprobs: list[list[float]]  # target log-probability of each emitted token (empty unless requested)
+    paths: list[list[int]]       # accepted draft rows per sequence (1-based; a chain's 1..a, a tree's path)
+
+
+def verify(states: list[RequestState], logits: torch.Tensor, drafts: list[list[int]],
+           draft_probs: torch.Tensor | None, parents: list[list[int] | None] | None = None) -> VerifyResult:
+    """`logits` holds 1 + len(drafts[i]) rows per sequence, in order (`[N, V]`); `parents[i]`, where given, the
+    parent row (0: the root, the sequence's first row) of each of drafts[i]: a tree."""
+    rows_per_seq = [len(d) + 1 for d in drafts]
+    if parents is not None and any(p is not None for p in parents):
+        assert draft_probs is None, "tree drafts are one-hot"
+        token_ids, paths = _accept_trees(states, logits, drafts, parents)
+    else:
+        if all(s.sampling.is_greedy for s in states):
+            token_ids = _greedy(logits, drafts)
+        else:
+            row_params = [s.sampling for s, n in zip(states, rows_per_seq) for _ in range(n)]
+            probs = logits_to_probs(logits, *sampling_tensors(row_params, logits.device))  # [N, V]
+            token_ids = _rejection_sample(states, probs, drafts, draft_probs)
+        paths = [list(range(1, len(t))) for t in token_ids]
+    logprobs = [[] for _ in states]
+    if any(s.return_logprobs for s in states):
+        logprobs = _logprobs(logits, rows_per_seq, paths, token_ids)
+    return VerifyResult(token_ids, logprobs, paths)
+
+
+def _accept_trees(states: list[RequestState], logits: torch.Tensor, drafts: list[list[int]],
+                  parents: list[list[int] | None]) -> tuple[list[list[int]], list[list[int]]]:
+    """Every row's keyed sample y (argmax for greedy), at its position num_tokens + depth; then each sequence's
+    accepted path (a chain is the tree whose parents are the previous rows)."""
+    draft_parents = [p if p is not None else list(range(len(d))) for d, p in zip(drafts, parents)]
+    tree_parents = [[-1, *p] for p in draft_parents]
+    depths = [row_depths(p) for p in draft_parents]
+    row_params = [s.sampling for s, p in zip(states, tree_parents) for _ in p]
+    targets = logits.argmax(dim=-1)  # [N]
+    sampled = [i for i, params in enumerate(row_params) if not params.is_greedy]
+    if sampled:
+        row_states = [s for s, p in zip(states, tree_parents) for _ in p]
+        depth_of_row = [d for seq_depths in depths for d in seq_depths]
+        index = torch.tensor(sampled, device=logits.device)  # [R]
+        probs = logits_to_probs(logits[index], *sampling_tensors([row_params[i] for i in sampled], logits.device))
+        noise = keyed_exponential([row_states[i].sampling.seed for i in sampled],
+                                  [row_states[i].num_tokens + depth_of_row[i] for i in sampled], STREAM_TOKEN,
+                                  logits.shape[-1], logits.device)  # [R, V]
+        targets[index] = race(probs, noise)  # [R]
+    targets_host, token_ids, paths, offset = targets.tolist(), [], [], 0
+    for draft, seq_parents in zip(drafts, tree_parents):
+        path, emitted = accept_tree(targets_host[offset: offset + len(seq_parents)], [None, *draft], seq_parents)
+        token_ids.append(emitted)
+        paths.append(path)
+        offset += len(seq_parents)
+    return token_ids, paths
+
+
+def _greedy(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
+    """Temperature 0: accept drafts while they equal the target argmax; then emit the argmax.
+
+    This is the rejection rule with one-hot q and p (accept iff x == argmax q;
+    the recovered token is argmax q at the first mismatch, the bonus token
+    argmax q after the last draft), without building vocabulary-sized tensors.
+    """
+    targets = logits.argmax(dim=-1).tolist()  # [N]
+    token_ids, offset = [], 0
+    for draft in drafts:
+        emitted = []
+        for j, target in enumerate(targets[offset: offset + len(draft) + 1]):
+            emitted.append(target)
+            if j == len(draft) or draft[j] != target:
+                break
+        token_ids.append(emitted)
+        offset += len(draft) + 1
+    return token_ids
+
+
+def _rejection_sample(states: list[RequestState], probs: torch.Tensor, drafts: list[list[int]],
+                      draft_probs: torch.Tensor | None) -> list[list[int]]:
+    """Pads the rows to [B, K+1, V] and runs the sampler; K = 0 is a plain sampling step."""
+    num_seqs, num_spec = len(states), max(len(d) for d in drafts)
+    device = probs.device
+    target_probs = _pad_rows(probs, drafts, num_spec)  # [B, K+1, V]
+    draft_ids = torch.tensor([d + [0] * (num_spec - len(d)) for d in drafts], dtype=torch.int64,
+                             device=device).view(num_seqs, num_spec)  # [B, K]
+    num_draft_tokens = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=device)  # [B]
+    is_greedy = torch.tensor([s.sampling.is_greedy for s in states], device=device)  # [B]
+    if draft_probs is not None:
+        draft_probs = draft_probs[:, :num_spec]  # [B, K, V]
+    output, num_emitted = _sampler(target_probs, draft_ids, num_draft_tokens, draft_probs, is_greedy,
+                                   [s.sampling.seed for s in states], [s.num_tokens for s in states])
+    rows = torch.cat([num_emitted.unsqueeze(1), output], dim=1).tolist()  # [B, 1 + K+1]: one copy to the host
+    return [row[1: 1 + row[0]] for row in rows]
+
+
+def _pad_rows(probs: torch.Tensor, drafts: list[list[int]], num_spec: int) -> torch.Tensor:  # [B, K+1, V]
+    """Sequence b's 1 + len(drafts[b]) rows of `probs` (`[N, V]`) at [b, :len + 1], in one scatter; uniform
+    rows past them (never emitted)."""
+    if num_spec == 0:
+        return probs.unsqueeze(1)  # [B, 1, V]
+    num_vocab, device = probs.shape[-1], probs.device
+    seq_index = torch.tensor([b for b, d in enumerate(drafts) for _ in range(len(d) + 1)], device=device)  # [N]
+    pos_index = torch.tensor([j for d in drafts for j in range(len(d) + 1)], device=device)  # [N]
+    target_probs = torch.full((len(drafts), num_spec + 1, num_vocab), 1.0 / num_vocab, device=device)
+    target_probs[seq_index, pos_index] = probs
+    return target_probs
+
+
+def _logprobs(logits: torch.Tensor, rows_per_seq: list[int], paths: list[list[int]],
+              token_ids: list[list[int]]) -> list[list[float]]:
+    """Each emitted token's log-probability in its row (the root's, then the accepted rows'): one gather on
+    the device, one copy to the host."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    starts = itertools.accumulate(rows_per_seq[:-1], initial=0)
+    rows = [start + row for start, path in zip(starts, paths) for row in [0, *path]]
+    columns = [t for tokens in token_ids for t in tokens]
+    flat = log_probs[torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device)].tolist()
+    out, offset = [], 0
+    for tokens in token_ids:
+        out.append(flat[offset: offset + len(tokens)])
+        offset += len(tokens)
+    return out
