@@ -6,6 +6,8 @@ with any number of drafts — run in ONE target forward pass; the batch is never
 split into a speculative and a non-speculative pass.
 """
 
+import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -18,7 +20,7 @@ from worker_service.speculation import structured
 from worker_service.speculation.config import DEFAULT_NUM_SPECULATIVE_TOKENS, WorkerConfig
 from worker_service.runtime.eagle3_head import Eagle3Head
 from worker_service.runtime.runner import ModelRunner, SequenceChunk
-from worker_service.speculation.proposers import Proposer, num_matching
+from worker_service.speculation.proposers import Proposal, Proposer, num_matching
 from worker_service.speculation.proposers.combined import CombinedProposer
 from worker_service.speculation.proposers.draft import DraftProposer
 from worker_service.speculation.proposers.eagle3 import Eagle3Proposer
@@ -32,6 +34,45 @@ from worker_service.speculation.scorers import SCORERS
 from worker_service.speculation.verify import verify
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafts:
+    """What the draft stage hands on, per scheduled sequence."""
+
+    token_ids: list[list[int]]               # the drafts scored (forced tokens, or the proposer's, maybe cut)
+    probs: torch.Tensor | None               # [B, K, V] draft probabilities; None: one-hot drafts
+    sources: list[str] | None                # the proposer of each sequence's drafts; None: the configured one
+    parents: list[list[int] | None]          # a tree's parent rows; None: a chain
+    ranks: list[list[int] | None]            # the order a tree's rows were chosen in (None: row order)
+    proposed: list[list[int]]                # the proposer's own drafts, before a constraint cut or replaced them
+    proposed_parents: list[list[int] | None]  # ... and their tree
+
+    @classmethod
+    def none(cls, num_seqs: int) -> "Drafts":
+        empty, nothing = [[] for _ in range(num_seqs)], [None] * num_seqs
+        return cls(empty, None, None, nothing, nothing, empty, nothing)
+
+    @classmethod
+    def of(cls, proposal: Proposal, num_seqs: int) -> "Drafts":
+        parents = proposal.parents or [None] * num_seqs
+        return cls(proposal.draft_token_ids, proposal.draft_probs, proposal.sources, parents,
+                   [proposal.ranks_of(i) for i in range(num_seqs)], proposal.draft_token_ids, parents)
+
+
+class StageTimer:
+    """Wall time per stage name, summed over the stage's spans (a stage may run in several pieces)."""
+
+    def __init__(self):
+        self.ms: dict[str, float] = collections.defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.ms[stage] += (time.perf_counter() - start) * 1e3
 
 
 class Worker:
@@ -193,38 +234,64 @@ class Worker:
         return max(min(num_drafts, self.max_model_len - state.num_tokens - 1), 0)
 
     def _run(self, scheduled: list[RequestState], stats: step.StepStats) -> list[step.SequenceOutput]:
-        t0 = time.perf_counter()
+        """One step in four stages: draft, score (the target's one forward), verify, commit."""
+        timer = StageTimer()
+        with timer("propose"):
+            drafts = self._draft(scheduled)
+        with timer("score"):
+            chunks = [self._chunk(s, d, p) for s, d, p in zip(scheduled, drafts.token_ids, drafts.parents)]
+            logits = self.score(self.target, chunks)  # [sum(num_logits), V]
+        with timer("verify"):
+            sampling_rows = [i for i, c in enumerate(chunks) if c.num_logits > 0]
+            result = self._verify(scheduled, logits, drafts, sampling_rows)
+            outputs = self._commit(scheduled, chunks, drafts, sampling_rows, result)
+        with timer("propose"):  # the proposer's catch-up and previews: its work, not verification
+            self._after_step(scheduled, chunks, sampling_rows, outputs)
+        with timer("verify"):
+            self._report_kv(scheduled, sampling_rows, outputs)
+        stats.propose_ms, stats.score_ms, stats.verify_ms = (timer.ms[n] for n in ("propose", "score", "verify"))
+        stats.num_speculating_seqs = sum(1 for d in drafts.token_ids if d)
+        return list(outputs.values())
+
+    def _draft(self, scheduled: list[RequestState]) -> Drafts:
+        """Each sequence's drafts: the tokens its constraint forces, else the proposer's (cut where the grammar
+        forbids one), up to the scheduler's k."""
         num_slots = [self._num_drafts(s) for s in scheduled]
         is_constrained = any(s.is_constrained for s in scheduled)
         forced = self._forced_drafts(scheduled, num_slots) if is_constrained else [[] for _ in scheduled]
         # The proposer drafts where the constraint forces nothing, unless the scheduler's k was for forced tokens.
         num_drafts = [0 if f or s.forced_drafts_only else k for s, k, f in zip(scheduled, num_slots, forced)]
-        drafts, draft_probs, sources = [[] for _ in scheduled], None, None
-        parents: list[list[int] | None] = [None] * len(scheduled)  # per sequence, a tree's parent rows
-        ranks: list[list[int] | None] = [None] * len(scheduled)    # ... and the order its rows were chosen in
+        drafts = Drafts.none(len(scheduled))
         if any(num_drafts):  # every k = 0: a plain step, the proposer is not called
-            proposal = self.proposer.propose(scheduled, num_drafts)
-            drafts, draft_probs, sources = proposal.draft_token_ids, proposal.draft_probs, proposal.sources
-            parents = proposal.parents or parents
-            ranks = [proposal.ranks_of(i) for i in range(len(scheduled))]
-        proposed, proposed_parents = drafts, parents
-        if is_constrained:  # a constrained sequence drafts the tree's first chain (masks follow one prefix)
-            drafts, parents = list(drafts), list(parents)
-            for i, state in enumerate(scheduled):
-                if state.is_constrained and parents[i] is not None:
-                    drafts[i], parents[i] = drafts[i][:chain_length(parents[i])], None
-            drafts, draft_probs, sources = self._constrain_drafts(scheduled, forced, drafts, draft_probs, sources)
-            parents = [None if f else p for p, f in zip(parents, forced)]
-        t1 = time.perf_counter()
-        chunks = [self._chunk(s, d, p) for s, d, p in zip(scheduled, drafts, parents)]
-        logits = self.score(self.target, chunks)  # [sum(num_logits), V]
-        t2 = time.perf_counter()
-        sampling_rows = [i for i, c in enumerate(chunks) if c.num_logits > 0]
-        if is_constrained:
-            logits = self._mask(logits, [scheduled[i] for i in sampling_rows], [drafts[i] for i in sampling_rows])
-        result = verify([scheduled[i] for i in sampling_rows], logits, [drafts[i] for i in sampling_rows],
-                        None if draft_probs is None else draft_probs[sampling_rows],
-                        [parents[i] for i in sampling_rows])
+            drafts = Drafts.of(self.proposer.propose(scheduled, num_drafts), len(scheduled))
+        if not is_constrained:
+            return drafts
+        # A constrained sequence drafts the tree's first chain (masks follow one prefix).
+        token_ids, parents = list(drafts.token_ids), list(drafts.parents)
+        for i, state in enumerate(scheduled):
+            if state.is_constrained and parents[i] is not None:
+                token_ids[i], parents[i] = token_ids[i][:chain_length(parents[i])], None
+        token_ids, probs, sources = self._constrain_drafts(scheduled, forced, token_ids, drafts.probs,
+                                                           drafts.sources)
+        parents = [None if f else p for p, f in zip(parents, forced)]
+        return dataclasses.replace(drafts, token_ids=token_ids, probs=probs, sources=sources, parents=parents)
+
+    def _verify(self, scheduled: list[RequestState], logits: torch.Tensor, drafts: Drafts,
+                sampling_rows: list[int]):
+        """The emitted tokens of the sequences that sample (`sampling_rows`): constrained rows' logits masked,
+        then each draft accepted or not by the accept rule in verify.py."""
+        states = [scheduled[i] for i in sampling_rows]
+        token_ids = [drafts.token_ids[i] for i in sampling_rows]
+        if any(s.is_constrained for s in scheduled):
+            logits = self._mask(logits, states, token_ids)
+        return verify(states, logits, token_ids, None if drafts.probs is None else drafts.probs[sampling_rows],
+                      [drafts.parents[i] for i in sampling_rows])
+
+    def _commit(self, scheduled: list[RequestState], chunks: list[SequenceChunk], drafts: Drafts,
+                sampling_rows: list[int], result) -> dict[str, step.SequenceOutput]:
+        """Moves each tree's accepted path where a chain's would be, advances every sequence past its scheduled
+        tokens and appends the emitted ones (_accept); the outputs, with what each sequence drafted and accepted."""
+        parents = drafts.parents
         if any(p is not None for p in parents):
             self._keep_paths(scheduled, chunks, sampling_rows, parents, result.paths)
         outputs = {s.request_id: step.SequenceOutput(request_id=s.request_id, token_ids=[]) for s in scheduled}
@@ -232,32 +299,38 @@ class Worker:
             state.num_computed_tokens += state.scheduled_new_tokens
         for row, i in enumerate(sampling_rows):
             out = outputs[scheduled[i].request_id]
-            self._accept(scheduled[i], drafts[i], proposed[i], proposed_parents[i], result, row, out)
-            if drafts[i]:
-                out.proposer = sources[i] if sources is not None else self.config.proposer
+            self._accept(scheduled[i], drafts.token_ids[i], drafts.proposed[i], drafts.proposed_parents[i], result,
+                         row, out)
+            if drafts.token_ids[i]:
+                out.proposer = drafts.sources[i] if drafts.sources is not None else self.config.proposer
             if parents[i] is not None:
                 out.draft_tree_depth = tree_depth(parents[i])
-                order = ranks[i] or range(1, len(parents[i]) + 1)  # a proposer that gave none: rows in order
+                order = drafts.ranks[i] or range(1, len(parents[i]) + 1)  # a proposer that gave none: rows in order
                 out.accepted_draft_ranks = [order[path_row - 1] for path_row in result.paths[row]]
-        t_after = time.perf_counter()
-        if self.proposer is not None:  # positions committed this step: the chunk's tokens and accepted drafts
-            self.proposer.after_step(scheduled, chunks, [s.num_computed_tokens - c.start_pos
-                                                         for s, c in zip(scheduled, chunks)])
-        if isinstance(self.proposer, PreviewingProposer) and sampling_rows:  # the next step's drafts, looked up now
+        return outputs
+
+    def _after_step(self, scheduled: list[RequestState], chunks: list[SequenceChunk], sampling_rows: list[int],
+                    outputs: dict[str, step.SequenceOutput]) -> None:
+        """The proposer hears the positions committed this step (the chunk's tokens and accepted drafts); a
+        previewing proposer looks up each sampled sequence's next drafts now."""
+        if self.proposer is None:
+            return
+        self.proposer.after_step(scheduled, chunks, [s.num_computed_tokens - c.start_pos
+                                                     for s, c in zip(scheduled, chunks)])
+        if isinstance(self.proposer, PreviewingProposer) and sampling_rows:
             sampled = [scheduled[i] for i in sampling_rows]
             caps = [self._within_model_len(s, self.max_num_speculative_tokens) for s in sampled]
             for state, preview in zip(sampled, self.proposer.preview(sampled, caps)):
                 outputs[state.request_id].next_draft = preview
-        after_step_s = time.perf_counter() - t_after  # a catch-up, a preview: the proposer's work, not verification
+
+    def _report_kv(self, scheduled: list[RequestState], sampling_rows: list[int],
+                   outputs: dict[str, step.SequenceOutput]) -> None:
+        """What the scheduler needs of the KV after the step: the positions every model wrote, and the tokens
+        a constraint forces next (the next step's free drafts)."""
         for state in scheduled:
             outputs[state.request_id].num_kv_written_tokens = self._num_kv_written_tokens(state)
         for i in sampling_rows:  # their matchers are built (a prompt still prefilling may wait for its grammar)
             outputs[scheduled[i].request_id].num_forced_tokens_next = self._num_forced_next(scheduled[i])
-        t3 = time.perf_counter()
-        stats.propose_ms, stats.score_ms = (t1 - t0 + after_step_s) * 1e3, (t2 - t1) * 1e3
-        stats.verify_ms = (t3 - t2 - after_step_s) * 1e3
-        stats.num_speculating_seqs = sum(1 for d in drafts if d)
-        return list(outputs.values())
 
     def _forced_drafts(self, scheduled: list[RequestState], num_slots: list[int]) -> list[list[int]]:
         """Per sequence, the tokens its constraint forces next, up to its k (none with --no-forced-drafts)."""
