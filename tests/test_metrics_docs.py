@@ -1,4 +1,5 @@
-"""The metrics the README documents are the ones the code defines; the Grafana dashboard uses only those."""
+"""The metrics the docs document (docs/operations.md, Metrics) are the ones the code defines; the Grafana
+dashboard uses only those."""
 
 import json
 import pathlib
@@ -21,8 +22,8 @@ def defined() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def documented() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """The README's metric tables: name -> (type, labels)."""
-    rows = _ROW.findall((ROOT / "README.md").read_text())
+    """The metric tables of docs/operations.md: name -> (type, labels)."""
+    rows = _ROW.findall((ROOT / "docs" / "operations.md").read_text())
     assert len(rows) == len({name for name, _, _ in rows}), "a metric is listed twice"
     return {name: (kind, tuple(re.findall(r"`(\w+)`", labels))) for name, kind, labels in rows}
 

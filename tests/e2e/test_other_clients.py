@@ -118,9 +118,9 @@ def test_node_client_reports_grpc_errors(server, node_client):
 # ---------------------------------------------------------------------------------------------- grpcurl
 
 def readme_grpcurl_commands(address: str) -> list[list[str]]:
-    """The README's grpcurl block, one argument list per command, aimed at `address`."""
-    block = README_BLOCK.search((REPO / "README.md").read_text())
-    assert block, "README.md has no grpcurl-commands block"
+    """The docs' grpcurl block (docs/serving.md), one argument list per command, aimed at `address`."""
+    block = README_BLOCK.search((REPO / "docs" / "serving.md").read_text())
+    assert block, "docs/serving.md has no grpcurl-commands block"
     text = block.group(1).replace("\\\n", " ").replace(README_ADDRESS, address)
     commands = [shlex.split(line, comments=True) for line in text.splitlines()]
     commands = [c for c in commands if c]
