@@ -1,54 +1,155 @@
 """The scheduler's options (from flags) and the per-worker scheduler config built from a worker's facts."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from scheduler_service.core.config import ROUTING_POLICIES, SchedulerConfig
-from specdec.security import TlsFiles
+from scheduler_service.core.config import ROUTING_POLICIES, SCHEDULING_MODES, SPECULATION_POLICIES, SchedulerConfig
+from specdec.config_flags import setting
 from specdec.metrics_server import check_metrics_port
+from specdec.security import TlsFiles
 
 MAX_DEFAULT_KV_BLOCKS = 4096
 
 
+_CORE_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}
+
+
+def _core_setting(name: str, help_text: str, **metadata):
+    """A setting the core has too, with the core's default: core tests run with what the process runs."""
+    return setting(_CORE_DEFAULTS[name], help_text, **metadata)
+
+
 @dataclass(frozen=True)
 class SchedulerOptions:
-    """Scheduler flags before any worker's facts are known (None = derive from the worker)."""
+    """Scheduler flags before any worker's facts are known (None = derive from the worker).
+
+    A field with a help text is also the scheduler's flag of that name (specdec/config_flags.py generates
+    `specdec scheduler`'s and `specdec serve`'s flags from them); --host, --port, --worker, --model and the
+    TLS and API-key flags the CLI defines.
+    """
 
     model_dir: str
     worker_addresses: tuple[str, ...]
     host: str = "127.0.0.1"
     port: int = 50051
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    num_speculative_tokens: int | None = None
-    speculative_disable_queue_size: int | None = None
-    speculation_policy: str = "goodput"
-    scheduling: str = "async"
-    enable_prefix_caching: bool = True
-    routing: str = "cache-aware"            # where a new request goes (ROUTING_POLICIES)
-    routing_max_imbalance: int = 4          # cache-aware: skip workers with this many more requests than the least busy
-    worker_refresh_interval_s: float = 10.0
-    worker_wait_timeout_s: float = 60.0
-    first_worker_timeout_s: float = 600.0   # the process exits when no worker answers in time
-    worker_step_timeout_s: float = 120.0    # a step without a result for this long: the worker hangs, it leaves
-    take_over_workers: bool = False         # replace another scheduler's session on a worker
-    max_waiting_requests: int = 1024        # queued (not running) requests beyond which new ones are refused
-    max_open_streams: int = 512             # client calls in progress (streams) beyond which new ones are refused
-    shutdown_grace_period_s: float = 30.0   # SIGTERM: how long running requests may finish
-    log_stats_interval_s: float = 10.0      # the periodic stats line while requests run (process/stats_logger.py); 0: off
+    max_model_len: int | None = setting(None, "prompt + output limit (default: the worker's)")
+    num_speculative_tokens: int | None = setting(
+        None, "most drafts per sequence and step (default: the worker's k)", metavar="K"
+    )
+    block_size: int = _core_setting("block_size", "tokens per KV block")
+    num_kv_blocks: int | None = setting(
+        None, f"KV blocks per worker (default: what each worker's KV budget holds, at most {MAX_DEFAULT_KV_BLOCKS})"
+    )
+    max_num_seqs: int = _core_setting("max_num_seqs", "most running requests per worker")
+    max_num_batched_tokens: int = _core_setting(
+        "max_num_batched_tokens", "most tokens per step, prefill chunks included"
+    )
+    speculative_disable_queue_size: int | None = _core_setting(
+        "speculative_disable_queue_size",
+        "no speculation in a step when more than N requests run on its worker (default: never)",
+        metavar="N",
+    )
+    speculation_policy: str = _core_setting(
+        "speculation_policy",
+        "goodput: each sequence's k maximises expected tokens per second of the step (measured step times, "
+        "acceptance by draft position); fixed: always the full k",
+        choices=SPECULATION_POLICIES,
+    )
+    scheduling: str = _core_setting(
+        "scheduling", "async: step N+1 is scheduled while the worker runs step N", choices=SCHEDULING_MODES
+    )
+    enable_prefix_caching: bool = _core_setting(
+        "enable_prefix_caching",
+        "reuse the KV of prompt prefixes a worker has computed before (shared system prompts, earlier chat turns); "
+        "--no-enable-prefix-caching recomputes every prompt",
+    )
+    routing: str = setting(
+        "cache-aware",
+        "which worker a new request goes to: cache-aware, the one holding its longest cached prefix among those not "
+        "much busier than the least busy (--routing-max-imbalance); least-loaded, the one with the fewest requests, "
+        "then the most free KV blocks",
+        choices=ROUTING_POLICIES,
+    )
+    routing_max_imbalance: int = setting(
+        4,
+        "cache-aware routing passes over a worker running or queueing more than N requests more than the least busy "
+        "one",
+        metavar="N",
+    )
+    log_stats_interval_s: float = setting(  # process/stats_logger.py
+        10.0,
+        "while requests run, log throughput, queue, KV usage and acceptance every SECONDS; 0: off",
+        flag="--log-stats-interval",
+        metavar="SECONDS",
+    )
+    worker_refresh_interval_s: float = setting(
+        10.0, "how often dns:/// worker names are resolved again", flag="--worker-refresh-interval", metavar="SECONDS"
+    )
+    worker_wait_timeout_s: float = setting(
+        60.0,
+        "how long a request waits while no worker serves, then UNAVAILABLE",
+        flag="--worker-wait-timeout",
+        metavar="SECONDS",
+    )
+    worker_step_timeout_s: float = setting(
+        120.0,
+        "a worker whose step has no result for this long is treated as failed; its requests move",
+        flag="--worker-step-timeout",
+        metavar="SECONDS",
+    )
+    take_over_workers: bool = setting(
+        False,
+        "replace another scheduler's session on the workers (when replacing a scheduler whose connections are still "
+        "open); without it a worker another scheduler uses is not joined",
+        action="store_true",
+    )
+    max_waiting_requests: int = setting(
+        1024, "queued requests (not yet running) beyond which new ones get RESOURCE_EXHAUSTED", metavar="N"
+    )
+    max_open_streams: int = setting(
+        512, "client calls in progress beyond which new ones get RESOURCE_EXHAUSTED", metavar="N"
+    )
+    structured_output_max_chars: int = setting(
+        65536,
+        "a structured-output constraint (schema, regex, grammar, choices) longer than this is refused with "
+        "INVALID_ARGUMENT",
+        metavar="N",
+    )
+    structured_output_timeout_s: float = setting(
+        2.0,
+        "compiling a constraint for longer than this refuses the request with RESOURCE_EXHAUSTED (compiling runs "
+        "beside the step loop, never in it)",
+        flag="--structured-output-timeout",
+        metavar="SECONDS",
+    )
+    shutdown_grace_period_s: float = setting(
+        30.0,
+        "on SIGTERM: how long running requests may finish before they are aborted",
+        flag="--shutdown-grace-period",
+        metavar="SECONDS",
+    )
+    metrics_port: int = setting(
+        0, "serve the scheduler's Prometheus metrics at http://HOST:PORT/metrics; 0: off (default)", metavar="PORT"
+    )
+    http_port: int = setting(
+        0,
+        "serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) on "
+        "HOST:PORT, with the client port's TLS and API keys; 0: off (default)",
+        metavar="PORT",
+    )
+    served_model_name: str | None = setting(  # None: the workers' model id
+        None,
+        "the model's name in the client APIs: GetServerInfo's model, /v1/models and the OpenAI `model` field "
+        "(default: the model's name, its directory's or GGUF file's; a client may also name the workers' model id, "
+        "its path)",
+        metavar="NAME",
+    )
+    first_worker_timeout_s: float = 600.0  # the process exits when no worker answers in time
     # Security (README "Security"): TLS on the client port; TLS towards the workers (the scheduler's client
     # certificate, the CA of the workers' certificates, the name they carry); accepted API keys (none: open).
     client_tls: TlsFiles = TlsFiles()
     worker_tls: TlsFiles = TlsFiles(flag_prefix="--worker-ssl-", is_server=False)
     worker_server_name: str | None = None
-    api_keys: frozenset[str] = field(default=frozenset(), repr=False)   # secrets: never in a repr or a log
-    metrics_port: int = 0                   # Prometheus /metrics on host:metrics_port; 0: off
-    http_port: int = 0                      # the OpenAI-compatible HTTP API on host:http_port; 0: off
-    served_model_name: str | None = None    # the model's name in the client APIs (None: the workers' model id)
-    structured_output_max_chars: int = 65536  # a structured-output constraint's text beyond this is refused
-    structured_output_timeout_s: float = 2.0  # compiling a constraint for longer than this: RESOURCE_EXHAUSTED
+    api_keys: frozenset[str] = field(default=frozenset(), repr=False)  # secrets: never in a repr or a log
 
     def __post_init__(self) -> None:
         if not self.worker_addresses:
@@ -94,11 +195,17 @@ def scheduler_config(opts: SchedulerOptions, info) -> SchedulerConfig:
     k = info.max_num_speculative_tokens if opts.num_speculative_tokens is None else opts.num_speculative_tokens
     if k > info.max_num_speculative_tokens:
         raise ValueError(f"--num-speculative-tokens {k} exceeds the worker's k ({info.max_num_speculative_tokens})")
-    return SchedulerConfig(num_kv_blocks=num_kv_blocks, block_size=opts.block_size, max_num_seqs=opts.max_num_seqs,
-                           max_num_batched_tokens=opts.max_num_batched_tokens, max_model_len=max_model_len,
-                           num_speculative_tokens=k if info.proposer != "none" else 0,
-                           speculative_disable_queue_size=opts.speculative_disable_queue_size,
-                           speculation_policy=opts.speculation_policy,
-                           max_draft_tree_width=max(info.max_draft_tree_width, 1),
-                           scheduling=opts.scheduling, enable_prefix_caching=opts.enable_prefix_caching,
-                           kv_cache_facts=(info.model_id, info.dtype, info.proposer, info.draft_model_id))
+    return SchedulerConfig(
+        num_kv_blocks=num_kv_blocks,
+        block_size=opts.block_size,
+        max_num_seqs=opts.max_num_seqs,
+        max_num_batched_tokens=opts.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        num_speculative_tokens=k if info.proposer != "none" else 0,
+        speculative_disable_queue_size=opts.speculative_disable_queue_size,
+        speculation_policy=opts.speculation_policy,
+        max_draft_tree_width=max(info.max_draft_tree_width, 1),
+        scheduling=opts.scheduling,
+        enable_prefix_caching=opts.enable_prefix_caching,
+        kv_cache_facts=(info.model_id, info.dtype, info.proposer, info.draft_model_id),
+    )

@@ -223,7 +223,7 @@ def test_async_abort_of_a_request_in_flight_frees_after_its_result():
 
 
 def test_protocol_misuse_is_reported():
-    scheduler, worker = make()
+    scheduler, worker = make(scheduling="sync")
     scheduler.add_request(Request("a", [1], max_tokens=3))
     step = scheduler.schedule()
     with pytest.raises(RuntimeError):
