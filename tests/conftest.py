@@ -57,3 +57,24 @@ def smollm2_path():
     from worker_service.runtime.default_model import fetch_default_model
 
     return fetch_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_greedy(smollm2_path):
+    """generate(prompt_ids, max_new_tokens): the embedded SmolLM2's greedy `transformers` generate (stopping at
+    EOS), the reference of several modules. Each prompt is generated once a session: at ~0.2 s a token on two
+    cores it cost the end-to-end tests a minute a module."""
+    from worker_service.runtime.loader import load_model
+
+    model = load_model(smollm2_path)
+    outputs: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in outputs:
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+            outputs[key] = out[0, len(prompt_ids):].tolist()
+        return list(outputs[key])
+
+    return generate

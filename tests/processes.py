@@ -72,5 +72,12 @@ def running(args: list[str], env: dict | None = None):
 
 def free_port() -> int:
     """A loopback port free now (for flags where 0 means off rather than any port)."""
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` different loopback ports free now: each held until all are chosen (one at a time, the system may
+    hand out the same port twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.create_server(("127.0.0.1", 0))) for _ in range(count)]
+        return [sock.getsockname()[1] for sock in socks]

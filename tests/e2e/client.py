@@ -16,13 +16,17 @@ from tests.processes import running
 
 
 class Server:
-    """A `specdec serve` process and a stub to its client API."""
+    """A `specdec serve` process and a stub to its client API (tests/serving.py: the same, in this process)."""
 
     def __init__(self, process):
         self.process = process
-        self.address = process.address(who="scheduler ")
+        address = process.address(who="scheduler ")
         process.wait_for("scheduler ready")
-        self.channel = grpc.insecure_channel(self.address)
+        self.connect(address)
+
+    def connect(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
 
     def info(self) -> pb.GetServerInfoResponse:

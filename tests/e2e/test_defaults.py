@@ -1,5 +1,6 @@
-"""What a new user gets: `specdec serve` with no flags but its ports (the README's first command) serves the
-embedded SmolLM2 under the model's own name, and speculates, with the output of plain decoding."""
+"""What a new user gets: `specdec serve` with no flags but its ports (the README's first command, a real process)
+serves the embedded SmolLM2 under the model's own name, and speculates, with the output of plain decoding (a
+`--proposer none` server in this process)."""
 
 import grpc
 import pytest
@@ -8,8 +9,9 @@ from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from tests.e2e.client import http_json
 from tests.processes import free_port, running
-from worker_service.speculation.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
+from tests.serving import serve_in_process
 from worker_service.runtime.default_model import DEFAULT_MODEL_NAME, default_model_path
+from worker_service.speculation.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
 
 pytestmark = pytest.mark.slow
 
@@ -25,14 +27,9 @@ def _chat(port: int, **fields) -> tuple[int, dict]:
                  {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0, **fields})
 
 
-def _serve(*flags: str):
-    http_port = free_port()
-    return http_port, running(["serve", "--port", "0", "--http-port", str(http_port), *flags])
-
-
 def test_serve_without_flags_speculates_losslessly_under_the_models_name():
-    http_port, server = _serve()
-    with server as process:
+    http_port = free_port()
+    with running(["serve", "--port", "0", "--http-port", str(http_port)]) as process:
         address = process.address(who="scheduler ")
         process.wait_for("scheduler ready")
         with grpc.insecure_channel(address) as channel:
@@ -49,9 +46,8 @@ def test_serve_without_flags_speculates_losslessly_under_the_models_name():
         assert _chat(http_port, model=str(default_model_path()))[0] == 200  # the model id (its path) too
         assert _chat(http_port, model="gpt-4o")[0] == 404
 
-    http_port, server = _serve("--proposer", "none")
-    with server as process:
-        process.wait_for("scheduler ready")
+    http_port = free_port()
+    with serve_in_process(["--http-port", str(http_port), "--proposer", "none"]):
         status, plain = _chat(http_port)
     assert status == 200, plain
     assert plain["usage"]["speculative_decoding"]["draft_tokens"] == 0

@@ -1,5 +1,6 @@
-"""Two real worker processes behind one scheduler process (tiny model): a worker killed mid-stream loses nothing,
-and the requests it held resume from the prefix the survivor has cached.
+"""Two real worker processes behind one scheduler (tiny model; the scheduler in this process, tests/serving.py):
+a worker killed mid-stream loses nothing, and the requests it held resume from the prefix the survivor has
+cached.
 
 The reference is the undisturbed output of one in-process worker (greedy and
 seeded sampling at temperature 0.8): with randomness keyed by (seed,
@@ -16,13 +17,13 @@ import pytest
 
 from specdec import step
 from specdec.v1 import generation_pb2 as pb
-from specdec.v1 import generation_pb2_grpc
 from tests.e2e.test_prefix_caching import SYSTEM  # a shared system prompt: 9 full blocks of 4
-from tests.processes import Process, running
+from tests.processes import Process
+from tests.serving import scheduler_in_process
 from tests.worker.driver import Driver
-from worker_service.speculation.config import WorkerConfig
 from worker_service.runtime.loader import load_model
 from worker_service.runtime.runner import ModelRunner
+from worker_service.speculation.config import WorkerConfig
 from worker_service.speculation.worker import Worker
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [40] * 12, [10, 11, 12, 10, 11], list(range(3, 23)),
@@ -81,13 +82,11 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "the condition") ->
         time.sleep(0.05)
 
 
-def connect(scheduler: Process, addresses: list[str]):
-    """A channel and stub to the scheduler, once it is ready and both workers serve."""
-    channel = grpc.insecure_channel(scheduler.address(who="scheduler "))
-    stub = generation_pb2_grpc.GenerationServiceStub(channel)
-    scheduler.wait_for("scheduler ready")
-    wait_until(lambda: all(worker_status(stub, a).state == "serving" for a in addresses), what="both workers to serve")
-    return channel, stub
+def connect(scheduler, addresses: list[str]):
+    """The scheduler's stub, once both workers serve."""
+    wait_until(lambda: all(worker_status(scheduler.stub, a).state == "serving" for a in addresses),
+               what="both workers to serve")
+    return scheduler.stub
 
 
 class Streams:
@@ -136,10 +135,10 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, tiny_eagle3_head, 
     try:
         # Least-loaded routing: the restarted worker must take work, which cache-aware routing would send to
         # the survivor, holding every prompt's prefix by then (tests/scheduler/cluster/test_routing.py).
-        with running(["scheduler", "--port", "0", "--model", str(tiny_pair.target_path), "--block-size", "4",
-                      "--worker-step-timeout", str(STEP_TIMEOUT_S), "--routing", "least-loaded",
-                      "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
-            channel, stub = connect(scheduler, addresses)
+        with scheduler_in_process(["--model", str(tiny_pair.target_path), "--block-size", "4",
+                                   "--worker-step-timeout", str(STEP_TIMEOUT_S), "--routing", "least-loaded",
+                                   "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
+            stub = connect(scheduler, addresses)
             streams = Streams(stub, PROMPTS, "r")
             wait_until(lambda: all(len(t) >= 4 for t in streams.tokens), what="every stream to begin")
             before = {a: worker_status(stub, a) for a in addresses}
@@ -173,7 +172,6 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, tiny_eagle3_head, 
                                                                         ignore_eos=True))
                 assert list(stub.Complete(request).token_ids) == reference[i][:8]
             assert worker_status(stub, addresses[0]).counters.num_requests > placed_before  # it takes work
-            channel.close()
     finally:
         for worker in workers:
             worker.stop()
@@ -200,9 +198,9 @@ def test_requests_moved_after_a_kill_resume_from_the_survivor_s_cached_prefix(ti
     workers = start_workers(tiny_pair, 2)
     addresses = [w.address() for w in workers]
     try:
-        with running(["scheduler", "--port", "0", "--model", str(tiny_pair.target_path), "--block-size", "4",
-                      "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
-            channel, stub = connect(scheduler, addresses)
+        with scheduler_in_process(["--model", str(tiny_pair.target_path), "--block-size", "4",
+                                   "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
+            stub = connect(scheduler, addresses)
             streams = Streams(stub, SHARED_PROMPTS, "s")
             wait_until(lambda: all(len(t) >= 4 for t in streams.tokens), what="every stream to begin")
             before = {a: worker_status(stub, a) for a in addresses}
@@ -220,7 +218,6 @@ def test_requests_moved_after_a_kill_resume_from_the_survivor_s_cached_prefix(ti
             # Each moved request found at least the system prompt's 9 blocks on the survivor.
             hits = after.counters.prefix_cache_hits - before[survivor].counters.prefix_cache_hits
             assert hits >= 36 * num_moved
-            channel.close()
     finally:
         for worker in workers:
             worker.stop()

@@ -1,5 +1,6 @@
-"""`specdec serve --metrics-port P --worker-metrics-port Q`: both endpoints, scraped over HTTP, with the tiny pair,
-and checked by Prometheus' own `promtool check metrics` (scripts/test.sh puts it in .venv/bin)."""
+"""`specdec serve --metrics-port P --worker-metrics-port Q` (in this process, tests/serving.py): both endpoints,
+scraped over HTTP, with the tiny pair, and checked by Prometheus' own `promtool check metrics` (scripts/test.sh
+puts it in .venv/bin)."""
 
 import pathlib
 import subprocess
@@ -8,9 +9,10 @@ import sys
 import grpc
 
 from specdec.v1 import generation_pb2 as pb
-from tests.e2e.client import greedy_request, serve, stream_all
-from tests.processes import free_port
+from tests.e2e.client import greedy_request, stream_all
+from tests.processes import free_ports
 from tests.scheduler.process.test_metrics import Scrape
+from tests.serving import serve_in_process
 from worker_service.serving.metrics import METRICS as WORKER_METRICS
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40] * 12, [10, 11, 12, 10, 11, 12, 10]]
@@ -19,11 +21,11 @@ PROMTOOL = pathlib.Path(sys.executable).parent / "promtool"
 
 
 def test_scheduler_and_worker_metrics_ports(tiny_pair):
-    scheduler_port, worker_port = free_port(), free_port()
+    scheduler_port, worker_port = free_ports(2)
     args = ["--model", str(tiny_pair.target_path), "--block-size", "4", "--num-threads", "1", "--proposer", "ngram",
             "--num-speculative-tokens", "3", "--metrics-port", str(scheduler_port),
             "--worker-metrics-port", str(worker_port)]
-    with serve(args) as server:
+    with serve_in_process(args) as server:
         results = stream_all(server.stub, [greedy_request(p, 24) for p in PROMPTS])
         info = server.wait_idle()
         scheduler, worker = Scrape(scheduler_port), Scrape(worker_port)

@@ -1,16 +1,17 @@
-"""The OpenAI-compatible HTTP API of a real `specdec serve` (tiny pair, n-gram speculation), through the official
-`openai` client: the same greedy output as the gRPC API, logprobs, the usage extension, errors and API keys."""
+"""The OpenAI-compatible HTTP API of `specdec serve` (in this process, tests/serving.py; tiny pair, n-gram
+speculation), through the official `openai` client: the same greedy output as the gRPC API, logprobs, the usage
+extension, errors and API keys."""
 
 import http.client
 import json
+import socket
 
-import grpc
 import openai
 import pytest
 
 from specdec.v1 import generation_pb2 as pb
-from specdec.v1 import generation_pb2_grpc
-from tests.processes import free_port, running
+from tests.processes import free_port
+from tests.serving import serve_in_process
 
 KEY = "sk-http-test-5d1e9a"
 MESSAGES = [{"role": "user", "content": "w9 w10 w9 w10"}]
@@ -21,15 +22,11 @@ SERVED_MODEL_NAME = "tiny-llama"  # --served-model-name: what clients see instea
 
 
 class Server:
-    """The serve process, its HTTP address, an `openai` client with the key, and a gRPC stub with the key."""
+    """The server's HTTP address, an `openai` client with the key, and a gRPC stub with the key."""
 
-    def __init__(self, process):
-        self.http_address = process.address(who="http ")
-        self.grpc_address = process.address(who="scheduler ")
-        process.wait_for("scheduler ready")
+    def __init__(self, serving):
+        self.http_address, self.stub = serving.http_address, serving.stub
         self.client = openai.OpenAI(base_url=f"http://{self.http_address}/v1", api_key=KEY, max_retries=0)
-        self.channel = grpc.insecure_channel(self.grpc_address)
-        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self.metadata = [("authorization", f"Bearer {KEY}")]
 
     def complete(self, **fields) -> pb.CompleteResponse:
@@ -51,15 +48,16 @@ class Server:
 def server(tiny_pair, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "api-keys"
     key_file.write_text(f"{KEY}\n")
-    args = ["serve", "--port", "0", "--http-port", str(free_port()), "--api-key-file", str(key_file),
+    args = ["--http-port", str(free_port()), "--api-key-file", str(key_file),
             "--model", str(tiny_pair.target_path), "--block-size", "4", "--num-threads", "1", "--max-model-len", "64",
             "--num-kv-blocks", "64", "--proposer", "ngram", "--num-speculative-tokens", "3",
             "--speculation-policy", "fixed", "--served-model-name", SERVED_MODEL_NAME]
-    with running(args) as process:
-        server_ = Server(process)
-        yield server_
-        server_.channel.close()
-        assert process.stop() == 0  # SIGTERM: drained, both APIs stopped, exit 0
+    with serve_in_process(args) as serving:  # on exit: drained, run_scheduler returned 0
+        yield Server(serving)
+    for address in (serving.http_address, serving.address):  # both APIs stopped
+        host, port = address.rsplit(":", 1)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, int(port)), timeout=5)
 
 
 def _text_of(token_ids, token_texts: list[str]) -> str:

@@ -1,5 +1,6 @@
-"""Clients in other languages against a real `specdec serve` with the tiny seeded model: the README's grpcurl
-commands, run as written, and the Node.js example (examples/node, its packages installed by `npm ci`).
+"""Clients in other languages against `specdec serve` (in this process, tests/serving.py) with the tiny seeded
+model: the README's grpcurl commands, run as written, and the Node.js example (examples/node, its packages
+installed by `npm ci`).
 
 Both must get exactly what the Python stub gets for the same greedy chat request.
 """
@@ -18,8 +19,7 @@ import pytest
 
 from specdec.v1 import generation_pb2 as pb
 from tests.certs import TestCA
-from tests.e2e.client import serve
-from tests.processes import running
+from tests.serving import serve_in_process
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 NODE_DIR = REPO / "examples" / "node"
@@ -40,7 +40,7 @@ def tiny_args(pair, *extra) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(tiny_pair):
-    with serve(tiny_args(tiny_pair)) as server:
+    with serve_in_process(tiny_args(tiny_pair)) as server:
         yield server
 
 
@@ -200,11 +200,10 @@ def test_tls_and_api_key(tiny_pair, node_client, tmp_path):
     ca = TestCA(tmp_path / "ca")
     cert = ca.issue("server", ["localhost"], ["127.0.0.1"])
     (tmp_path / "api-keys").write_text(API_KEY + "\n")
-    args = ["serve", "--port", "0", *tiny_args(tiny_pair), "--ssl-certfile", cert.certfile,
-            "--ssl-keyfile", cert.keyfile, "--api-key-file", str(tmp_path / "api-keys")]
-    with running(args) as process:
-        address = process.address(who="scheduler ")
-        process.wait_for("scheduler ready")
+    args = [*tiny_args(tiny_pair), "--ssl-certfile", cert.certfile, "--ssl-keyfile", cert.keyfile,
+            "--api-key-file", str(tmp_path / "api-keys")]
+    with serve_in_process(args) as server:
+        address = server.address
         base = ["--address", address, "--ca-file", ca.ca_file, "--temperature", "0", "--max-tokens", "4", "--json"]
         done = run_node(node_client, *base, PROMPT, env={"SPECDEC_API_KEY": API_KEY})
         assert done.returncode == 0, done.stderr

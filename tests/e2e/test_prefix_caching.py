@@ -1,12 +1,14 @@
-"""Prefix caching end to end (`specdec serve`, the tiny seeded pair): with cache hits, greedy and seeded
-outputs are token for token those of a server without caching, for every proposer, sync and async, in
-fp32 and bf16, with preemption; GetServerInfo and usage report the hits; no block leaks."""
+"""Prefix caching end to end (`specdec serve` in this process, tests/serving.py; the tiny seeded pair): with
+cache hits, greedy and seeded outputs are token for token those of a server without caching, for every
+proposer, sync and async, in fp32 and bf16, with preemption; GetServerInfo and usage report the hits; no
+block leaks."""
 
 import pytest
 
 from specdec.v1 import generation_pb2 as pb
-from tests.e2e.client import greedy_request, serve, stream, stream_all
+from tests.e2e.client import greedy_request, stream, stream_all
 from tests.e2e.test_serving_tiny import tiny_args
+from tests.serving import serve_in_process
 
 SYSTEM = [(13 * j + 5) % 240 + 3 for j in range(37)]   # a shared "system prompt": 9 full blocks of 4
 TAILS = [[5, 6, 7, 8, 5, 6, 7], [40] * 6, [10, 11, 12, 10, 11], [100, 101, 102], [9, 8, 7, 9]]
@@ -40,7 +42,7 @@ def uncached(request, tiny_pair):
     """The outputs of a server without prefix caching (plain decoding), per dtype."""
     args = tiny_args(tiny_pair, "--proposer", "none", "--scheduling", "sync", "--dtype", request.param,
                      "--no-enable-prefix-caching")
-    with serve(args) as server:
+    with serve_in_process(args) as server:
         outputs, lasts = run(server)
         info = server.wait_idle()
     assert info.counters.prefix_cache_hits == 0 and not info.enable_prefix_caching
@@ -68,7 +70,7 @@ def test_outputs_with_cache_hits_equal_outputs_without_caching(tiny_pair, uncach
     args = [*CONFIGS[name], "--dtype", dtype]
     if "draft" in name:
         args = [*args, "--draft-model", str(tiny_pair.draft_path)]
-    with serve(tiny_args(tiny_pair, *args)) as server:
+    with serve_in_process(tiny_args(tiny_pair, *args)) as server:
         outputs, lasts = run(server)
         info = server.wait_idle()
     if "draft" in name:

@@ -1,5 +1,6 @@
 """Seeded sampling with the embedded SmolLM2 is reproducible: alone, batched, preempted, with n-gram or suffix
-speculation, and after its worker is killed mid-stream (the request moves to the other worker)."""
+speculation (`specdec serve` in this process, tests/serving.py), and after its worker process is killed
+mid-stream (the request moves to the other worker)."""
 
 import os
 import pathlib
@@ -11,6 +12,7 @@ import pytest
 
 from specdec.v1 import generation_pb2 as pb
 from tests.e2e.client import chat_prompts, serve, stream, stream_all
+from tests.serving import serve_in_process
 
 QUESTIONS = ["Write a short story about a robot who learns to paint.", "Describe the water cycle.",
              "Give me three tips for learning a new language.", "What makes a good cup of coffee?",
@@ -34,7 +36,7 @@ def prompts(smollm2_path):
 @pytest.fixture(scope="module")
 def alone(smollm2_path, prompts):
     """Each request on its own (one at a time), no speculation: the reference."""
-    with serve(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.25"]) as server:
+    with serve_in_process(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.25"]) as server:
         outputs = [stream(server.stub, seeded(p, 100 + i))[0] for i, p in enumerate(prompts)]
         batched = stream_all(server.stub, [seeded(p, 100 + i) for i, p in enumerate(prompts)])
     assert [tokens for tokens, _ in batched] == outputs  # batched with 7 others: the same tokens
@@ -46,7 +48,7 @@ def test_preempted_and_with_ngram_speculation(smollm2_path, prompts, alone):
     args = ["--model", str(smollm2_path), "--proposer", "ngram", "--num-speculative-tokens", "4",
             "--num-kv-blocks", "16", "--scheduling", "sync",  # preempts even with the shared template cached
             "--speculation-policy", "fixed"]  # drafts every step, whatever the measured step times
-    with serve(args) as server:
+    with serve_in_process(args) as server:
         results = stream_all(server.stub, [seeded(p, 100 + i) for i, p in enumerate(prompts)])
         info = server.wait_idle()
     assert [tokens for tokens, _ in results] == alone
@@ -60,7 +62,7 @@ def test_with_suffix_speculation(smollm2_path, prompts, alone):
     args = ["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.25", "--proposer", "suffix",
             "--num-speculative-tokens", "8", "--scheduling", "sync", "--speculation-policy", "fixed"]
     requests = [seeded(p, 100 + i) for i, p in enumerate(prompts)]
-    with serve(args) as server:
+    with serve_in_process(args) as server:
         first = stream_all(server.stub, requests)
         first_accepted = server.wait_idle().counters.num_accepted_tokens
         second = stream_all(server.stub, requests)

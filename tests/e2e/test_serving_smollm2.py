@@ -1,11 +1,11 @@
-"""End to end with the embedded SmolLM2: 8 concurrent streaming requests equal `transformers` generate."""
+"""End to end with the embedded SmolLM2 (`specdec serve` in this process, tests/serving.py): 8 concurrent
+streaming requests equal `transformers` generate."""
 
 import pytest
-import torch
 
 from specdec.v1 import generation_pb2 as pb
-from tests.e2e.client import as_complete, chat_prompts, serve, stream_all
-from worker_service.runtime.loader import load_model
+from tests.e2e.client import as_complete, chat_prompts, stream_all
+from tests.serving import serve_in_process
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
              "Explain why the sky is blue in one sentence.", "Translate 'good morning' into German.",
@@ -22,14 +22,8 @@ def prompts(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_path, prompts):
-    model = load_model(smollm2_path)
-    outputs = []
-    for p in prompts:
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)
-        outputs.append(out[0, len(p):].tolist())
-    return outputs
+def reference(smollm2_greedy, prompts):
+    return [smollm2_greedy(p, MAX_TOKENS) for p in prompts]
 
 
 CONFIGS = {
@@ -48,7 +42,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_concurrent_chat_requests_match_transformers(smollm2_path, prompts, reference, name):
-    with serve(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *CONFIGS[name]]) as server:
+    with serve_in_process(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *CONFIGS[name]]) as server:
         requests = [pb.GenerateRequest(prompt_token_ids=p,
                                        sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
                     for p in prompts]
@@ -63,7 +57,7 @@ def test_concurrent_chat_requests_match_transformers(smollm2_path, prompts, refe
 
 
 def test_chat_messages_and_text(smollm2_path):
-    with serve(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.25"]) as server:
+    with serve_in_process(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.25"]) as server:
         chat = pb.GenerateRequest(messages=[pb.ChatMessage(
             role="user", content="What is the capital of France?")],
             sampling=pb.SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]))
@@ -73,16 +67,15 @@ def test_chat_messages_and_text(smollm2_path):
 
 
 @pytest.mark.parametrize("name", ["plain-sync", "ngram-async", "suffix-async"])
-def test_a_second_turn_reuses_the_first_and_still_matches_transformers(smollm2_path, name):
+def test_a_second_turn_reuses_the_first_and_still_matches_transformers(smollm2_path, smollm2_greedy, name):
     """Turn 2 sent with turn 1's answer in the history finds turn 1's prompt and answer in the prefix cache;
     its greedy output is still `transformers`' own."""
     from worker_service.runtime.loader import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_path)
-    model = load_model(smollm2_path)
     turns = [("List three prime numbers.", "Now add them up."),
              ("What is the capital of France?", "And of Italy?")]
-    with serve(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *CONFIGS[name]]) as server:
+    with serve_in_process(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *CONFIGS[name]]) as server:
         for first, second in turns:
             turn1 = chat_prompts(smollm2_path, [first])[0]
             answer, _ = stream_all(server.stub, [pb.GenerateRequest(
@@ -94,9 +87,7 @@ def test_a_second_turn_reuses_the_first_and_still_matches_transformers(smollm2_p
                                                   return_dict=True)["input_ids"]
             tokens, last = stream_all(server.stub, [pb.GenerateRequest(
                 prompt_token_ids=turn2, sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))])[0]
-            with torch.inference_mode():
-                expected = model.generate(torch.tensor([turn2]), max_new_tokens=MAX_TOKENS, do_sample=False)
-            assert tokens == expected[0, len(turn2):].tolist()
+            assert tokens == smollm2_greedy(turn2, MAX_TOKENS)
             assert last.usage.cached_prompt_tokens >= len(turn1) // 16 * 16 > 0
         info = server.wait_idle()
     assert info.counters.prefix_cache_hits > 0 and info.num_free_kv_blocks == info.num_kv_blocks

@@ -1,4 +1,5 @@
-"""End to end with real processes (`specdec serve`) and the tiny seeded target/draft pair."""
+"""End to end with the tiny seeded target/draft pair: `specdec serve`'s workers and scheduler in this process
+(tests/serving.py) for what is served; real processes where the process is the subject (a taken port, SIGTERM)."""
 
 import threading
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from specdec.v1 import generation_pb2 as pb
-from tests.e2e.client import Server, as_complete, expect_status, greedy_request, serve, stream, stream_all
+from tests.e2e.client import Server, as_complete, expect_status, greedy_request, stream, stream_all
+from tests.serving import serve_in_process
 from worker_service.runtime.loader import load_model
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [40] * 12, [10, 11, 12, 10, 11], list(range(3, 23)), [100, 101, 102],
@@ -70,7 +72,7 @@ def test_concurrent_greedy_outputs_are_identical(tiny_pair, tiny_eagle3_head, re
         args = [*args, "--draft-model", str(tiny_pair.draft_path)]
     if "eagle3" in name:
         args = [*args, "--draft-model", str(tiny_eagle3_head)]
-    with serve(tiny_args(tiny_pair, *args)) as server:
+    with serve_in_process(tiny_args(tiny_pair, *args)) as server:
         results = stream_all(server.stub, [greedy_request(p, MAX_TOKENS) for p in PROMPTS])
         assert [tokens for tokens, _ in results] == reference
         assert all(last.finish_reason == pb.FINISH_REASON_LENGTH for _, last in results)
@@ -101,9 +103,9 @@ def test_seeded_eagle3_under_preemption_equals_plain_seeded_decoding(tiny_pair, 
             temperature=0.8, top_p=0.95, seed=300 + i, max_tokens=MAX_TOKENS, ignore_eos=True))
 
     requests = [seeded(i, p) for i, p in enumerate(PROMPTS)]
-    with serve(tiny_args(tiny_pair, *CONFIGS["plain-sync"])) as server:
+    with serve_in_process(tiny_args(tiny_pair, *CONFIGS["plain-sync"])) as server:
         alone = [stream(server.stub, r)[0] for r in requests]
-    with serve(tiny_args(tiny_pair, *CONFIGS[name], "--draft-model", str(tiny_eagle3_head))) as server:
+    with serve_in_process(tiny_args(tiny_pair, *CONFIGS[name], "--draft-model", str(tiny_eagle3_head))) as server:
         together = [tokens for tokens, _ in stream_all(server.stub, requests)]
         info = server.wait_idle()
     assert together == alone
@@ -116,7 +118,7 @@ def test_auto_disable_then_resume(tiny_pair, reference):
     args = tiny_args(tiny_pair, "--proposer", "draft", "--draft-model", str(tiny_pair.target_path),
                      "--num-speculative-tokens", "3", "--speculative-disable-queue-size", "2", "--scheduling", "sync",
                      "--speculation-policy", "fixed")  # k from the queue rule alone, not from timings (goodput)
-    with serve(args) as server:
+    with serve_in_process(args) as server:
         requests = [greedy_request(p, 4) for p in PROMPTS[:3]] + [greedy_request(PROMPTS[3], MAX_TOKENS)]
         results = stream_all(server.stub, requests)
         info = server.wait_idle()
@@ -129,7 +131,8 @@ def test_auto_disable_then_resume(tiny_pair, reference):
 
 @pytest.fixture(scope="module")
 def plain_server(tiny_pair):
-    with serve(tiny_args(tiny_pair, "--proposer", "none", "--max-model-len", "64", "--num-kv-blocks", "64")) as server:
+    args = tiny_args(tiny_pair, "--proposer", "none", "--max-model-len", "64", "--num-kv-blocks", "64")
+    with serve_in_process(args) as server:
         yield server
 
 

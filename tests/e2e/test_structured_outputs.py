@@ -1,9 +1,10 @@
-"""Structured outputs through a real `specdec serve` (a tiny random model over a byte-level vocabulary, n-gram
-speculation, async and sync scheduling; suffix, EAGLE-3 (a random head), both at once and forced drafts off under
-one scheduling each): every kind of constraint over gRPC and the official `openai` client, the same tokens with
-and without speculation, `length` inside the constraint, bad constraints refused with the server still serving,
-the cache hit on a repeated schema, a hostile constraint refused within the bound while another request
-streams, and constrained streams that survive preemption and a killed worker."""
+"""Structured outputs through `specdec serve` (in this process, tests/serving.py; a tiny random model over a
+byte-level vocabulary, n-gram speculation, async and sync scheduling; suffix, EAGLE-3 (a random head), both at
+once and forced drafts off under one scheduling each): every kind of constraint over gRPC and the official
+`openai` client, the same tokens with and without speculation, `length` inside the constraint, bad constraints
+refused with the server still serving, the cache hit on a repeated schema, a hostile constraint refused within
+the bound while another request streams, and constrained streams that survive preemption and a killed worker
+(worker processes)."""
 
 import json
 import re
@@ -17,8 +18,8 @@ import openai
 import pytest
 
 from specdec.v1 import generation_pb2 as pb
-from specdec.v1 import generation_pb2_grpc
-from tests.processes import free_port, running
+from tests.processes import free_ports
+from tests.serving import scheduler_in_process, serve_in_process
 from tests.tiny_models import make_tiny_byte_pair
 
 SCHEMA = {"type": "object", "properties": {
@@ -50,24 +51,20 @@ def speculating_server(request, tmp_path_factory):
 
 
 def serving(tmp_path_factory, scheduling: str, proposer_args: list[str]):
-    """A `specdec serve` of the tiny byte-level model (with a random EAGLE-3 head for it) and its clients."""
+    """`specdec serve` of the tiny byte-level model (with a random EAGLE-3 head for it), in this process
+    (tests/serving.py), and its clients."""
     pair = make_tiny_byte_pair(tmp_path_factory.mktemp("bytes"))
-    metrics_port = free_port()
-    args = ["serve", "--port", "0", "--http-port", str(free_port()), "--metrics-port", str(metrics_port),
+    http_port, metrics_port = free_ports(2)
+    args = ["--http-port", str(http_port), "--metrics-port", str(metrics_port),
             "--model", str(pair.target_path), "--block-size", "4", "--num-threads", "1", "--max-model-len", "256",
             "--num-kv-blocks", "256", *proposer_args, "--speculation-policy", "fixed",
             "--structured-output-timeout", "1", "--served-model-name", MODEL, "--scheduling", scheduling]
     if any("eagle3" in arg for arg in proposer_args):
         args += ["--draft-model", str(pair.eagle3_head_path)]
-    with running(args) as process:
-        http_address = process.address(who="http ")
-        grpc_address = process.address(who="scheduler ")
-        process.wait_for("scheduler ready")
-        channel = grpc.insecure_channel(grpc_address)
-        yield {"stub": generation_pb2_grpc.GenerationServiceStub(channel),
-               "openai": openai.OpenAI(base_url=f"http://{http_address}/v1", api_key="none", max_retries=0),
+    with serve_in_process(args) as server:
+        yield {"stub": server.stub,
+               "openai": openai.OpenAI(base_url=f"http://{server.http_address}/v1", api_key="none", max_retries=0),
                "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "args": args}
-        channel.close()
 
 
 def complete(server, constraint: pb.StructuredOutputs, speculate: bool = True, seed: int | None = None,
@@ -280,9 +277,9 @@ def _failover_reference(pair) -> list[list[int]]:
     from scheduler_service.frontends.tokenizer import ChatTokenizer
     from specdec import step, structured
     from tests.worker.driver import Driver
-    from worker_service.speculation.config import WorkerConfig
     from worker_service.runtime.loader import load_model
     from worker_service.runtime.runner import ModelRunner
+    from worker_service.speculation.config import WorkerConfig
     from worker_service.speculation.worker import Worker
 
     tokenizer = ChatTokenizer(pair.target_path)
@@ -299,23 +296,20 @@ def _failover_reference(pair) -> list[list[int]]:
 
 
 def test_constrained_streams_survive_preemption_and_a_killed_worker(byte_pair):
-    """Two worker processes, a KV pool small enough to preempt, one worker killed mid-stream: every
-    constrained stream (greedy and seeded) ends with exactly the tokens it has alone, valid JSON."""
+    """Two worker processes (the scheduler in this process), a KV pool small enough to preempt, one worker
+    killed mid-stream: every constrained stream (greedy and seeded) ends with exactly the tokens it has alone,
+    valid JSON."""
     from tests.e2e.test_failover import start_workers, wait_until, worker_status
-    from tests.processes import Process
 
     reference = _failover_reference(byte_pair)
     args = ["--num-threads", "1", "--proposer", "ngram", "--num-speculative-tokens", "3"]
     workers = start_workers(byte_pair, 2, args)
     addresses = [w.address() for w in workers]
     try:
-        scheduler = Process(["scheduler", "--port", "0", "--model", str(byte_pair.target_path), "--block-size", "4",
-                             "--num-kv-blocks", "56", "--speculation-policy", "fixed", "--routing", "least-loaded",
-                             "--worker", addresses[0], "--worker", addresses[1]])
-        try:
-            channel = grpc.insecure_channel(scheduler.address(who="scheduler "))
-            stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            scheduler.wait_for("scheduler ready")
+        with scheduler_in_process(["--model", str(byte_pair.target_path), "--block-size", "4", "--num-kv-blocks", "56",
+                                   "--speculation-policy", "fixed", "--routing", "least-loaded",
+                                   "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
+            stub = scheduler.stub
             wait_until(lambda: all(worker_status(stub, a).state == "serving" for a in addresses))
             tokens, finish = [[] for _ in FAILOVER_PROMPTS], [None] * len(FAILOVER_PROMPTS)
             texts = [""] * len(FAILOVER_PROMPTS)
@@ -343,9 +337,6 @@ def test_constrained_streams_survive_preemption_and_a_killed_worker(byte_pair):
                 jsonschema.validate(json.loads(text), LONG_SCHEMA)
             info = stub.GetServerInfo(pb.GetServerInfoRequest())
             assert info.counters.num_moved_requests >= 1 and info.counters.num_preemptions >= 1
-            channel.close()
-        finally:
-            scheduler.stop()
     finally:
         for worker in workers:
             worker.stop()

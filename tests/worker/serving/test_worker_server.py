@@ -1,4 +1,5 @@
-"""The Worker gRPC service in a real process on 127.0.0.1 (port 0)."""
+"""The Worker gRPC service on 127.0.0.1 (port 0): served in this process as `specdec worker` serves it
+(tests/serving.py), and in a real process for SIGTERM and a failed start."""
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -9,8 +10,9 @@ from specdec import step
 from scheduler_service.cluster.worker_client import WorkerClient
 from tests.e2e.client import expect_status
 from tests.processes import running
+from tests.serving import worker_in_process
 from tests.worker.driver import Driver
-from worker_service.runtime.loader import load_model, load_tokenizer
+from worker_service.runtime.loader import load_tokenizer
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 256
@@ -23,14 +25,12 @@ def health_status(address: str, service: str = "") -> int:
 
 @pytest.fixture(scope="module")
 def tiny_worker(tiny_pair):
-    with running(["worker", "--host", "127.0.0.1", "--port", "0", "--model", str(tiny_pair.target_path),
-                  "--num-threads", "1", "--proposer", "none"]) as proc:
-        address = proc.address()
-        proc.wait_for("model loaded")
-        assert health_status(address) == health_pb2.HealthCheckResponse.NOT_SERVING  # no cache yet
-        client = SessionClient(address)
+    with worker_in_process(["--model", str(tiny_pair.target_path), "--num-threads", "1", "--proposer", "none"]) \
+            as worker:
+        assert health_status(worker.address) == health_pb2.HealthCheckResponse.NOT_SERVING  # no cache yet
+        client = SessionClient(worker.address)
         client.new_session()
-        yield proc, client
+        yield client
         client.close()
 
 
@@ -59,7 +59,7 @@ def stream_driver(client: SessionClient) -> Driver:
 
 
 def test_health_serving_after_init_and_reflection(tiny_worker):
-    proc, client = tiny_worker
+    client = tiny_worker
     assert health_status(client.address) == health_pb2.HealthCheckResponse.SERVING
     assert health_status(client.address, "specdec.v1.WorkerService") == health_pb2.HealthCheckResponse.SERVING
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -72,7 +72,7 @@ def test_health_serving_after_init_and_reflection(tiny_worker):
 
 
 def test_describe(tiny_worker):
-    _, client = tiny_worker
+    client = tiny_worker
     info = client.describe(BLOCK_SIZE)
     assert info.vocab_size == 256 and info.eos_token_ids == [2]
     # 4 layers x K,V x 16 tokens x 2 kv heads x 16 head dim x 4 bytes
@@ -82,7 +82,7 @@ def test_describe(tiny_worker):
 
 
 def test_batch_equals_each_alone(tiny_worker):
-    _, client = tiny_worker
+    client = tiny_worker
     prompts = [[5, 6, 7], list(range(10, 40)), [9] * 12, [100, 3]]
     together = stream_driver(client).generate(prompts, 16, prefix="batch")
     alone = [stream_driver(client).generate([p], 16, prefix=f"alone{i}")[0] for i, p in enumerate(prompts)]
@@ -90,7 +90,7 @@ def test_batch_equals_each_alone(tiny_worker):
 
 
 def test_seeded_sampling_reproducible(tiny_worker):
-    _, client = tiny_worker
+    client = tiny_worker
     prompts = [[5, 6, 7], [11, 12, 13, 14]]
     seeded = step.RequestSampling(temperature=1.0, top_p=0.9, top_k=50, seed=1234)
     first = stream_driver(client).generate(prompts, 20, sampling=seeded, prefix="s1")
@@ -105,7 +105,7 @@ def expect_invalid(client: SessionClient, request: step.StepRequest, fragment: s
 
 
 def test_bad_requests_get_invalid_argument_and_worker_keeps_serving(tiny_worker):
-    _, client = tiny_worker
+    client = tiny_worker
     client.new_session()
     greedy = step.RequestSampling(temperature=0.0)
     expect_invalid(client, step.StepRequest(1, cached_requests=[step.CachedRequest("nope", [], 0, 1)]),
@@ -133,7 +133,7 @@ def expect_session_refused(stream_or_call, fragment: str) -> None:
 def test_one_scheduler_session_at_a_time(tiny_worker):
     """A second scheduler (or a rogue client) cannot start a session, open a step stream, or run steps in the
     live session; the live session's requests go on untouched; an explicit take-over ends the old session."""
-    _, client = tiny_worker
+    client = tiny_worker
     greedy = step.RequestSampling(temperature=0.0)
     session_id = client.new_session()
     live = client.open_stream(session_id)
@@ -179,25 +179,19 @@ def test_bad_model_path_exits_nonzero(tmp_path):
 
 
 CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-                "Explain in two sentences why the sky is blue."]
+                "Explain why the sky is blue in one sentence."]  # as tests/e2e/test_serving_smollm2.py's
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_matches_transformers_generate(smollm2_path):
+def test_smollm2_greedy_matches_transformers_generate(smollm2_path, smollm2_greedy):
     tokenizer = load_tokenizer(smollm2_path)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"] for p in CHAT_PROMPTS]
-    reference = load_model(smollm2_path)
-    want = []
-    for p in prompts:
-        with torch.inference_mode():
-            out = reference.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)
-        want.append(out[0, len(p):].tolist())
+    want = [smollm2_greedy(p, 32) for p in prompts]
     # One n-gram worker: k = 0 every step is plain decoding, k = 3 speculates (the scheduler's per-step k).
-    with running(["worker", "--port", "0", "--model", str(smollm2_path), "--proposer", "ngram",
-                  "--num-speculative-tokens", "3", "--draft-previews"]) as proc:
-        client = SessionClient(proc.address())
-        proc.wait_for("model loaded")
+    with worker_in_process(["--model", str(smollm2_path), "--proposer", "ngram", "--num-speculative-tokens", "3",
+                            "--draft-previews"]) as worker:
+        client = SessionClient(worker.address)
         got = stream_driver(client).generate(prompts, 32)
         ngram = stream_driver(client)
         got_ngram = ngram.generate(prompts, 32, prefix="ng", num_speculative_tokens=3)
