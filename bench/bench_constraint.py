@@ -33,15 +33,29 @@ from worker_service import structured  # noqa: E402
 from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 
 RECORDS = {
-    "article": (ARTICLE_SCHEMA, {
-        "title": "A new bridge opens in the old town centre", "people": ["Mayor Anna Smith", "John Doe"],
-        "places": ["Springfield"], "topic": "world",
-        "summary": "The town opened a long-awaited bridge across the river on Monday, after three years of "
-                   "construction and many delays."}),
-    "passage": (PASSAGE_SCHEMA, {
-        "subject": "The water cycle", "key_facts": ["Water evaporates from oceans and lakes.",
-                                                     "Clouds form as vapour cools.", "Rain returns it to the ground."],
-        "sentiment": "neutral"}),
+    "article": (
+        ARTICLE_SCHEMA,
+        {
+            "title": "A new bridge opens in the old town centre",
+            "people": ["Mayor Anna Smith", "John Doe"],
+            "places": ["Springfield"],
+            "topic": "world",
+            "summary": "The town opened a long-awaited bridge across the river on Monday, after three years of "
+            "construction and many delays.",
+        },
+    ),
+    "passage": (
+        PASSAGE_SCHEMA,
+        {
+            "subject": "The water cycle",
+            "key_facts": [
+                "Water evaporates from oceans and lakes.",
+                "Clouds form as vapour cools.",
+                "Rain returns it to the ground.",
+            ],
+            "sentiment": "neutral",
+        },
+    ),
 }
 PARTS = ("mask", "apply", "forced", "advance")
 COMPARED = ("apply_ref",)  # timed beside the parts, not part of a step
@@ -83,23 +97,30 @@ def main(args) -> None:
         passes = [walk(start, token_ids, vocab_size, eos, logits) for _ in range(args.passes)]
         report["records"][name] = {"num_tokens": len(token_ids), "passes": passes}
         for spent in passes:
-            print(f"  {name} ({len(token_ids)} tokens): " + "  ".join(f"{p} {spent[p]:.3f}" for p in PARTS)
-                  + f"  total {sum(spent[p] for p in PARTS):.3f}  (apply_ref {spent['apply_ref']:.3f})")
+            print(
+                f"  {name} ({len(token_ids)} tokens): "
+                + "  ".join(f"{p} {spent[p]:.3f}" for p in PARTS)
+                + f"  total {sum(spent[p] for p in PARTS):.3f}  (apply_ref {spent['apply_ref']:.3f})"
+            )
     # A verify step of k = 5 applies six rows' masks at once: the whole step's apply, kernel and reference.
     start = grammars.start(to_grammar("json", json.dumps(RECORDS["article"][0]))).result().deep_copy()
     bitmask = structured.masks(start, tokenizer(json.dumps(RECORDS["article"][1]))["input_ids"][:5], vocab_size)
     step_logits, rows = torch.randn(6, vocab_size), torch.arange(6)
     report["six_row_apply_ms"] = {}
-    for label, apply in (("kernel", token_bitmask.apply_token_bitmask_),
-                         ("reference", token_bitmask.apply_token_bitmask_reference)):
+    for label, apply in (
+        ("kernel", token_bitmask.apply_token_bitmask_),
+        ("reference", token_bitmask.apply_token_bitmask_reference),
+    ):
         warm = step_logits.clone()  # in cache, as the scorer's logits are; applying again does the same work
         apply(warm, rows, bitmask, eos)
         begin = time.perf_counter()
         for _ in range(200):
             apply(warm, rows, bitmask, eos)
         report["six_row_apply_ms"][label] = (time.perf_counter() - begin) / 200 * 1e3
-    print("  six rows' masks applied at once (a k = 5 verify): " + "  ".join(
-        f"{label} {ms:.3f} ms" for label, ms in report["six_row_apply_ms"].items()))
+    print(
+        "  six rows' masks applied at once (a k = 5 verify): "
+        + "  ".join(f"{label} {ms:.3f} ms" for label, ms in report["six_row_apply_ms"].items())
+    )
     print(f"saved {save('constraint', report)}")
 
 

@@ -38,12 +38,12 @@ import torch  # noqa: E402
 from bench import bench_spec  # noqa: E402
 from bench.common import chat_ids, load_questions, save  # noqa: E402
 from tests.worker.driver import Driver  # noqa: E402
-from worker_service.speculation.config import WorkerConfig  # noqa: E402
+from worker_service.runtime.backends.transformers_layers import TransformersForward  # noqa: E402
+from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 from worker_service.runtime.fast_linear import PackedLinear  # noqa: E402
 from worker_service.runtime.loader import load_model, load_tokenizer  # noqa: E402
-from worker_service.runtime.backends.transformers_layers import TransformersForward  # noqa: E402
 from worker_service.runtime.runner import ModelRunner  # noqa: E402
-from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
+from worker_service.speculation.config import WorkerConfig  # noqa: E402
 from worker_service.speculation.worker import Worker  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "q8_0": "q8_0", "q4_1": "q4_1"}  # label: --dtype
@@ -67,8 +67,9 @@ def _timed(fn) -> float:
 def weight_bytes(model) -> int:
     """Bytes of the weights one forward of a packed model (ModelRunner's) reads: the packed linears' (blocks
     for a quantized dtype) and every other parameter but the embedding table (a lookup reads one row)."""
-    packed = sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in model.modules()
-                 if isinstance(m, PackedLinear))
+    packed = sum(
+        m.packed_weight.numel() * m.packed_weight.element_size() for m in model.modules() if isinstance(m, PackedLinear)
+    )
     embedding = model.get_input_embeddings().weight
     return packed + sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
 
@@ -125,31 +126,53 @@ def main(args) -> None:
         runner.backend = fast
     bound_ms = {label: weights[label] / bandwidth * 1e3 for label in DTYPES}
 
-    print(f"\nSmolLM2-135M, {torch.get_num_threads()} threads, batch 1, greedy, {len(prompts)} prompts "
-          f"({args.prompts_per_category} per category), {args.new_tokens} new tokens, fastest of {args.repeats}")
+    print(
+        f"\nSmolLM2-135M, {torch.get_num_threads()} threads, batch 1, greedy, {len(prompts)} prompts "
+        f"({args.prompts_per_category} per category), {args.new_tokens} new tokens, fastest of {args.repeats}"
+    )
     print(f"  {'config':<12}{'tok/s':>8}{'tok/fwd':>9}{'accept':>8}{'vs fp32 plain':>15}{'vs fp32 k':>11}")
     spec_fp32 = table[f"fp32 k={args.k}"]["tok_s"]
     for name, row in table.items():
         accept = f"{row['acceptance']:.0%}" if row["acceptance"] is not None else "-"
-        print(f"  {name:<12}{row['tok_s']:8.1f}{row['tokens_per_forward']:9.2f}{accept:>8}"
-              f"{row['tok_s'] / table['fp32 plain']['tok_s']:14.2f}x{row['tok_s'] / spec_fp32:10.2f}x")
+        print(
+            f"  {name:<12}{row['tok_s']:8.1f}{row['tokens_per_forward']:9.2f}{accept:>8}"
+            f"{row['tok_s'] / table['fp32 plain']['tok_s']:14.2f}x{row['tok_s'] / spec_fp32:10.2f}x"
+        )
     differ = {}
     for label in DTYPES:
         reference, spec = runs[f"{label} plain"], runs[f"{label} k={args.k}"]
-        differ[label] = [labels[i] for i, (a, b) in enumerate(zip(spec, reference))
-                         if a.token_ids[:args.new_tokens] != b.token_ids[:args.new_tokens]]
-        print(f"  {label} k={args.k} outputs differing from {label} plain: {len(differ[label])} / {len(prompts)} "
-              f"{' '.join(differ[label])}")
+        differ[label] = [
+            labels[i]
+            for i, (a, b) in enumerate(zip(spec, reference))
+            if a.token_ids[: args.new_tokens] != b.token_ids[: args.new_tokens]
+        ]
+        print(
+            f"  {label} k={args.k} outputs differing from {label} plain: {len(differ[label])} / {len(prompts)} "
+            f"{' '.join(differ[label])}"
+        )
     print(f"\nmemory bound: read bandwidth {bandwidth / 1e9:.1f} GB/s (torch.sum over 1 GiB)")
     for label in DTYPES:
-        print(f"  {label}: {weights[label] / 1e6:.0f} MB of weights per forward -> bound {bound_ms[label]:.1f} ms "
-              f"per decode step; measured {step_ms[label]:.1f} ms: {bound_ms[label] / step_ms[label]:.0%} of the bound "
-              f"(transformers' layers: {transformers_step_ms[label]:.1f} ms, "
-              f"{bound_ms[label] / transformers_step_ms[label]:.0%}; fast forward "
-              f"{transformers_step_ms[label] / step_ms[label]:.2f}x)")
-    save("dtype", {"args": vars(args), "prompts": labels, "table": table, "differ": differ,
-                   "read_bandwidth_bytes_s": bandwidth, "weight_bytes": weights, "bound_step_ms": bound_ms,
-                   "plain_decode_step_ms": step_ms, "transformers_plain_decode_step_ms": transformers_step_ms})
+        print(
+            f"  {label}: {weights[label] / 1e6:.0f} MB of weights per forward -> bound {bound_ms[label]:.1f} ms "
+            f"per decode step; measured {step_ms[label]:.1f} ms: {bound_ms[label] / step_ms[label]:.0%} of the bound "
+            f"(transformers' layers: {transformers_step_ms[label]:.1f} ms, "
+            f"{bound_ms[label] / transformers_step_ms[label]:.0%}; fast forward "
+            f"{transformers_step_ms[label] / step_ms[label]:.2f}x)"
+        )
+    save(
+        "dtype",
+        {
+            "args": vars(args),
+            "prompts": labels,
+            "table": table,
+            "differ": differ,
+            "read_bandwidth_bytes_s": bandwidth,
+            "weight_bytes": weights,
+            "bound_step_ms": bound_ms,
+            "plain_decode_step_ms": step_ms,
+            "transformers_plain_decode_step_ms": transformers_step_ms,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -85,16 +85,29 @@ def main() -> None:
             w.stop()
     gaps = sorted(next((a for a in arr if a > killed_at), float("inf")) - killed_at for arr in arrivals)
     num_moved = int(info.counters.num_moved_requests)
-    moved, others = gaps[len(gaps) - num_moved:], gaps[: len(gaps) - num_moved]
-    row = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "num_moved": num_moved,
-           "errors": errors, "all_complete": counts == [args.max_tokens] * len(prompts),
-           "moved_next_token_s": moved, "others_next_token_s": others,
-           "moved_median_s": statistics.median(moved) if moved else None,
-           "others_median_s": statistics.median(others) if others else None}
-    logger.info("%d of %d requests moved; SIGKILL -> their next token: median %.2f s, max %.2f s "
-                "(the others' next token: median %.2f s); all complete: %s; errors: %d",
-                num_moved, len(prompts), row["moved_median_s"] or 0, max(moved, default=0),
-                row["others_median_s"] or 0, row["all_complete"], len(errors))
+    moved, others = gaps[len(gaps) - num_moved :], gaps[: len(gaps) - num_moved]
+    row = {
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "num_moved": num_moved,
+        "errors": errors,
+        "all_complete": counts == [args.max_tokens] * len(prompts),
+        "moved_next_token_s": moved,
+        "others_next_token_s": others,
+        "moved_median_s": statistics.median(moved) if moved else None,
+        "others_median_s": statistics.median(others) if others else None,
+    }
+    logger.info(
+        "%d of %d requests moved; SIGKILL -> their next token: median %.2f s, max %.2f s "
+        "(the others' next token: median %.2f s); all complete: %s; errors: %d",
+        num_moved,
+        len(prompts),
+        row["moved_median_s"] or 0,
+        max(moved, default=0),
+        row["others_median_s"] or 0,
+        row["all_complete"],
+        len(errors),
+    )
     save("failover", {"args": vars(args), "result": row})
 
 

@@ -45,7 +45,7 @@ def drafts_of(scheme: str, matcher, context: list[int], k: int) -> list[tuple[in
     if forced and scheme == "forced, else ngram":
         return [(t, "forced") for t in forced]
     copied, _ = propose_ngram(context + forced, 1, 4, k - len(forced))
-    valid = structured.valid_drafts(matcher, forced + copied)[len(forced):]
+    valid = structured.valid_drafts(matcher, forced + copied)[len(forced) :]
     return [(t, "forced") for t in forced] + [(t, "ngram") for t in valid]
 
 
@@ -53,13 +53,14 @@ def replay(scheme: str, start, prompt: list[int], answer: list[int], k: int, tot
     matcher, pos = start.deep_copy(), 0
     while pos < len(answer):
         drafts = drafts_of(scheme, matcher, prompt + answer[:pos], k)
-        accepted = next((j for j, (t, _) in enumerate(drafts) if pos + j >= len(answer) or t != answer[pos + j]),
-                        len(drafts))
+        accepted = next(
+            (j for j, (t, _) in enumerate(drafts) if pos + j >= len(answer) or t != answer[pos + j]), len(drafts)
+        )
         for j, (_, source) in enumerate(drafts):
             counts = totals["drafts"].setdefault(source, [0, 0])
             counts[0] += 1
             counts[1] += j < accepted
-        emitted = answer[pos: pos + accepted + 1]
+        emitted = answer[pos : pos + accepted + 1]
         structured.advance(matcher, emitted)
         pos += len(emitted)
         totals["steps"] += 1
@@ -76,8 +77,7 @@ def main(args) -> None:
     model = fetch_default_model()
     tokenizer = AutoTokenizer.from_pretrained(model)
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
-    grammars = structured.Grammars(lambda: (model / "tokenizer.json").read_text(), vocab_size,
-                                   [tokenizer.eos_token_id])
+    grammars = structured.Grammars(lambda: (model / "tokenizer.json").read_text(), vocab_size, [tokenizer.eos_token_id])
     print(f"{len(jobs)} jobs, {sum(map(len, answers))} answer tokens (constrained greedy, the default model)")
     report = {"args": vars(args), "num_tokens": sum(map(len, answers)), "results": []}
     for k in args.k:
@@ -87,9 +87,11 @@ def main(args) -> None:
                 start = grammars.start(to_grammar("json", json.dumps(job["schema"]))).result()
                 replay(scheme, start, chat_ids(tokenizer, job["prompt"]), answer, k, totals)
             drafted = ", ".join(f"{s} {d}/{a}" for s, (d, a) in sorted(totals["drafts"].items()))
-            print(f"k={k:<3} {scheme:20s} steps {totals['steps']:5d}  tokens/step "
-                  f"{totals['tokens'] / totals['steps']:.2f}  rows/step {totals['rows'] / totals['steps']:.2f}  "
-                  f"drafts/accepted: {drafted}")
+            print(
+                f"k={k:<3} {scheme:20s} steps {totals['steps']:5d}  tokens/step "
+                f"{totals['tokens'] / totals['steps']:.2f}  rows/step {totals['rows'] / totals['steps']:.2f}  "
+                f"drafts/accepted: {drafted}"
+            )
             report["results"].append({"k": k, "scheme": scheme, **totals})
     print(f"saved {save('forced-replay', report)}")
 
@@ -99,6 +101,10 @@ if __name__ == "__main__":
     parser.add_argument("--num-texts", type=int, default=10, help="texts per category (summarization, rag)")
     parser.add_argument("--text-chars", type=int, default=1500)
     parser.add_argument("--max-tokens", type=int, default=320)
-    parser.add_argument("--k", type=lambda s: [int(x) for x in s.split(",")], default=[5, 16],
-                        help="drafts per step: n-gram's default 5, suffix's 16")
+    parser.add_argument(
+        "--k",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[5, 16],
+        help="drafts per step: n-gram's default 5, suffix's 16",
+    )
     main(parser.parse_args())

@@ -24,8 +24,8 @@ Results: bench/results/goodput-*.json.
 """
 
 import argparse
-import contextlib
 from concurrent.futures import ThreadPoolExecutor
+import contextlib
 import logging
 import math
 import pathlib
@@ -45,8 +45,11 @@ logger = logging.getLogger("bench.goodput")
 
 CATEGORIES = ["summarization", "rag", "qa", "translation", "math_reasoning"]
 MT_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
-DEFAULT_CONFIGS = ["--proposer none", "--proposer ngram --num-speculative-tokens 5",
-                   "--proposer suffix --num-speculative-tokens 16"]
+DEFAULT_CONFIGS = [
+    "--proposer none",
+    "--proposer ngram --num-speculative-tokens 5",
+    "--proposer suffix --num-speculative-tokens 16",
+]
 
 
 def generate(stub, messages: list[tuple[str, str]], max_tokens: int, timeout_s: float) -> tuple[list[int], str]:
@@ -69,6 +72,7 @@ def mean_k(num_sequence_steps_by_k: list[int]) -> float | None:
 
 def counters_delta(before: pb.Counters, after: pb.Counters) -> dict:
     """The speculation counters over an interval: k histogram, acceptance by position, step-time model."""
+
     def diff(a, b):
         n = max(len(a), len(b))
         return [(a[i] if i < len(a) else 0) - (b[i] if i < len(b) else 0) for i in range(n)]
@@ -78,17 +82,24 @@ def counters_delta(before: pb.Counters, after: pb.Counters) -> dict:
     drafted = after.num_drafted_tokens - before.num_drafted_tokens
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     measured = after.measured_step_seconds - before.measured_step_seconds
-    return {"num_sequence_steps_by_k": by_k,
-            "mean_k": mean_k(by_k),
-            "num_accepted_per_pos": per_pos, "num_drafted": drafted, "num_accepted": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "num_steps": after.num_steps - before.num_steps,
-            "predicted_step_s": after.predicted_step_seconds - before.predicted_step_seconds,
-            "measured_step_s": measured,
-            "step_time_rel_error": ((after.step_time_abs_error_seconds - before.step_time_abs_error_seconds) / measured
-                                    if measured > 0 else None),
-            "worker_step_s": after.worker_step_seconds - before.worker_step_seconds,
-            "propose_s": after.propose_seconds - before.propose_seconds}
+    return {
+        "num_sequence_steps_by_k": by_k,
+        "mean_k": mean_k(by_k),
+        "num_accepted_per_pos": per_pos,
+        "num_drafted": drafted,
+        "num_accepted": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "num_steps": after.num_steps - before.num_steps,
+        "predicted_step_s": after.predicted_step_seconds - before.predicted_step_seconds,
+        "measured_step_s": measured,
+        "step_time_rel_error": (
+            (after.step_time_abs_error_seconds - before.step_time_abs_error_seconds) / measured
+            if measured > 0
+            else None
+        ),
+        "worker_step_s": after.worker_step_seconds - before.worker_step_seconds,
+        "propose_s": after.propose_seconds - before.propose_seconds,
+    }
 
 
 class Target:
@@ -100,8 +111,9 @@ class Target:
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self.outputs: dict[str, list[int]] = {}
 
-    def run(self, jobs: list[tuple[str, list[tuple[str, str]]]], concurrency: int, max_tokens: int,
-            timeout_s: float) -> dict:
+    def run(
+        self, jobs: list[tuple[str, list[tuple[str, str]]]], concurrency: int, max_tokens: int, timeout_s: float
+    ) -> dict:
         """Serves the jobs (key, messages) with at most `concurrency` in flight; throughput and counters."""
         before = wait_idle(self.stub).counters
         start = time.perf_counter()
@@ -112,9 +124,14 @@ class Target:
         for (key, _), (token_ids, _) in zip(jobs, results):
             self.outputs[key] = token_ids
         num_tokens = sum(len(t) for t, _ in results)
-        return {"num_requests": len(jobs), "num_tokens": num_tokens, "wall_s": wall_s,
-                "tok_s": num_tokens / wall_s, "texts": [text for _, text in results],
-                **counters_delta(before, after)}
+        return {
+            "num_requests": len(jobs),
+            "num_tokens": num_tokens,
+            "wall_s": wall_s,
+            "tok_s": num_tokens / wall_s,
+            "texts": [text for _, text in results],
+            **counters_delta(before, after),
+        }
 
 
 def strip_texts(node) -> None:
@@ -126,7 +143,7 @@ def strip_texts(node) -> None:
 
 
 def rotate(targets: list[Target], index: int) -> list[Target]:
-    return targets[index % len(targets):] + targets[:index % len(targets)]
+    return targets[index % len(targets) :] + targets[: index % len(targets)]
 
 
 def geomean(values: list[float]) -> float:
@@ -141,7 +158,7 @@ def main(args) -> None:
     taken = {c: 0 for c in by_category}
 
     def take(category: str, n: int) -> list[dict]:
-        rows = by_category[category][taken[category]: taken[category] + n]
+        rows = by_category[category][taken[category] : taken[category] + n]
         taken[category] += n
         return rows
 
@@ -176,8 +193,9 @@ def main(args) -> None:
             sweep[concurrency] = {}
             for t in rotate(targets, turn):
                 sweep[concurrency][t.label] = t.run(jobs, concurrency, args.max_tokens, args.request_timeout)
-                logger.info("concurrency %d / %s: %.1f tok/s", concurrency, t.label,
-                            sweep[concurrency][t.label]["tok_s"])
+                logger.info(
+                    "concurrency %d / %s: %.1f tok/s", concurrency, t.label, sweep[concurrency][t.label]["tok_s"]
+                )
             turn += 1
         report["sweep"] = sweep
 
@@ -188,8 +206,10 @@ def main(args) -> None:
         for t in rotate(targets, turn):
             mt["turn1"][t.label] = t.run(first, 1, args.long_tokens, args.request_timeout)
         answers = mt["turn1"][targets[0].label]["texts"]  # greedy: every configuration's are the same
-        second = [(f"mt2-{q['question_id']}", [("user", q["turns"][0]), ("assistant", answer),
-                                                 ("user", q["turns"][1])]) for q, answer in zip(rows, answers)]
+        second = [
+            (f"mt2-{q['question_id']}", [("user", q["turns"][0]), ("assistant", answer), ("user", q["turns"][1])])
+            for q, answer in zip(rows, answers)
+        ]
         for t in rotate(targets, turn):
             mt["turn2"][t.label] = t.run(second, 1, args.long_tokens, args.request_timeout)
             logger.info("MT-Bench turn 2 / %s: %.1f tok/s", t.label, mt["turn2"][t.label]["tok_s"])
@@ -207,8 +227,9 @@ def main(args) -> None:
         report["repeat"] = repeat
 
         base = targets[0]
-        report["num_outputs_differing"] = {t.label: sum(t.outputs[k] != base.outputs[k] for k in base.outputs)
-                                           for t in targets[1:]}
+        report["num_outputs_differing"] = {
+            t.label: sum(t.outputs[k] != base.outputs[k] for k in base.outputs) for t in targets[1:]
+        }
     strip_texts(report)
     print_report(report, [t.label for t in targets])
     save("goodput", report)
@@ -226,37 +247,50 @@ def print_report(report: dict, labels: list[str]) -> None:
         row = [runs[label]["tok_s"] for label in labels]
         for label in labels:
             ratios[label].append(runs[label]["tok_s"] / runs[base]["tok_s"])
-        print(f"{category:<16}" + "".join(f"{v:>8.1f}" for v in row)
-              + "".join(f"{v / row[0]:>7.2f}x" for v in row[1:]))
-    print(f"{'geomean':<16}" + " " * 8 * len(labels)
-          + "".join(f"{geomean(ratios[label]):>7.2f}x" for label in labels[1:]))
+        print(f"{category:<16}" + "".join(f"{v:>8.1f}" for v in row) + "".join(f"{v / row[0]:>7.2f}x" for v in row[1:]))
+    print(
+        f"{'geomean':<16}" + " " * 8 * len(labels) + "".join(f"{geomean(ratios[label]):>7.2f}x" for label in labels[1:])
+    )
     if len(labels) >= 3:
-        print(f"{names[2]} vs {names[1]} geomean: "
-              f"{geomean([a / b for a, b in zip(ratios[labels[2]], ratios[labels[1]])]):.2f}x")
+        print(
+            f"{names[2]} vs {names[1]} geomean: "
+            f"{geomean([a / b for a, b in zip(ratios[labels[2]], ratios[labels[1]])]):.2f}x"
+        )
     print("\nconcurrency sweep (tok/s, ratio vs [1]; mean k, acceptance, predicted/measured step time)")
     for concurrency, runs in report["sweep"].items():
         for name, label in zip(names, labels):
             r = runs[label]
             rel = r["step_time_rel_error"]
-            print(f"  c={concurrency:<3} {name} {r['tok_s']:>7.1f} {r['tok_s'] / runs[base]['tok_s']:>5.2f}x "
-                  f"k={'-' if r['mean_k'] is None else format(r['mean_k'], '.2f'):>5} "
-                  f"k-hist={r['num_sequence_steps_by_k']} "
-                  f"accept={'-' if r['acceptance_rate'] is None else format(r['acceptance_rate'], '.2f')} "
-                  f"per-pos={r['num_accepted_per_pos'][:8]} "
-                  f"pred/meas={r['predicted_step_s']:.1f}/{r['measured_step_s']:.1f}s "
-                  f"err={'-' if rel is None else format(rel, '.0%')}")
+            print(
+                f"  c={concurrency:<3} {name} {r['tok_s']:>7.1f} {r['tok_s'] / runs[base]['tok_s']:>5.2f}x "
+                f"k={'-' if r['mean_k'] is None else format(r['mean_k'], '.2f'):>5} "
+                f"k-hist={r['num_sequence_steps_by_k']} "
+                f"accept={'-' if r['acceptance_rate'] is None else format(r['acceptance_rate'], '.2f')} "
+                f"per-pos={r['num_accepted_per_pos'][:8]} "
+                f"pred/meas={r['predicted_step_s']:.1f}/{r['measured_step_s']:.1f}s "
+                f"err={'-' if rel is None else format(rel, '.0%')}"
+            )
     for section, title in (("mt_bench", "MT-Bench"), ("repeat", "same prompts twice")):
         print(f"\n{title} (tok/s, ratio vs [1])")
         for part, runs in report[section].items():
-            print(f"  {part:<6}" + "".join(f" {n} {runs[label]['tok_s']:>6.1f} {runs[label]['tok_s'] / runs[base]['tok_s']:>5.2f}x"
-                                       for n, label in zip(names, labels)))
+            print(
+                f"  {part:<6}"
+                + "".join(
+                    f" {n} {runs[label]['tok_s']:>6.1f} {runs[label]['tok_s'] / runs[base]['tok_s']:>5.2f}x"
+                    for n, label in zip(names, labels)
+                )
+            )
     print(f"\noutputs differing from [1] (greedy: expect 0): {report['num_outputs_differing']}")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", metavar="FLAGS",
-                        help=f"`specdec serve` flags of one configuration (default: {DEFAULT_CONFIGS})")
+    parser.add_argument(
+        "--config",
+        action="append",
+        metavar="FLAGS",
+        help=f"`specdec serve` flags of one configuration (default: {DEFAULT_CONFIGS})",
+    )
     parser.add_argument("--common-flags", default="", help="flags added to every configuration")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
     parser.add_argument("--prompts-per-category", type=int, default=3, help="batch-1 workload")

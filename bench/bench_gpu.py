@@ -30,10 +30,10 @@ import torch  # noqa: E402
 from bench.bench_spec import CATEGORIES  # noqa: E402
 from bench.common import chat_ids, load_questions, save  # noqa: E402
 from tests.worker.driver import Driver  # noqa: E402
-from worker_service.speculation.config import WorkerConfig  # noqa: E402
-from worker_service.speculation.build import build_worker  # noqa: E402
-from worker_service.runtime.loader import load_model, load_tokenizer  # noqa: E402
 from worker_service.runtime.default_model import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
+from worker_service.runtime.loader import load_model, load_tokenizer  # noqa: E402
+from worker_service.speculation.build import build_worker  # noqa: E402
+from worker_service.speculation.config import WorkerConfig  # noqa: E402
 
 BLOCK_SIZE = 16
 logger = logging.getLogger("bench.gpu")
@@ -56,14 +56,17 @@ def batch_of(prompts: list[list[int]], size: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(size)]
 
 
-def worker_tok_s(worker, num_blocks: int, prompts: list[list[int]], new_tokens: int, k: int = 0,
-                 device: str = "cpu") -> tuple[float, list[list[int]]]:
+def worker_tok_s(
+    worker, num_blocks: int, prompts: list[list[int]], new_tokens: int, k: int = 0, device: str = "cpu"
+) -> tuple[float, list[list[int]]]:
     """Tokens/s of one Driver run (the prefill included), and the outputs."""
     outputs = []
 
     def run():
-        outputs[:] = Driver(worker.execute, BLOCK_SIZE, num_blocks).generate(prompts, new_tokens,
-                                                                             num_speculative_tokens=k)
+        outputs[:] = Driver(worker.execute, BLOCK_SIZE, num_blocks).generate(
+            prompts, new_tokens, num_speculative_tokens=k
+        )
+
     seconds = timed(device, run)
     return len(prompts) * new_tokens / seconds, outputs
 
@@ -76,8 +79,16 @@ def hf_tok_s(model, tokenizer, prompts: list[list[int]], new_tokens: int, device
 
     def run():
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, eos_token_id=None, pad_token_id=pad)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
+
     run()  # warm-up
     return len(prompts) * new_tokens / timed(device, run)
 
@@ -91,12 +102,23 @@ def main(args) -> None:
     tokenizer = load_tokenizer(path)
     questions = load_questions(categories=list(CATEGORIES), per_category=args.prompts_per_category)
     prompts = [chat_ids(tokenizer, q["turns"][0]) for q in questions]
-    num_blocks = (max(args.batches + args.spec_batches) * (max(map(len, prompts)) + args.new_tokens + 8)
-                  // BLOCK_SIZE + 1)
+    num_blocks = (
+        max(args.batches + args.spec_batches) * (max(map(len, prompts)) + args.new_tokens + 8) // BLOCK_SIZE + 1
+    )
     configs = [("none", 0)] + [(proposer, k) for proposer in args.proposers for k in args.ks]
-    workers = {(proposer, k): build_worker(WorkerConfig(
-        model=path, dtype=args.dtype, device=args.device, proposer=proposer, num_speculative_tokens=k,
-        draft_model=str(DEFAULT_EAGLE3_HEAD) if "eagle3" in proposer else None)) for proposer, k in configs}
+    workers = {
+        (proposer, k): build_worker(
+            WorkerConfig(
+                model=path,
+                dtype=args.dtype,
+                device=args.device,
+                proposer=proposer,
+                num_speculative_tokens=k,
+                draft_model=str(DEFAULT_EAGLE3_HEAD) if "eagle3" in proposer else None,
+            )
+        )
+        for proposer, k in configs
+    }
     for (_, k), worker in workers.items():
         worker.init_cache(num_blocks, BLOCK_SIZE)
         worker_tok_s(worker, num_blocks, prompts[:1], 8, k, args.device)  # warm-up (kernel builds)
@@ -104,8 +126,9 @@ def main(args) -> None:
     results = {"args": vars(args), "device": plain.config.device, "plain": {}, "hf": {}, "spec": {}}
     for batch in args.batches:  # each run once before it is timed, as hf_tok_s does (shapes, autotuning)
         worker_tok_s(plain, num_blocks, batch_of(prompts, batch), args.new_tokens, device=args.device)
-        results["plain"][batch], _ = worker_tok_s(plain, num_blocks, batch_of(prompts, batch), args.new_tokens,
-                                                  device=args.device)
+        results["plain"][batch], _ = worker_tok_s(
+            plain, num_blocks, batch_of(prompts, batch), args.new_tokens, device=args.device
+        )
         logger.info("plain decoding, batch %d: %.1f tok/s", batch, results["plain"][batch])
     model = load_model(path, plain.config.dtype, torch.device(plain.config.device))
     for batch in args.hf_batches:
@@ -123,10 +146,14 @@ def main(args) -> None:
                 outputs[proposer, k] += out
         base = ("none", 0)
         total = len(outputs[base]) * args.new_tokens
-        results["spec"][batch] = {f"{proposer} k={k}": {
-            "tok_s": total / seconds[proposer, k], "vs_plain": seconds[base] / seconds[proposer, k],
-            "outputs_differing": sum(a != b for a, b in zip(outputs[proposer, k], outputs[base]))}
-            for proposer, k in workers}
+        results["spec"][batch] = {
+            f"{proposer} k={k}": {
+                "tok_s": total / seconds[proposer, k],
+                "vs_plain": seconds[base] / seconds[proposer, k],
+                "outputs_differing": sum(a != b for a, b in zip(outputs[proposer, k], outputs[base])),
+            }
+            for proposer, k in workers
+        }
         logger.info("batch %d: %s", batch, results["spec"][batch])
 
     print(f"\nSmolLM2-135M on {results['device']}, {plain.config.dtype}, greedy, {args.new_tokens} new tokens")
@@ -150,8 +177,12 @@ if __name__ == "__main__":
     parser.add_argument("--hf-batches", type=ints, default=[1, 8], help="transformers generate batch sizes")
     parser.add_argument("--spec-batches", type=ints, default=[1, 16], help="speculation vs plain batch sizes")
     parser.add_argument("--ks", type=ints, default=[3, 5])
-    parser.add_argument("--proposers", type=lambda text: [p for p in text.split(";") if p], default=["ngram"],
-                        help="semicolon-separated --proposer values, e.g. 'ngram;eagle3;eagle3,suffix'")
+    parser.add_argument(
+        "--proposers",
+        type=lambda text: [p for p in text.split(";") if p],
+        default=["ngram"],
+        help="semicolon-separated --proposer values, e.g. 'ngram;eagle3;eagle3,suffix'",
+    )
     parser.add_argument("--prompts-per-category", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
     ARGS = parser.parse_args()

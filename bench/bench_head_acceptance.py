@@ -28,12 +28,12 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from bench.bench_goodput import MT_CATEGORIES  # noqa: E402
 from bench.common import chat_ids, load_questions, save  # noqa: E402
-from tests.worker.driver import Driver  # noqa: E402
-from worker_service.speculation.config import WorkerConfig  # noqa: E402
 from draft_training.prompts import SELF_PROMPT_OPENERS  # noqa: E402
 from draft_training.train import BLOCK_SIZE, stop_token_ids, write_self_prompts  # noqa: E402
-from worker_service.speculation.build import build_worker  # noqa: E402
+from tests.worker.driver import Driver  # noqa: E402
 from worker_service.runtime.default_model import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
+from worker_service.speculation.build import build_worker  # noqa: E402
+from worker_service.speculation.config import WorkerConfig  # noqa: E402
 
 NUM_BLOCKS = 4096
 
@@ -45,19 +45,29 @@ def main(args) -> None:
     writer.init_cache(args.num_self_prompts * 16, BLOCK_SIZE)
     stops = stop_token_ids(writer, tokenizer)
     rng = random.Random(args.seed)
-    openers = {"self, empty turn": [""] * args.num_self_prompts,
-               "self, openers": [rng.choice(SELF_PROMPT_OPENERS) for _ in range(args.num_self_prompts)]}
-    texts = {label: [p.text for p in write_self_prompts(writer, tokenizer, stops, starts, args.seed,
-                                                        args.num_self_prompts)]
-             for label, starts in openers.items()}
+    openers = {
+        "self, empty turn": [""] * args.num_self_prompts,
+        "self, openers": [rng.choice(SELF_PROMPT_OPENERS) for _ in range(args.num_self_prompts)],
+    }
+    texts = {
+        label: [p.text for p in write_self_prompts(writer, tokenizer, stops, starts, args.seed, args.num_self_prompts)]
+        for label, starts in openers.items()
+    }
     del writer
-    texts["mt-bench"] = [q["turns"][0] for q in load_questions(categories=MT_CATEGORIES,
-                                                               per_category=args.per_category)]
-    report = {"args": {**vars(args), "head": str(args.head)}, "num_prompts": {k: len(v) for k, v in texts.items()},
-              "acceptance": {}}
+    texts["mt-bench"] = [
+        q["turns"][0] for q in load_questions(categories=MT_CATEGORIES, per_category=args.per_category)
+    ]
+    report = {
+        "args": {**vars(args), "head": str(args.head)},
+        "num_prompts": {k: len(v) for k, v in texts.items()},
+        "acceptance": {},
+    }
     for dtype in args.dtypes:
-        worker = build_worker(WorkerConfig(model=model, dtype=dtype, proposer="eagle3", draft_model=str(args.head),
-                                           num_speculative_tokens=1))
+        worker = build_worker(
+            WorkerConfig(
+                model=model, dtype=dtype, proposer="eagle3", draft_model=str(args.head), num_speculative_tokens=1
+            )
+        )
         worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
         report["acceptance"][dtype] = {}
         for label, prompts in texts.items():
@@ -65,15 +75,20 @@ def main(args) -> None:
             driver.generate([chat_ids(tokenizer, t) for t in prompts], args.new_tokens, num_speculative_tokens=1)
             outputs = [o for r in driver.results for o in r.outputs]
             drafted, accepted = sum(o.num_draft_tokens for o in outputs), sum(o.num_accepted_tokens for o in outputs)
-            report["acceptance"][dtype][label] = {"drafted": drafted, "accepted": accepted,
-                                                  "rate": accepted / drafted if drafted else None}
+            report["acceptance"][dtype][label] = {
+                "drafted": drafted,
+                "accepted": accepted,
+                "rate": accepted / drafted if drafted else None,
+            }
             logging.info("%s %s: %d / %d accepted", dtype, label, accepted, drafted)
     print(f"\nfirst drafts accepted, k = 1, greedy, {args.new_tokens} tokens a prompt ({args.head.name})")
     print(f"{'prompts':18} {'n':>4} " + " ".join(f"{d:>10}" for d in args.dtypes))
     for label in texts:
         rates = [report["acceptance"][d][label]["rate"] for d in args.dtypes]
-        print(f"{label:18} {len(texts[label]):4} " + " ".join(f"{r:10.3f}" if r is not None else f"{'-':>10}"
-                                                                for r in rates))
+        print(
+            f"{label:18} {len(texts[label]):4} "
+            + " ".join(f"{r:10.3f}" if r is not None else f"{'-':>10}" for r in rates)
+        )
     save("head-acceptance", report)
 
 

@@ -33,9 +33,9 @@ from bench.common import chat_ids, save  # noqa: E402
 from specdec.structured import to_grammar  # noqa: E402
 from tests.worker.driver import Driver  # noqa: E402
 from worker_service import structured  # noqa: E402
-from worker_service.speculation.config import WorkerConfig  # noqa: E402
-from worker_service.speculation.build import build_worker  # noqa: E402
 from worker_service.runtime.default_model import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
+from worker_service.speculation.build import build_worker  # noqa: E402
+from worker_service.speculation.config import WorkerConfig  # noqa: E402
 from worker_service.speculation.proposers.eagle3 import Eagle3Proposer  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -74,8 +74,11 @@ class HeadWatch:
                     self._record(state)
             return propose(states, num_drafts)
 
-        self.head.draft_tokens, proposer._catch_up, proposer.propose = (watched_draft_tokens, watched_catch_up,
-                                                                          watched_propose)
+        self.head.draft_tokens, proposer._catch_up, proposer.propose = (
+            watched_draft_tokens,
+            watched_catch_up,
+            watched_propose,
+        )
 
     def _record(self, state) -> None:
         matcher = self.worker.grammars.matcher(state)
@@ -83,15 +86,29 @@ class HeadWatch:
             return
         row = self.tops[state.request_id]
         allowed = [t for t in row if matcher.validate_tokens([t]) == 1]
-        self.records.append({"request_id": state.request_id, "position": state.num_tokens, "first": row[0],
-                             "first_allowed": allowed[:1] == row[:1], "masked": allowed[0] if allowed else None})
+        self.records.append(
+            {
+                "request_id": state.request_id,
+                "position": state.num_tokens,
+                "first": row[0],
+                "first_allowed": allowed[:1] == row[:1],
+                "masked": allowed[0] if allowed else None,
+            }
+        )
 
 
 def main(args) -> None:
     model = str(fetch_default_model())
     tokenizer = AutoTokenizer.from_pretrained(model)
-    worker = build_worker(WorkerConfig(model=model, proposer="eagle3", draft_model=str(DEFAULT_EAGLE3_HEAD),
-                                       num_speculative_tokens=1, forced_drafts=False))
+    worker = build_worker(
+        WorkerConfig(
+            model=model,
+            proposer="eagle3",
+            draft_model=str(DEFAULT_EAGLE3_HEAD),
+            num_speculative_tokens=1,
+            forced_drafts=False,
+        )
+    )
     worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
     watch = HeadWatch(worker, args.top)
     driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
@@ -100,8 +117,13 @@ def main(args) -> None:
     for n, job in enumerate(jobs_of(args.num_texts, args.text_chars, offset=args.offset)):
         prompt = chat_ids(tokenizer, job["prompt"])
         watch.records.clear()
-        output = driver.generate([prompt], args.max_tokens, num_speculative_tokens=1,
-                                 grammar=to_grammar("json", json.dumps(job["schema"])), prefix=f"j{n}-")[0]
+        output = driver.generate(
+            [prompt],
+            args.max_tokens,
+            num_speculative_tokens=1,
+            grammar=to_grammar("json", json.dumps(job["schema"])),
+            prefix=f"j{n}-",
+        )[0]
         # The driver decodes past EOS to --max-tokens; only the record's own positions count (after it the
         # grammar allows EOS alone, and then nothing).
         end = next((i for i, t in enumerate(output) if t in worker.grammars.eos_token_ids), None)
@@ -123,9 +145,11 @@ def main(args) -> None:
         print(f"{job['key']}: a record of {end} tokens, {job_counts}", flush=True)
     total = max(counts["positions"], 1)
     shares = {key: counts[key] / total for key in ("first_allowed", "first_equal", "masked_equal")}
-    print(f"\n{counts['positions']} positions where the grammar allows more than one token: the head's first choice "
-          f"allowed {shares['first_allowed']:.3f}, equal to the target's token {shares['first_equal']:.3f}; the "
-          f"likeliest allowed of its top {args.top} equal {shares['masked_equal']:.3f}")
+    print(
+        f"\n{counts['positions']} positions where the grammar allows more than one token: the head's first choice "
+        f"allowed {shares['first_allowed']:.3f}, equal to the target's token {shares['first_equal']:.3f}; the "
+        f"likeliest allowed of its top {args.top} equal {shares['masked_equal']:.3f}"
+    )
     save("head-grammar", {"args": vars(args), "counts": counts, "shares": shares, "per_job": per_job})
 
 

@@ -26,10 +26,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import median_time, save  # noqa: E402
+from worker_service.runtime.default_model import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
 from worker_service.runtime.eagle3_head import TargetFacts, load_head  # noqa: E402
 from worker_service.runtime.loader import load_model  # noqa: E402
 from worker_service.runtime.runner import ModelRunner, SequenceChunk, pack  # noqa: E402
-from worker_service.runtime.default_model import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -37,8 +37,12 @@ BLOCK_SIZE = 16
 def main(args) -> None:
     model = load_model(fetch_default_model(), args.dtype)
     config = model.config
-    head = load_head(args.head, TargetFacts(config.hidden_size, config.vocab_size, config.num_hidden_layers),
-                     model.model.embed_tokens, torch.device("cpu"))
+    head = load_head(
+        args.head,
+        TargetFacts(config.hidden_size, config.vocab_size, config.num_hidden_layers),
+        model.model.embed_tokens,
+        torch.device("cpu"),
+    )
     num_blocks = (max(args.prompt_tokens, args.context_tokens) + 1) // BLOCK_SIZE + 2
     table = list(range(num_blocks))
     target = ModelRunner(model)
@@ -47,7 +51,7 @@ def main(args) -> None:
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (args.prompt_tokens,), generator=generator).tolist()
     aux = torch.randn(args.prompt_tokens, 3 * config.hidden_size, generator=generator)
-    context = prompt[:args.context_tokens]
+    context = prompt[: args.context_tokens]
     results = {}
 
     def time_ms(name: str, fn) -> None:
@@ -57,19 +61,22 @@ def main(args) -> None:
     time_ms("target prefill", lambda: target.forward([SequenceChunk(prompt, 0, table)]))
     target.forward([SequenceChunk(context, 0, table)])
     for rows in args.rows:
-        time_ms(f"target step, {rows} row{'s' if rows > 1 else ''}",
-                lambda: target.forward([SequenceChunk(prompt[:rows], len(context), table, num_logits=rows)]))
+        time_ms(
+            f"target step, {rows} row{'s' if rows > 1 else ''}",
+            lambda: target.forward([SequenceChunk(prompt[:rows], len(context), table, num_logits=rows)]),
+        )
 
     def head_call(chunks, features, output_rows: bool):
         batch = pack(chunks, head.kv_cache, head.device)
-        return head(batch.input_ids, batch.positions, features, batch.metadata,
-                    batch.logits_indices if output_rows else None)
+        return head(
+            batch.input_ids, batch.positions, features, batch.metadata, batch.logits_indices if output_rows else None
+        )
 
     catch_up = [SequenceChunk(prompt, 0, table, num_logits=1)]
     time_ms("head fc over the prompt's features", lambda: head.features(aux))
     time_ms("head catch-up, every row", lambda: head_call(catch_up, head.features(aux), False))
     time_ms("head catch-up, output_rows", lambda: head_call(catch_up, head.features(aux), True))
-    head_call([SequenceChunk(context, 0, table)], head.features(aux[:len(context)]), True)
+    head_call([SequenceChunk(context, 0, table)], head.features(aux[: len(context)]), True)
     feature = head.features(aux[:1])
     time_ms("head draft step", lambda: head_call([SequenceChunk([1], len(context), table)], feature, False))
     save("head-step", {"args": {**vars(args), "head": str(args.head)}, "ms": results})

@@ -33,9 +33,9 @@ from bench.bench_linear import cpu_name  # noqa: E402
 from bench.common import ROOT, save  # noqa: E402
 from kernels import linear_cpu, paged_attention_cpu  # noqa: E402
 from kernels.cpu_build import load_library  # noqa: E402
+from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 from worker_service.runtime.loader import load_model  # noqa: E402
 from worker_service.runtime.runner import ModelRunner, SequenceChunk  # noqa: E402
-from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 
 ROWS = (1, 2, 3, 5, 8)
 BLOCK_SIZE = 16
@@ -43,8 +43,10 @@ BLOCK_SIZE = 16
 
 def builds_of(source_dir: pathlib.Path) -> tuple:
     """(linear library, attention function) built from one copy of kernels/csrc."""
-    return (linear_cpu.bind(load_library("linear_cpu", source_dir=source_dir)),
-            paged_attention_cpu.bind(load_library("paged_attention_cpu", source_dir=source_dir)))
+    return (
+        linear_cpu.bind(load_library("linear_cpu", source_dir=source_dir)),
+        paged_attention_cpu.bind(load_library("paged_attention_cpu", source_dir=source_dir)),
+    )
 
 
 def use(build: tuple) -> None:
@@ -66,22 +68,26 @@ def main() -> None:
         if archive.returncode != 0:
             sys.exit(f"git archive {args.rev} kernels/csrc failed: {archive.stderr.decode().strip()}")
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        builds = {args.rev: builds_of(pathlib.Path(tmp) / "kernels" / "csrc"),
-                  "working tree": (linear_cpu.c_library(), paged_attention_cpu.kernel())}
+        builds = {
+            args.rev: builds_of(pathlib.Path(tmp) / "kernels" / "csrc"),
+            "working tree": (linear_cpu.c_library(), paged_attention_cpu.kernel()),
+        }
     runner = ModelRunner(load_model(fetch_default_model(), args.dtype))
     blocks = -(-(args.context + max(ROWS)) // BLOCK_SIZE)
     runner.init_cache(blocks, BLOCK_SIZE)
     table = list(range(blocks))
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, runner.vocab_size, (args.context + max(ROWS),), generator=generator).tolist()
-    runner.forward([SequenceChunk(tokens[:args.context], 0, table, num_logits=0)])
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, SmolLM2-135M in {args.dtype}, context {args.context}; "
-          f"ms per forward, median of {args.rounds} rounds x {args.repeats}")
+    runner.forward([SequenceChunk(tokens[: args.context], 0, table, num_logits=0)])
+    print(
+        f"{cpu_name()}, {torch.get_num_threads()} threads, SmolLM2-135M in {args.dtype}, context {args.context}; "
+        f"ms per forward, median of {args.rounds} rounds x {args.repeats}"
+    )
     samples: dict[tuple[int, str], list[float]] = {}
     logits: dict[tuple[int, str], torch.Tensor] = {}
     for _ in range(args.rounds):
         for rows in ROWS:
-            chunks = [SequenceChunk(tokens[args.context:args.context + rows], args.context, table, num_logits=rows)]
+            chunks = [SequenceChunk(tokens[args.context : args.context + rows], args.context, table, num_logits=rows)]
             for name, build in builds.items():
                 use(build)
                 logits[rows, name] = runner.forward(chunks)  # warm-up; rewrites the same K/V
@@ -96,8 +102,18 @@ def main() -> None:
         same = torch.equal(logits[rows, args.rev], logits[rows, "working tree"])
         print(f"{rows:>4} {old:>14.2f} {new:>16.2f} {new / old:>6.2f}  {same}")
         results.append({"rows": rows, "revision_ms": old, "working_tree_ms": new, "same_logits": same})
-    save("kernel-revisions", {"cpu": cpu_name(), "rev": args.rev, "dtype": args.dtype, "context": args.context,
-                              "rounds": args.rounds, "repeats": args.repeats, "results": results})
+    save(
+        "kernel-revisions",
+        {
+            "cpu": cpu_name(),
+            "rev": args.rev,
+            "dtype": args.dtype,
+            "context": args.context,
+            "rounds": args.rounds,
+            "repeats": args.repeats,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -91,8 +91,10 @@ def main() -> None:
         logger.info("timing %d rows", num_rows)
         r = measure(num_rows)
         rows.append(r)
-        print(f"{num_rows:>5} {r['keyed_noise_ms']:>9.3f} ms {r['exponential_ms']:>10.3f} ms "
-              f"{r['keyed_step_ms']:>10.3f} ms {r['exponential_step_ms']:>17.3f} ms")
+        print(
+            f"{num_rows:>5} {r['keyed_noise_ms']:>9.3f} ms {r['exponential_ms']:>10.3f} ms "
+            f"{r['keyed_step_ms']:>10.3f} ms {r['exponential_step_ms']:>17.3f} ms"
+        )
     save("keyed-noise", {"cpu_model": cpu_model(), "num_vocab": NUM_VOCAB, "rows": rows})
 
 

@@ -36,14 +36,23 @@ from bench.common import save  # noqa: E402
 from kernels import linear_cpu  # noqa: E402
 from kernels.cpu_build import load_library  # noqa: E402
 from worker_service import model_runner as model_runner_module  # noqa: E402
+from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 from worker_service.runtime.loader import load_model  # noqa: E402
 from worker_service.runtime.runner import ModelRunner, SequenceChunk  # noqa: E402
-from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 
 BLOCK_SIZE = 16
-WORKLOADS = [("decode", 1, 1), ("decode", 4, 1), ("decode", 16, 1), ("verify", 1, 2), ("verify", 1, 4),
-             ("verify", 1, 6), ("verify", 8, 6),
-             ("verify", 16, 6), ("prefill", 1, 512), ("prefill", 1, 2048)]
+WORKLOADS = [
+    ("decode", 1, 1),
+    ("decode", 4, 1),
+    ("decode", 16, 1),
+    ("verify", 1, 2),
+    ("verify", 1, 4),
+    ("verify", 1, 6),
+    ("verify", 8, 6),
+    ("verify", 16, 6),
+    ("prefill", 1, 512),
+    ("prefill", 1, 2048),
+]
 logger = logging.getLogger("bench.linear")
 
 
@@ -104,8 +113,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--context", type=int, default=256, help="cached tokens per sequence for decode/verify")
     parser.add_argument("--rounds", type=int, default=1, help="times every workload runs on every runner in turn")
-    parser.add_argument("--build", action="append", default=[], metavar="NAME=CFLAGS",
-                        help="also our kernel built with these extra flags (space-separated), as column NAME")
+    parser.add_argument(
+        "--build",
+        action="append",
+        default=[],
+        metavar="NAME=CFLAGS",
+        help="also our kernel built with these extra flags (space-separated), as column NAME",
+    )
     args = parser.parse_args()
     builds = {}
     for spec in args.build:
@@ -114,32 +128,54 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     path = fetch_default_model()
     cpu = cpu_name()
-    print(f"{cpu}, {torch.get_num_threads()} threads, SmolLM2-135M, context {args.context}, median of "
-          f"{args.repeats}")
+    print(f"{cpu}, {torch.get_num_threads()} threads, SmolLM2-135M, context {args.context}, median of {args.repeats}")
     results = []
     for dtype in ("float32", "bfloat16"):
         runners = {name: make_runner(path, dtype, name == "invariant") for name in ("invariant", "library")}
         runners.update({name: runners["invariant"] for name in builds})  # the same packed weights
-        print(f"\n{dtype:10} {'workload':14} {'rows':>5} {'invariant ms':>13} {'library ms':>11} {'ratio':>6}"
-              + "".join(f" {name + ' ms':>14} {'ratio':>6}" for name in builds))
+        print(
+            f"\n{dtype:10} {'workload':14} {'rows':>5} {'invariant ms':>13} {'library ms':>11} {'ratio':>6}"
+            + "".join(f" {name + ' ms':>14} {'ratio':>6}" for name in builds)
+        )
         for kind, num_seqs, rows in WORKLOADS:
-            label = f"{kind} {num_seqs}" if kind == "decode" else \
-                f"{kind} {num_seqs}x{rows}" if kind == "verify" else f"{kind} {rows}"
-            chunks = {name: workload_chunks(runner, kind, num_seqs, rows, args.context)
-                      for name, runner in runners.items() if name not in builds}
+            label = (
+                f"{kind} {num_seqs}"
+                if kind == "decode"
+                else f"{kind} {num_seqs}x{rows}"
+                if kind == "verify"
+                else f"{kind} {rows}"
+            )
+            chunks = {
+                name: workload_chunks(runner, kind, num_seqs, rows, args.context)
+                for name, runner in runners.items()
+                if name not in builds
+            }
             samples = {name: [] for name in runners}
             for _ in range(args.rounds):
                 for name, runner in runners.items():
-                    samples[name] += forward_ms(runner, chunks.get(name, chunks["invariant"]), args.repeats,
-                                                builds.get(name))
+                    samples[name] += forward_ms(
+                        runner, chunks.get(name, chunks["invariant"]), args.repeats, builds.get(name)
+                    )
             times = {name: statistics.median(values) for name, values in samples.items()}
             ratio = times["invariant"] / times["library"]
-            print(f"{'':10} {label:14} {num_seqs * rows:>5} {times['invariant']:>13.2f} {times['library']:>11.2f} "
-                  f"{ratio:>6.2f}" + "".join(f" {times[name]:>14.2f} {times[name] / times['invariant']:>6.2f}"
-                                             for name in builds))
+            print(
+                f"{'':10} {label:14} {num_seqs * rows:>5} {times['invariant']:>13.2f} {times['library']:>11.2f} "
+                f"{ratio:>6.2f}"
+                + "".join(f" {times[name]:>14.2f} {times[name] / times['invariant']:>6.2f}" for name in builds)
+            )
             results.append({"dtype": dtype, "workload": label, "rows": num_seqs * rows, **times, "ratio": ratio})
-    save("linear", {"cpu": cpu, "threads": torch.get_num_threads(), "context": args.context,
-                    "repeats": args.repeats, "rounds": args.rounds, "builds": args.build, "results": results})
+    save(
+        "linear",
+        {
+            "cpu": cpu,
+            "threads": torch.get_num_threads(),
+            "context": args.context,
+            "repeats": args.repeats,
+            "rounds": args.rounds,
+            "builds": args.build,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

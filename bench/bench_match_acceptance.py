@@ -29,8 +29,10 @@ from bench.bench_linear import cpu_name  # noqa: E402
 from bench.common import chat_ids, load_questions, save  # noqa: E402
 from scheduler_service.core.policy import match_class  # noqa: E402
 from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
-from worker_service.speculation.proposers import num_matching  # noqa: E402
-from worker_service.speculation.proposers import suffix  # noqa: E402
+from worker_service.speculation.proposers import (
+    num_matching,  # noqa: E402
+    suffix,  # noqa: E402
+)
 from worker_service.speculation.proposers.ngram import propose_ngram  # noqa: E402
 
 
@@ -44,22 +46,24 @@ def answers(per_category: int, max_tokens: int) -> list[tuple[list[int], list[in
         prompt = chat_ids(tokenizer, question["turns"][0])
         with torch.inference_mode():
             out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
-        pairs.append((prompt, out[0, len(prompt):].tolist()))
+        pairs.append((prompt, out[0, len(prompt) :].tolist()))
         print(f"answer {i + 1}: {len(pairs[-1][1])} tokens", flush=True)
     return pairs
 
 
 def replay(pairs: list[tuple[list[int], list[int]]], k: int) -> dict[str, dict[int, list[int]]]:
     """Per proposer and match group: [positions, first accepted, accepted tokens, drafted tokens]."""
-    stats = {"ngram": collections.defaultdict(lambda: [0, 0, 0, 0]),
-             "suffix": collections.defaultdict(lambda: [0, 0, 0, 0])}
+    stats = {
+        "ngram": collections.defaultdict(lambda: [0, 0, 0, 0]),
+        "suffix": collections.defaultdict(lambda: [0, 0, 0, 0]),
+    }
     for prompt, answer in pairs:
         seq, index = prompt + answer, suffix.TokenIndex()
         for t in range(len(prompt), len(seq) - 1):
             context, truth = seq[:t], seq[t:]
             drafts, n = propose_ngram(context, 1, 4, k)
-            index.extend(0, context[index.num_tokens:])
-            draft = suffix.walk(index.candidates(context[-suffix.MAX_MATCH_TOKENS:]), k)
+            index.extend(0, context[index.num_tokens :])
+            draft = suffix.walk(index.candidates(context[-suffix.MAX_MATCH_TOKENS :]), k)
             groups = (("ngram", drafts, n), ("suffix", draft.token_ids, match_class(draft.match_len)))
             for name, tokens, group in groups:
                 accepted, row = num_matching(tokens, truth), stats[name][group]
@@ -76,8 +80,10 @@ def main(args) -> None:
     for name, groups in stats.items():
         print(f"{name} (group: {'n' if name == 'ngram' else 'match class'}; 0 = no draft)")
         for group, (positions, first, accepted, drafted) in groups.items():
-            print(f"  {group:3d}: positions {positions:5d}  P(first accepted) {first / positions:.2f}  "
-                  f"accepted/position {accepted / positions:.2f}  drafted/position {drafted / positions:.2f}")
+            print(
+                f"  {group:3d}: positions {positions:5d}  P(first accepted) {first / positions:.2f}  "
+                f"accepted/position {accepted / positions:.2f}  drafted/position {drafted / positions:.2f}"
+            )
     print(f"saved {save('match-acceptance', {'args': vars(args), 'cpu': cpu_name(), 'stats': stats})}")
 
 

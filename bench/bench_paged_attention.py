@@ -15,8 +15,8 @@ import time
 import torch
 
 from kernels import paged_attention_cpu
-from kernels.paged_attention import paged_attention_sdpa, paged_attention_triton
 from kernels._triton import HAS_TRITON
+from kernels.paged_attention import paged_attention_sdpa, paged_attention_triton
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -56,8 +56,11 @@ def time_per_call_us(function, args: tuple, num_rounds: int = 20, calls_per_roun
 def paths(device: str) -> dict:
     """The implementations to time on this device: the worker's own path first, SDPA last."""
     if device.startswith("cuda"):
-        return {"triton": paged_attention_triton, "sdpa": paged_attention_sdpa} if HAS_TRITON else {
-            "sdpa": paged_attention_sdpa}
+        return (
+            {"triton": paged_attention_triton, "sdpa": paged_attention_sdpa}
+            if HAS_TRITON
+            else {"sdpa": paged_attention_sdpa}
+        )
     own = {"c kernel": paged_attention_cpu.paged_attention_cpu} if paged_attention_cpu.available() else {}
     return {**own, "sdpa": paged_attention_sdpa}
 
@@ -87,8 +90,9 @@ def main() -> None:
                 for context in args.contexts:
                     inputs = make_inputs(num_seqs, q_len, context, dtype, args.device)
                     times = [time_per_call_us(f, inputs) for f in functions.values()]
-                    print(f"{dtype_name:9s} {num_seqs:5d} {q_len:5d} {context:7d} "
-                          + " ".join(f"{t:9.1f}" for t in times))
+                    print(
+                        f"{dtype_name:9s} {num_seqs:5d} {q_len:5d} {context:7d} " + " ".join(f"{t:9.1f}" for t in times)
+                    )
 
 
 if __name__ == "__main__":

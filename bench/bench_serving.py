@@ -21,8 +21,8 @@ each configuration's throughput relative to the first. Results are saved in benc
 """
 
 import argparse
-import contextlib
 from concurrent.futures import ThreadPoolExecutor
+import contextlib
 import logging
 import pathlib
 import shlex
@@ -70,8 +70,11 @@ def stream_timed(stub, request: pb.GenerateRequest, timeout_s: float) -> dict:
     except grpc.RpcError as exc:
         logger.error("request failed: %s: %s", exc.code().name, exc.details())
         return {"num_tokens": num_tokens, "error": f"{exc.code().name}: {exc.details()}"}
-    return {"num_tokens": num_tokens, "ttft_s": None if first is None else first - start,
-            "tpot_s": (last - first) / (num_tokens - 1) if num_tokens > 1 else None}
+    return {
+        "num_tokens": num_tokens,
+        "ttft_s": None if first is None else first - start,
+        "tpot_s": (last - first) / (num_tokens - 1) if num_tokens > 1 else None,
+    }
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -87,6 +90,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def counter_deltas(before: pb.Counters, after: pb.Counters) -> dict:
     """Speculation and utilisation figures over the interval between two counter snapshots."""
+
     def sequence_steps(c: pb.Counters) -> float:  # the server reports emitted / sequence-steps
         return c.num_emitted_tokens / c.mean_accepted_length if c.mean_accepted_length else 0.0
 
@@ -95,15 +99,18 @@ def counter_deltas(before: pb.Counters, after: pb.Counters) -> dict:
     num_sequence_steps = sequence_steps(after) - sequence_steps(before)
     active_s = after.active_wall_seconds - before.active_wall_seconds
     busy_s = after.worker_busy_seconds - before.worker_busy_seconds
-    return {"num_drafted": drafted, "num_accepted": after.num_accepted_tokens - before.num_accepted_tokens,
-            "acceptance_rate": (after.num_accepted_tokens - before.num_accepted_tokens) / drafted if drafted else None,
-            "tokens_per_sequence_step": emitted / num_sequence_steps if num_sequence_steps > 0 else None,
-            "num_steps": after.num_steps - before.num_steps,
-            "num_steps_speculation_disabled":
-                after.num_steps_speculation_disabled - before.num_steps_speculation_disabled,
-            "num_preemptions": after.num_preemptions - before.num_preemptions,
-            "worker_busy_s": busy_s, "active_wall_s": active_s,
-            "worker_idle_share": 1 - busy_s / active_s if active_s > 0 else None}
+    return {
+        "num_drafted": drafted,
+        "num_accepted": after.num_accepted_tokens - before.num_accepted_tokens,
+        "acceptance_rate": (after.num_accepted_tokens - before.num_accepted_tokens) / drafted if drafted else None,
+        "tokens_per_sequence_step": emitted / num_sequence_steps if num_sequence_steps > 0 else None,
+        "num_steps": after.num_steps - before.num_steps,
+        "num_steps_speculation_disabled": after.num_steps_speculation_disabled - before.num_steps_speculation_disabled,
+        "num_preemptions": after.num_preemptions - before.num_preemptions,
+        "worker_busy_s": busy_s,
+        "active_wall_s": active_s,
+        "worker_idle_share": 1 - busy_s / active_s if active_s > 0 else None,
+    }
 
 
 def wait_idle(stub, timeout_s: float = 60.0) -> pb.GetServerInfoResponse:
@@ -131,14 +138,26 @@ def run_level(stub, prompts: list[str], concurrency: int, args) -> dict:
     ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     tpots = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
     num_tokens = sum(r["num_tokens"] for r in results)
-    level = {"concurrency": concurrency, "num_requests": num_requests, "num_errors": len(results) - len(ok),
-             "errors": sorted({r["error"] for r in results if "error" in r}), "wall_s": wall_s,
-             "num_completion_tokens": num_tokens, "throughput_tok_s": num_tokens / wall_s,
-             "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
-             "tpot_p50_s": percentile(tpots, 50), "tpot_p90_s": percentile(tpots, 90),
-             **counter_deltas(before, info.counters),
-             "after": {"num_running": info.num_running, "num_waiting": info.num_waiting,
-                       "num_free_kv_blocks": info.num_free_kv_blocks, "num_kv_blocks": info.num_kv_blocks}}
+    level = {
+        "concurrency": concurrency,
+        "num_requests": num_requests,
+        "num_errors": len(results) - len(ok),
+        "errors": sorted({r["error"] for r in results if "error" in r}),
+        "wall_s": wall_s,
+        "num_completion_tokens": num_tokens,
+        "throughput_tok_s": num_tokens / wall_s,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "tpot_p50_s": percentile(tpots, 50),
+        "tpot_p90_s": percentile(tpots, 90),
+        **counter_deltas(before, info.counters),
+        "after": {
+            "num_running": info.num_running,
+            "num_waiting": info.num_waiting,
+            "num_free_kv_blocks": info.num_free_kv_blocks,
+            "num_kv_blocks": info.num_kv_blocks,
+        },
+    }
     if info.num_running or info.num_waiting or info.num_free_kv_blocks != info.num_kv_blocks:
         logger.error("server not idle 60 s after the load: %s", level["after"])
     logger.info("concurrency %d: %.1f tok/s, %d errors", concurrency, level["throughput_tok_s"], level["num_errors"])
@@ -150,14 +169,27 @@ def run_config(address: str, label: str, prompts: list[str], args) -> dict:
     with grpc.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         info = stub.GetServerInfo(pb.GetServerInfoRequest())
-        logger.info("%s: proposer %s, k=%d, %s, disable queue size %d, %d KV blocks, max %d seqs", label,
-                    info.proposer, info.num_speculative_tokens, info.scheduling, info.speculative_disable_queue_size,
-                    info.num_kv_blocks, info.max_num_seqs)
+        logger.info(
+            "%s: proposer %s, k=%d, %s, disable queue size %d, %d KV blocks, max %d seqs",
+            label,
+            info.proposer,
+            info.num_speculative_tokens,
+            info.scheduling,
+            info.speculative_disable_queue_size,
+            info.num_kv_blocks,
+            info.max_num_seqs,
+        )
         stream_timed(stub, chat_request(prompts[0], 8), args.request_timeout)  # warm-up
         levels = [run_level(stub, prompts, c, args) for c in args.concurrency]
-    server = {"proposer": info.proposer, "num_speculative_tokens": info.num_speculative_tokens,
-              "scheduling": info.scheduling, "speculative_disable_queue_size": info.speculative_disable_queue_size,
-              "num_kv_blocks": info.num_kv_blocks, "max_num_seqs": info.max_num_seqs, "model": info.model}
+    server = {
+        "proposer": info.proposer,
+        "num_speculative_tokens": info.num_speculative_tokens,
+        "scheduling": info.scheduling,
+        "speculative_disable_queue_size": info.speculative_disable_queue_size,
+        "num_kv_blocks": info.num_kv_blocks,
+        "max_num_seqs": info.max_num_seqs,
+        "model": info.model,
+    }
     return {"label": label, "server": server, "levels": levels}
 
 
@@ -171,8 +203,9 @@ def spawned(flags: str):
             yield address
         finally:
             if process.proc.poll() is not None:
-                logger.error("server exited with %s; last output:\n%s", process.proc.poll(),
-                             "\n".join(process.lines[-20:]))
+                logger.error(
+                    "server exited with %s; last output:\n%s", process.proc.poll(), "\n".join(process.lines[-20:])
+                )
 
 
 def fmt(value, scale: float = 1.0, spec: str = ".1f") -> str:
@@ -181,22 +214,28 @@ def fmt(value, scale: float = 1.0, spec: str = ".1f") -> str:
 
 def print_table(config: dict) -> None:
     print(f"\n{config['label']}")
-    print(f"{'conc':>4} {'reqs':>4} {'err':>3} {'tok/s':>7} {'TTFT p50':>9} {'p90':>9} {'TPOT p50':>9} {'p90':>9} "
-          f"{'accept':>6} {'tok/seq-step':>12} {'no-spec/steps':>13} {'idle':>5}")
+    print(
+        f"{'conc':>4} {'reqs':>4} {'err':>3} {'tok/s':>7} {'TTFT p50':>9} {'p90':>9} {'TPOT p50':>9} {'p90':>9} "
+        f"{'accept':>6} {'tok/seq-step':>12} {'no-spec/steps':>13} {'idle':>5}"
+    )
     for lv in config["levels"]:
-        print(f"{lv['concurrency']:>4} {lv['num_requests']:>4} {lv['num_errors']:>3} {lv['throughput_tok_s']:>7.1f} "
-              f"{fmt(lv['ttft_p50_s'], 1e3):>7}ms {fmt(lv['ttft_p90_s'], 1e3):>7}ms "
-              f"{fmt(lv['tpot_p50_s'], 1e3):>7}ms {fmt(lv['tpot_p90_s'], 1e3):>7}ms "
-              f"{fmt(lv['acceptance_rate'], 1, '.2f'):>6} {fmt(lv['tokens_per_sequence_step'], 1, '.2f'):>12} "
-              f"{lv['num_steps_speculation_disabled']:>6}/{lv['num_steps']:<6} "
-              f"{fmt(lv['worker_idle_share'], 1, '.0%'):>5}")
+        print(
+            f"{lv['concurrency']:>4} {lv['num_requests']:>4} {lv['num_errors']:>3} {lv['throughput_tok_s']:>7.1f} "
+            f"{fmt(lv['ttft_p50_s'], 1e3):>7}ms {fmt(lv['ttft_p90_s'], 1e3):>7}ms "
+            f"{fmt(lv['tpot_p50_s'], 1e3):>7}ms {fmt(lv['tpot_p90_s'], 1e3):>7}ms "
+            f"{fmt(lv['acceptance_rate'], 1, '.2f'):>6} {fmt(lv['tokens_per_sequence_step'], 1, '.2f'):>12} "
+            f"{lv['num_steps_speculation_disabled']:>6}/{lv['num_steps']:<6} "
+            f"{fmt(lv['worker_idle_share'], 1, '.0%'):>5}"
+        )
 
 
 def comparison(configs: list[dict]) -> dict[str, list[float]]:
     """Per level (concurrency), each configuration's throughput over the first configuration's."""
     base = configs[0]["levels"]
-    return {str(lv["concurrency"]): [c["levels"][i]["throughput_tok_s"] / lv["throughput_tok_s"] for c in configs]
-            for i, lv in enumerate(base)}
+    return {
+        str(lv["concurrency"]): [c["levels"][i]["throughput_tok_s"] / lv["throughput_tok_s"] for c in configs]
+        for i, lv in enumerate(base)
+    }
 
 
 def print_comparison(configs: list[dict], ratios: dict[str, list[float]]) -> None:
@@ -227,8 +266,16 @@ def main(args) -> None:
     ratios = comparison(configs)
     if len(configs) > 1:
         print_comparison(configs, ratios)
-    save("serving", {"max_tokens": args.max_tokens, "concurrency": args.concurrency,
-                     "num_requests": args.num_requests, "configs": configs, "throughput_vs_first": ratios})
+    save(
+        "serving",
+        {
+            "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency,
+            "num_requests": args.num_requests,
+            "configs": configs,
+            "throughput_vs_first": ratios,
+        },
+    )
 
 
 def parse_args(argv=None):

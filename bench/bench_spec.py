@@ -36,11 +36,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import chat_ids, load_questions, median_time, save  # noqa: E402
-from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 from tests.worker.driver import Driver  # noqa: E402
-from worker_service.speculation.config import WorkerConfig  # noqa: E402
+from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 from worker_service.runtime.loader import load_model, load_tokenizer  # noqa: E402
 from worker_service.runtime.runner import ModelRunner, SequenceChunk  # noqa: E402
+from worker_service.speculation.config import WorkerConfig  # noqa: E402
 from worker_service.speculation.scorers import score_batch_expansion, score_multi_query  # noqa: E402
 from worker_service.speculation.worker import Worker  # noqa: E402
 
@@ -55,9 +55,9 @@ class Run:
     """One configuration on one prompt."""
 
     seconds: float
-    num_forwards: int   # target forwards, prefill included
-    num_emitted: int    # tokens emitted, before cutting to new_tokens
-    num_drafts: int | None = None    # ours only (transformers does not say)
+    num_forwards: int  # target forwards, prefill included
+    num_emitted: int  # tokens emitted, before cutting to new_tokens
+    num_drafts: int | None = None  # ours only (transformers does not say)
     num_accepted: int | None = None
     decode_ms: tuple[float, float, float] | None = None  # ours only: propose, score, verify summed over decodes
     token_ids: list[int] = dataclasses.field(default_factory=list, repr=False)
@@ -71,8 +71,15 @@ def run_ours(worker: Worker, k: int, prompt: list[int], new_tokens: int) -> Run:
     outs = [r.outputs[0] for r in driver.results]  # one per target forward (the 'finished' step is not kept)
     decodes = driver.results[1:]  # the first step is the prefill
     decode_ms = tuple(sum(getattr(r.stats, f) for r in decodes) for f in ("propose_ms", "score_ms", "verify_ms"))
-    return Run(seconds, len(outs), sum(len(o.token_ids) for o in outs), sum(o.num_draft_tokens for o in outs),
-               sum(o.num_accepted_tokens for o in outs), decode_ms, token_ids)
+    return Run(
+        seconds,
+        len(outs),
+        sum(len(o.token_ids) for o in outs),
+        sum(o.num_draft_tokens for o in outs),
+        sum(o.num_accepted_tokens for o in outs),
+        decode_ms,
+        token_ids,
+    )
 
 
 def run_hf(model, counter: list[int], k: int, prompt: list[int], new_tokens: int) -> Run:
@@ -81,10 +88,16 @@ def run_hf(model, counter: list[int], k: int, prompt: list[int], new_tokens: int
     counter[0] = 0
     start = time.perf_counter()
     with torch.inference_mode():  # explicit mask: pad == <|im_end|>, which the chat prompt contains
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             do_sample=False, eos_token_id=None, **extra)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            **extra,
+        )
     seconds = time.perf_counter() - start
-    token_ids = out[0, len(prompt):].tolist()
+    token_ids = out[0, len(prompt) :].tolist()
     return Run(seconds, counter[0], len(token_ids), token_ids=token_ids)
 
 
@@ -95,8 +108,9 @@ def build_configs(args) -> tuple[dict, ModelRunner, object]:
     configs = {}
 
     def add_worker(name, cls, proposer, k):
-        config = WorkerConfig(model=path, dtype=args.dtype, proposer=proposer, num_speculative_tokens=k,
-                              ngram_min=1, ngram_max=4)
+        config = WorkerConfig(
+            model=path, dtype=args.dtype, proposer=proposer, num_speculative_tokens=k, ngram_min=1, ngram_max=4
+        )
         worker = cls(config, runner)
         worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)  # same shape for all: they use the runner's last cache
         configs[name] = lambda p, n: run_ours(worker, k, p, n)
@@ -137,9 +151,14 @@ def run_all(configs: dict, prompts: list[tuple[str, list[int]]], new_tokens: int
 def summarize(runs: list[Run], new_tokens: int) -> dict:
     seconds = sum(r.seconds for r in runs)
     steps = sum(r.num_forwards for r in runs)
-    row = {"tok_s": new_tokens * len(runs) / seconds, "seconds": seconds,
-           "tokens_per_forward": sum(r.num_emitted for r in runs) / steps,
-           "drafts_per_forward": None, "acceptance": None, "decode_step_ms": None}
+    row = {
+        "tok_s": new_tokens * len(runs) / seconds,
+        "seconds": seconds,
+        "tokens_per_forward": sum(r.num_emitted for r in runs) / steps,
+        "drafts_per_forward": None,
+        "acceptance": None,
+        "decode_step_ms": None,
+    }
     if runs[0].num_drafts is not None:
         drafts = sum(r.num_drafts for r in runs)
         row["drafts_per_forward"] = drafts / steps
@@ -167,8 +186,11 @@ def mismatches(runs: dict, labels: list[str], new_tokens: int) -> dict:
     for name, name_runs in runs.items():
         reference = "ours none" if name.startswith("ours") else "hf plain"
         if name != reference and reference in runs:
-            bad = [labels[i] for i, (a, b) in enumerate(zip(name_runs, runs[reference]))
-                   if a.token_ids[:new_tokens] != b.token_ids[:new_tokens]]
+            bad = [
+                labels[i]
+                for i, (a, b) in enumerate(zip(name_runs, runs[reference]))
+                if a.token_ids[:new_tokens] != b.token_ids[:new_tokens]
+            ]
             counts[name] = {"count": len(bad), "prompts": bad}
     if "hf plain" in runs:
         agree = sum(a.token_ids == b.token_ids for a, b in zip(runs["ours none"], runs["hf plain"]))
@@ -178,15 +200,19 @@ def mismatches(runs: dict, labels: list[str], new_tokens: int) -> dict:
 
 def print_table(title: str, table: dict) -> None:
     print(f"\n{title}")
-    print(f"  {'config':<16}{'tok/s':>8}{'tok/fwd':>9}{'drafts/fwd':>11}{'accept':>8}{'vs none':>9}"
-          f"{'vs HF-PL best':>14}{'vs HF-PL all-best':>18}   decode step: propose/score/verify ms")
+    print(
+        f"  {'config':<16}{'tok/s':>8}{'tok/fwd':>9}{'drafts/fwd':>11}{'accept':>8}{'vs none':>9}"
+        f"{'vs HF-PL best':>14}{'vs HF-PL all-best':>18}   decode step: propose/score/verify ms"
+    )
     for name, row in table.items():
         accept = f"{row['acceptance']:.0%}" if row["acceptance"] is not None else "-"
         drafts = f"{row['drafts_per_forward']:.2f}" if row["drafts_per_forward"] is not None else "-"
         vs = [f"{row[key]:.2f}x" if row[key] is not None else "-" for key in ("vs_hf_best", "vs_hf_overall_best")]
         ms = "/".join(f"{t:.1f}" for t in row["decode_step_ms"]) if row["decode_step_ms"] else ""
-        print(f"  {name:<16}{row['tok_s']:8.1f}{row['tokens_per_forward']:9.2f}{drafts:>11}"
-              f"{accept:>8}{row['vs_none']:8.2f}x{vs[0]:>14}{vs[1]:>18}   {ms}")
+        print(
+            f"  {name:<16}{row['tok_s']:8.1f}{row['tokens_per_forward']:9.2f}{drafts:>11}"
+            f"{accept:>8}{row['vs_none']:8.2f}x{vs[0]:>14}{vs[1]:>18}   {ms}"
+        )
 
 
 def report(runs: dict, categories: list[str], labels: list[str], new_tokens: int) -> dict:
@@ -197,13 +223,20 @@ def report(runs: dict, categories: list[str], labels: list[str], new_tokens: int
         idx = [i for i, c in enumerate(categories) if c == category]
         tables[category] = {name: summarize([r[i] for i in idx], new_tokens) for name, r in runs.items()}
         add_speedups(tables[category], best_hf(tables[category]), overall_best)
-        print_table(f"{category} ({len(idx)} prompts; HF prompt lookup best here: {best_hf(tables[category])})",
-                    tables[category])
+        print_table(
+            f"{category} ({len(idx)} prompts; HF prompt lookup best here: {best_hf(tables[category])})",
+            tables[category],
+        )
     add_speedups(overall, overall_best, overall_best)
     print_table(f"overall ({len(labels)} prompts, pooled; HF prompt lookup best: {overall_best})", overall)
-    geomean = {name: {key: math.exp(statistics.fmean(math.log(tables[c][name][key]) for c in CATEGORIES))
-                      for key in ("vs_none", "vs_hf_best", "vs_hf_overall_best") if overall[name][key] is not None}
-               for name in runs}
+    geomean = {
+        name: {
+            key: math.exp(statistics.fmean(math.log(tables[c][name][key]) for c in CATEGORIES))
+            for key in ("vs_none", "vs_hf_best", "vs_hf_overall_best")
+            if overall[name][key] is not None
+        }
+        for name in runs
+    }
     print("\ngeometric mean over the categories of the per-category speedup")
     for name, row in geomean.items():
         print(f"  {name:<16}" + "  ".join(f"{key} {value:.2f}x" for key, value in row.items()))
@@ -224,12 +257,16 @@ def bench_scorers(runner: ModelRunner, repeats: int = 20) -> dict:
         for _ in range(repeats):  # interleaved
             for name, score in scorers.items():
                 times[name].append(median_time(lambda: score(runner, chunks), 1) * 1e3)
-        results[f"batch_{batch}"] = {**{f"{n}_ms": statistics.median(t) for n, t in times.items()},
-                                     "max_abs_logit_diff": float(diff)}
+        results[f"batch_{batch}"] = {
+            **{f"{n}_ms": statistics.median(t) for n, t in times.items()},
+            "max_abs_logit_diff": float(diff),
+        }
         row = results[f"batch_{batch}"]
-        print(f"  batch {batch}: multi-query {row['multi_query_ms']:.1f} ms, batch expansion "
-              f"{row['batch_expansion_ms']:.1f} ms ({row['batch_expansion_ms'] / row['multi_query_ms']:.2f}x), "
-              f"max |logit diff| {row['max_abs_logit_diff']:.1e}")
+        print(
+            f"  batch {batch}: multi-query {row['multi_query_ms']:.1f} ms, batch expansion "
+            f"{row['batch_expansion_ms']:.1f} ms ({row['batch_expansion_ms'] / row['multi_query_ms']:.2f}x), "
+            f"max |logit diff| {row['max_abs_logit_diff']:.1e}"
+        )
     return results
 
 
@@ -239,11 +276,18 @@ def main(args):
     questions.sort(key=lambda q: CATEGORIES.index(q["category"]))
     prompts = [(q["category"], chat_ids(tokenizer, q["turns"][0])) for q in questions]
     labels = [f"{q['category']}#{q['question_id']}" for q in questions]
-    logger.info("%d prompts x %d configs x %d repeats x %d new tokens", len(prompts), len(configs), args.repeats,
-                args.new_tokens)
+    logger.info(
+        "%d prompts x %d configs x %d repeats x %d new tokens",
+        len(prompts),
+        len(configs),
+        args.repeats,
+        args.new_tokens,
+    )
     runs = run_all(configs, prompts, args.new_tokens, args.repeats)
-    print(f"\nSmolLM2-135M, {args.dtype}, {torch.get_num_threads()} threads, batch 1, greedy, "
-          f"{args.new_tokens} new tokens, no EOS stop, fastest of {args.repeats} per prompt")
+    print(
+        f"\nSmolLM2-135M, {args.dtype}, {torch.get_num_threads()} threads, batch 1, greedy, "
+        f"{args.new_tokens} new tokens, no EOS stop, fastest of {args.repeats} per prompt"
+    )
     summary = report(runs, [c for c, _ in prompts], labels, args.new_tokens)
     found = mismatches(runs, labels, args.new_tokens)
     print("\noutputs differing from the no-speculation output (prompts):")
@@ -252,8 +296,9 @@ def main(args):
     print(f"\nscorer step, 5-token query per sequence over a 300-token prefix ({args.dtype}):")
     scorers = bench_scorers(runner)
     raw = {name: [dataclasses.asdict(r) | {"token_ids": None} for r in r_list] for name, r_list in runs.items()}
-    save("spec", {"args": vars(args), "prompts": labels, **summary, "mismatches": found, "scorers": scorers,
-                  "runs": raw})
+    save(
+        "spec", {"args": vars(args), "prompts": labels, **summary, "mismatches": found, "scorers": scorers, "runs": raw}
+    )
 
 
 def int_list(text: str) -> list[int]:
@@ -269,8 +314,7 @@ if __name__ == "__main__":
     parser.add_argument("--hf-ks", type=int_list, default=None, help="transformers' k values (default: --ks)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds per prompt; each config's fastest counts")
     parser.add_argument("--skip-hf", action="store_true", help="skip transformers generate")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ARGS = parser.parse_args()
     ARGS.hf_ks = ARGS.hf_ks if ARGS.hf_ks is not None else ARGS.ks
     if ARGS.threads:

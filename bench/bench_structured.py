@@ -58,22 +58,35 @@ from specdec.v1 import generation_pb2_grpc  # noqa: E402
 
 logger = logging.getLogger("bench.structured")
 
-ARTICLE_SCHEMA = {"type": "object", "properties": {
-    "title": {"type": "string", "maxLength": 80},
-    "people": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 4},
-    "places": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 4},
-    "topic": {"enum": ["politics", "business", "sports", "science", "health", "entertainment", "world", "other"]},
-    "summary": {"type": "string", "maxLength": 240}},
-    "required": ["title", "people", "places", "topic", "summary"], "additionalProperties": False}
-PASSAGE_SCHEMA = {"type": "object", "properties": {
-    "subject": {"type": "string", "maxLength": 60},
-    "key_facts": {"type": "array", "items": {"type": "string", "maxLength": 120}, "maxItems": 3},
-    "sentiment": {"enum": ["positive", "negative", "neutral"]}},
-    "required": ["subject", "key_facts", "sentiment"], "additionalProperties": False}
-WORKLOADS = {"summarization": ("Extract the article's title, the people and places it names, its topic and a "
-                               "one-sentence summary, as JSON.", ARTICLE_SCHEMA),
-             "rag": ("Extract the passage's subject, up to three key facts and its sentiment, as JSON.",
-                     PASSAGE_SCHEMA)}
+ARTICLE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 80},
+        "people": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 4},
+        "places": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 4},
+        "topic": {"enum": ["politics", "business", "sports", "science", "health", "entertainment", "world", "other"]},
+        "summary": {"type": "string", "maxLength": 240},
+    },
+    "required": ["title", "people", "places", "topic", "summary"],
+    "additionalProperties": False,
+}
+PASSAGE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "subject": {"type": "string", "maxLength": 60},
+        "key_facts": {"type": "array", "items": {"type": "string", "maxLength": 120}, "maxItems": 3},
+        "sentiment": {"enum": ["positive", "negative", "neutral"]},
+    },
+    "required": ["subject", "key_facts", "sentiment"],
+    "additionalProperties": False,
+}
+WORKLOADS = {
+    "summarization": (
+        "Extract the article's title, the people and places it names, its topic and a one-sentence summary, as JSON.",
+        ARTICLE_SCHEMA,
+    ),
+    "rag": ("Extract the passage's subject, up to three key facts and its sentiment, as JSON.", PASSAGE_SCHEMA),
+}
 
 
 class Server:
@@ -86,11 +99,16 @@ class Server:
 def jobs_of(num_texts: int, text_chars: int, offset: int = 0) -> list[dict]:
     jobs = []
     for category, (instruction, schema) in WORKLOADS.items():
-        rows = load_questions(categories=[category])[offset: offset + num_texts]
+        rows = load_questions(categories=[category])[offset : offset + num_texts]
         for row in rows:
             text = row["turns"][0].removeprefix("Summarize: ")[:text_chars]
-            jobs.append({"key": f"{category}-{row['question_id']}", "prompt": f"{instruction}\n\nText:\n{text}",
-                         "schema": schema})
+            jobs.append(
+                {
+                    "key": f"{category}-{row['question_id']}",
+                    "prompt": f"{instruction}\n\nText:\n{text}",
+                    "schema": schema,
+                }
+            )
     return jobs
 
 
@@ -98,8 +116,11 @@ def run_job(server: Server, job: dict, max_tokens: int, timeout_s: float, num_to
     """One streamed chat request; constrained by the job's schema, or unconstrained for exactly `num_tokens`
     tokens. Times the first token (prefill: speculation cannot change it) and the rest (decode) apart."""
     if server.constrained:
-        sampling = pb.SamplingParams(temperature=0, max_tokens=max_tokens,
-                                     structured_outputs=pb.StructuredOutputs(json=json.dumps(job["schema"])))
+        sampling = pb.SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            structured_outputs=pb.StructuredOutputs(json=json.dumps(job["schema"])),
+        )
     else:
         sampling = pb.SamplingParams(temperature=0, max_tokens=num_tokens or max_tokens, ignore_eos=True)
     request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=job["prompt"])], sampling=sampling)
@@ -113,17 +134,29 @@ def run_job(server: Server, job: dict, max_tokens: int, timeout_s: float, num_to
         token_ids += reply.token_ids
         text.append(reply.text)
     first, last = first or time.perf_counter(), last or time.perf_counter()
-    return {"token_ids": token_ids, "text": "".join(text), "finish": pb.FinishReason.Name(reply.finish_reason),
-            "proposers": {p.proposer: [p.draft_tokens, p.accepted_tokens] for p in reply.usage.proposers},
-            "ttft_s": first - start, "decode_s": last - first, "num_messages": num_messages}
+    return {
+        "token_ids": token_ids,
+        "text": "".join(text),
+        "finish": pb.FinishReason.Name(reply.finish_reason),
+        "proposers": {p.proposer: [p.draft_tokens, p.accepted_tokens] for p in reply.usage.proposers},
+        "ttft_s": first - start,
+        "decode_s": last - first,
+        "num_messages": num_messages,
+    }
 
 
 def run_level(server: Server, jobs: list[dict], concurrency: int, args, lengths: dict | None = None) -> dict:
     wait_idle(server.stub)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        replies = list(pool.map(lambda job: run_job(server, job, args.max_tokens, args.request_timeout,
-                                                    (lengths or {}).get(job["key"])), jobs))
+        replies = list(
+            pool.map(
+                lambda job: run_job(
+                    server, job, args.max_tokens, args.request_timeout, (lengths or {}).get(job["key"])
+                ),
+                jobs,
+            )
+        )
     wall_s = time.perf_counter() - start
     return {"wall_s": wall_s, "replies": dict(zip((j["key"] for j in jobs), replies))}
 
@@ -149,17 +182,28 @@ def summarize(level: dict, jobs: list[dict], reference: dict | None) -> dict:
             drafted.setdefault(name, [0, 0])
             drafted[name][0] += d
             drafted[name][1] += a
-    differing = None if reference is None else sum(
-        replies[k]["token_ids"] != reference["replies"][k]["token_ids"] for k in replies)
+    differing = (
+        None
+        if reference is None
+        else sum(replies[k]["token_ids"] != reference["replies"][k]["token_ids"] for k in replies)
+    )
     decode_s = _decode_s(replies)
     decode_tokens = sum(max(len(r["token_ids"]) - 1, 0) for r in replies.values())  # after each first token
-    return {"tokens": tokens, "wall_s": level["wall_s"], "tok_s": tokens / level["wall_s"], "valid": valid,
-            "invalid": invalid,
-            "ttft_s": sum(r["ttft_s"] for r in replies.values()) / len(replies), "decode_s": decode_s,
-            "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else None,
-            "tokens_per_message": tokens / max(sum(r["num_messages"] for r in replies.values()), 1),
-            "num_jobs": len(jobs), "stopped": sum(r["finish"] == "FINISH_REASON_STOP" for r in replies.values()),
-            "differing": differing, "drafts_by_proposer": drafted}
+    return {
+        "tokens": tokens,
+        "wall_s": level["wall_s"],
+        "tok_s": tokens / level["wall_s"],
+        "valid": valid,
+        "invalid": invalid,
+        "ttft_s": sum(r["ttft_s"] for r in replies.values()) / len(replies),
+        "decode_s": decode_s,
+        "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else None,
+        "tokens_per_message": tokens / max(sum(r["num_messages"] for r in replies.values()), 1),
+        "num_jobs": len(jobs),
+        "stopped": sum(r["finish"] == "FINISH_REASON_STOP" for r in replies.values()),
+        "differing": differing,
+        "drafts_by_proposer": drafted,
+    }
 
 
 def round_order(servers: list[Server], turn: int) -> list[Server]:
@@ -218,32 +262,44 @@ def print_report(report: dict, servers: list[Server]) -> None:
         print(f"\n{name}:")
         for label, row in report[name].items():
             drafted = ", ".join(f"{p} {d}/{a}" for p, (d, a) in sorted(row["drafts_by_proposer"].items()))
-            print(f"  {label:22s} {row['tok_s']:7.1f} tok/s  {row['speedup']:5.2f}x  decode {row['decode_tok_s']:6.1f} "
-                  f"tok/s {row['decode_speedup']:5.2f}x  TTFT {row['ttft_s'] * 1e3:4.0f} ms  "
-                  f"{row['tokens_per_message']:4.2f} tok/msg  valid {row['valid']}/{row['num_jobs']}  stop "
-                  f"{row['stopped']}  differ {row['differing']}  drafts/accepted: {drafted}")
+            print(
+                f"  {label:22s} {row['tok_s']:7.1f} tok/s  {row['speedup']:5.2f}x  decode {row['decode_tok_s']:6.1f} "
+                f"tok/s {row['decode_speedup']:5.2f}x  TTFT {row['ttft_s'] * 1e3:4.0f} ms  "
+                f"{row['tokens_per_message']:4.2f} tok/msg  valid {row['valid']}/{row['num_jobs']}  stop "
+                f"{row['stopped']}  differ {row['differing']}  drafts/accepted: {drafted}"
+            )
             if row["invalid"] and is_constrained[label]:
                 print(f"  {'':22s} not valid: {', '.join(row['invalid'])}")
             if "speedup_by_round" in row:
-                print(f"  {'':22s} by round: {' / '.join(f'{v:.2f}' for v in row['speedup_by_round'])}x, decode "
-                      f"{' / '.join(f'{v:.2f}' for v in row['decode_speedup_by_round'])}x")
-    print(f"\nconstraint overhead (unconstrained / constrained tok/s, no speculation, batch 1): "
-          f"{report['constraint_overhead_batch1']:.3f}")
+                print(
+                    f"  {'':22s} by round: {' / '.join(f'{v:.2f}' for v in row['speedup_by_round'])}x, decode "
+                    f"{' / '.join(f'{v:.2f}' for v in row['decode_speedup_by_round'])}x"
+                )
+    print(
+        f"\nconstraint overhead (unconstrained / constrained tok/s, no speculation, batch 1): "
+        f"{report['constraint_overhead_batch1']:.3f}"
+    )
 
 
 def main(args) -> None:
     configs = [("none, unconstrained", "--proposer none", False), ("none", "--proposer none", True)]
     for proposer in args.proposers:
-        configs += [(f"{proposer}", f"--proposer {proposer}", True),
-                    (f"{proposer}, no forced", f"--proposer {proposer} --no-forced-drafts", True)]
+        configs += [
+            (f"{proposer}", f"--proposer {proposer}", True),
+            (f"{proposer}, no forced", f"--proposer {proposer} --no-forced-drafts", True),
+        ]
     batch1_jobs = jobs_of(args.num_texts, args.text_chars)
-    round_jobs = [jobs_of(args.concurrency, args.text_chars, offset=args.num_texts + r * args.concurrency)
-                  for r in range(args.num_rounds)]
+    round_jobs = [
+        jobs_of(args.concurrency, args.text_chars, offset=args.num_texts + r * args.concurrency)
+        for r in range(args.num_rounds)
+    ]
     warm_up_offset = args.num_texts + args.num_rounds * args.concurrency
     warm_up_jobs = jobs_of(1, args.text_chars, offset=warm_up_offset)  # one of each schema
     if len(warm_up_jobs) < len(WORKLOADS):
-        raise SystemExit(f"--num-texts + --num-rounds x --concurrency = {warm_up_offset} texts per category, and "
-                         f"one more to warm up: more than the data has")
+        raise SystemExit(
+            f"--num-texts + --num-rounds x --concurrency = {warm_up_offset} texts per category, and "
+            f"one more to warm up: more than the data has"
+        )
     report: dict = {"args": vars(args)}
     with contextlib.ExitStack() as stack:
         servers = []
@@ -256,11 +312,14 @@ def main(args) -> None:
         concurrent = measure(servers, round_jobs, args.concurrency, args)
     report["batch1"] = rows_of(batch1, servers, batch1_jobs)
     report["concurrency"] = rows_of(concurrent, servers, [job for jobs in round_jobs for job in jobs])
-    report["constraint_overhead_batch1"] = (report["batch1"]["none, unconstrained"]["tok_s"]
-                                            / report["batch1"]["none"]["tok_s"])
-    print(f"\nJSON extraction, {len(batch1_jobs)} jobs at batch 1, {sum(map(len, round_jobs))} at concurrency "
-          f"{args.concurrency}; speedup over constrained decoding without speculation, whole requests and decode "
-          f"(after each request's first token)")
+    report["constraint_overhead_batch1"] = (
+        report["batch1"]["none, unconstrained"]["tok_s"] / report["batch1"]["none"]["tok_s"]
+    )
+    print(
+        f"\nJSON extraction, {len(batch1_jobs)} jobs at batch 1, {sum(map(len, round_jobs))} at concurrency "
+        f"{args.concurrency}; speedup over constrained decoding without speculation, whole requests and decode "
+        f"(after each request's first token)"
+    )
     print_report(report, servers)
     for key, metric in (("geomean_speedup_batch1", "speedup"), ("geomean_decode_speedup_batch1", "decode_speedup")):
         values = [report["batch1"][label][metric] for label, _, _ in configs[2:]]
@@ -270,18 +329,33 @@ def main(args) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--proposers", type=lambda s: s.split(";"), default=["ngram", "suffix", "eagle3"],
-                        help="semicolon-separated --proposer values")
+    parser.add_argument(
+        "--proposers",
+        type=lambda s: s.split(";"),
+        default=["ngram", "suffix", "eagle3"],
+        help="semicolon-separated --proposer values",
+    )
     parser.add_argument("--num-texts", type=int, default=4, help="texts per category at batch 1")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--num-rounds", type=int, default=2,
-                        help="rounds at --concurrency, 2 x concurrency other texts each, the order alternating")
+    parser.add_argument(
+        "--num-rounds",
+        type=int,
+        default=2,
+        help="rounds at --concurrency, 2 x concurrency other texts each, the order alternating",
+    )
     parser.add_argument("--text-chars", type=int, default=1500)
-    parser.add_argument("--max-tokens", type=int, default=512,
-                        help="enough for every record to close (rag-509 of the concurrency level needs 399)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=512,
+        help="enough for every record to close (rag-509 of the concurrency level needs 399)",
+    )
     parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--common-flags", default="--max-num-seqs 16 --kv-cache-memory-gib 0.5",
-                        help="flags every server gets (eight servers: a small KV cache each)")
+    parser.add_argument(
+        "--common-flags",
+        default="--max-num-seqs 16 --kv-cache-memory-gib 0.5",
+        help="flags every server gets (eight servers: a small KV cache each)",
+    )
     ARGS = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     main(ARGS)

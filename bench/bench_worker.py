@@ -10,20 +10,20 @@ Prints and saves (bench/results/) for SmolLM2, in one run:
 
 import argparse
 import logging
-import sys
 import pathlib
+import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
 from bench.common import chat_ids, load_questions, median_time, save  # noqa: E402
+from tests.worker.driver import Driver  # noqa: E402
 from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
-from worker_service.speculation.config import WorkerConfig  # noqa: E402
-from worker_service.speculation.build import build_worker  # noqa: E402
 from worker_service.runtime.loader import load_model, load_tokenizer  # noqa: E402
 from worker_service.runtime.runner import SequenceChunk  # noqa: E402
-from tests.worker.driver import Driver  # noqa: E402
+from worker_service.speculation.build import build_worker  # noqa: E402
+from worker_service.speculation.config import WorkerConfig  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 1024
@@ -80,15 +80,23 @@ def main():
     logging.info("worker batch 8: %.1f tok/s", results["worker_b8_tok_s"])
     t_decode, t_query = bench_query_cost(worker)
     results.update(decode_step_ms=t_decode, query5_step_ms=t_query, query5_over_decode=t_query / t_decode)
-    print(f"\nSmolLM2-135M, {ARGS.dtype}, {torch.get_num_threads()} threads, {ARGS.new_tokens} new tokens, "
-          f"median of {ARGS.repeats}")
+    print(
+        f"\nSmolLM2-135M, {ARGS.dtype}, {torch.get_num_threads()} threads, {ARGS.new_tokens} new tokens, "
+        f"median of {ARGS.repeats}"
+    )
     print(f"  transformers generate  batch 1: {results['transformers_b1_tok_s']:7.1f} tok/s")
-    print(f"  worker plain decoding  batch 1: {results['worker_b1_tok_s']:7.1f} tok/s "
-          f"({results['worker_b1_tok_s'] / results['transformers_b1_tok_s']:.2f}x transformers)")
-    print(f"  worker plain decoding  batch 8: {results['worker_b8_tok_s']:7.1f} tok/s aggregate "
-          f"({results['worker_b8_tok_s'] / results['transformers_b1_tok_s']:.2f}x transformers batch 1)")
-    print(f"  forward at a 300-token context: 1-token decode {t_decode:.1f} ms, 5-token query {t_query:.1f} ms "
-          f"-> {t_query / t_decode:.2f}x")
+    print(
+        f"  worker plain decoding  batch 1: {results['worker_b1_tok_s']:7.1f} tok/s "
+        f"({results['worker_b1_tok_s'] / results['transformers_b1_tok_s']:.2f}x transformers)"
+    )
+    print(
+        f"  worker plain decoding  batch 8: {results['worker_b8_tok_s']:7.1f} tok/s aggregate "
+        f"({results['worker_b8_tok_s'] / results['transformers_b1_tok_s']:.2f}x transformers batch 1)"
+    )
+    print(
+        f"  forward at a 300-token context: 1-token decode {t_decode:.1f} ms, 5-token query {t_query:.1f} ms "
+        f"-> {t_query / t_decode:.2f}x"
+    )
     save("worker", results)
 
 

@@ -33,8 +33,9 @@ def load_questions(path: pathlib.Path = DATA, categories: list[str] | None = Non
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
 
 
 def median_time(fn, repeats: int) -> float:
@@ -49,8 +50,14 @@ def median_time(fn, repeats: int) -> float:
 
 def save(name: str, payload: dict) -> pathlib.Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = {"machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
-                           "torch": torch.__version__}, **payload}
+    payload = {
+        "machine": {
+            "cpu_threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+        },
+        **payload,
+    }
     path = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(payload, indent=2))
     logger.info("saved %s", path)

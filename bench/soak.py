@@ -51,9 +51,9 @@ logger = logging.getLogger("bench.soak")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVE_FLAGS = ["--num-workers", "2", "--proposer", "ngram", "--num-speculative-tokens", "5"]
 SEEDS = (1, 2, 3, 4)
-NUM_SAMPLED_PROMPTS = 4          # sampled requests use the first prompts only, so (prompt, seed) pairs repeat
+NUM_SAMPLED_PROMPTS = 4  # sampled requests use the first prompts only, so (prompt, seed) pairs repeat
 SAMPLED_TEMPERATURE = 0.8
-REQUEST_TIMEOUT_S = 300.0        # for requests meant to complete: a hung server shows as DEADLINE_EXCEEDED
+REQUEST_TIMEOUT_S = 300.0  # for requests meant to complete: a hung server shows as DEADLINE_EXCEEDED
 BAD_INPUT_TIMEOUT_S = 30.0
 SETTLE_TIMEOUT_S = 15.0
 PROGRESS_INTERVAL_S = 30.0
@@ -65,8 +65,9 @@ def bad_request(text: str, sampling: dict | None = None, **prompt_input) -> pb.G
     """A short greedy chat request with `sampling` overrides and, when given, another prompt input."""
     if not prompt_input:
         prompt_input = {"messages": [pb.ChatMessage(role="user", content=text)]}
-    return pb.GenerateRequest(sampling=pb.SamplingParams(**{"temperature": 0.0, "max_tokens": 16, **(sampling or {})}),
-                              **prompt_input)
+    return pb.GenerateRequest(
+        sampling=pb.SamplingParams(**{"temperature": 0.0, "max_tokens": 16, **(sampling or {})}), **prompt_input
+    )
 
 
 # name: (expected status, request builder from a prompt text; None: a case with its own code path)
@@ -78,8 +79,7 @@ BAD_CASES = {
     "token_id_out_of_vocab": (INVALID, lambda t: bad_request(t, prompt_token_ids=[1, 10**9])),
     "empty_prompt": (INVALID, lambda t: bad_request(t, prompt="")),
     "empty_messages": (INVALID, lambda t: bad_request(t, messages=[])),
-    "role_im_end": (INVALID, lambda t: bad_request(
-        t, messages=[pb.ChatMessage(role="<|im_end|>", content=t)])),
+    "role_im_end": (INVALID, lambda t: bad_request(t, messages=[pb.ChatMessage(role="<|im_end|>", content=t)])),
     "max_tokens_int32_max": (INVALID, lambda t: bad_request(t, {"max_tokens": 2**31 - 1})),
     "stop_strings_1000": (INVALID, lambda t: bad_request(t, {"stop": [f"stop{i}" for i in range(1000)]})),
     "duplicate_request_id": (grpc.StatusCode.ALREADY_EXISTS, None),
@@ -93,14 +93,14 @@ OUTCOME_OF_ERROR = {"cancel": "cancelled", "deadline": "deadline"}
 class Record:
     """One client request: what it was meant to do and what happened."""
 
-    kind: str                       # "complete", "cancel", "deadline" or a BAD_CASES name
+    kind: str  # "complete", "cancel", "deadline" or a BAD_CASES name
     prompt_index: int | None = None
-    seed: int | None = None         # None: greedy
+    seed: int | None = None  # None: greedy
     start_s: float = 0.0
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens in the message)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: int = pb.FINISH_REASON_UNSPECIFIED
-    outcome: str | None = None      # completed, cancelled, deadline, bad_input_as_expected, unexpected
+    outcome: str | None = None  # completed, cancelled, deadline, bad_input_as_expected, unexpected
     detail: str = ""
 
 
@@ -171,12 +171,13 @@ class Soak:
         self.rss: dict[str, dict] = {}
         self.kill: dict | None = None
         self.bad_case_names = [n for n in BAD_CASES if n not in args.skip_bad_case]
-        self.end_s = 0.0          # time.monotonic() when the loops stop starting requests
-        self.start_perf_s = 0.0   # time.perf_counter() when the load started
+        self.end_s = 0.0  # time.monotonic() when the loops stop starting requests
+        self.start_perf_s = 0.0  # time.perf_counter() when the load started
 
     def workload_request(self, prompt_index: int, seed: int | None, request_id: str = "") -> pb.GenerateRequest:
-        sampling = pb.SamplingParams(temperature=0.0 if seed is None else SAMPLED_TEMPERATURE,
-                                     max_tokens=self.args.max_tokens, ignore_eos=True)
+        sampling = pb.SamplingParams(
+            temperature=0.0 if seed is None else SAMPLED_TEMPERATURE, max_tokens=self.args.max_tokens, ignore_eos=True
+        )
         if seed is not None:
             sampling.seed = seed
         request = pb.GenerateRequest(request_id=request_id, sampling=sampling)
@@ -214,8 +215,9 @@ class Soak:
         rec = self.new_record(rng, kind)
         timeout_s = rng.uniform(0.2, 1.0) if kind == "deadline" else REQUEST_TIMEOUT_S
         cancel_after = rng.randint(1, max(1, self.args.max_tokens // 8)) if kind == "cancel" else None
-        code, message = self.stream(rec, self.workload_request(rec.prompt_index, rec.seed, request_id), timeout_s,
-                                    cancel_after, on_first)
+        code, message = self.stream(
+            rec, self.workload_request(rec.prompt_index, rec.seed, request_id), timeout_s, cancel_after, on_first
+        )
         if rec.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self.check_completed(rec)
         elif code is not None and code == EXPECTED_ERROR.get(kind):
@@ -254,17 +256,21 @@ class Soak:
         rec = Record(name, start_s=time.perf_counter())
         if name == "abort_unknown_id":
             try:
-                self.stub.Abort(pb.AbortRequest(request_id=f"soak-unknown-{uuid.uuid4().hex}"),
-                                timeout=BAD_INPUT_TIMEOUT_S)
+                self.stub.Abort(
+                    pb.AbortRequest(request_id=f"soak-unknown-{uuid.uuid4().hex}"), timeout=BAD_INPUT_TIMEOUT_S
+                )
                 code, message = None, "Abort of an unknown id succeeded"
             except grpc.RpcError as exc:
                 code, message = exc.code(), exc.details()
         elif name == "duplicate_request_id":
             # The holder is a workload request that runs to completion; its first message proves it is running.
             result = []
-            self.run_workload(rng, "complete", request_id,
-                              on_first=lambda: result.append(self.expect_rejection(self.workload_request(
-                                  0, None, request_id))))
+            self.run_workload(
+                rng,
+                "complete",
+                request_id,
+                on_first=lambda: result.append(self.expect_rejection(self.workload_request(0, None, request_id))),
+            )
             code, message = result[0] if result else (None, "the holder failed before its first message")
         else:
             code, message = self.expect_rejection(build(self.prompts[rng.randrange(len(self.prompts))]))
@@ -300,8 +306,10 @@ class Soak:
         rec.outcome = "completed"
         if len(rec.token_ids) != self.args.max_tokens or rec.finish_reason != pb.FINISH_REASON_LENGTH:
             rec.outcome = "unexpected"
-            rec.detail = (f"finished ({pb.FinishReason.Name(rec.finish_reason)}) with {len(rec.token_ids)} of "
-                          f"{self.args.max_tokens} tokens although ignore_eos is set")
+            rec.detail = (
+                f"finished ({pb.FinishReason.Name(rec.finish_reason)}) with {len(rec.token_ids)} of "
+                f"{self.args.max_tokens} tokens although ignore_eos is set"
+            )
         if rec.seed is not None:
             with self.lock:
                 self.seeded_first.setdefault((rec.prompt_index, rec.seed), rec.token_ids)
@@ -309,12 +317,21 @@ class Soak:
 
     def check_output(self, rec: Record, expected: list[int] | None, is_partial: bool) -> None:
         """Records a mismatch when the output (or the streamed prefix of a partial one) differs from `expected`."""
-        if expected is None or rec.token_ids == expected[:len(rec.token_ids) if is_partial else None]:
+        if expected is None or rec.token_ids == expected[: len(rec.token_ids) if is_partial else None]:
             return
-        at = next((i for i, (a, b) in enumerate(zip(rec.token_ids, expected)) if a != b),
-                  min(len(rec.token_ids), len(expected)))
-        mismatch = {"kind": rec.kind, "outcome": rec.outcome, "prompt_index": rec.prompt_index, "seed": rec.seed,
-                    "first_difference_at": at, "got": rec.token_ids, "expected": expected}
+        at = next(
+            (i for i, (a, b) in enumerate(zip(rec.token_ids, expected)) if a != b),
+            min(len(rec.token_ids), len(expected)),
+        )
+        mismatch = {
+            "kind": rec.kind,
+            "outcome": rec.outcome,
+            "prompt_index": rec.prompt_index,
+            "seed": rec.seed,
+            "first_difference_at": at,
+            "got": rec.token_ids,
+            "expected": expected,
+        }
         with self.lock:
             (self.greedy_mismatches if rec.seed is None else self.seeded_mismatches).append(mismatch)
 
@@ -323,8 +340,12 @@ class Soak:
     def sample_rss(self, label: str) -> None:
         workers = {pid: rss_kib(pid) for pid in self.server.worker_pids()}
         self.rss[label] = {"serve_kib": rss_kib(self.server.pid), "workers_kib": workers}
-        logger.info("RSS at %s: serve %s MiB, workers %s MiB", label, _mib(self.rss[label]["serve_kib"]),
-                    ", ".join(f"{pid}: {_mib(kib)}" for pid, kib in workers.items()))
+        logger.info(
+            "RSS at %s: serve %s MiB, workers %s MiB",
+            label,
+            _mib(self.rss[label]["serve_kib"]),
+            ", ".join(f"{pid}: {_mib(kib)}" for pid, kib in workers.items()),
+        )
 
     def kill_worker(self) -> None:
         pids = self.server.worker_pids()
@@ -336,16 +357,22 @@ class Soak:
             in_flight = list(self.active)
         killed_s = time.perf_counter()
         os.kill(pids[0], signal.SIGKILL)
-        self.kill = {"pid": pids[0], "at_s": killed_s, "in_flight": in_flight, "serving_again_s": None,
-                     "num_failures_before": info.counters.num_worker_failures,
-                     "num_moved_before": info.counters.num_moved_requests}
+        self.kill = {
+            "pid": pids[0],
+            "at_s": killed_s,
+            "in_flight": in_flight,
+            "serving_again_s": None,
+            "num_failures_before": info.counters.num_worker_failures,
+            "num_moved_before": info.counters.num_moved_requests,
+        }
         logger.info("SIGKILL worker %d with %d requests in flight", pids[0], len(in_flight))
 
     def poll_restart(self) -> None:
         """Sets serving_again_s once the failure is seen and every worker serves again."""
         info = self.stub.GetServerInfo(pb.GetServerInfoRequest())
-        if (info.counters.num_worker_failures > self.kill["num_failures_before"]
-                and all(w.state == "serving" for w in info.workers)):
+        if info.counters.num_worker_failures > self.kill["num_failures_before"] and all(
+            w.state == "serving" for w in info.workers
+        ):
             self.kill["serving_again_s"] = time.perf_counter() - self.kill["at_s"]
             logger.info("both workers serve again %.1f s after the kill", self.kill["serving_again_s"])
 
@@ -376,9 +403,15 @@ class Soak:
             done = len(self.records)
             unexpected = [r for r in self.records if r.outcome == "unexpected"]
             num_tokens = sum(len(r.token_ids) for r in self.records)
-        logger.info("%4.0f s: %d requests done, %d unexpected errors%s, %.1f tok/s; %d greedy mismatches",
-                    elapsed_s, done, len(unexpected), f" (last: {unexpected[-1].kind}: {unexpected[-1].detail})"
-                    if unexpected else "", num_tokens / elapsed_s, len(self.greedy_mismatches))
+        logger.info(
+            "%4.0f s: %d requests done, %d unexpected errors%s, %.1f tok/s; %d greedy mismatches",
+            elapsed_s,
+            done,
+            len(unexpected),
+            f" (last: {unexpected[-1].kind}: {unexpected[-1].detail})" if unexpected else "",
+            num_tokens / elapsed_s,
+            len(self.greedy_mismatches),
+        )
 
 
 def _mib(kib: int | None) -> str:
@@ -419,15 +452,23 @@ def kill_report(soak: Soak, info: pb.GetServerInfoResponse) -> dict | None:
     k = soak.kill
     if k is None:
         return None
-    gaps = sorted(t - k["at_s"] for t in (next((t for t, _ in r.arrivals if t > k["at_s"]), None)
-                                          for r in k["in_flight"]) if t is not None)
+    gaps = sorted(
+        t - k["at_s"]
+        for t in (next((t for t, _ in r.arrivals if t > k["at_s"]), None) for r in k["in_flight"])
+        if t is not None
+    )
     num_moved = info.counters.num_moved_requests - k["num_moved_before"]
-    moved, others = gaps[len(gaps) - num_moved:] if num_moved else [], gaps[: len(gaps) - num_moved]
-    return {"pid": k["pid"], "at_s_after_start": k["at_s"] - soak.start_perf_s, "num_in_flight": len(k["in_flight"]),
-            "serving_again_s": k["serving_again_s"], "num_moved": num_moved,
-            "moved_next_token_median_s": statistics.median(moved) if moved else None,
-            "moved_next_token_max_s": max(moved, default=None),
-            "others_next_token_median_s": statistics.median(others) if others else None}
+    moved, others = gaps[len(gaps) - num_moved :] if num_moved else [], gaps[: len(gaps) - num_moved]
+    return {
+        "pid": k["pid"],
+        "at_s_after_start": k["at_s"] - soak.start_perf_s,
+        "num_in_flight": len(k["in_flight"]),
+        "serving_again_s": k["serving_again_s"],
+        "num_moved": num_moved,
+        "moved_next_token_median_s": statistics.median(moved) if moved else None,
+        "moved_next_token_max_s": max(moved, default=None),
+        "others_next_token_median_s": statistics.median(others) if others else None,
+    }
 
 
 def rss_report(rss: dict) -> dict:
@@ -436,65 +477,97 @@ def rss_report(rss: dict) -> dict:
     base, end = rss.get(base_label), rss["end"]
     growth = {}
     if base is not None:
-        pairs = {"serve": (base["serve_kib"], end["serve_kib"]),
-                 **{f"worker {pid}": (kib, end["workers_kib"].get(pid)) for pid, kib in base["workers_kib"].items()}}
+        pairs = {
+            "serve": (base["serve_kib"], end["serve_kib"]),
+            **{f"worker {pid}": (kib, end["workers_kib"].get(pid)) for pid, kib in base["workers_kib"].items()},
+        }
         growth = {name: (b1 - b0) / b0 if b0 and b1 else None for name, (b0, b1) in pairs.items()}
     return {"samples": rss, "growth_from": base_label, "growth": growth, "is_growth_checked": base_label == "2min"}
 
 
 def outcome_report(records: list[Record]) -> dict:
     """Requests by outcome, each bad-input case's tally, and the unexpected ones grouped by (kind, code)."""
-    outcomes = {o: sum(r.outcome == o for r in records) for o in
-                ("completed", "cancelled", "deadline", "bad_input_as_expected", "unexpected")}
-    bad_cases = {name: {"expected": code.name,
-                        "as_expected": sum(r.kind == name and r.outcome != "unexpected" for r in records),
-                        "unexpected": sum(r.kind == name and r.outcome == "unexpected" for r in records)}
-                 for name, (code, _) in BAD_CASES.items()}
+    outcomes = {
+        o: sum(r.outcome == o for r in records)
+        for o in ("completed", "cancelled", "deadline", "bad_input_as_expected", "unexpected")
+    }
+    bad_cases = {
+        name: {
+            "expected": code.name,
+            "as_expected": sum(r.kind == name and r.outcome != "unexpected" for r in records),
+            "unexpected": sum(r.kind == name and r.outcome == "unexpected" for r in records),
+        }
+        for name, (code, _) in BAD_CASES.items()
+    }
     unexpected: dict[tuple, dict] = {}
     for r in records:
         if r.outcome == "unexpected":
             entry = unexpected.setdefault((r.kind, r.detail.split(":")[0]), {"count": 0, "example": r.detail})
             entry["count"] += 1
-    return {"num_requests": len(records), "outcomes": outcomes,
-            "deadline_cases_completed_in_time": sum(r.kind == "deadline" and r.outcome == "completed"
-                                                    for r in records),
-            "bad_cases": bad_cases,
-            "unexpected": [{"kind": kind, "code": code, **v} for (kind, code), v in unexpected.items()]}
+    return {
+        "num_requests": len(records),
+        "outcomes": outcomes,
+        "deadline_cases_completed_in_time": sum(r.kind == "deadline" and r.outcome == "completed" for r in records),
+        "bad_cases": bad_cases,
+        "unexpected": [{"kind": kind, "code": code, **v} for (kind, code), v in unexpected.items()],
+    }
 
 
 def build_report(args, soak: Soak, info: pb.GetServerInfoResponse, load_s: float) -> dict:
     records = soak.records
     ttfts = [r.arrivals[0][0] - r.start_s for r in records if r.arrivals]
     itls = [(t - t0) / n for r in records for (t0, _), (t, n) in zip(r.arrivals, r.arrivals[1:])]
-    leaked = [{"address": w.address, "state": w.state, "num_kv_blocks": w.num_kv_blocks,
-               "num_free_kv_blocks": w.num_free_kv_blocks, "leaked": w.num_kv_blocks - w.num_free_kv_blocks}
-              for w in info.workers]
+    leaked = [
+        {
+            "address": w.address,
+            "state": w.state,
+            "num_kv_blocks": w.num_kv_blocks,
+            "num_free_kv_blocks": w.num_free_kv_blocks,
+            "leaked": w.num_kv_blocks - w.num_free_kv_blocks,
+        }
+        for w in info.workers
+    ]
     rss = rss_report(soak.rss)
     report = {
-        "args": vars(args), "serve_flags": SERVE_FLAGS + shlex.split(args.serve_args), "num_prompts": len(soak.prompts),
+        "args": vars(args),
+        "serve_flags": SERVE_FLAGS + shlex.split(args.serve_args),
+        "num_prompts": len(soak.prompts),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         **outcome_report(records),
-        "greedy_mismatches": soak.greedy_mismatches, "seeded_mismatches": soak.seeded_mismatches,
+        "greedy_mismatches": soak.greedy_mismatches,
+        "seeded_mismatches": soak.seeded_mismatches,
         "num_seeded_repeats_checked": sum(r.seed is not None and r.outcome == "completed" for r in records)
         - len(soak.seeded_first),
-        "kv": {"workers": leaked, "total_leaked": sum(w["leaked"] for w in leaked),
-               "num_running": info.num_running, "num_waiting": info.num_waiting},
-        "rss": rss, "load_s": load_s, "num_tokens": sum(len(r.token_ids) for r in records),
-        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-        "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
+        "kv": {
+            "workers": leaked,
+            "total_leaked": sum(w["leaked"] for w in leaked),
+            "num_running": info.num_running,
+            "num_waiting": info.num_waiting,
+        },
+        "rss": rss,
+        "load_s": load_s,
+        "num_tokens": sum(len(r.token_ids) for r in records),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "itl_p50_s": percentile(itls, 50),
+        "itl_p99_s": percentile(itls, 99),
         "kill": kill_report(soak, info),
-        "counters": {"num_moved_requests": info.counters.num_moved_requests,
-                     "num_worker_failures": info.counters.num_worker_failures,
-                     "num_preemptions": info.counters.num_preemptions,
-                     "acceptance_rate": info.counters.acceptance_rate}}
+        "counters": {
+            "num_moved_requests": info.counters.num_moved_requests,
+            "num_worker_failures": info.counters.num_worker_failures,
+            "num_preemptions": info.counters.num_preemptions,
+            "acceptance_rate": info.counters.acceptance_rate,
+        },
+    }
     report["tokens_per_s"] = report["num_tokens"] / load_s
     growths = [g for g in rss["growth"].values() if g is not None]
-    report["targets"] = {"no_unexpected_errors": report["outcomes"]["unexpected"] == 0,
-                         "no_greedy_mismatches": not soak.greedy_mismatches,
-                         "no_seeded_mismatches": not soak.seeded_mismatches,
-                         "no_leaked_kv_blocks": report["kv"]["total_leaked"] == 0,
-                         "rss_growth_below_10pct": (not rss["is_growth_checked"]
-                                                    or all(g < RSS_GROWTH_LIMIT for g in growths))}
+    report["targets"] = {
+        "no_unexpected_errors": report["outcomes"]["unexpected"] == 0,
+        "no_greedy_mismatches": not soak.greedy_mismatches,
+        "no_seeded_mismatches": not soak.seeded_mismatches,
+        "no_leaked_kv_blocks": report["kv"]["total_leaked"] == 0,
+        "rss_growth_below_10pct": (not rss["is_growth_checked"] or all(g < RSS_GROWTH_LIMIT for g in growths)),
+    }
     report["passed"] = all(report["targets"].values())
     return report
 
@@ -509,37 +582,59 @@ def _ms(value: float | None) -> str:
 
 def print_summary(report: dict) -> None:
     o = report["outcomes"]
-    print(f"\nsoak: {report['num_requests']} requests in {report['load_s']:.0f} s "
-          f"(concurrency {report['args']['concurrency']}, max_tokens {report['args']['max_tokens']}, "
-          f"serve {' '.join(report['serve_flags'])})")
-    print("outcomes: " + ", ".join(f"{k} {v}" for k, v in o.items())
-          + f"  (deadline cases that completed in time: {report['deadline_cases_completed_in_time']})")
-    print("bad inputs: " + ", ".join(f"{n} {c['as_expected']}/{c['as_expected'] + c['unexpected']}"
-                                     for n, c in report["bad_cases"].items()))
+    print(
+        f"\nsoak: {report['num_requests']} requests in {report['load_s']:.0f} s "
+        f"(concurrency {report['args']['concurrency']}, max_tokens {report['args']['max_tokens']}, "
+        f"serve {' '.join(report['serve_flags'])})"
+    )
+    print(
+        "outcomes: "
+        + ", ".join(f"{k} {v}" for k, v in o.items())
+        + f"  (deadline cases that completed in time: {report['deadline_cases_completed_in_time']})"
+    )
+    print(
+        "bad inputs: "
+        + ", ".join(
+            f"{n} {c['as_expected']}/{c['as_expected'] + c['unexpected']}" for n, c in report["bad_cases"].items()
+        )
+    )
     for u in report["unexpected"]:
         print(f"  UNEXPECTED x{u['count']} {u['kind']}: {u['example'][:200]}")
-    print(f"greedy outputs differing from the reference: {len(report['greedy_mismatches'])}; "
-          f"seeded repeats differing: {len(report['seeded_mismatches'])} "
-          f"(of {report['num_seeded_repeats_checked']} completed repeats)")
+    print(
+        f"greedy outputs differing from the reference: {len(report['greedy_mismatches'])}; "
+        f"seeded repeats differing: {len(report['seeded_mismatches'])} "
+        f"(of {report['num_seeded_repeats_checked']} completed repeats)"
+    )
     kv = report["kv"]
-    print(f"KV blocks leaked after the load: {kv['total_leaked']} (" + ", ".join(
-        f"{w['address']} {w['state']}: {w['leaked']} of {w['num_kv_blocks']}" for w in kv["workers"]) + ")")
+    print(
+        f"KV blocks leaked after the load: {kv['total_leaked']} ("
+        + ", ".join(f"{w['address']} {w['state']}: {w['leaked']} of {w['num_kv_blocks']}" for w in kv["workers"])
+        + ")"
+    )
     rss = report["rss"]
     for label, sample in rss["samples"].items():
-        print(f"RSS {label:>4}: serve {_mib(sample['serve_kib'])} MiB, workers " + ", ".join(
-            f"{pid}: {_mib(kib)} MiB" for pid, kib in sample["workers_kib"].items()))
+        print(
+            f"RSS {label:>4}: serve {_mib(sample['serve_kib'])} MiB, workers "
+            + ", ".join(f"{pid}: {_mib(kib)} MiB" for pid, kib in sample["workers_kib"].items())
+        )
     checked = "" if rss["is_growth_checked"] else " (not checked: no 2-minute sample)"
-    print(f"RSS growth {rss['growth_from']} -> end{checked}: "
-          + ", ".join(f"{name} {'-' if g is None else f'{g:+.1%}'}" for name, g in rss["growth"].items()))
-    print(f"TTFT p50 {_ms(report['ttft_p50_s'])}, p99 {_ms(report['ttft_p99_s'])}; "
-          f"inter-token p50 {_ms(report['itl_p50_s'])}, p99 {_ms(report['itl_p99_s'])}; "
-          f"{report['tokens_per_s']:.1f} tok/s ({report['num_tokens']} tokens)")
+    print(
+        f"RSS growth {rss['growth_from']} -> end{checked}: "
+        + ", ".join(f"{name} {'-' if g is None else f'{g:+.1%}'}" for name, g in rss["growth"].items())
+    )
+    print(
+        f"TTFT p50 {_ms(report['ttft_p50_s'])}, p99 {_ms(report['ttft_p99_s'])}; "
+        f"inter-token p50 {_ms(report['itl_p50_s'])}, p99 {_ms(report['itl_p99_s'])}; "
+        f"{report['tokens_per_s']:.1f} tok/s ({report['num_tokens']} tokens)"
+    )
     k = report["kill"]
     if k:
-        print(f"kill: worker {k['pid']} at {k['at_s_after_start']:.0f} s with {k['num_in_flight']} streams in flight; "
-              f"serving again after {_s(k['serving_again_s'])}; {k['num_moved']} requests moved, next token after "
-              f"median {_s(k['moved_next_token_median_s'])}, max {_s(k['moved_next_token_max_s'])} "
-              f"(others: median {_s(k['others_next_token_median_s'])})")
+        print(
+            f"kill: worker {k['pid']} at {k['at_s_after_start']:.0f} s with {k['num_in_flight']} streams in flight; "
+            f"serving again after {_s(k['serving_again_s'])}; {k['num_moved']} requests moved, next token after "
+            f"median {_s(k['moved_next_token_median_s'])}, max {_s(k['moved_next_token_max_s'])} "
+            f"(others: median {_s(k['others_next_token_median_s'])})"
+        )
     missed = [name for name, ok in report["targets"].items() if not ok]
     print("PASSED" if report["passed"] else f"FAILED: {', '.join(missed)}")
 
@@ -550,15 +645,22 @@ def parse_args(argv=None):
     parser.add_argument("--concurrency", type=int, default=16, help="client loops")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0, help="seeds the client loops' choices")
-    parser.add_argument("--kill-at", type=float, default=0.5, help="SIGKILL a worker at this fraction of --duration "
-                                                                   "(0: no kill)")
+    parser.add_argument(
+        "--kill-at", type=float, default=0.5, help="SIGKILL a worker at this fraction of --duration (0: no kill)"
+    )
     parser.add_argument("--num-prompts", type=int, default=8, help="distinct prompts (Spec-Bench first turns)")
     parser.add_argument("--max-prompt-chars", type=int, default=700, help="only prompts at most this long")
     parser.add_argument("--serve-args", default="", help="extra `specdec serve` flags")
-    parser.add_argument("--skip-bad-case", action="append", default=[], choices=list(BAD_CASES),
-                        help="leave out a bad-input case (repeatable)")
-    parser.add_argument("--out", type=pathlib.Path, default=None,
-                        help="result file (default bench/results/soak-<timestamp>.json)")
+    parser.add_argument(
+        "--skip-bad-case",
+        action="append",
+        default=[],
+        choices=list(BAD_CASES),
+        help="leave out a bad-input case (repeatable)",
+    )
+    parser.add_argument(
+        "--out", type=pathlib.Path, default=None, help="result file (default bench/results/soak-<timestamp>.json)"
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.kill_at < 1:
         parser.error(f"--kill-at must be in [0, 1), got {args.kill_at}")

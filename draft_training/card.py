@@ -2,7 +2,6 @@
 
 import platform
 
-
 _LABELS = {False: "the target's token", True: "the target's distribution over the draft vocabulary (soft)"}
 
 
@@ -50,6 +49,7 @@ def render(summary: dict) -> str:
         "| source | licence | prompts |",
         "|---|---|---|",
     ]
-    lines += [f"| {source} | {entry['licence']} | {entry['num_prompts']} |"
-              for source, entry in summary["sources"].items()]
+    lines += [
+        f"| {source} | {entry['licence']} | {entry['num_prompts']} |" for source, entry in summary["sources"].items()
+    ]
     return "\n".join(lines) + "\n"

@@ -15,20 +15,32 @@ IGNORE = -100  # a label that does not count (prompt positions, past the end, ou
 def save_shard(path: pathlib.Path, conversations: list[Conversation]) -> None:
     """Writes one shard atomically (an interrupted write is never taken for a finished shard)."""
     partial = path.with_suffix(".partial")
-    torch.save([{"token_ids": torch.tensor(c.token_ids, dtype=torch.int32), "num_prompt_tokens": c.num_prompt_tokens,
-                 "aux_hidden": c.aux_hidden} for c in conversations], partial)
+    torch.save(
+        [
+            {
+                "token_ids": torch.tensor(c.token_ids, dtype=torch.int32),
+                "num_prompt_tokens": c.num_prompt_tokens,
+                "aux_hidden": c.aux_hidden,
+            }
+            for c in conversations
+        ],
+        partial,
+    )
     partial.replace(path)
 
 
 def load_shards(paths: list[pathlib.Path]) -> list[Conversation]:
-    return [Conversation(row["token_ids"].tolist(), row["num_prompt_tokens"], row["aux_hidden"])
-            for path in paths for row in torch.load(path)]
+    return [
+        Conversation(row["token_ids"].tolist(), row["num_prompt_tokens"], row["aux_hidden"])
+        for path in paths
+        for row in torch.load(path)
+    ]
 
 
 def draft_vocabulary(conversations: list[Conversation], coverage: float, max_size: int) -> tuple[torch.Tensor, float]:
     """The most frequent response tokens (what the head must predict), fewest that reach `coverage` of the
     response tokens, at most `max_size`; returns (draft id -> target id [Vd], the coverage reached)."""
-    counts = Counter(t for c in conversations for t in c.token_ids[c.num_prompt_tokens:])
+    counts = Counter(t for c in conversations for t in c.token_ids[c.num_prompt_tokens :])
     total = sum(counts.values())
     chosen, covered = [], 0
     for token, count in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
@@ -70,11 +82,13 @@ def collate(batch: list[Conversation], num_steps: int, device: torch.device):
     features = torch.zeros(len(batch), length - 1, batch[0].aux_hidden.shape[-1])
     is_label = torch.zeros(len(batch), length + num_steps + 1, dtype=torch.bool)
     for b, c in enumerate(batch):
-        tokens[b, :len(c.token_ids)] = torch.tensor(c.token_ids)
-        features[b, :len(c.aux_hidden)] = c.aux_hidden.float()
-        is_label[b, c.num_prompt_tokens:len(c.token_ids)] = True
+        tokens[b, : len(c.token_ids)] = torch.tensor(c.token_ids)
+        features[b, : len(c.aux_hidden)] = c.aux_hidden.float()
+        is_label[b, c.num_prompt_tokens : len(c.token_ids)] = True
     padded = torch.nn.functional.pad(tokens, (0, num_steps + 1))
     rows = length - 1
-    labels = [torch.where(is_label[:, j + 2:j + 2 + rows], padded[:, j + 2:j + 2 + rows], IGNORE)
-              for j in range(num_steps)]
+    labels = [
+        torch.where(is_label[:, j + 2 : j + 2 + rows], padded[:, j + 2 : j + 2 + rows], IGNORE)
+        for j in range(num_steps)
+    ]
     return tokens.to(device), features.to(device), [label.to(device) for label in labels]

@@ -27,19 +27,27 @@ class Conversation:
     aux_hidden: torch.Tensor | None = None  # [len - 1, 3 x hidden] bf16: the features of every position but the last
 
 
-def generate(worker: Worker, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: set[int],
-             sampling: Callable[[int], step.RequestSampling], batch_size: int,
-             on_batch: Callable[[list[Conversation]], None] | None = None) -> list[Conversation]:
+def generate(
+    worker: Worker,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_token_ids: set[int],
+    sampling: Callable[[int], step.RequestSampling],
+    batch_size: int,
+    on_batch: Callable[[list[Conversation]], None] | None = None,
+) -> list[Conversation]:
     """Prompt i's conversation, sampled with `sampling(i)`. With the target runner's aux_layers set, each
     conversation carries its features. `on_batch` sees each batch as it finishes (progress, saving)."""
     block_size = worker.block_size
     blocks_per_request = -(-(max(map(len, prompts), default=0) + max_new_tokens + 1) // block_size)
     if blocks_per_request * min(batch_size, len(prompts)) > worker.num_blocks:
-        raise ValueError(f"the worker's KV cache ({worker.num_blocks} blocks of {block_size}) cannot hold "
-                         f"{batch_size} requests of {blocks_per_request} blocks")
+        raise ValueError(
+            f"the worker's KV cache ({worker.num_blocks} blocks of {block_size}) cannot hold "
+            f"{batch_size} requests of {blocks_per_request} blocks"
+        )
     conversations: list[Conversation] = []
     for start in range(0, len(prompts), batch_size):
-        batch = _Batch(worker, list(enumerate(prompts[start:start + batch_size], start)), blocks_per_request)
+        batch = _Batch(worker, list(enumerate(prompts[start : start + batch_size], start)), blocks_per_request)
         done = batch.run(max_new_tokens, stop_token_ids, sampling)
         conversations.extend(done)
         if on_batch is not None:
@@ -59,10 +67,13 @@ class _Batch:
         self.features: dict[str, list[torch.Tensor]] = {rid: [] for rid in self.ids}
         self.step_ids = itertools.count()
 
-    def run(self, max_new_tokens: int, stop_token_ids: set[int],
-            sampling: Callable[[int], step.RequestSampling]) -> list[Conversation]:
-        new = [step.NewRequest(rid, prompt, len(prompt), sampling(i), self._blocks(row), len(prompt))
-               for row, (rid, (i, prompt)) in enumerate(zip(self.ids, self.prompts))]
+    def run(
+        self, max_new_tokens: int, stop_token_ids: set[int], sampling: Callable[[int], step.RequestSampling]
+    ) -> list[Conversation]:
+        new = [
+            step.NewRequest(rid, prompt, len(prompt), sampling(i), self._blocks(row), len(prompt))
+            for row, (rid, (i, prompt)) in enumerate(zip(self.ids, self.prompts))
+        ]
         request = step.StepRequest(next(self.step_ids), new_requests=new)
         running = list(self.ids)
         while running:
@@ -78,9 +89,11 @@ class _Batch:
                         finished.append(out.request_id)
                         break
             running = [rid for rid in running if rid not in finished]
-            request = step.StepRequest(next(self.step_ids), finished_request_ids=finished,
-                                       cached_requests=[step.CachedRequest(rid, [], self.blocks_per_request, 1)
-                                                        for rid in running])
+            request = step.StepRequest(
+                next(self.step_ids),
+                finished_request_ids=finished,
+                cached_requests=[step.CachedRequest(rid, [], self.blocks_per_request, 1) for rid in running],
+            )
         self.worker.execute(request)  # the last finished requests leave the worker
         return [self._conversation(rid, len(prompt)) for rid, (_, prompt) in zip(self.ids, self.prompts)]
 
@@ -97,7 +110,7 @@ class _Batch:
         for rid in scheduled:
             state = self.worker.requests[rid]
             num_rows = state.num_computed_tokens - sum(len(f) for f in self.features[rid])
-            self.features[rid].append(aux[offset:offset + num_rows].to(torch.bfloat16))
+            self.features[rid].append(aux[offset : offset + num_rows].to(torch.bfloat16))
             offset += num_rows
         assert offset == len(aux), "the step's rows are the scheduled chunks' positions"
 
@@ -105,5 +118,5 @@ class _Batch:
         features = torch.cat(self.features[rid]) if self.features[rid] else None
         tokens = self.tokens[rid]
         if features is not None:
-            features = features[:len(tokens) - 1]
+            features = features[: len(tokens) - 1]
         return Conversation(tokens, num_prompt, features)

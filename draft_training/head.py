@@ -25,13 +25,23 @@ def head_config(target: LlamaConfig, draft_vocab_size: int, aux_layers: tuple[in
     """The head's config.json: a one-layer Llama shaped like a target layer, plus the draft vocabulary and
     the target layers it reads."""
     head_dim = getattr(target, "head_dim", None) or target.hidden_size // target.num_attention_heads
-    return {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": target.hidden_size,
-            "intermediate_size": target.intermediate_size, "num_attention_heads": target.num_attention_heads,
-            "num_key_value_heads": target.num_key_value_heads, "head_dim": head_dim, "num_hidden_layers": 1,
-            "rms_norm_eps": target.rms_norm_eps, "max_position_embeddings": target.max_position_embeddings,
-            "rope_theta": _rope_theta(target), "vocab_size": target.vocab_size,
-            "draft_vocab_size": draft_vocab_size, "target_hidden_size": target.hidden_size,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}}
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": target.hidden_size,
+        "intermediate_size": target.intermediate_size,
+        "num_attention_heads": target.num_attention_heads,
+        "num_key_value_heads": target.num_key_value_heads,
+        "head_dim": head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": target.rms_norm_eps,
+        "max_position_embeddings": target.max_position_embeddings,
+        "rope_theta": _rope_theta(target),
+        "vocab_size": target.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "target_hidden_size": target.hidden_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)},
+    }
 
 
 def _rope_theta(config: LlamaConfig) -> float:
@@ -42,12 +52,22 @@ def _rope_theta(config: LlamaConfig) -> float:
 class TrainableHead(torch.nn.Module):
     """The head's weights (SpecForge's names, `midlayer.` for the decoder layer) and its unrolled forward."""
 
-    def __init__(self, config: dict, embedding: torch.Tensor, target_lm_head: torch.Tensor,
-                 target_norm: torch.Tensor, draft_to_target: torch.Tensor):
+    def __init__(
+        self,
+        config: dict,
+        embedding: torch.Tensor,
+        target_lm_head: torch.Tensor,
+        target_norm: torch.Tensor,
+        draft_to_target: torch.Tensor,
+    ):
         super().__init__()
         llama = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "eagle_config")})
-        hidden, heads, kv_heads, head_dim = (llama.hidden_size, llama.num_attention_heads,
-                                             llama.num_key_value_heads, config["head_dim"])
+        hidden, heads, kv_heads, head_dim = (
+            llama.hidden_size,
+            llama.num_attention_heads,
+            llama.num_key_value_heads,
+            config["head_dim"],
+        )
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.register_buffer("embedding", embedding.detach().float(), persistent=False)  # the target's, frozen
         self.fc = torch.nn.Linear(3 * config["target_hidden_size"], hidden, bias=False)
@@ -83,15 +103,21 @@ class TrainableHead(torch.nn.Module):
         features = self.fc(aux_hidden[:, :rows].float())  # [B, R, H]
         keys, values, logits = [], [], []
         for j in range(num_steps):
-            tokens = padded[:, j + 1:j + 1 + rows]  # [B, R]
+            tokens = padded[:, j + 1 : j + 1 + rows]  # [B, R]
             positions = torch.arange(j, j + rows, device=input_ids.device)[None].expand(batch, -1)
             prenorm = self._layer(tokens, positions, features, keys, values)
             logits.append(self.lm_head(self.norm(prenorm)))  # [B, R, draft V]
             features = prenorm
         return logits
 
-    def _layer(self, tokens: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
-               keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    def _layer(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        features: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> torch.Tensor:
         layer = self.midlayer
         embeds = layer.input_layernorm(torch.nn.functional.embedding(tokens, self.embedding))
         x = torch.cat([embeds, layer.hidden_norm(features)], dim=-1)  # [B, R, 2H]
@@ -104,7 +130,7 @@ class TrainableHead(torch.nn.Module):
         group = self.num_heads // self.num_kv_heads
         keys.append(k.repeat_interleave(group, dim=1))
         values.append(v.repeat_interleave(group, dim=1))
-        attn = _ttt_attention(q, keys, values, self.head_dim ** -0.5)  # [B, heads, R, D]
+        attn = _ttt_attention(q, keys, values, self.head_dim**-0.5)  # [B, heads, R, D]
         attn = layer.self_attn.o_proj(attn.transpose(1, 2).reshape(batch, rows, -1))
         residual = features + attn
         return residual + layer.mlp(layer.post_attention_layernorm(residual))
@@ -122,8 +148,7 @@ class TrainableHead(torch.nn.Module):
         (directory / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
 
 
-def _ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                   scale: float) -> torch.Tensor:
+def _ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float) -> torch.Tensor:
     """Row p of the newest step attends to step 0's keys at rows <= p and to each later step's key at row p."""
     rows = q.shape[2]
     scores = [torch.matmul(q, keys[0].transpose(-1, -2)) * scale]  # [B, heads, R, R]

@@ -46,28 +46,106 @@ CODE_TASKS = (
 TASKS_PER_PARAGRAPH = 2
 # The first words of self-written prompts (module docstring): kinds of tasks a general assistant gets.
 SELF_PROMPT_OPENERS = (
-    "Write a poem about", "Write a short story", "Write a letter", "Write an essay on", "Write a speech",
-    "Compose a", "Draft an email", "Describe", "Imagine you are", "Pretend to be", "You are a", "Act as",
-    "Solve", "Calculate", "What is the value of", "Find the", "How many", "If a train", "Prove that",
-    "A farmer has", "Explain why", "Explain how", "Explain the concept of", "What causes", "Why do",
-    "How does", "What is the difference between", "Compare", "What were the main causes of",
-    "Who was", "What is the history of", "Discuss", "Analyze", "Summarize", "Extract", "List",
-    "Classify", "Rewrite", "Translate", "Edit", "Write a Python function", "Write a function in",
-    "Implement", "Debug this code", "Write a SQL query", "What does this code do", "Give me", "Suggest",
-    "Help me plan", "What are the pros and cons of", "Is it true that", "Which is", "Tell me about",
-    "Create a", "Design a", "Brainstorm", "In three sentences,", "Step by step,",
+    "Write a poem about",
+    "Write a short story",
+    "Write a letter",
+    "Write an essay on",
+    "Write a speech",
+    "Compose a",
+    "Draft an email",
+    "Describe",
+    "Imagine you are",
+    "Pretend to be",
+    "You are a",
+    "Act as",
+    "Solve",
+    "Calculate",
+    "What is the value of",
+    "Find the",
+    "How many",
+    "If a train",
+    "Prove that",
+    "A farmer has",
+    "Explain why",
+    "Explain how",
+    "Explain the concept of",
+    "What causes",
+    "Why do",
+    "How does",
+    "What is the difference between",
+    "Compare",
+    "What were the main causes of",
+    "Who was",
+    "What is the history of",
+    "Discuss",
+    "Analyze",
+    "Summarize",
+    "Extract",
+    "List",
+    "Classify",
+    "Rewrite",
+    "Translate",
+    "Edit",
+    "Write a Python function",
+    "Write a function in",
+    "Implement",
+    "Debug this code",
+    "Write a SQL query",
+    "What does this code do",
+    "Give me",
+    "Suggest",
+    "Help me plan",
+    "What are the pros and cons of",
+    "Is it true that",
+    "Which is",
+    "Tell me about",
+    "Create a",
+    "Design a",
+    "Brainstorm",
+    "In three sentences,",
+    "Step by step,",
 )
 SELF_PROMPT_EMPTY_SHARE = 1 / 3  # turns that start empty: the target's own kind of request
-STDLIB_MODULES = ("textwrap", "heapq", "bisect", "statistics", "fractions", "colorsys", "calendar", "shlex",
-                  "difflib", "string", "glob", "fnmatch", "posixpath", "base64", "quopri", "html", "ipaddress",
-                  "random", "datetime", "json.encoder", "json.decoder", "csv", "urllib.parse", "gettext",
-                  "locale", "operator", "functools", "tokenize", "graphlib", "pprint", "email.utils", "copy")
+STDLIB_MODULES = (
+    "textwrap",
+    "heapq",
+    "bisect",
+    "statistics",
+    "fractions",
+    "colorsys",
+    "calendar",
+    "shlex",
+    "difflib",
+    "string",
+    "glob",
+    "fnmatch",
+    "posixpath",
+    "base64",
+    "quopri",
+    "html",
+    "ipaddress",
+    "random",
+    "datetime",
+    "json.encoder",
+    "json.decoder",
+    "csv",
+    "urllib.parse",
+    "gettext",
+    "locale",
+    "operator",
+    "functools",
+    "tokenize",
+    "graphlib",
+    "pprint",
+    "email.utils",
+    "copy",
+)
 
 
 @dataclass(frozen=True)
 class Prompt:
     text: str
-    source: str   # "packages:<distribution>", "python:<module>", "self", "file:<path>"
+    source: str  # "packages:<distribution>", "python:<module>", "self", "file:<path>"
     licence: str
 
 
@@ -90,8 +168,11 @@ def package_prompts(rng: random.Random) -> list[Prompt]:
 
 def _licence(metadata) -> str:
     classifiers = [c.split(" :: ")[-1] for c in metadata.get_all("Classifier") or [] if c.startswith("License ::")]
-    return (metadata.get("License-Expression") or (classifiers[0] if classifiers else "")
-            or (metadata.get("License") or "").split("\n")[0][:80])
+    return (
+        metadata.get("License-Expression")
+        or (classifiers[0] if classifiers else "")
+        or (metadata.get("License") or "").split("\n")[0][:80]
+    )
 
 
 def _prose_paragraphs(description: str) -> list[str]:
@@ -108,8 +189,9 @@ def self_prompt_openers(num_prompts: int, seed: int) -> list[str]:
     """How each of `num_prompts` self-written prompts starts: "" (as the target likes) about
     SELF_PROMPT_EMPTY_SHARE of them, the others one of SELF_PROMPT_OPENERS; the same for the same seed."""
     rng = random.Random(seed)
-    return ["" if rng.random() < SELF_PROMPT_EMPTY_SHARE else rng.choice(SELF_PROMPT_OPENERS)
-            for _ in range(num_prompts)]
+    return [
+        "" if rng.random() < SELF_PROMPT_EMPTY_SHARE else rng.choice(SELF_PROMPT_OPENERS) for _ in range(num_prompts)
+    ]
 
 
 def python_prompts(rng: random.Random) -> list[Prompt]:
@@ -125,8 +207,7 @@ def python_prompts(rng: random.Random) -> list[Prompt]:
             except (OSError, TypeError):
                 continue
             if 200 <= len(source) <= 1500:
-                prompts.append(Prompt(rng.choice(CODE_TASKS).format(text=source.rstrip()), f"python:{name}",
-                                      "PSF-2.0"))
+                prompts.append(Prompt(rng.choice(CODE_TASKS).format(text=source.rstrip()), f"python:{name}", "PSF-2.0"))
     return prompts
 
 
@@ -145,7 +226,7 @@ def file_prompts(path: str) -> list[Prompt]:
             try:
                 text = json.loads(line)["prompt"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise PromptSourceError(f"{path}:{number}: a JSON line needs a \"prompt\" string") from exc
+                raise PromptSourceError(f'{path}:{number}: a JSON line needs a "prompt" string') from exc
         prompts.append(Prompt(str(text), f"file:{path}", "as its owner states"))
     if not prompts:
         raise PromptSourceError(f"{path}: no prompts in it")

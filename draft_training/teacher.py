@@ -19,8 +19,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 class TargetTail:
     """The target's layers from its deepest auxiliary layer on, its final norm and its draft-vocabulary rows."""
 
-    def __init__(self, target, aux_layers: tuple[int, ...], output_weight: torch.Tensor,
-                 draft_to_target: torch.Tensor):
+    def __init__(self, target, aux_layers: tuple[int, ...], output_weight: torch.Tensor, draft_to_target: torch.Tensor):
         deepest = max(aux_layers)
         self.slot = aux_layers.index(deepest)  # which third of a feature row enters that layer
         self.layers = list(target.model.layers[deepest:])
@@ -34,7 +33,7 @@ class TargetTail:
         are padding: mask what they give) -> [B, T, draft V] float: row p, the target's log-probability of each
         draft token being token p + 1, normalized over the draft vocabulary."""
         hidden_size = self.weight.shape[1]
-        hidden = features[..., self.slot * hidden_size:(self.slot + 1) * hidden_size].to(self.weight.dtype)
+        hidden = features[..., self.slot * hidden_size : (self.slot + 1) * hidden_size].to(self.weight.dtype)
         batch, length, _ = hidden.shape
         positions = torch.arange(length, device=hidden.device)[None].expand(batch, -1)
         position_embeddings = self.rotary(hidden, positions)
@@ -55,5 +54,6 @@ def _causal_attention(attn, x: torch.Tensor, position_embeddings) -> torch.Tenso
     q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
     group = q.shape[1] // k.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True)
+        q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True
+    )
     return attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

@@ -20,16 +20,16 @@ import time
 import torch
 from tqdm import tqdm
 
-from specdec import step
-from worker_service.runtime import device as devices
-from worker_service.speculation.config import WorkerConfig
 from draft_training import card, dataset, prompts
 from draft_training.generation import generate
 from draft_training.head import TrainableHead, head_config
 from draft_training.recipe import TrainConfig
 from draft_training.teacher import TargetTail
 from draft_training.trainer import Trainer
+from specdec import step
+from worker_service.runtime import device as devices
 from worker_service.runtime.eagle3_head import default_aux_layers
+from worker_service.speculation.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,15 @@ def run(config: TrainConfig) -> dict:
     torch.manual_seed(config.seed)
     clock = _Minutes(work / "minutes.json")
     try:
-        worker = build_worker(WorkerConfig(model=config.model, dtype=config.dtype, device=config.device,
-                                           proposer="none", num_threads=config.num_threads))
+        worker = build_worker(
+            WorkerConfig(
+                model=config.model,
+                dtype=config.dtype,
+                device=config.device,
+                proposer="none",
+                num_threads=config.num_threads,
+            )
+        )
         tokenizer = AutoTokenizer.from_pretrained(config.model)
     except (OSError, ValueError, RuntimeError) as exc:
         raise TrainingError(f"cannot load the target {config.model}: {exc}") from exc
@@ -64,30 +71,40 @@ def run(config: TrainConfig) -> dict:
     stop_ids = stop_token_ids(worker, tokenizer)
     prompt_list = _prompts(config, work, worker, tokenizer, stop_ids)
     clock.add("prompts_min")
-    conversations = _conversations(config, work, worker, tokenizer, stop_ids, prompt_list,
-                                   on_shard=lambda: clock.add("responses_min"))
+    conversations = _conversations(
+        config, work, worker, tokenizer, stop_ids, prompt_list, on_shard=lambda: clock.add("responses_min")
+    )
     clock.add("responses_min")
-    draft_to_target, coverage = dataset.draft_vocabulary(conversations, config.draft_vocab_coverage,
-                                                         config.max_draft_vocab_size)
+    draft_to_target, coverage = dataset.draft_vocabulary(
+        conversations, config.draft_vocab_coverage, config.max_draft_vocab_size
+    )
     train, held_out = dataset.split(conversations, config.eval_fraction, config.seed)
     head, teacher = new_head(worker.target.model, draft_to_target, config)
     device = worker.target.device
     head = head.to(device)
     del worker
-    trainer = Trainer(head, config, work / "checkpoint.pt", on_checkpoint=lambda: clock.add("train_min"),
-                      teacher=teacher)
+    trainer = Trainer(
+        head, config, work / "checkpoint.pt", on_checkpoint=lambda: clock.add("train_min"), teacher=teacher
+    )
     accuracy = trainer.fit(train, held_out)
     clock.add("train_min")
     head.save(pathlib.Path(config.output))
-    summary = {"target_name": pathlib.Path(config.model).name, "machine": _machine(device),
-               "num_threads": torch.get_num_threads(), "config": {k: v for k, v in asdict(config).items() if k != "meta"},
-               **config.meta, "sources": prompts.licences(prompt_list), "num_conversations": len(conversations),
-               "num_train_tokens": sum(len(c.token_ids) for c in train),
-               "num_response_tokens": sum(len(c.token_ids) - c.num_prompt_tokens for c in conversations),
-               "draft_vocab_size": len(draft_to_target), "draft_vocab_coverage": round(coverage, 4),
-               "train_precision": str(trainer.autocast_dtype or torch.float32).removeprefix("torch."),
-               "held_out_accuracy_by_position": accuracy,
-               "minutes": {k: round(v, 1) for k, v in clock.totals.items()}}
+    summary = {
+        "target_name": pathlib.Path(config.model).name,
+        "machine": _machine(device),
+        "num_threads": torch.get_num_threads(),
+        "config": {k: v for k, v in asdict(config).items() if k != "meta"},
+        **config.meta,
+        "sources": prompts.licences(prompt_list),
+        "num_conversations": len(conversations),
+        "num_train_tokens": sum(len(c.token_ids) for c in train),
+        "num_response_tokens": sum(len(c.token_ids) - c.num_prompt_tokens for c in conversations),
+        "draft_vocab_size": len(draft_to_target),
+        "draft_vocab_coverage": round(coverage, 4),
+        "train_precision": str(trainer.autocast_dtype or torch.float32).removeprefix("torch."),
+        "held_out_accuracy_by_position": accuracy,
+        "minutes": {k: round(v, 1) for k, v in clock.totals.items()},
+    }
     (pathlib.Path(config.output) / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     (pathlib.Path(config.output) / "README.md").write_text(card.render(summary))
     return summary
@@ -138,9 +155,13 @@ def new_head(target, draft_to_target: torch.Tensor, config: TrainConfig) -> tupl
     """A head for `target` before training (seeded with config.seed) and, with config.soft_labels, its teacher."""
     aux_layers = default_aux_layers(target.config.num_hidden_layers)
     torch.manual_seed(config.seed)
-    head = TrainableHead(head_config(target.config, len(draft_to_target), aux_layers),
-                         target.model.embed_tokens.weight, lm_head_weight(target), target.model.norm.weight,
-                         draft_to_target)
+    head = TrainableHead(
+        head_config(target.config, len(draft_to_target), aux_layers),
+        target.model.embed_tokens.weight,
+        lm_head_weight(target),
+        target.model.norm.weight,
+        draft_to_target,
+    )
     teacher = TargetTail(target, aux_layers, lm_head_weight(target), draft_to_target) if config.soft_labels else None
     return head, teacher
 
@@ -158,8 +179,11 @@ def stop_token_ids(worker, tokenizer) -> set[int]:
 
 
 def _chat(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def _prompts(config, work, worker, tokenizer, stop_ids) -> list[prompts.Prompt]:
@@ -168,15 +192,21 @@ def _prompts(config, work, worker, tokenizer, stop_ids) -> list[prompts.Prompt]:
         return [prompts.Prompt(**json.loads(line)) for line in path.read_text().splitlines()]
     collected = prompts.collect(list(config.sources), list(config.prompt_files), config.num_prompts, config.seed)
     if "self" in config.sources and config.num_self_prompts:
-        collected += write_self_prompts(worker, tokenizer, stop_ids,
-                                        prompts.self_prompt_openers(config.num_self_prompts, config.seed),
-                                        config.seed, config.generation_batch_size)
+        collected += write_self_prompts(
+            worker,
+            tokenizer,
+            stop_ids,
+            prompts.self_prompt_openers(config.num_self_prompts, config.seed),
+            config.seed,
+            config.generation_batch_size,
+        )
     random.Random(config.seed).shuffle(collected)
     if not collected:
         raise TrainingError("no prompts: the sources and files gave none")
     _write_atomically(path, "".join(json.dumps(asdict(p)) + "\n" for p in collected))
-    logger.info("%d prompts (%s)", len(collected), ", ".join(f"{s}: {e['num_prompts']}" for s, e in
-                                                            _by_kind(collected).items()))
+    logger.info(
+        "%d prompts (%s)", len(collected), ", ".join(f"{s}: {e['num_prompts']}" for s, e in _by_kind(collected).items())
+    )
     return collected
 
 
@@ -187,20 +217,28 @@ def _by_kind(collected):
     return kinds
 
 
-def write_self_prompts(worker, tokenizer, stop_ids, openers: list[str], seed: int,
-                       batch_size: int) -> list[prompts.Prompt]:
+def write_self_prompts(
+    worker, tokenizer, stop_ids, openers: list[str], seed: int, batch_size: int
+) -> list[prompts.Prompt]:
     """Prompts the target writes in a user turn of its chat template, the i-th started with openers[i] ("":
     empty; prompts.self_prompt_openers), sampled and keyed by the seed; duplicates and short ones dropped."""
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
     turn_start = rendered.split(SENTINEL)[0]
     turns = [tokenizer(turn_start + opener, add_special_tokens=False)["input_ids"] for opener in openers]
     progress = tqdm(total=len(turns), desc="self-written prompts", unit="prompt")
-    written = generate(worker, turns, SELF_PROMPT_MAX_TOKENS, stop_ids,
-                       lambda i: step.RequestSampling(temperature=1.0, top_p=0.95, seed=seed * 100003 + i),
-                       batch_size, on_batch=lambda done: progress.update(len(done)))
+    written = generate(
+        worker,
+        turns,
+        SELF_PROMPT_MAX_TOKENS,
+        stop_ids,
+        lambda i: step.RequestSampling(temperature=1.0, top_p=0.95, seed=seed * 100003 + i),
+        batch_size,
+        on_batch=lambda done: progress.update(len(done)),
+    )
     progress.close()
-    prefix_chars = len(tokenizer.decode(tokenizer(turn_start, add_special_tokens=False)["input_ids"],
-                                        skip_special_tokens=True))
+    prefix_chars = len(
+        tokenizer.decode(tokenizer(turn_start, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+    )
     texts = {tokenizer.decode(c.token_ids, skip_special_tokens=True)[prefix_chars:].strip() for c in written}
     return [prompts.Prompt(t, "self", "the target's own output") for t in sorted(texts) if len(t) >= 20]
 
@@ -216,8 +254,14 @@ def _conversations(config, work, worker, tokenizer, stop_ids, prompt_list, on_sh
     progress = tqdm(total=len(encoded), desc="target responses", unit="conversation")
     for index, shard in enumerate(shards):
         if not shard.exists():
-            done = generate(worker, encoded[index * size:(index + 1) * size], config.max_new_tokens, stop_ids,
-                            lambda i: step.RequestSampling(temperature=0.0), size)
+            done = generate(
+                worker,
+                encoded[index * size : (index + 1) * size],
+                config.max_new_tokens,
+                stop_ids,
+                lambda i: step.RequestSampling(temperature=0.0),
+                size,
+            )
             dataset.save_shard(shard, done)
             on_shard()
         progress.update(min(size, len(encoded) - index * size))

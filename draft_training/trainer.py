@@ -34,8 +34,14 @@ WARMUP_FRACTION = 0.05
 
 
 class Trainer:
-    def __init__(self, head: TrainableHead, config, checkpoint: pathlib.Path, on_checkpoint=lambda: None,
-                 teacher: TargetTail | None = None):
+    def __init__(
+        self,
+        head: TrainableHead,
+        config,
+        checkpoint: pathlib.Path,
+        on_checkpoint=lambda: None,
+        teacher: TargetTail | None = None,
+    ):
         self.head = head
         self.teacher = teacher  # soft labels where given
         self.config = config
@@ -44,11 +50,13 @@ class Trainer:
         self.device = head.lm_head.weight.device
         self.autocast_dtype = autocast_dtype(config.precision, self.device)  # None: fp32
         logger.info("training precision: %s", "bfloat16 autocast" if self.autocast_dtype else "float32")
-        self.optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate, betas=(0.9, 0.95),
-                                           weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(
+            head.parameters(), lr=config.learning_rate, betas=(0.9, 0.95), weight_decay=0.0
+        )
         # target id -> draft id, or IGNORE outside the draft vocabulary
-        self.target_to_draft = torch.full((head.config["vocab_size"],), dataset.IGNORE, dtype=torch.int64,
-                                          device=self.device)
+        self.target_to_draft = torch.full(
+            (head.config["vocab_size"],), dataset.IGNORE, dtype=torch.int64, device=self.device
+        )
         self.target_to_draft[head.draft_to_target] = torch.arange(len(head.draft_to_target), device=self.device)
 
     def fit(self, train: list, held_out: list) -> list[float]:
@@ -68,8 +76,12 @@ class Trainer:
                     progress.update()
                     if (step + 1) % config.checkpoint_every == 0 and step + 1 < total:
                         self._save(step + 1)
-                        logger.info("step %d/%d: held-out accuracy by position %s", step + 1, total,
-                                    _fmt(self.evaluate(held_out)))
+                        logger.info(
+                            "step %d/%d: held-out accuracy by position %s",
+                            step + 1,
+                            total,
+                            _fmt(self.evaluate(held_out)),
+                        )
                 step += 1
         progress.close()
         self._save(total)
@@ -84,16 +96,20 @@ class Trainer:
 
     def _set_lr(self, step: int, total: int) -> None:
         warmup = max(1, int(WARMUP_FRACTION * total))
-        scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(
-            math.pi * (step - warmup) / max(1, total - warmup)))
+        scale = (
+            (step + 1) / warmup
+            if step < warmup
+            else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.learning_rate * scale
 
     def _losses(self, batch: list, soft: bool = True) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """(the weighted loss, per step (correct, counted)); soft=False leaves the teacher out (evaluation counts
         only)."""
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
-                            enabled=self.autocast_dtype is not None):
+        with torch.autocast(
+            self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
+        ):
             return self._autocast_losses(batch, soft)
 
     def _autocast_losses(self, batch: list, soft: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -105,15 +121,17 @@ class Trainer:
         for j, (step_logits, label) in enumerate(zip(logits, labels)):
             draft_label = torch.where(label >= 0, self.target_to_draft[label.clamp(min=0)], dataset.IGNORE)
             if (draft_label >= 0).any():
-                step_loss = torch.nn.functional.cross_entropy(step_logits.flatten(0, 1), draft_label.flatten(),
-                                                              ignore_index=dataset.IGNORE)
+                step_loss = torch.nn.functional.cross_entropy(
+                    step_logits.flatten(0, 1), draft_label.flatten(), ignore_index=dataset.IGNORE
+                )
                 if teacher is not None:
-                    soft = torch.nn.functional.pad(teacher[:, j + 1:], (0, 0, 0, j + 1),
-                                                   value=float("-inf")).exp()  # [B, R, draft V]
+                    soft = torch.nn.functional.pad(
+                        teacher[:, j + 1 :], (0, 0, 0, j + 1), value=float("-inf")
+                    ).exp()  # [B, R, draft V]
                     soft_cross_entropy = -(soft * torch.log_softmax(step_logits, dim=-1)).sum(-1)
                     step_loss = step_loss + soft_cross_entropy[label >= 0].mean()
-                loss = loss + STEP_WEIGHT ** j * step_loss
-                weights += STEP_WEIGHT ** j
+                loss = loss + STEP_WEIGHT**j * step_loss
+                weights += STEP_WEIGHT**j
             predicted = self.head.draft_to_target[step_logits.argmax(-1)]
             valid = label >= 0
             counts.append((int((predicted == label)[valid].sum()), int(valid.sum())))
@@ -167,8 +185,9 @@ def has_native_bf16(device: torch.device) -> bool:
     """Whether `device` runs bf16 matmuls in hardware (oneDNN's check on the CPU)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (
+        device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def _fmt(accuracy: list[float]) -> str:

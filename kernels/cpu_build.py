@@ -86,8 +86,9 @@ def load_library(name: str, extra_cflags: tuple[str, ...] = (), source_dir: path
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(f".partial-{os.getpid()}")
         logger.info("building the %s kernel with %s", name, compiler)
-        result = subprocess.run([compiler, *flags, "-o", str(partial), str(source_path), "-lm"],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [compiler, *flags, "-o", str(partial), str(source_path), "-lm"], capture_output=True, text=True
+        )
         if result.returncode != 0:
             partial.unlink(missing_ok=True)
             raise KernelBuildError(f"{compiler} failed to build {source_path.name}:\n{result.stderr.strip()}")

@@ -56,8 +56,10 @@ class DraftTrees:
             for i in range(end - start):
                 parent = parents[start + i]
                 if not -1 <= parent < i:
-                    raise ValueError(f"row {i} of a sequence names parent {parent}: a parent is -1 (the cached "
-                                     f"prefix) or an earlier row of the same sequence")
+                    raise ValueError(
+                        f"row {i} of a sequence names parent {parent}: a parent is -1 (the cached "
+                        f"prefix) or an earlier row of the same sequence"
+                    )
                 chain = chain and parent == i - 1
                 rows[start + i] = (*(rows[start + parent] if parent >= 0 else ()), i)
             ctx_start = seq_lens[b] - (end - start)
@@ -79,10 +81,12 @@ class DraftTrees:
         table = [[-1] * width if path is None else path + [-1] * (width - len(path)) for path in paths]
         depths = [0 if path is None else len(path) - 1 for path in paths]
         prefix = [p if tree else 0 for p, tree in zip(prefix_lens, is_tree)]
-        return DraftTrees(torch.tensor(is_tree, dtype=torch.int32), torch.tensor(prefix, dtype=torch.int32),
-                          torch.tensor(depths, dtype=torch.int32),
-                          torch.tensor(table, dtype=torch.int32) if table
-                          else torch.full((0, width), -1, dtype=torch.int32))  # [T, P]
+        return DraftTrees(
+            torch.tensor(is_tree, dtype=torch.int32),
+            torch.tensor(prefix, dtype=torch.int32),
+            torch.tensor(depths, dtype=torch.int32),
+            torch.tensor(table, dtype=torch.int32) if table else torch.full((0, width), -1, dtype=torch.int32),
+        )  # [T, P]
 
     def to(self, device: torch.device | str) -> "DraftTrees":
         return DraftTrees(*(t.to(device) for t in (self.is_tree, self.prefix_lens, self.depths, self.paths)))
@@ -95,7 +99,7 @@ class DraftTrees:
         if not self.is_tree[b]:
             return keys[None, :] <= (seq_len - q_len + torch.arange(q_len))[:, None]  # [Q, L] causal
         seen = torch.zeros(q_len, seq_len, dtype=torch.bool)  # [Q, L]
-        seen[:, :int(self.prefix_lens[b])] = True
+        seen[:, : int(self.prefix_lens[b])] = True
         for i in range(q_len):
             path = self.paths[start + i]
             seen[i, path[path >= 0].long()] = True

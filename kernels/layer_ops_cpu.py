@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 @functools.lru_cache(maxsize=1)
 def c_library():
     """The C library (its argument types declared), or None when it cannot be built here (logged once).
-    Callers that validated their tensors once may call its functions directly (worker_service/runtime/backends/cpu_llama.py)."""
+    Callers that validated their tensors once may call its functions directly
+    (worker_service/runtime/backends/cpu_llama.py)."""
     try:
         library = load_library("layer_ops_cpu")
     except (KernelBuildError, OSError) as exc:
@@ -33,8 +34,12 @@ def c_library():
     library.specdec_rope.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32]
     library.specdec_silu_mul.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, i32]
     library.specdec_write_kv.argtypes = [i32, ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
-    for function in (library.specdec_add_rms_norm, library.specdec_rope, library.specdec_silu_mul,
-                     library.specdec_write_kv):
+    for function in (
+        library.specdec_add_rms_norm,
+        library.specdec_rope,
+        library.specdec_silu_mul,
+        library.specdec_write_kv,
+    ):
         function.restype = i32
     return library
 
@@ -48,31 +53,57 @@ def _rows(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1 and t.dtype in DTYPE_CODES
 
 
-def add_rms_norm(x: torch.Tensor | None,  # [N, dim], or None: residual is the input as it is
-                 residual: torch.Tensor,  # [N, dim], updated in place to residual + x
-                 weight: torch.Tensor,  # [dim]
-                 eps: float) -> torch.Tensor:  # [N, dim]: RMSNorm(residual) * weight
+def add_rms_norm(
+    x: torch.Tensor | None,  # [N, dim], or None: residual is the input as it is
+    residual: torch.Tensor,  # [N, dim], updated in place to residual + x
+    weight: torch.Tensor,  # [dim]
+    eps: float,
+) -> torch.Tensor:  # [N, dim]: RMSNorm(residual) * weight
     """`residual += x` (rounded to the dtype), then the Llama RMSNorm of the sum."""
     assert _rows(residual) and weight.is_contiguous() and weight.dtype == residual.dtype
     assert x is None or (_rows(x) and x.shape == residual.shape and x.dtype == residual.dtype)
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     num_rows, dim = residual.shape
-    c_library().specdec_add_rms_norm(DTYPE_CODES[residual.dtype], x.data_ptr() if x is not None else None,
-                                    x.stride(0) if x is not None else 0, residual.data_ptr(), residual.stride(0),
-                                    weight.data_ptr(), out.data_ptr(), out.stride(0), num_rows, dim, eps,
-                                    torch.get_num_threads())
+    c_library().specdec_add_rms_norm(
+        DTYPE_CODES[residual.dtype],
+        x.data_ptr() if x is not None else None,
+        x.stride(0) if x is not None else 0,
+        residual.data_ptr(),
+        residual.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        num_rows,
+        dim,
+        eps,
+        torch.get_num_threads(),
+    )
     return out
 
 
-def rope_(x: torch.Tensor,  # [N, >= num_heads * head_dim]: the heads to rotate at the start of each row
-          num_heads: int, head_dim: int,
-          cos: torch.Tensor, sin: torch.Tensor) -> None:  # [N, head_dim] each, x's dtype
+def rope_(
+    x: torch.Tensor,  # [N, >= num_heads * head_dim]: the heads to rotate at the start of each row
+    num_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:  # [N, head_dim] each, x's dtype
     """Rotates the first num_heads heads of every row in place (Llama's rotate_half convention)."""
     assert _rows(x) and x.shape[1] >= num_heads * head_dim
     assert cos.shape == sin.shape == (x.shape[0], head_dim) and cos.stride() == sin.stride() and cos.stride(1) == 1
     assert cos.dtype == sin.dtype == x.dtype
-    status = c_library().specdec_rope(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), x.shape[0], num_heads,
-                                     head_dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0), torch.get_num_threads())
+    status = c_library().specdec_rope(
+        DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        num_heads,
+        head_dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.stride(0),
+        torch.get_num_threads(),
+    )
     if status != 0:
         raise ValueError(f"rope: head_dim {head_dim} must be even and at most 1024")
 
@@ -82,19 +113,39 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [N, 2 * dim] -> [N, dim]
     assert _rows(gate_up) and gate_up.shape[1] % 2 == 0
     num_rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((num_rows, dim), dtype=gate_up.dtype)
-    c_library().specdec_silu_mul(DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0), num_rows, dim,
-                                out.data_ptr(), out.stride(0), torch.get_num_threads())
+    c_library().specdec_silu_mul(
+        DTYPE_CODES[gate_up.dtype],
+        gate_up.data_ptr(),
+        gate_up.stride(0),
+        num_rows,
+        dim,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
     return out
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor,  # [N, KVH, D] each, rows of one stride, heads contiguous
-             slot_mapping: torch.Tensor,  # [N] int64
-             key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:  # [num_blocks, block_size, KVH, D]
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,  # [N, KVH, D] each, rows of one stride, heads contiguous
+    slot_mapping: torch.Tensor,  # [N] int64
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+) -> None:  # [num_blocks, block_size, KVH, D]
     """Stores row i's K and V at cache slot slot_mapping[i] (what KVCache.write does with index_copy_)."""
     assert k.shape == v.shape and k.stride() == v.stride() and k.stride(1) == k.shape[2] and k.stride(2) == 1
     assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.shape[2:] == k.shape[1:]
     assert k.dtype == v.dtype == key_cache.dtype == value_cache.dtype in DTYPE_CODES
     assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == k.shape[:1]
-    c_library().specdec_write_kv(DTYPE_CODES[k.dtype], k.data_ptr(), v.data_ptr(), k.stride(0), k.shape[0],
-                               k.shape[1] * k.shape[2], slot_mapping.data_ptr(), key_cache.data_ptr(),
-                               value_cache.data_ptr())
+    c_library().specdec_write_kv(
+        DTYPE_CODES[k.dtype],
+        k.data_ptr(),
+        v.data_ptr(),
+        k.stride(0),
+        k.shape[0],
+        k.shape[1] * k.shape[2],
+        slot_mapping.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+    )

@@ -24,15 +24,17 @@ from kernels.cpu_build import DTYPE_CODES, KernelBuildError, load_library
 logger = logging.getLogger(__name__)
 
 
-
 @functools.lru_cache(maxsize=1)
 def c_library():
     """The C library, or None when it cannot be built here (logged once)."""
     try:
         return bind(load_library("linear_cpu"))
     except (KernelBuildError, OSError) as exc:
-        logger.warning("the batch-invariant CPU linear kernel is unavailable, so greedy speculation may differ "
-                       "from plain decoding; using torch's linear instead: %s", exc)
+        logger.warning(
+            "the batch-invariant CPU linear kernel is unavailable, so greedy speculation may differ "
+            "from plain decoding; using torch's linear instead: %s",
+            exc,
+        )
         return None
 
 
@@ -95,9 +97,19 @@ def linear_cpu(
     out = torch.empty((num_rows, out_features), dtype=x.dtype)  # [N, out]
     if num_rows:
         status = (library or c_library()).specdec_linear(
-            DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), num_rows, in_features,
-            weight_code, packed_weight.data_ptr(), out_features,
-            bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), torch.get_num_threads())
+            DTYPE_CODES[x.dtype],
+            rows.data_ptr(),
+            rows.stride(0),
+            num_rows,
+            in_features,
+            weight_code,
+            packed_weight.data_ptr(),
+            out_features,
+            bias.data_ptr() if bias is not None else None,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
         if status != 0:
             raise MemoryError(f"linear_cpu failed (status {status}: 1 is no scratch memory) for {num_rows} rows")
     return out.view(*x.shape[:-1], out_features)

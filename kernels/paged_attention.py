@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import paged_attention_cpu as cpu_kernel
-from kernels.draft_tree import DraftTrees
 from kernels._triton import HAS_TRITON, num_search_steps, use_triton
+from kernels.draft_tree import DraftTrees
 
 if HAS_TRITON:
     from kernels._triton import find_sequence, tl, triton
@@ -43,10 +43,16 @@ if HAS_TRITON:
         out_ptr,  # [T, H, D]
         scale,
         num_seqs,
-        stride_qt, stride_qh,
-        stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh,
-        stride_ot, stride_oh,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_ot,
+        stride_oh,
         stride_bt,
         stride_path,
         block_size,
@@ -88,22 +94,33 @@ if HAS_TRITON:
             positions = offs_n  # [BLOCK_N] where they are
             if HAS_TREES:
                 on_path = is_n & (offs_n >= prefix_len) & (offs_n * 0 + tree_flag != 0)
-                node = tl.load(paths_ptr + token.to(tl.int64) * stride_path + (offs_n - prefix_len), mask=on_path,
-                               other=0)
+                node = tl.load(
+                    paths_ptr + token.to(tl.int64) * stride_path + (offs_n - prefix_len), mask=on_path, other=0
+                )
                 positions = tl.where(on_path, node, offs_n)
             block_ids = tl.load(table_row + positions // block_size, mask=is_n, other=0).to(tl.int64)
             in_block = (positions % block_size).to(tl.int64)  # [BLOCK_N]
             kv_mask = is_n[:, None] & is_d[None, :]  # [BLOCK_N, BLOCK_D]
-            k_ptrs = (key_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
-                      + kv_head * stride_kh + offs_d[None, :])
+            k_ptrs = (
+                key_cache_ptr
+                + block_ids[:, None] * stride_kb
+                + in_block[:, None] * stride_ks
+                + kv_head * stride_kh
+                + offs_d[None, :]
+            )
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
             scores = tl.sum(k * q[None, :], axis=1)  # [BLOCK_N]
             scores = tl.where(is_n, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=0))  # finite: each tile has a valid key
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new)  # [BLOCK_N]
-            v_ptrs = (value_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
-                      + kv_head * stride_vh + offs_d[None, :])
+            v_ptrs = (
+                value_cache_ptr
+                + block_ids[:, None] * stride_vb
+                + in_block[:, None] * stride_vs
+                + kv_head * stride_vh
+                + offs_d[None, :]
+            )
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
@@ -141,19 +158,31 @@ def paged_attention_triton(
     if trees is not None:
         assert trees.paths.device == query.device and trees.paths.stride(1) == 1
         assert trees.is_tree.shape == trees.prefix_lens.shape == (num_seqs,) and trees.depths.shape == (num_tokens,)
-    tree_args = ((trees.is_tree, trees.prefix_lens, trees.depths, trees.paths) if trees is not None
-                 else (seq_lens,) * 4)
+    tree_args = (trees.is_tree, trees.prefix_lens, trees.depths, trees.paths) if trees is not None else (seq_lens,) * 4
     out = torch.empty_like(query)  # [T, H, D]
     if num_tokens == 0:
         return out
     _paged_attention_kernel[(num_tokens, num_heads)](
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, *tree_args, out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        *tree_args,
+        out,
         scale,
         num_seqs,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        out.stride(0), out.stride(1),
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
         block_tables.stride(0),
         trees.paths.stride(0) if trees is not None else 0,
         block_size,
@@ -281,9 +310,10 @@ def paged_attention_sdpa(
         if trees is not None:
             visible = torch.zeros(len(seq_ids), q_len, max(sub_lens), dtype=torch.bool)  # [N, Q, L]
             for n, b in enumerate(seq_ids):
-                visible[n, :, :lens[b]] = trees.visible(starts, lens, b)
-        sub_out = attend_uniform(sub_query, key_cache, value_cache, sub_tables, sub_lens, scale,
-                                 visible)  # [N, Q, H, D]
+                visible[n, :, : lens[b]] = trees.visible(starts, lens, b)
+        sub_out = attend_uniform(
+            sub_query, key_cache, value_cache, sub_tables, sub_lens, scale, visible
+        )  # [N, Q, H, D]
         out.index_copy_(0, token_index, sub_out.reshape(-1, num_heads, head_dim))
     return out
 
@@ -310,11 +340,17 @@ def paged_attention(
     if use_triton(query):
         device = query.device
         return paged_attention_triton(
-            query, key_cache, value_cache, block_tables.to(device),
-            query_start_loc.to(device), seq_lens.to(device), scale, trees.to(device) if trees is not None else None,
+            query,
+            key_cache,
+            value_cache,
+            block_tables.to(device),
+            query_start_loc.to(device),
+            seq_lens.to(device),
+            scale,
+            trees.to(device) if trees is not None else None,
         )
     if cpu_kernel.supports(query, key_cache) and cpu_kernel.available():
-        return cpu_kernel.paged_attention_cpu(query, key_cache, value_cache, block_tables, query_start_loc,
-                                              seq_lens, scale, trees)
-    return paged_attention_sdpa(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                                trees)
+        return cpu_kernel.paged_attention_cpu(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, trees
+        )
+    return paged_attention_sdpa(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, trees)

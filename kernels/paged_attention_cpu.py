@@ -34,8 +34,11 @@ def kernel():
     try:
         return bind(load_library("paged_attention_cpu"))
     except (KernelBuildError, OSError) as exc:
-        logger.warning("the batch-invariant CPU attention kernel is unavailable, so greedy speculation in "
-                       "bf16/fp16 may differ from plain decoding; using SDPA instead: %s", exc)
+        logger.warning(
+            "the batch-invariant CPU attention kernel is unavailable, so greedy speculation in "
+            "bf16/fp16 may differ from plain decoding; using SDPA instead: %s",
+            exc,
+        )
         return None
 
 
@@ -53,8 +56,9 @@ def bind(library: ctypes.CDLL):
     function.argtypes = [*causal, i32]
 
     def without_trees(*args):
-        assert not any(args[len(causal):-1]), "this build of the attention kernel predates draft trees"
-        return function(*args[:len(causal)], args[-1])
+        assert not any(args[len(causal) : -1]), "this build of the attention kernel predates draft trees"
+        return function(*args[: len(causal)], args[-1])
+
     return without_trees
 
 
@@ -65,8 +69,12 @@ def available() -> bool:
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """True for inputs the kernel takes: CPU tensors of one supported dtype, head_dim <= MAX_HEAD_DIM."""
-    return (query.device.type == "cpu" and query.dtype in DTYPE_CODES and key_cache.dtype == query.dtype
-            and query.shape[-1] <= MAX_HEAD_DIM)
+    return (
+        query.device.type == "cpu"
+        and query.dtype in DTYPE_CODES
+        and key_cache.dtype == query.dtype
+        and query.shape[-1] <= MAX_HEAD_DIM
+    )
 
 
 def paged_attention_cpu(
@@ -94,10 +102,24 @@ def paged_attention_cpu(
     if num_tokens == 0:
         return out
     status = (function or kernel())(
-        DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
-        key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-        query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-        block_tables.shape[0], num_heads, num_kv_heads, head_dim, block_size, float(scale), *tree_arguments(trees),
+        DTYPE_CODES[query.dtype],
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        query_start_loc.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        block_tables.shape[0],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        float(scale),
+        *tree_arguments(trees),
         torch.get_num_threads(),
     )
     if status != 0:
@@ -109,8 +131,9 @@ def contiguous_trees(trees: DraftTrees | None, num_seqs: int, num_tokens: int) -
     """`trees` as the kernel reads them (int32, contiguous), shapes checked; None stays None."""
     if trees is None:
         return None
-    trees = DraftTrees(*(t.to(torch.int32).contiguous()
-                         for t in (trees.is_tree, trees.prefix_lens, trees.depths, trees.paths)))
+    trees = DraftTrees(
+        *(t.to(torch.int32).contiguous() for t in (trees.is_tree, trees.prefix_lens, trees.depths, trees.paths))
+    )
     assert trees.is_tree.shape == trees.prefix_lens.shape == (num_seqs,)
     assert trees.depths.shape == (num_tokens,) and trees.paths.shape[0] == num_tokens
     return trees
@@ -120,5 +143,10 @@ def tree_arguments(trees: DraftTrees | None) -> tuple:
     """The kernel's five tree arguments for `contiguous_trees`' result (NULLs without trees)."""
     if trees is None:
         return None, None, None, None, 0
-    return (trees.is_tree.data_ptr(), trees.prefix_lens.data_ptr(), trees.depths.data_ptr(), trees.paths.data_ptr(),
-            trees.paths.stride(0))
+    return (
+        trees.is_tree.data_ptr(),
+        trees.prefix_lens.data_ptr(),
+        trees.depths.data_ptr(),
+        trees.paths.data_ptr(),
+        trees.paths.stride(0),
+    )

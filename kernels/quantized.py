@@ -26,7 +26,7 @@ QBLOCK = 32  # inputs per block (kernels/csrc/linear_cpu.c's QBLOCK)
 
 @dataclass(frozen=True)
 class Format:
-    code: int                       # kernels/csrc/dtypes.h
+    code: int  # kernels/csrc/dtypes.h
     ggml: gguf.GGMLQuantizationType
     block_bytes: int
 
@@ -49,10 +49,16 @@ class BlockWeight:
 
     def __post_init__(self) -> None:
         fmt = FORMATS[self.format]
-        if self.in_features % QBLOCK or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 \
-                or self.blocks.shape[1] != self.in_features // QBLOCK * fmt.block_bytes:
-            raise ValueError(f"{self.format} blocks {tuple(self.blocks.shape)} do not hold {self.in_features} inputs "
-                             f"per row (a multiple of {QBLOCK})")
+        if (
+            self.in_features % QBLOCK
+            or self.blocks.dtype != torch.uint8
+            or self.blocks.dim() != 2
+            or self.blocks.shape[1] != self.in_features // QBLOCK * fmt.block_bytes
+        ):
+            raise ValueError(
+                f"{self.format} blocks {tuple(self.blocks.shape)} do not hold {self.in_features} inputs "
+                f"per row (a multiple of {QBLOCK})"
+            )
 
     @property
     def out_features(self) -> int:
@@ -105,6 +111,5 @@ def pack(weight: BlockWeight, group_out: int) -> torch.Tensor:  # uint8 [G, in /
         values = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).permute(0, 2, 3, 1)  # [G, B, input, O] 0..15
         halves = values.reshape(num_groups, num_blocks, QBLOCK, group_out // 32, 2, 16)  # o = 32 h + 16 hi + t
         packed = halves[..., 0, :] | (halves[..., 1, :] << 4)  # [G, B, input, h, t]
-        fields = [per_output(blocks[..., :2]), per_output(blocks[..., 2:4]),
-                  packed.reshape(num_groups, num_blocks, -1)]
+        fields = [per_output(blocks[..., :2]), per_output(blocks[..., 2:4]), packed.reshape(num_groups, num_blocks, -1)]
     return torch.cat(fields, dim=-1).contiguous()

@@ -128,9 +128,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _race_rows_kernel(
-        winner_ptr, target_probs_ptr, noise_ptr, num_draft_ptr, is_greedy_ptr,
-        num_rows, num_vocab, stride_qr, stride_noise_r,
-        NUM_POS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+        winner_ptr,
+        target_probs_ptr,
+        noise_ptr,
+        num_draft_ptr,
+        is_greedy_ptr,
+        num_rows,
+        num_vocab,
+        stride_qr,
+        stride_noise_r,
+        NUM_POS: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_V: tl.constexpr,
     ):
         """y = race(q_i, E_i) for every (sequence, position) row a random sequence can
         emit (positions 0..n), the rows of [B * (K+1), V]; other rows are not written."""
@@ -158,9 +167,19 @@ if HAS_TRITON:
 
     @triton.jit
     def _match_accept_kernel(
-        out_ptr, num_accepted_ptr, draft_ptr, target_tokens_ptr, num_draft_ptr, is_greedy_ptr,
-        num_seqs, stride_out, stride_draft, stride_tokens,
-        NUM_SPEC: tl.constexpr, GREEDY_ONLY: tl.constexpr, BLOCK_B: tl.constexpr,
+        out_ptr,
+        num_accepted_ptr,
+        draft_ptr,
+        target_tokens_ptr,
+        num_draft_ptr,
+        is_greedy_ptr,
+        num_seqs,
+        stride_out,
+        stride_draft,
+        stride_tokens,
+        NUM_SPEC: tl.constexpr,
+        GREEDY_ONLY: tl.constexpr,
+        BLOCK_B: tl.constexpr,
     ):
         """One-hot rule: emit y_i while it equals the draft, y at the first mismatch
         (recovered), or y_n (bonus). Every row, or only greedy rows (GREEDY_ONLY)."""
@@ -185,10 +204,24 @@ if HAS_TRITON:
 
     @triton.jit
     def _random_accept_kernel(
-        out_ptr, num_accepted_ptr, draft_ptr, num_draft_ptr, is_greedy_ptr,
-        target_probs_ptr, draft_probs_ptr, uniform_ptr,
-        num_seqs, stride_out, stride_draft, stride_qb, stride_qk, stride_pb, stride_pk, stride_u,
-        NUM_SPEC: tl.constexpr, BLOCK_B: tl.constexpr,
+        out_ptr,
+        num_accepted_ptr,
+        draft_ptr,
+        num_draft_ptr,
+        is_greedy_ptr,
+        target_probs_ptr,
+        draft_probs_ptr,
+        uniform_ptr,
+        num_seqs,
+        stride_out,
+        stride_draft,
+        stride_qb,
+        stride_qk,
+        stride_pb,
+        stride_pk,
+        stride_u,
+        NUM_SPEC: tl.constexpr,
+        BLOCK_B: tl.constexpr,
     ):
         """Random rows with model drafts: accept x_i while ``u_i * p_i(x_i) < q_i(x_i)``;
         write the accepted prefix and its length (the last token is sampled separately)."""
@@ -211,11 +244,24 @@ if HAS_TRITON:
 
     @triton.jit
     def _sample_last_token_kernel(
-        out_ptr, num_accepted_ptr, num_draft_ptr, is_greedy_ptr,
-        target_probs_ptr, draft_probs_ptr, noise_ptr,
-        num_seqs, num_vocab, stride_out, stride_qb, stride_qk, stride_pb, stride_pk,
-        stride_nb, stride_nk,
-        BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+        out_ptr,
+        num_accepted_ptr,
+        num_draft_ptr,
+        is_greedy_ptr,
+        target_probs_ptr,
+        draft_probs_ptr,
+        noise_ptr,
+        num_seqs,
+        num_vocab,
+        stride_out,
+        stride_qb,
+        stride_qk,
+        stride_pb,
+        stride_pk,
+        stride_nb,
+        stride_nk,
+        BLOCK_B: tl.constexpr,
+        BLOCK_V: tl.constexpr,
     ):
         """Random rows with model drafts: race over max(q_j - p_j, 0) at j = num_accepted
         with that position's noise (q_j itself for the bonus, or when the residual is
@@ -290,41 +336,109 @@ def rejection_sample_triton(
     draft_stride = max(draft_token_ids.stride(0), 1)  # K == 0: never read
     if draft_probs is None:  # y_i of random rows, then the one-hot rule for every row
         _race_rows_kernel[(triton.cdiv(num_seqs * num_pos, block_b),)](
-            target_tokens, target_probs, exp_noise, num_draft_tokens, is_greedy,
-            num_seqs * num_pos, num_vocab, target_probs.stride(1), exp_noise.stride(1),
-            NUM_POS=num_pos, BLOCK_R=block_b, BLOCK_V=block_v,
+            target_tokens,
+            target_probs,
+            exp_noise,
+            num_draft_tokens,
+            is_greedy,
+            num_seqs * num_pos,
+            num_vocab,
+            target_probs.stride(1),
+            exp_noise.stride(1),
+            NUM_POS=num_pos,
+            BLOCK_R=block_b,
+            BLOCK_V=block_v,
         )
     _match_accept_kernel[grid](
-        output, num_accepted, draft_token_ids, target_tokens, num_draft_tokens, is_greedy,
-        num_seqs, output.stride(0), draft_stride, target_tokens.stride(0),
-        NUM_SPEC=num_spec, GREEDY_ONLY=draft_probs is not None, BLOCK_B=block_b,
+        output,
+        num_accepted,
+        draft_token_ids,
+        target_tokens,
+        num_draft_tokens,
+        is_greedy,
+        num_seqs,
+        output.stride(0),
+        draft_stride,
+        target_tokens.stride(0),
+        NUM_SPEC=num_spec,
+        GREEDY_ONLY=draft_probs is not None,
+        BLOCK_B=block_b,
     )
     if draft_probs is not None:
-        _launch_random(output, num_accepted, draft_token_ids, num_draft_tokens, is_greedy,
-                       target_probs, draft_probs.contiguous(), uniform_samples.contiguous(), exp_noise,
-                       grid, block_b, block_v)
+        _launch_random(
+            output,
+            num_accepted,
+            draft_token_ids,
+            num_draft_tokens,
+            is_greedy,
+            target_probs,
+            draft_probs.contiguous(),
+            uniform_samples.contiguous(),
+            exp_noise,
+            grid,
+            block_b,
+            block_v,
+        )
     return output, num_accepted + 1
 
 
-def _launch_random(output, num_accepted, draft_token_ids, num_draft_tokens, is_greedy,
-                   target_probs, draft_probs, uniform_samples, exp_noise, grid, block_b, block_v) -> None:
+def _launch_random(
+    output,
+    num_accepted,
+    draft_token_ids,
+    num_draft_tokens,
+    is_greedy,
+    target_probs,
+    draft_probs,
+    uniform_samples,
+    exp_noise,
+    grid,
+    block_b,
+    block_v,
+) -> None:
     """The random rows of model drafts: accept kernel, then the last-token race."""
     num_spec, num_vocab = draft_token_ids.shape[1], target_probs.shape[2]
     assert draft_probs.stride(2) == 1 and uniform_samples.shape == draft_token_ids.shape
     draft_stride = max(draft_token_ids.stride(0), 1)
     _random_accept_kernel[grid](
-        output, num_accepted, draft_token_ids, num_draft_tokens, is_greedy,
-        target_probs, draft_probs, uniform_samples,
-        output.shape[0], output.stride(0), draft_stride, target_probs.stride(0), target_probs.stride(1),
-        draft_probs.stride(0), draft_probs.stride(1), max(uniform_samples.stride(0), 1),
-        NUM_SPEC=num_spec, BLOCK_B=block_b,
+        output,
+        num_accepted,
+        draft_token_ids,
+        num_draft_tokens,
+        is_greedy,
+        target_probs,
+        draft_probs,
+        uniform_samples,
+        output.shape[0],
+        output.stride(0),
+        draft_stride,
+        target_probs.stride(0),
+        target_probs.stride(1),
+        draft_probs.stride(0),
+        draft_probs.stride(1),
+        max(uniform_samples.stride(0), 1),
+        NUM_SPEC=num_spec,
+        BLOCK_B=block_b,
     )
     _sample_last_token_kernel[grid](
-        output, num_accepted, num_draft_tokens, is_greedy,
-        target_probs, draft_probs, exp_noise,
-        output.shape[0], num_vocab, output.stride(0), target_probs.stride(0), target_probs.stride(1),
-        draft_probs.stride(0), draft_probs.stride(1), exp_noise.stride(0), exp_noise.stride(1),
-        BLOCK_B=block_b, BLOCK_V=block_v,
+        output,
+        num_accepted,
+        num_draft_tokens,
+        is_greedy,
+        target_probs,
+        draft_probs,
+        exp_noise,
+        output.shape[0],
+        num_vocab,
+        output.stride(0),
+        target_probs.stride(0),
+        target_probs.stride(1),
+        draft_probs.stride(0),
+        draft_probs.stride(1),
+        exp_noise.stride(0),
+        exp_noise.stride(1),
+        BLOCK_B=block_b,
+        BLOCK_V=block_v,
     )
 
 
@@ -339,6 +453,4 @@ def rejection_sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, K+1] int64, [B] int64
     """The accept rule of the module docstring: Triton on an accelerator, else the reference."""
     sample = rejection_sample_triton if use_triton(target_probs) else rejection_sample_ref
-    return sample(
-        target_probs, draft_token_ids, num_draft_tokens, draft_probs, is_greedy, uniform_samples, exp_noise
-    )
+    return sample(target_probs, draft_token_ids, num_draft_tokens, draft_probs, is_greedy, uniform_samples, exp_noise)

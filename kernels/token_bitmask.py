@@ -38,11 +38,13 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
-def apply_token_bitmask_(logits: torch.Tensor,  # [N, V], changed in place
-                         rows: torch.Tensor,  # [R] int64: the row mask i covers
-                         bitmask: torch.Tensor,  # [R, W] int32, W * 32 >= V
-                         eos_token_ids: list[int],
-                         library: ctypes.CDLL | None = None) -> torch.Tensor:  # another build (bind())
+def apply_token_bitmask_(
+    logits: torch.Tensor,  # [N, V], changed in place
+    rows: torch.Tensor,  # [R] int64: the row mask i covers
+    bitmask: torch.Tensor,  # [R, W] int32, W * 32 >= V
+    eos_token_ids: list[int],
+    library: ctypes.CDLL | None = None,
+) -> torch.Tensor:  # another build (bind())
     """Sets logits[rows[i], t] to -inf for every token t that mask i forbids; a mask that allows no token
     allows the EOS ids instead. Returns `logits`."""
     if rows.numel() == 0:
@@ -58,15 +60,24 @@ def apply_token_bitmask_(logits: torch.Tensor,  # [N, V], changed in place
     rows = rows.to(torch.int64).contiguous()
     bitmask = bitmask.contiguous()
     eos = torch.tensor(eos_token_ids, dtype=torch.int64)
-    status = library.specdec_apply_token_bitmask(logits.data_ptr(), logits.stride(0), logits.shape[1],
-                                                 rows.data_ptr(), rows.numel(), bitmask.data_ptr(), bitmask.shape[1],
-                                                 eos.data_ptr(), eos.numel())
+    status = library.specdec_apply_token_bitmask(
+        logits.data_ptr(),
+        logits.stride(0),
+        logits.shape[1],
+        rows.data_ptr(),
+        rows.numel(),
+        bitmask.data_ptr(),
+        bitmask.shape[1],
+        eos.data_ptr(),
+        eos.numel(),
+    )
     assert status == 0, status
     return logits
 
 
-def apply_token_bitmask_reference(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
-                                  eos_token_ids: list[int]) -> torch.Tensor:
+def apply_token_bitmask_reference(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, eos_token_ids: list[int]
+) -> torch.Tensor:
     """apply_token_bitmask_ in PyTorch ops."""
     num_vocab = logits.shape[-1]
     rows, packed = rows.to(logits.device), bitmask.to(logits.device)

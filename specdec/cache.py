@@ -6,8 +6,8 @@ The models (worker_service/runtime/default_model.py) and the built C kernels (ke
 import os
 import pathlib
 
-# In a checkpoint converted from a GGUF (worker_service/runtime/default_model.py): {"gguf": its path, "size": its bytes}, so a
-# quantized dtype can serve that file's blocks (worker_service/runtime/quantization.py).
+# In a checkpoint converted from a GGUF (worker_service/runtime/default_model.py): {"gguf": its path, "size": its
+# bytes}, so a quantized dtype can serve that file's blocks (worker_service/runtime/quantization.py).
 SOURCE_FILE = "specdec_source.json"
 
 

@@ -5,81 +5,145 @@ from specdec.v1 import worker_pb2 as pb
 
 
 def _sampling_to_proto(s: step.RequestSampling) -> pb.RequestSampling:
-    return pb.RequestSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-                              logprobs=s.logprobs)
+    return pb.RequestSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, logprobs=s.logprobs)
 
 
 def _sampling_from_proto(m: pb.RequestSampling, request_id: str) -> step.RequestSampling:
     """Raises ValueError naming the request when the parameters are invalid."""
     try:
-        return step.RequestSampling(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k,
-                                    seed=m.seed if m.HasField("seed") else None, logprobs=m.logprobs)
+        return step.RequestSampling(
+            temperature=m.temperature,
+            top_p=m.top_p,
+            top_k=m.top_k,
+            seed=m.seed if m.HasField("seed") else None,
+            logprobs=m.logprobs,
+        )
     except ValueError as exc:
         raise ValueError(f"request {request_id!r}: {exc}") from exc
 
 
 def step_request_to_proto(r: step.StepRequest) -> pb.ExecuteModelRequest:
-    new = [pb.NewRequest(request_id=n.request_id, token_ids=n.token_ids, num_prompt_tokens=n.num_prompt_tokens,
-                         sampling=_sampling_to_proto(n.sampling), block_ids=n.block_ids,
-                         num_new_tokens=n.num_new_tokens, num_speculative_tokens=n.num_speculative_tokens,
-                         num_computed_tokens=n.num_computed_tokens, grammar=n.grammar,
-                         draft_tree_width=n.draft_tree_width)
-           for n in r.new_requests]
-    cached = [pb.CachedRequest(request_id=c.request_id, new_block_ids=c.new_block_ids,
-                               num_blocks_kept=c.num_blocks_kept, num_new_tokens=c.num_new_tokens,
-                               num_speculative_tokens=c.num_speculative_tokens,
-                               forced_drafts_only=c.forced_drafts_only, draft_tree_width=c.draft_tree_width)
-              for c in r.cached_requests]
-    return pb.ExecuteModelRequest(step_id=r.step_id, new_requests=new, cached_requests=cached,
-                                  finished_request_ids=r.finished_request_ids)
+    new = [
+        pb.NewRequest(
+            request_id=n.request_id,
+            token_ids=n.token_ids,
+            num_prompt_tokens=n.num_prompt_tokens,
+            sampling=_sampling_to_proto(n.sampling),
+            block_ids=n.block_ids,
+            num_new_tokens=n.num_new_tokens,
+            num_speculative_tokens=n.num_speculative_tokens,
+            num_computed_tokens=n.num_computed_tokens,
+            grammar=n.grammar,
+            draft_tree_width=n.draft_tree_width,
+        )
+        for n in r.new_requests
+    ]
+    cached = [
+        pb.CachedRequest(
+            request_id=c.request_id,
+            new_block_ids=c.new_block_ids,
+            num_blocks_kept=c.num_blocks_kept,
+            num_new_tokens=c.num_new_tokens,
+            num_speculative_tokens=c.num_speculative_tokens,
+            forced_drafts_only=c.forced_drafts_only,
+            draft_tree_width=c.draft_tree_width,
+        )
+        for c in r.cached_requests
+    ]
+    return pb.ExecuteModelRequest(
+        step_id=r.step_id, new_requests=new, cached_requests=cached, finished_request_ids=r.finished_request_ids
+    )
 
 
 def step_request_from_proto(m: pb.ExecuteModelRequest) -> step.StepRequest:
     """Raises ValueError (naming the request) for sampling parameters a step cannot use."""
-    new = [step.NewRequest(request_id=n.request_id, token_ids=list(n.token_ids),
-                           num_prompt_tokens=n.num_prompt_tokens,
-                           sampling=_sampling_from_proto(n.sampling, n.request_id),
-                           block_ids=list(n.block_ids), num_new_tokens=n.num_new_tokens,
-                           num_speculative_tokens=n.num_speculative_tokens,
-                           num_computed_tokens=n.num_computed_tokens, grammar=n.grammar,
-                           draft_tree_width=n.draft_tree_width)
-           for n in m.new_requests]
-    cached = [step.CachedRequest(request_id=c.request_id, new_block_ids=list(c.new_block_ids),
-                                 num_blocks_kept=c.num_blocks_kept, num_new_tokens=c.num_new_tokens,
-                                 num_speculative_tokens=c.num_speculative_tokens,
-                                 forced_drafts_only=c.forced_drafts_only, draft_tree_width=c.draft_tree_width)
-              for c in m.cached_requests]
-    return step.StepRequest(step_id=m.step_id, new_requests=new, cached_requests=cached,
-                            finished_request_ids=list(m.finished_request_ids))
+    new = [
+        step.NewRequest(
+            request_id=n.request_id,
+            token_ids=list(n.token_ids),
+            num_prompt_tokens=n.num_prompt_tokens,
+            sampling=_sampling_from_proto(n.sampling, n.request_id),
+            block_ids=list(n.block_ids),
+            num_new_tokens=n.num_new_tokens,
+            num_speculative_tokens=n.num_speculative_tokens,
+            num_computed_tokens=n.num_computed_tokens,
+            grammar=n.grammar,
+            draft_tree_width=n.draft_tree_width,
+        )
+        for n in m.new_requests
+    ]
+    cached = [
+        step.CachedRequest(
+            request_id=c.request_id,
+            new_block_ids=list(c.new_block_ids),
+            num_blocks_kept=c.num_blocks_kept,
+            num_new_tokens=c.num_new_tokens,
+            num_speculative_tokens=c.num_speculative_tokens,
+            forced_drafts_only=c.forced_drafts_only,
+            draft_tree_width=c.draft_tree_width,
+        )
+        for c in m.cached_requests
+    ]
+    return step.StepRequest(
+        step_id=m.step_id, new_requests=new, cached_requests=cached, finished_request_ids=list(m.finished_request_ids)
+    )
 
 
 def step_result_to_proto(r: step.StepResult) -> pb.ExecuteModelResponse:
-    outputs = [pb.SequenceOutput(request_id=o.request_id, token_ids=o.token_ids, logprobs=o.logprobs,
-                                 num_draft_tokens=o.num_draft_tokens, num_accepted_tokens=o.num_accepted_tokens,
-                                 num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer,
-                                 num_forced_tokens_next=o.num_forced_tokens_next,
-                                 draft_tree_depth=o.draft_tree_depth, accepted_draft_ranks=o.accepted_draft_ranks,
-                                 next_draft=None if o.next_draft is None else pb.DraftPreview(
-                                     num_drafts=o.next_draft.num_drafts, match_length=o.next_draft.match_length))
-               for o in r.outputs]
+    outputs = [
+        pb.SequenceOutput(
+            request_id=o.request_id,
+            token_ids=o.token_ids,
+            logprobs=o.logprobs,
+            num_draft_tokens=o.num_draft_tokens,
+            num_accepted_tokens=o.num_accepted_tokens,
+            num_kv_written_tokens=o.num_kv_written_tokens,
+            proposer=o.proposer,
+            num_forced_tokens_next=o.num_forced_tokens_next,
+            draft_tree_depth=o.draft_tree_depth,
+            accepted_draft_ranks=o.accepted_draft_ranks,
+            next_draft=None
+            if o.next_draft is None
+            else pb.DraftPreview(num_drafts=o.next_draft.num_drafts, match_length=o.next_draft.match_length),
+        )
+        for o in r.outputs
+    ]
     s = r.stats
-    stats = pb.StepStats(propose_ms=s.propose_ms, score_ms=s.score_ms, verify_ms=s.verify_ms,
-                         total_ms=s.total_ms, num_speculating_seqs=s.num_speculating_seqs)
+    stats = pb.StepStats(
+        propose_ms=s.propose_ms,
+        score_ms=s.score_ms,
+        verify_ms=s.verify_ms,
+        total_ms=s.total_ms,
+        num_speculating_seqs=s.num_speculating_seqs,
+    )
     return pb.ExecuteModelResponse(step_id=r.step_id, outputs=outputs, stats=stats)
 
 
 def step_result_from_proto(m: pb.ExecuteModelResponse) -> step.StepResult:
-    outputs = [step.SequenceOutput(request_id=o.request_id, token_ids=list(o.token_ids),
-                                   logprobs=list(o.logprobs), num_draft_tokens=o.num_draft_tokens,
-                                   num_accepted_tokens=o.num_accepted_tokens,
-                                   num_kv_written_tokens=o.num_kv_written_tokens, proposer=o.proposer,
-                                   num_forced_tokens_next=o.num_forced_tokens_next,
-                                   draft_tree_depth=o.draft_tree_depth,
-                                   accepted_draft_ranks=list(o.accepted_draft_ranks),
-                                   next_draft=step.DraftPreview(o.next_draft.num_drafts, o.next_draft.match_length)
-                                   if o.HasField("next_draft") else None)
-               for o in m.outputs]
+    outputs = [
+        step.SequenceOutput(
+            request_id=o.request_id,
+            token_ids=list(o.token_ids),
+            logprobs=list(o.logprobs),
+            num_draft_tokens=o.num_draft_tokens,
+            num_accepted_tokens=o.num_accepted_tokens,
+            num_kv_written_tokens=o.num_kv_written_tokens,
+            proposer=o.proposer,
+            num_forced_tokens_next=o.num_forced_tokens_next,
+            draft_tree_depth=o.draft_tree_depth,
+            accepted_draft_ranks=list(o.accepted_draft_ranks),
+            next_draft=step.DraftPreview(o.next_draft.num_drafts, o.next_draft.match_length)
+            if o.HasField("next_draft")
+            else None,
+        )
+        for o in m.outputs
+    ]
     s = m.stats
-    stats = step.StepStats(propose_ms=s.propose_ms, score_ms=s.score_ms, verify_ms=s.verify_ms,
-                           total_ms=s.total_ms, num_speculating_seqs=s.num_speculating_seqs)
+    stats = step.StepStats(
+        propose_ms=s.propose_ms,
+        score_ms=s.score_ms,
+        verify_ms=s.verify_ms,
+        total_ms=s.total_ms,
+        num_speculating_seqs=s.num_speculating_seqs,
+    )
     return step.StepResult(step_id=m.step_id, outputs=outputs, stats=stats)

@@ -91,9 +91,11 @@ def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials | None:
     if not tls.is_enabled:
         return None
     p = tls.flag_prefix
-    return grpc.ssl_channel_credentials(root_certificates=read_file(tls.ca_certs, f"{p}ca-certs"),
-                                        private_key=read_file(tls.keyfile, f"{p}keyfile"),
-                                        certificate_chain=read_file(tls.certfile, f"{p}certfile"))
+    return grpc.ssl_channel_credentials(
+        root_certificates=read_file(tls.ca_certs, f"{p}ca-certs"),
+        private_key=read_file(tls.keyfile, f"{p}keyfile"),
+        certificate_chain=read_file(tls.certfile, f"{p}certfile"),
+    )
 
 
 def channel_options(server_name: str | None) -> list[tuple[str, str]]:
@@ -115,8 +117,9 @@ def parse_api_keys(text: str) -> list[str]:
     return keys
 
 
-def load_api_keys(path: str | None, environ: Mapping[str, str] = os.environ,
-                  flag: str = "--api-key-file") -> frozenset[str]:
+def load_api_keys(
+    path: str | None, environ: Mapping[str, str] = os.environ, flag: str = "--api-key-file"
+) -> frozenset[str]:
     """Every accepted key: the key file's and $SPECDEC_API_KEY's (either or both; empty: no keys)."""
     keys = set()
     if path is not None:
@@ -129,8 +132,9 @@ def load_api_keys(path: str | None, environ: Mapping[str, str] = os.environ,
     return frozenset(keys)
 
 
-def load_client_api_key(path: str | None, environ: Mapping[str, str] = os.environ,
-                        flag: str = "--api-key-file") -> str | None:
+def load_client_api_key(
+    path: str | None, environ: Mapping[str, str] = os.environ, flag: str = "--api-key-file"
+) -> str | None:
     """The one key a client sends: the key file's first key, else $SPECDEC_API_KEY, else None."""
     if path is not None:
         data = read_file(path, flag)
@@ -143,17 +147,30 @@ def load_client_api_key(path: str | None, environ: Mapping[str, str] = os.enviro
 
 def add_server_tls_flags(p: argparse.ArgumentParser, what: str, prefix: str = "--ssl-") -> None:
     """Adds PREFIXcertfile, PREFIXkeyfile and PREFIXca-certs for the server port described by `what`."""
-    p.add_argument(f"{prefix}certfile", default=None, metavar="PEM",
-                   help=f"TLS certificate (chain) of {what}; with {prefix}keyfile (default: plaintext)")
-    p.add_argument(f"{prefix}keyfile", default=None, metavar="PEM",
-                   help=f"private key of {prefix}certfile (default: none)")
-    p.add_argument(f"{prefix}ca-certs", default=None, metavar="PEM",
-                   help=f"CA certificates: clients of {what} must present a certificate one of them signed "
-                        "(mutual TLS) (default: no client certificate needed)")
+    p.add_argument(
+        f"{prefix}certfile",
+        default=None,
+        metavar="PEM",
+        help=f"TLS certificate (chain) of {what}; with {prefix}keyfile (default: plaintext)",
+    )
+    p.add_argument(
+        f"{prefix}keyfile", default=None, metavar="PEM", help=f"private key of {prefix}certfile (default: none)"
+    )
+    p.add_argument(
+        f"{prefix}ca-certs",
+        default=None,
+        metavar="PEM",
+        help=f"CA certificates: clients of {what} must present a certificate one of them signed "
+        "(mutual TLS) (default: no client certificate needed)",
+    )
 
 
 def server_tls_from_args(args: argparse.Namespace, prefix: str = "--ssl-") -> TlsFiles:
     """The TlsFiles of flags added by add_server_tls_flags; ValueError for a bad combination."""
     dest = prefix.strip("-").replace("-", "_")
-    return TlsFiles(getattr(args, f"{dest}_certfile"), getattr(args, f"{dest}_keyfile"),
-                    getattr(args, f"{dest}_ca_certs"), flag_prefix=prefix)
+    return TlsFiles(
+        getattr(args, f"{dest}_certfile"),
+        getattr(args, f"{dest}_keyfile"),
+        getattr(args, f"{dest}_ca_certs"),
+        flag_prefix=prefix,
+    )

@@ -27,15 +27,20 @@ class RequestSampling:
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed <= MAX_SEED):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
+        ):
             raise ValueError(f"seed must be an integer in [0, 2**64 - 1] or unset, got {self.seed!r}")
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"logprobs must be true or false, got {self.logprobs!r}")
@@ -51,15 +56,15 @@ class NewRequest:
     """Full state of a request the worker does not hold (new, or resumed after preemption)."""
 
     request_id: str
-    token_ids: list[int]          # prompt + tokens generated so far
+    token_ids: list[int]  # prompt + tokens generated so far
     num_prompt_tokens: int
     sampling: RequestSampling
     block_ids: list[int]
-    num_new_tokens: int           # tokens to compute this step
+    num_new_tokens: int  # tokens to compute this step
     num_speculative_tokens: int = 0  # this step's k (lookahead slots reserved); the worker may propose fewer
     num_computed_tokens: int = 0  # KV already in the first blocks (a prefix-cache hit); computing starts here
-    grammar: str = ""             # the output's constraint, as llguidance compiles it ("": unconstrained)
-    draft_tree_width: int = 0     # this step's most children per draft (CachedRequest)
+    grammar: str = ""  # the output's constraint, as llguidance compiles it ("": unconstrained)
+    draft_tree_width: int = 0  # this step's most children per draft (CachedRequest)
 
 
 @dataclass
@@ -68,11 +73,11 @@ class CachedRequest:
 
     request_id: str
     new_block_ids: list[int]
-    num_blocks_kept: int          # the table is cut to this length before appending
+    num_blocks_kept: int  # the table is cut to this length before appending
     num_new_tokens: int
     num_speculative_tokens: int = 0  # this step's k, sent every step
     forced_drafts_only: bool = False  # k is for the constraint's forced tokens: no proposer call
-    draft_tree_width: int = 0     # this step's most children per draft (1: a chain; 0: the worker's own width)
+    draft_tree_width: int = 0  # this step's most children per draft (1: a chain; 0: the worker's own width)
 
 
 @dataclass

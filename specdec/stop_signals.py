@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 
-POLL_S = 0.05   # how soon the main thread notices a signal (or the other stop): a drain starts at once
+POLL_S = 0.05  # how soon the main thread notices a signal (or the other stop): a drain starts at once
 
 
 class StopSignals:
@@ -24,9 +24,9 @@ class StopSignals:
                 signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, _frame) -> None:
-        self.received = signum   # a plain store: no lock, so it cannot wait on the interrupted thread
+        self.received = signum  # a plain store: no lock, so it cannot wait on the interrupted thread
 
     def wait(self, stop: threading.Event) -> None:
         """Returns once a signal has arrived or `stop` is set (by another thread)."""
-        while self.received is None and not stop.is_set():   # is_set() reads a flag: no lock either
+        while self.received is None and not stop.is_set():  # is_set() reads a flag: no lock either
             time.sleep(POLL_S)

@@ -30,10 +30,17 @@ def device(request) -> str:
 
 # Where a kernel test runs Triton: the CPU in Triton's interpreter (only without CUDA: the interpreter is set
 # up above), or CUDA in the gpu tier.
-@pytest.fixture(params=[
-    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(),
-                                                 reason="Triton's interpreter runs only on a host without CUDA")),
-    pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(
+    params=[
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(
+                torch.cuda.is_available(), reason="Triton's interpreter runs only on a host without CUDA"
+            ),
+        ),
+        pytest.param("cuda", marks=pytest.mark.gpu),
+    ]
+)
 def triton_device(request) -> str:
     return request.param
 
@@ -74,7 +81,7 @@ def smollm2_greedy(smollm2_path):
         if key not in outputs:
             with torch.inference_mode():
                 out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
-            outputs[key] = out[0, len(prompt_ids):].tolist()
+            outputs[key] = out[0, len(prompt_ids) :].tolist()
         return list(outputs[key])
 
     return generate

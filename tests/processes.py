@@ -14,14 +14,24 @@ _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 class Process:
     """A specdec subcommand (or another program) in a child process; its output lines are collected."""
 
-    def __init__(self, args: list[str], env: dict | None = None, start_new_session: bool = False,
-                 program: list[str] | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        env: dict | None = None,
+        start_new_session: bool = False,
+        program: list[str] | None = None,
+    ):
         """start_new_session: in its own session and process group, as a supervisor starts it; program: what
         to run with `args` (default: `python -m specdec`)."""
         program = program if program is not None else [sys.executable, "-m", "specdec"]
-        self.proc = subprocess.Popen([*program, *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
-                                     start_new_session=start_new_session)
+        self.proc = subprocess.Popen(
+            [*program, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+            start_new_session=start_new_session,
+        )
         self.lines: list[str] = []
         self.cond = threading.Condition()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -38,12 +48,15 @@ class Process:
         """Waits for an output line matching `pattern`; fails with the output if the process died."""
         regex = re.compile(pattern)
         with self.cond:
-            found = self.cond.wait_for(lambda: any(regex.search(l) for l in self.lines) or self.proc.poll() is not None,
-                                       timeout=timeout)
-            match = next((m for l in self.lines if (m := regex.search(l))), None)
+            found = self.cond.wait_for(
+                lambda: any(regex.search(line) for line in self.lines) or self.proc.poll() is not None, timeout=timeout
+            )
+            match = next((m for line in self.lines if (m := regex.search(line))), None)
         if match is None:
-            raise AssertionError(f"no line matching {pattern!r} (found={found}, exit={self.proc.poll()}):\n"
-                                 + "\n".join(self.lines[-40:]))
+            raise AssertionError(
+                f"no line matching {pattern!r} (found={found}, exit={self.proc.poll()}):\n"
+                + "\n".join(self.lines[-40:])
+            )
         return match
 
     def address(self, timeout: float = 180.0, who: str = "") -> str:

@@ -37,7 +37,7 @@ def reference_output(prompt_token_ids: list[int], num_tokens: int) -> list[int]:
     token_ids = list(prompt_token_ids)
     for _ in range(num_tokens):
         token_ids.append(next_token(token_ids))
-    return token_ids[len(prompt_token_ids):]
+    return token_ids[len(prompt_token_ids) :]
 
 
 class PieceTokenizer:
@@ -55,7 +55,7 @@ class _WorkerState:
     num_computed: int
     block_ids: list[int]
     num_speculative_tokens: int
-    keys: list[int]               # the KV key of each computed position
+    keys: list[int]  # the KV key of each computed position
 
     def keys_from(self, start: int, token_ids: list[int]) -> list[int]:
         """The keys of `token_ids` written from position `start` on (after the computed ones before it)."""
@@ -84,14 +84,14 @@ class FakeWorker:
         for new in step.new_requests:
             assert new.request_id not in self.states, "a NewRequest for a request the worker holds"
             state = _WorkerState(list(new.token_ids), 0, list(new.block_ids), new.num_speculative_tokens, [])
-            state.keys = state.keys_from(0, state.token_ids[:new.num_computed_tokens])  # a prefix-cache hit
+            state.keys = state.keys_from(0, state.token_ids[: new.num_computed_tokens])  # a prefix-cache hit
             state.num_computed = new.num_computed_tokens
             self.states[new.request_id] = state
             scheduled.append((new.request_id, new.num_new_tokens))
         for cached in step.cached_requests:
             state = self.states[cached.request_id]
             assert cached.num_blocks_kept <= len(state.block_ids)
-            state.block_ids = state.block_ids[:cached.num_blocks_kept] + cached.new_block_ids
+            state.block_ids = state.block_ids[: cached.num_blocks_kept] + cached.new_block_ids
             state.num_speculative_tokens = cached.num_speculative_tokens
             scheduled.append((cached.request_id, cached.num_new_tokens))
         outputs = [self._run(step, request_id, num_new) for request_id, num_new in scheduled]
@@ -104,7 +104,7 @@ class FakeWorker:
         assert 1 <= num_new <= num_pending
         end = state.num_computed + num_new
         if end < len(state.token_ids):  # a prefill chunk short of the end: nothing emitted
-            state.keys += self._write(state, state.num_computed, state.token_ids[state.num_computed:end])
+            state.keys += self._write(state, state.num_computed, state.token_ids[state.num_computed : end])
             state.num_computed = end
             return SequenceOutput(request_id, [], num_kv_written_tokens=end)
         k = state.num_speculative_tokens if num_pending == 1 else 0
@@ -113,14 +113,19 @@ class FakeWorker:
         drafts = true_next[:num_accepted] + [(t + 1) % VOCAB_SIZE for t in true_next[num_accepted:k]]
         # The scheduler must have reserved every slot written: known tokens and k lookahead slots.
         assert len(state.block_ids) * self.block_size >= end + k, "block table does not cover the step"
-        keys = self._write(state, state.num_computed, state.token_ids[state.num_computed:end] + drafts)
-        state.keys += keys[:end - state.num_computed + num_accepted]  # rejected drafts' keys are not the tokens'
-        emitted = true_next[:num_accepted + 1]
+        keys = self._write(state, state.num_computed, state.token_ids[state.num_computed : end] + drafts)
+        state.keys += keys[: end - state.num_computed + num_accepted]  # rejected drafts' keys are not the tokens'
+        emitted = true_next[: num_accepted + 1]
         state.token_ids += emitted
         state.num_computed = end + num_accepted
         self.num_emitted_by_id[request_id] += len(emitted)
-        return SequenceOutput(request_id, emitted, num_draft_tokens=k, num_accepted_tokens=num_accepted,
-                              num_kv_written_tokens=state.num_computed)
+        return SequenceOutput(
+            request_id,
+            emitted,
+            num_draft_tokens=k,
+            num_accepted_tokens=num_accepted,
+            num_kv_written_tokens=state.num_computed,
+        )
 
     def _write(self, state: _WorkerState, start: int, token_ids: list[int]) -> list[int]:
         keys = state.keys_from(start, token_ids)
@@ -140,9 +145,17 @@ class FakeWorker:
 class SimWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """The Worker service over a FakeWorker; each step takes `step_time_s` (slept, not computed)."""
 
-    def __init__(self, health_servicer: health.HealthServicer, block_size: int, num_blocks: int,
-                 step_time_s: float, num_speculative_tokens: int, num_accepted, is_checking_kv: bool = True,
-                 model_id: str = "sim"):
+    def __init__(
+        self,
+        health_servicer: health.HealthServicer,
+        block_size: int,
+        num_blocks: int,
+        step_time_s: float,
+        num_speculative_tokens: int,
+        num_accepted,
+        is_checking_kv: bool = True,
+        model_id: str = "sim",
+    ):
         self.is_checking_kv = is_checking_kv
         self.model_id = model_id
         self.health = health_servicer
@@ -151,7 +164,7 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.num_speculative_tokens = num_speculative_tokens
         self.num_accepted = num_accepted
         self.worker: FakeWorker | None = None
-        self.sessions = SessionGate()   # the real worker's: one scheduler session at a time
+        self.sessions = SessionGate()  # the real worker's: one scheduler session at a time
         self.num_steps = 0
         self.is_frozen = threading.Event()  # set: steps hang and health says NOT_SERVING
         self.lock = threading.Lock()
@@ -159,12 +172,19 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def Describe(self, request, context):
         if self.is_frozen.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "frozen")  # a stopped process answers nothing
-        return worker_pb2.DescribeResponse(model_id=self.model_id, vocab_size=VOCAB_SIZE, max_model_len=4096,
-                                     kv_bytes_per_block=1024, num_blocks_capacity=self.num_blocks,
-                                     eos_token_ids=[], dtype="float32",
-                                     proposer="ngram" if self.num_speculative_tokens else "none",
-                                     max_num_speculative_tokens=self.num_speculative_tokens, scorer="multi_query",
-                                     device="cpu")
+        return worker_pb2.DescribeResponse(
+            model_id=self.model_id,
+            vocab_size=VOCAB_SIZE,
+            max_model_len=4096,
+            kv_bytes_per_block=1024,
+            num_blocks_capacity=self.num_blocks,
+            eos_token_ids=[],
+            dtype="float32",
+            proposer="ngram" if self.num_speculative_tokens else "none",
+            max_num_speculative_tokens=self.num_speculative_tokens,
+            scorer="multi_query",
+            device="cpu",
+        )
 
     def InitCache(self, request, context):
         if self.is_frozen.is_set():
@@ -182,8 +202,9 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.InitCacheResponse(kv_cache_bytes=1024 * request.num_blocks, session_id=session_id)
 
     def ExecuteModel(self, request_iterator, context):
-        yield from session_stream(self.sessions, context,
-                                  lambda session_id: self._execute_steps(session_id, request_iterator, context))
+        yield from session_stream(
+            self.sessions, context, lambda session_id: self._execute_steps(session_id, request_iterator, context)
+        )
 
     def _execute_steps(self, session_id: str, request_iterator, context):
         for request in request_iterator:
@@ -211,7 +232,6 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             for name in ("", "specdec.v1.WorkerService"):
                 self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-
     def thaw(self) -> None:
         """Answers again, like a process continued after SIGSTOP."""
         self.is_frozen.clear()
@@ -223,18 +243,36 @@ class SimWorkerServer:
     """A SimWorkerServicer on 127.0.0.1 (port 0, or a given port to come back at the same address); TLS with
     `credentials`."""
 
-    def __init__(self, block_size: int = 4, num_blocks: int = 256, step_time_s: float = 0.0,
-                 num_speculative_tokens: int = 3, num_accepted=lambda step_id, request_id: 1_000, port: int = 0,
-                 is_checking_kv: bool = True, model_id: str = "sim", credentials: grpc.ServerCredentials | None = None):
+    def __init__(
+        self,
+        block_size: int = 4,
+        num_blocks: int = 256,
+        step_time_s: float = 0.0,
+        num_speculative_tokens: int = 3,
+        num_accepted=lambda step_id, request_id: 1_000,
+        port: int = 0,
+        is_checking_kv: bool = True,
+        model_id: str = "sim",
+        credentials: grpc.ServerCredentials | None = None,
+    ):
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)])
         health_servicer = health.HealthServicer()
-        self.servicer = SimWorkerServicer(health_servicer, block_size, num_blocks, step_time_s,
-                                          num_speculative_tokens, num_accepted, is_checking_kv, model_id)
+        self.servicer = SimWorkerServicer(
+            health_servicer,
+            block_size,
+            num_blocks,
+            step_time_s,
+            num_speculative_tokens,
+            num_accepted,
+            is_checking_kv,
+            model_id,
+        )
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
         address = f"127.0.0.1:{port}"
-        self.port = (self.server.add_secure_port(address, credentials) if credentials
-                     else self.server.add_insecure_port(address))
+        self.port = (
+            self.server.add_secure_port(address, credentials) if credentials else self.server.add_insecure_port(address)
+        )
         assert self.port, f"cannot listen on 127.0.0.1:{port}"
         self.address = f"127.0.0.1:{self.port}"
         self.server.start()
@@ -261,8 +299,17 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=4096)
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     args = parser.parse_args()
-    servers = [SimWorkerServer(args.block_size, args.num_blocks, args.step_time_ms / 1e3, args.num_speculative_tokens,
-                               partial_acceptance, is_checking_kv=False) for _ in range(args.num_workers)]
+    servers = [
+        SimWorkerServer(
+            args.block_size,
+            args.num_blocks,
+            args.step_time_ms / 1e3,
+            args.num_speculative_tokens,
+            partial_acceptance,
+            is_checking_kv=False,
+        )
+        for _ in range(args.num_workers)
+    ]
     print("sim workers", *[s.address for s in servers], flush=True)
     sys.stdin.read()
     for server in servers:

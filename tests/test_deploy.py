@@ -5,6 +5,7 @@ No Docker engine or cluster here: nothing is built or run in a container. compos
 kubernetes-validate (the test extra) check the files offline.
 """
 
+from concurrent import futures
 import json
 import os
 import pathlib
@@ -12,12 +13,11 @@ import re
 import socket
 import subprocess
 import sys
-from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import pytest
 import yaml
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec.cli import build_parser
 from worker_service.serving import flags as worker_flags
@@ -44,9 +44,14 @@ def _venv_tool(name: str) -> str:
 def _docker_compose(*args: str, files=("compose.yaml",), env: dict | None = None) -> subprocess.CompletedProcess:
     file_args = [arg for name in files for arg in ("-f", str(ROOT / name))]
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}  # the files' defaults
-    return subprocess.run([_venv_tool("docker-compose"), *file_args, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, env={**environ, **(env or {})})
-
+    return subprocess.run(
+        [_venv_tool("docker-compose"), *file_args, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**environ, **(env or {})},
+    )
 
 
 def dockerfile_cache_dirs() -> dict[str, str]:
@@ -57,8 +62,12 @@ def dockerfile_cache_dirs() -> dict[str, str]:
 
 
 def _kubernetes_validate(*paths: pathlib.Path) -> subprocess.CompletedProcess:
-    return subprocess.run([_venv_tool("kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSION,
-                           *map(str, paths)], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [_venv_tool("kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSION, *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _k8s_docs(name: str) -> dict[str, dict]:
@@ -149,8 +158,11 @@ def test_k8s_manifest_passes_kubernetes_validate_strict(manifest):
 def test_kubernetes_validate_strict_rejects_an_unknown_field(tmp_path):
     """Guards the check above: --strict must catch a misspelt field, not only a wrong type."""
     broken = tmp_path / "broken.yaml"
-    broken.write_text((K8S / "worker.yaml").read_text().replace(
-        "publishNotReadyAddresses: true", "publishNotReadyAddresses: true\n  publishNotReadyAddress: true"))
+    broken.write_text(
+        (K8S / "worker.yaml")
+        .read_text()
+        .replace("publishNotReadyAddresses: true", "publishNotReadyAddresses: true\n  publishNotReadyAddress: true")
+    )
     result = _kubernetes_validate(broken)
     assert result.returncode != 0 and "publishNotReadyAddress'" in result.stdout + result.stderr
 
@@ -218,11 +230,14 @@ def _healthcheck(*args: str) -> int:
     return subprocess.run([sys.executable, str(HEALTHCHECK), *args], capture_output=True, timeout=30).returncode
 
 
-@pytest.mark.parametrize(("status", "extra", "want_rc"), [
-    (health_pb2.HealthCheckResponse.SERVING, [], 0),
-    (health_pb2.HealthCheckResponse.NOT_SERVING, [], 1),
-    (health_pb2.HealthCheckResponse.NOT_SERVING, ["--allow-not-serving"], 0),
-])
+@pytest.mark.parametrize(
+    ("status", "extra", "want_rc"),
+    [
+        (health_pb2.HealthCheckResponse.SERVING, [], 0),
+        (health_pb2.HealthCheckResponse.NOT_SERVING, [], 1),
+        (health_pb2.HealthCheckResponse.NOT_SERVING, ["--allow-not-serving"], 0),
+    ],
+)
 def test_healthcheck_exit_code(health_server, status, extra, want_rc):
     address, servicer = health_server
     servicer.set("specdec.v1.WorkerService", status)

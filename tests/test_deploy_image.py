@@ -49,7 +49,7 @@ def _build_transcript(build_args: dict[str, str], tmp_path: pathlib.Path) -> lis
     stubs.mkdir()
     for name in STUBBED_COMMANDS:
         stub = stubs / name
-        stub.write_text(f"#!/bin/sh\nprintf '%s\\037' \"${{0##*/}}\" \"$@\" >> {log}\necho >> {log}\n")
+        stub.write_text(f'#!/bin/sh\nprintf \'%s\\037\' "${{0##*/}}" "$@" >> {log}\necho >> {log}\n')
         stub.chmod(0o755)
     env = {"PATH": str(stubs)}
     for instruction, arguments in _instructions():
@@ -134,11 +134,29 @@ def test_cpu_serving_path_works_without_triton(tiny_pair, tmp_path):
     # `import triton` raises ImportError and importlib.util.find_spec("triton") returns None.
     (blocker / "sitecustomize.py").write_text('import sys\nsys.modules["triton"] = None\n')
     env = {"PYTHONPATH": os.pathsep.join([str(blocker), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    probe = subprocess.run([sys.executable, "-c", "import kernels._triton as k; print(k.HAS_TRITON)"],
-                           env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import kernels._triton as k; print(k.HAS_TRITON)"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert probe.stdout.strip() == "False", probe.stderr  # the blocker works
-    args = ["serve", "--port", "0", "--model", str(tiny_pair.target_path), "--block-size", "4",
-            "--num-threads", "1", "--proposer", "ngram", "--num-speculative-tokens", "3"]
+    args = [
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        str(tiny_pair.target_path),
+        "--block-size",
+        "4",
+        "--num-threads",
+        "1",
+        "--proposer",
+        "ngram",
+        "--num-speculative-tokens",
+        "3",
+    ]
     with running(args, env) as process:
         server = Server(process)
         try:

@@ -17,12 +17,28 @@ from specdec.cli import build_parser
 from tests.test_deploy import K8S_MANIFESTS, ROOT, dockerfile_cache_dirs
 from tests.test_deploy_tls import overlay_objects
 
-RESTRICTED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                           "projected", "secret"}
-SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
-                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
-                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
-                "net.ipv4.tcp_keepalive_probes"}
+RESTRICTED_VOLUME_TYPES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+SAFE_SYSCTLS = {
+    "kernel.shm_rmid_forced",
+    "net.ipv4.ip_local_port_range",
+    "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies",
+    "net.ipv4.ping_group_range",
+    "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time",
+    "net.ipv4.tcp_fin_timeout",
+    "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes",
+}
 SELINUX_TYPES = {None, "", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
 PROFILE_TYPES = {"RuntimeDefault", "Localhost"}  # seccomp (required) and AppArmor (when set)
 IMAGE_UID = int(re.search(r"useradd .*--uid (\d+)", (ROOT / "Dockerfile").read_text()).group(1))
@@ -30,8 +46,12 @@ VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["versi
 
 
 def _base_objects() -> dict[tuple[str, str], dict]:
-    return {(d["kind"], d["metadata"]["name"]): d for path in K8S_MANIFESTS
-            for d in yaml.safe_load_all(path.read_text()) if d}
+    return {
+        (d["kind"], d["metadata"]["name"]): d
+        for path in K8S_MANIFESTS
+        for d in yaml.safe_load_all(path.read_text())
+        if d
+    }
 
 
 OBJECT_SETS = {"base": _base_objects, "tls": overlay_objects}
@@ -49,12 +69,18 @@ def _pod_violations(template: dict) -> list[str]:
     """Pod-level rules: host namespaces, volume types, sysctls, the pod securityContext."""
     spec, context = template["spec"], template["spec"].get("securityContext", {})
     problems = [f"{field}: true" for field in ("hostNetwork", "hostPID", "hostIPC") if spec.get(field)]
-    problems += [f"volume {v['name']}: type {sorted(set(v) - {'name'})}" for v in spec.get("volumes", [])
-                 if not set(v) - {"name"} <= RESTRICTED_VOLUME_TYPES]
+    problems += [
+        f"volume {v['name']}: type {sorted(set(v) - {'name'})}"
+        for v in spec.get("volumes", [])
+        if not set(v) - {"name"} <= RESTRICTED_VOLUME_TYPES
+    ]
     problems += [f"sysctl {s['name']}" for s in context.get("sysctls", []) if s["name"] not in SAFE_SYSCTLS]
-    problems += [f"annotation {key}" for key, value in template["metadata"].get("annotations", {}).items()
-                 if key.startswith("container.apparmor.security.beta.kubernetes.io/")
-                 and not (value == "runtime/default" or value.startswith("localhost/"))]
+    problems += [
+        f"annotation {key}"
+        for key, value in template["metadata"].get("annotations", {}).items()
+        if key.startswith("container.apparmor.security.beta.kubernetes.io/")
+        and not (value == "runtime/default" or value.startswith("localhost/"))
+    ]
     if context.get("runAsUser") == 0:
         problems.append("pod runAsUser 0")
     return problems
@@ -86,8 +112,11 @@ def _container_violations(container: dict, pod_context: dict) -> list[str]:
 def restricted_violations(template: dict) -> list[str]:
     """What in a pod template breaks the "restricted" Pod Security Standard; empty when it passes."""
     pod_context = template["spec"].get("securityContext", {})
-    return _pod_violations(template) + [problem for container in _containers(template["spec"])
-                                        for problem in _container_violations(container, pod_context)]
+    return _pod_violations(template) + [
+        problem
+        for container in _containers(template["spec"])
+        for problem in _container_violations(container, pod_context)
+    ]
 
 
 @pytest.mark.parametrize("objects", OBJECT_SETS)
@@ -102,9 +131,12 @@ def test_pods_pass_the_restricted_pod_security_standard(objects):
         assert context["runAsUser"] == context["runAsGroup"] == context["fsGroup"] == IMAGE_UID
         for container in _containers(template["spec"]):  # every one, init containers too
             assert container["imagePullPolicy"] in ("IfNotPresent", "Always", "Never"), container["name"]
-            assert container["securityContext"] == {"allowPrivilegeEscalation": False,
-                                                    "capabilities": {"drop": ["ALL"]},
-                                                    "readOnlyRootFilesystem": True, "runAsNonRoot": True}
+            assert container["securityContext"] == {
+                "allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"]},
+                "readOnlyRootFilesystem": True,
+                "runAsNonRoot": True,
+            }
 
 
 def _worker_template() -> dict:
@@ -123,8 +155,10 @@ MUTATIONS = {
     "root": lambda t: _container_context(t, "worker").update(runAsUser=0),
     "unconfined": lambda t: _container_context(t, "worker").update(seccompProfile={"type": "Unconfined"}),
     "no seccomp": lambda t: t["spec"]["securityContext"].pop("seccompProfile"),
-    "may run as root": lambda t: [t["spec"]["securityContext"].pop("runAsNonRoot"),
-                                  _container_context(t, "seed-models").pop("runAsNonRoot")],
+    "may run as root": lambda t: [
+        t["spec"]["securityContext"].pop("runAsNonRoot"),
+        _container_context(t, "seed-models").pop("runAsNonRoot"),
+    ],
     "hostPath": lambda t: t["spec"]["volumes"].append({"name": "host", "hostPath": {"path": "/"}}),
     "hostNetwork": lambda t: t["spec"].update(hostNetwork=True),
     "hostPort": lambda t: _containers(t["spec"])[1]["ports"][0].update(hostPort=50052),
@@ -157,20 +191,33 @@ def test_processes_write_only_to_volumes(objects):
         for container in workload["spec"]["template"]["spec"]["containers"]:
             writable = [m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")]
             # The scheduler only reads the model baked into the image (SPECDEC_CACHE_DIR, /models).
-            wanted = {"/tmp", *(path for name, path in caches.items()
-                                if not (name == "SPECDEC_CACHE_DIR" and workload["kind"] == "Deployment"))}
+            wanted = {
+                "/tmp",
+                *(
+                    path
+                    for name, path in caches.items()
+                    if not (name == "SPECDEC_CACHE_DIR" and workload["kind"] == "Deployment")
+                ),
+            }
             for path in wanted:
                 assert any(path == w or path.startswith(w + "/") for w in writable), (container["name"], path)
 
 
 def _selector_labels(component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "specdec", "app.kubernetes.io/instance": "specdec",
-            "app.kubernetes.io/component": component}
+    return {
+        "app.kubernetes.io/name": "specdec",
+        "app.kubernetes.io/instance": "specdec",
+        "app.kubernetes.io/component": component,
+    }
 
 
 def _recommended_labels(component: str) -> dict[str, str]:
-    return {**_selector_labels(component), "app.kubernetes.io/part-of": "specdec",
-            "app.kubernetes.io/version": VERSION, "app.kubernetes.io/managed-by": "kustomize"}
+    return {
+        **_selector_labels(component),
+        "app.kubernetes.io/part-of": "specdec",
+        "app.kubernetes.io/version": VERSION,
+        "app.kubernetes.io/managed-by": "kustomize",
+    }
 
 
 @pytest.mark.parametrize("objects", OBJECT_SETS)
@@ -205,4 +252,3 @@ def test_network_policy_lets_only_the_scheduler_reach_the_workers(objects):
     assert not peer["podSelector"]["matchLabels"].items() <= workers["spec"]["template"]["metadata"]["labels"].items()
     assert rule["ports"] == [{"protocol": "TCP", "port": worker_port}]
     assert docs[("Service", "specdec-worker")]["spec"]["ports"][0]["port"] == worker_port
-

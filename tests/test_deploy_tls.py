@@ -5,11 +5,11 @@ strategic-merge patches are applied here the way kustomize applies them (contain
 merged by name, `null` deletes a field, other lists are replaced).
 """
 
+from concurrent import futures
 import json
 import re
 import subprocess
 import sys
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,8 +19,18 @@ import yaml
 from specdec import security
 from specdec.cli import build_parser
 from tests.certs import TestCA
-from tests.test_deploy import (ANSWERS, HEALTHCHECK, K8S, K8S_MANIFESTS, ROOT, _container, _docker_compose,
-                               _expand_env, _k8s_docs, _kubernetes_validate)
+from tests.test_deploy import (
+    ANSWERS,
+    HEALTHCHECK,
+    K8S,
+    K8S_MANIFESTS,
+    ROOT,
+    _container,
+    _docker_compose,
+    _expand_env,
+    _k8s_docs,
+    _kubernetes_validate,
+)
 from worker_service.speculation.config import DEFAULT_PROPOSER
 
 TLS_OVERLAY = K8S / "tls"
@@ -38,8 +48,11 @@ def _strategic_merge(base, patch):
             else:
                 merged[key] = _strategic_merge(base.get(key), value) if key in base else value
         return merged
-    if isinstance(base, list) and isinstance(patch, list) and all(isinstance(i, dict) and "name" in i
-                                                                  for i in base + patch):
+    if (
+        isinstance(base, list)
+        and isinstance(patch, list)
+        and all(isinstance(i, dict) and "name" in i for i in base + patch)
+    ):
         by_name = {item["name"]: item for item in base}
         for item in patch:
             by_name[item["name"]] = _strategic_merge(by_name[item["name"]], item) if item["name"] in by_name else item
@@ -105,7 +118,7 @@ def test_compose_tls_override_is_valid_and_mounts_every_file_it_names():
     plain = json.loads(_docker_compose("config", "--format", "json").stdout)["services"]
     assert not any("--ssl" in " ".join(s["command"]) or s.get("secrets") for s in plain.values())
     for name, service in services.items():
-        assert service["command"][:len(plain[name]["command"])] == plain[name]["command"], name
+        assert service["command"][: len(plain[name]["command"])] == plain[name]["command"], name
 
 
 def test_k8s_tls_overlay_validates_and_mounts_every_file_it_names(tmp_path):
@@ -134,17 +147,27 @@ def test_k8s_tls_overlay_validates_and_mounts_every_file_it_names(tmp_path):
         else:
             assert args.api_key_file in mounted and args.worker_ssl_server_name == "specdec-worker"
             assert {args.worker_ssl_ca_certs, args.worker_ssl_certfile, args.worker_ssl_keyfile} <= mounted
-    secrets = {v["secret"]["secretName"] for doc in docs.values() if "template" in doc.get("spec", {})
-               for v in doc["spec"]["template"]["spec"].get("volumes", []) if "secret" in v}
+    secrets = {
+        v["secret"]["secretName"]
+        for doc in docs.values()
+        if "template" in doc.get("spec", {})
+        for v in doc["spec"]["template"]["spec"].get("volumes", [])
+        if "secret" in v
+    }
     assert secrets == {"specdec-tls", "specdec-api-keys"}
 
 
 def test_k8s_readme_recipe_makes_the_files_the_overlay_mounts():
     readme = (K8S / "README.md").read_text()
     docs = _overlay_docs()
-    keys = {item["key"] for doc in docs.values() if "template" in doc.get("spec", {})
-            for v in doc["spec"]["template"]["spec"].get("volumes", []) if "secret" in v
-            for item in v["secret"].get("items", [])}
+    keys = {
+        item["key"]
+        for doc in docs.values()
+        if "template" in doc.get("spec", {})
+        for v in doc["spec"]["template"]["spec"].get("volumes", [])
+        if "secret" in v
+        for item in v["secret"].get("items", [])
+    }
     for key in keys:
         assert re.search(rf"--from-file={re.escape(key)}=", readme), key
     assert "--from-file=keys=" in readme and "openssl" in readme
@@ -175,12 +198,24 @@ def test_healthcheck_over_mutual_tls(pki, tls_health_server):
     ca, _, client = pki
 
     def healthcheck(*args: str) -> int:
-        return subprocess.run([sys.executable, str(HEALTHCHECK), "--address", tls_health_server, "--service",
-                               "specdec.v1.WorkerService", "--timeout", "5", *args], capture_output=True,
-                              timeout=30).returncode
+        return subprocess.run(
+            [
+                sys.executable,
+                str(HEALTHCHECK),
+                "--address",
+                tls_health_server,
+                "--service",
+                "specdec.v1.WorkerService",
+                "--timeout",
+                "5",
+                *args,
+            ],
+            capture_output=True,
+            timeout=30,
+        ).returncode
 
     with_cert = ["--cert-file", client.certfile, "--key-file", client.keyfile]
     assert healthcheck("--ca-file", ca.ca_file, "--server-name", "specdec-worker", *with_cert) == 0
-    assert healthcheck() == 1                                                           # plaintext
+    assert healthcheck() == 1  # plaintext
     assert healthcheck("--ca-file", ca.ca_file, "--server-name", "specdec-worker") == 1  # no client certificate
-    assert healthcheck("--ca-file", ca.ca_file, *with_cert) == 1                        # 127.0.0.1 not in the cert
+    assert healthcheck("--ca-file", ca.ca_file, *with_cert) == 1  # 127.0.0.1 not in the cert

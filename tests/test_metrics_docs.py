@@ -56,8 +56,14 @@ def test_grafana_dashboard_queries_only_documented_metrics():
         assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}"
         assert all(target["datasource"]["uid"] == "${DS_PROMETHEUS}" for target in panel["targets"])
     # The panels the README promises: the acceptance rate and the per-position acceptance among them.
-    for name in ("specdec_spec_decode_num_accepted_tokens_per_pos_total", "specdec_request_success_total",
-                 "specdec_kv_cache_usage_perc", "specdec_worker_step_propose_seconds_sum",
-                 "specdec_time_to_first_token_seconds_bucket", "specdec_inter_token_latency_seconds_bucket",
-                 "specdec_e2e_request_latency_seconds_bucket", "specdec_moved_requests_total"):
+    for name in (
+        "specdec_spec_decode_num_accepted_tokens_per_pos_total",
+        "specdec_request_success_total",
+        "specdec_kv_cache_usage_perc",
+        "specdec_worker_step_propose_seconds_sum",
+        "specdec_time_to_first_token_seconds_bucket",
+        "specdec_inter_token_latency_seconds_bucket",
+        "specdec_e2e_request_latency_seconds_bucket",
+        "specdec_moved_requests_total",
+    ):
         assert name in used, name

@@ -55,8 +55,9 @@ def test_buf_breaking_against_the_previous_commit(tmp_path):
     subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
     # Its own buf.yaml, so that buf never takes a buf.yaml above the temporary folder for the module root.
     (tmp_path / "buf.yaml").write_text("version: v2\nmodules:\n  - path: protos\n")
-    result = subprocess.run([str(BUF), "breaking", "--against", str(tmp_path)], cwd=ROOT, capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [str(BUF), "breaking", "--against", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+    )
     if result.returncode != 0 and "BREAKING CHANGE" in _git("log", "-1", "--format=%B").stdout.decode():
         pytest.xfail(f"HEAD says BREAKING CHANGE:\n{result.stdout}")
     assert result.returncode == 0, f"buf breaking against HEAD~1:\n{result.stdout}{result.stderr}"

@@ -23,14 +23,14 @@ def test_a_signal_ends_the_wait(restore_handlers, sig):
     signals = StopSignals()
     threading.Timer(0.2, os.kill, (os.getpid(), sig)).start()
     started = time.monotonic()
-    signals.wait(threading.Event())   # never set: only the signal can end this
+    signals.wait(threading.Event())  # never set: only the signal can end this
     assert signals.received == sig
     assert time.monotonic() - started < 10
 
 
 def test_a_signal_before_the_wait_is_kept(restore_handlers):
     signals = StopSignals()
-    os.kill(os.getpid(), signal.SIGTERM)   # while "loading the model"
+    os.kill(os.getpid(), signal.SIGTERM)  # while "loading the model"
     signals.wait(threading.Event())
     assert signals.received == signal.SIGTERM
 

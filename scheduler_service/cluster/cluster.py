@@ -56,11 +56,11 @@ class ClusterSnapshot:
     """Every worker's state and the totals, copied under the lock."""
 
     workers: tuple[WorkerSnapshot, ...]
-    stats: SchedulerStats          # summed over every worker, those gone included
+    stats: SchedulerStats  # summed over every worker, those gone included
     busy: BusyStats
     num_worker_failures: int
     num_engine_errors: int
-    num_requests: int              # accepted by the API (a moved request counts once)
+    num_requests: int  # accepted by the API (a moved request counts once)
     num_moved_requests: int
     num_waiting_for_worker: int
 
@@ -72,9 +72,14 @@ def _sum(items: list, cls):
 class Cluster:
     """See the module docstring."""
 
-    def __init__(self, options: SchedulerOptions, membership: Membership, tokenizer: Tokenizer | None,
-                 on_serving_changed: Callable[[bool], None] = lambda is_serving: None,
-                 request_observer: RequestObserver | None = None):
+    def __init__(
+        self,
+        options: SchedulerOptions,
+        membership: Membership,
+        tokenizer: Tokenizer | None,
+        on_serving_changed: Callable[[bool], None] = lambda is_serving: None,
+        request_observer: RequestObserver | None = None,
+    ):
         self.options = options
         self.tokenizer = tokenizer
         self.lock = threading.RLock()
@@ -84,7 +89,7 @@ class Cluster:
         self._engines: dict[str, WorkerEngine] = {}
         self._retired: list[WorkerEngine] = []
         self._handles: dict[str, RequestHandle] = {}
-        self._waiting: deque[RequestHandle] = deque()   # for a worker to serve
+        self._waiting: deque[RequestHandle] = deque()  # for a worker to serve
         self._num_requests = 0
         self._num_moved_requests = 0
         self._num_maintenance_errors = 0
@@ -94,10 +99,11 @@ class Cluster:
         self._stop_reason = ""
         self._changed = threading.Condition(self.lock)
         self._watchdog = Watchdog(options.worker_step_timeout_s)
-        self._session_by_address: dict[str, str] = {}   # a retired engine's last session on its worker
+        self._session_by_address: dict[str, str] = {}  # a retired engine's last session on its worker
         self._thread = threading.Thread(target=self._maintain, name="cluster", daemon=True)
-        self._hooks = EngineHooks(self.lock, options, tokenizer, self.config_for, self.on_serving, self.on_left,
-                                  self.dispatch)
+        self._hooks = EngineHooks(
+            self.lock, options, tokenizer, self.config_for, self.on_serving, self.on_left, self.dispatch
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -124,8 +130,9 @@ class Cluster:
         """Blocks until a worker has described its model; raises TimeoutError."""
         with self.lock:
             if not self._changed.wait_for(lambda: self.facts is not None, timeout_s):
-                raise TimeoutError(f"no worker answered within {timeout_s:.0f} s "
-                                   f"({', '.join(map(str, self._membership.specs))})")
+                raise TimeoutError(
+                    f"no worker answered within {timeout_s:.0f} s ({', '.join(map(str, self._membership.specs))})"
+                )
             return self.facts
 
     # ------------------------------------------------------------------ client API
@@ -142,9 +149,11 @@ class Cluster:
                 raise KeyError(f"request id {request.request_id!r} is already running")
             num_queued = self._num_queued()
             if num_queued >= self.options.max_waiting_requests:
-                raise EngineError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"the server is overloaded: {num_queued} requests are queued "
-                                  f"(--max-waiting-requests {self.options.max_waiting_requests}); retry later")
+                raise EngineError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the server is overloaded: {num_queued} requests are queued "
+                    f"(--max-waiting-requests {self.options.max_waiting_requests}); retry later",
+                )
             config = self.facts.config
             request.check_limits(config.max_model_len, self._largest_pool_tokens())
             handle = RequestHandle(request, client_deadline)
@@ -183,11 +192,14 @@ class Cluster:
             engines = [*self._engines.values(), *self._retired]
             return ClusterSnapshot(
                 workers=tuple(e.snapshot() for e in self._engines.values()),
-                stats=SchedulerStats.total([e.stats for e in engines]), busy=_sum([e.busy for e in engines], BusyStats),
+                stats=SchedulerStats.total([e.stats for e in engines]),
+                busy=_sum([e.busy for e in engines], BusyStats),
                 num_worker_failures=sum(e.num_failures for e in engines),
                 num_engine_errors=sum(e.num_engine_errors for e in engines) + self._num_maintenance_errors,
                 num_requests=self._num_requests,
-                num_moved_requests=self._num_moved_requests, num_waiting_for_worker=len(self._waiting))
+                num_moved_requests=self._num_moved_requests,
+                num_waiting_for_worker=len(self._waiting),
+            )
 
     # ------------------------------------------------------------------ called by engines (lock held)
 
@@ -196,8 +208,14 @@ class Cluster:
         config = scheduler_config(self.options, info)
         with self.lock:
             if self.facts is None:
-                self.facts = ModelFacts(info.model_id, self.options.served_model_name or info.model_id,
-                                        info.vocab_size, tuple(info.eos_token_ids), info.proposer, config)
+                self.facts = ModelFacts(
+                    info.model_id,
+                    self.options.served_model_name or info.model_id,
+                    info.vocab_size,
+                    tuple(info.eos_token_ids),
+                    info.proposer,
+                    config,
+                )
                 self._changed.notify_all()
             facts = self.facts
         theirs = (info.model_id, info.vocab_size, tuple(info.eos_token_ids))
@@ -226,14 +244,20 @@ class Cluster:
                 continue
             handle.engine = None
             if internal_error is not None:
-                self._fail(handle, grpc.StatusCode.INTERNAL,
-                           f"internal error in the scheduler while running the request ({internal_error}); "
-                           "it is logged with a traceback")
+                self._fail(
+                    handle,
+                    grpc.StatusCode.INTERNAL,
+                    f"internal error in the scheduler while running the request ({internal_error}); "
+                    "it is logged with a traceback",
+                )
             elif self._is_stopping:
                 self._fail(handle, grpc.StatusCode.UNAVAILABLE, self._stop_reason)
             elif request.num_moves > MAX_MOVES_PER_REQUEST:
-                self._fail(handle, grpc.StatusCode.INTERNAL,
-                           f"the request moved {MAX_MOVES_PER_REQUEST} times: every worker that ran it failed")
+                self._fail(
+                    handle,
+                    grpc.StatusCode.INTERNAL,
+                    f"the request moved {MAX_MOVES_PER_REQUEST} times: every worker that ran it failed",
+                )
             else:
                 self._num_moved_requests += 1
                 self._place_or_fail(handle)
@@ -258,13 +282,19 @@ class Cluster:
 
     def _workers_summary(self) -> str:
         """Each worker's state and last error, for messages that say why nothing serves."""
-        return "; ".join(f"{e.address}: {e.state.value}" + (f" ({e.last_error})" if e.last_error else "")
-                         for e in self._engines.values()) or "none listed"
+        return (
+            "; ".join(
+                f"{e.address}: {e.state.value}" + (f" ({e.last_error})" if e.last_error else "")
+                for e in self._engines.values()
+            )
+            or "none listed"
+        )
 
     def _num_queued(self) -> int:
         """Requests not running yet: in the workers' queues, and waiting for a worker."""
-        return len(self._waiting) + sum(len(e.scheduler.waiting) for e in self._engines.values()
-                                        if e.scheduler is not None)
+        return len(self._waiting) + sum(
+            len(e.scheduler.waiting) for e in self._engines.values() if e.scheduler is not None
+        )
 
     def _largest_pool_tokens(self) -> int:
         configs = [e.config for e in self._engines.values() if e.config is not None] or [self.facts.config]
@@ -359,9 +389,12 @@ class Cluster:
     def _expire_waiting(self) -> None:
         now = time.monotonic()
         for handle in [h for h in self._waiting if h.wait_deadline <= now]:
-            self._fail(handle, grpc.StatusCode.UNAVAILABLE,
-                       f"no worker is available: the request waited {self.options.worker_wait_timeout_s:.0f} s "
-                       f"(or until its deadline) for one to serve. Workers: {self._workers_summary()}")
+            self._fail(
+                handle,
+                grpc.StatusCode.UNAVAILABLE,
+                f"no worker is available: the request waited {self.options.worker_wait_timeout_s:.0f} s "
+                f"(or until its deadline) for one to serve. Workers: {self._workers_summary()}",
+            )
 
     def _update_members(self, addresses: list[str]) -> None:
         with self.lock:

@@ -44,15 +44,15 @@ logger = logging.getLogger(__name__)
 
 DESCRIBE_TIMEOUT_S = 10.0
 INIT_CACHE_TIMEOUT_S = 120.0
-JOIN_RETRY_S = 1.0       # between attempts to reach a worker that is not up
-REJOIN_DELAY_S = 0.5     # after a worker left, before trying to join it again
+JOIN_RETRY_S = 1.0  # between attempts to reach a worker that is not up
+REJOIN_DELAY_S = 0.5  # after a worker left, before trying to join it again
 WAIT_POLL_S = 1.0
 
 
 class WorkerState(enum.Enum):
-    JOINING = "joining"   # not (yet) reachable, or not initialised
-    SERVING = "serving"   # initialised; takes requests
-    GONE = "gone"         # left (failed, or no longer listed); its requests moved
+    JOINING = "joining"  # not (yet) reachable, or not initialised
+    SERVING = "serving"  # initialised; takes requests
+    GONE = "gone"  # left (failed, or no longer listed); its requests moved
 
 
 @dataclass(frozen=True)
@@ -61,17 +61,17 @@ class WorkerSnapshot:
 
     address: str
     state: WorkerState
-    config: SchedulerConfig | None   # None until it first joined
+    config: SchedulerConfig | None  # None until it first joined
     stats: SchedulerStats
     busy: BusyStats
     num_failures: int
-    num_engine_errors: int           # unexpected exceptions the engine caught
-    last_error: str | None           # why it last failed to join or left, for operators
+    num_engine_errors: int  # unexpected exceptions the engine caught
+    last_error: str | None  # why it last failed to join or left, for operators
     num_running: int
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
-    num_cached_blocks: int           # in its prefix cache
+    num_cached_blocks: int  # in its prefix cache
 
 
 @dataclass(frozen=True)
@@ -81,15 +81,15 @@ class EngineHooks:
     Every callback is called with `lock` held.
     """
 
-    lock: threading.RLock                  # guards the cluster and every engine's scheduler
+    lock: threading.RLock  # guards the cluster and every engine's scheduler
     options: SchedulerOptions
-    tokenizer: Tokenizer | None            # for the schedulers' detokenizers
+    tokenizer: Tokenizer | None  # for the schedulers' detokenizers
     # A worker's Describe reply -> its scheduler config; ValueError when the worker cannot join.
     config_for: Callable[[DescribeResponse], SchedulerConfig]
     on_serving: Callable[["WorkerEngine"], None]
     # (engine, its unfinished requests, the internal error that made it leave or None)
     on_left: Callable[["WorkerEngine", list[Request], str | None], None]
-    dispatch: Callable[[list[RequestOutput]], None]   # a step's outputs to their streams
+    dispatch: Callable[[list[RequestOutput]], None]  # a step's outputs to their streams
 
 
 class WorkerEngine:
@@ -100,20 +100,20 @@ class WorkerEngine:
         opts = hooks.options
         self.client = WorkerClient(address, channel_credentials(opts.worker_tls), opts.worker_server_name)
         self.state = WorkerState.JOINING
-        self.scheduler: Scheduler | None = None   # while SERVING
+        self.scheduler: Scheduler | None = None  # while SERVING
         self.config: SchedulerConfig | None = None
-        self.stats = SchedulerStats()              # across every scheduler this worker had
+        self.stats = SchedulerStats()  # across every scheduler this worker had
         self.busy = BusyStats()
         self.num_failures = 0
-        self.num_engine_errors = 0                 # unexpected exceptions in the engine loop (bugs)
+        self.num_engine_errors = 0  # unexpected exceptions in the engine loop (bugs)
         self.last_error: str | None = None
-        self.waiting_since: float | None = None    # monotonic time the loop began waiting for a step result
+        self.waiting_since: float | None = None  # monotonic time the loop began waiting for a step result
         self._hooks = hooks
         self._lock = hooks.lock
         self._wakeup = threading.Condition(hooks.lock)
         self._stream = None
-        self.session_id = previous_session_id       # the last session on the worker (its stream may be open)
-        self._leave_reason: str | None = None      # set to make the serve loop leave
+        self.session_id = previous_session_id  # the last session on the worker (its stream may be open)
+        self._leave_reason: str | None = None  # set to make the serve loop leave
         self._is_stopped = False
         self._thread = threading.Thread(target=self._run, name=f"engine {address}", daemon=True)
 
@@ -146,13 +146,20 @@ class WorkerEngine:
         """Lock held."""
         s = self.scheduler
         return WorkerSnapshot(
-            address=self.address, state=self.state, config=self.config, stats=replace(self.stats),
-            busy=replace(self.busy), num_failures=self.num_failures,
-            num_engine_errors=self.num_engine_errors, last_error=self.last_error,
-            num_running=len(s.running) if s else 0, num_waiting=len(s.waiting) if s else 0,
+            address=self.address,
+            state=self.state,
+            config=self.config,
+            stats=replace(self.stats),
+            busy=replace(self.busy),
+            num_failures=self.num_failures,
+            num_engine_errors=self.num_engine_errors,
+            last_error=self.last_error,
+            num_running=len(s.running) if s else 0,
+            num_waiting=len(s.waiting) if s else 0,
             num_free_blocks=s.num_free_blocks if s else 0,
             num_total_blocks=self.config.num_kv_blocks if s and self.config else 0,
-            num_cached_blocks=s.block_manager.num_cached_blocks if s else 0)
+            num_cached_blocks=s.block_manager.num_cached_blocks if s else 0,
+        )
 
     @property
     def num_requests(self) -> int:
@@ -184,9 +191,13 @@ class WorkerEngine:
         try:
             info = self.client.describe(self._hooks.options.block_size, timeout=DESCRIBE_TIMEOUT_S)
             config = self._hooks.config_for(info)
-            self.session_id = self.client.init_cache(config.num_kv_blocks, config.block_size, self.session_id,
-                                                     self._hooks.options.take_over_workers,
-                                                     timeout=INIT_CACHE_TIMEOUT_S)
+            self.session_id = self.client.init_cache(
+                config.num_kv_blocks,
+                config.block_size,
+                self.session_id,
+                self._hooks.options.take_over_workers,
+                timeout=INIT_CACHE_TIMEOUT_S,
+            )
         except grpc.RpcError as exc:
             log = logger.debug if exc.code() is grpc.StatusCode.UNAVAILABLE else logger.warning
             log("worker %s is not available: %s: %s", self.address, exc.code().name, exc.details())
@@ -207,9 +218,15 @@ class WorkerEngine:
             self.scheduler = Scheduler(config, self._hooks.tokenizer, self.stats)
             self._stream, self._leave_reason = stream, None
             self.state = WorkerState.SERVING
-            logger.info("worker %s serves on %s: %d KV blocks of %d tokens, k=%d, %s scheduling", self.address,
-                        info.device or "an unnamed device", config.num_kv_blocks, config.block_size,
-                        config.num_speculative_tokens, config.scheduling)
+            logger.info(
+                "worker %s serves on %s: %d KV blocks of %d tokens, k=%d, %s scheduling",
+                self.address,
+                info.device or "an unnamed device",
+                config.num_kv_blocks,
+                config.block_size,
+                config.num_speculative_tokens,
+                config.scheduling,
+            )
             self._hooks.on_serving(self)
         return True
 

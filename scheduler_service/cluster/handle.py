@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 import queue
 import time
+
 import grpc
 
 from scheduler_service.cluster.engine import WorkerEngine
@@ -22,12 +23,12 @@ class EngineError(RuntimeError):
 class ModelFacts:
     """What the API layer needs to know of the model the workers serve (from the first worker)."""
 
-    model_id: str             # the workers' (every worker must serve the same)
-    served_model_name: str    # what clients see: --served-model-name (the CLI's default: the model's name)
+    model_id: str  # the workers' (every worker must serve the same)
+    served_model_name: str  # what clients see: --served-model-name (the CLI's default: the model's name)
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     proposer: str
-    config: SchedulerConfig   # the first worker's scheduler config: the API's limits
+    config: SchedulerConfig  # the first worker's scheduler config: the API's limits
 
     def is_named(self, name: str) -> bool:
         """Whether a client's model name means this model: the served name, or the workers' model id."""
@@ -40,13 +41,13 @@ class RequestHandle:
     def __init__(self, request: Request, client_deadline: float | None):
         self.request = request
         self.request_id = request.request_id
-        self.client_deadline = client_deadline   # time.monotonic() deadline, or None
+        self.client_deadline = client_deadline  # time.monotonic() deadline, or None
         self.engine: WorkerEngine | None = None  # None while waiting for a worker
         self.wait_deadline: float | None = None
         self.outputs: queue.Queue = queue.Queue()
         self.is_done = False
-        self.arrival_s = time.monotonic()        # request-latency metrics (metrics.RequestMetrics)
-        self.last_token_s: float | None = None   # when the last output with tokens was handed over
+        self.arrival_s = time.monotonic()  # request-latency metrics (metrics.RequestMetrics)
+        self.last_token_s: float | None = None  # when the last output with tokens was handed over
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         item = self.outputs.get(timeout=timeout)

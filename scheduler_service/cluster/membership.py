@@ -38,7 +38,7 @@ class WorkerSpec:
 def parse_worker_spec(value: str) -> WorkerSpec:
     """Parses `HOST:PORT` or `dns:///NAME:PORT`; raises ValueError with the expected forms."""
     is_dns = value.startswith(DNS_PREFIX)
-    rest = value[len(DNS_PREFIX):] if is_dns else value
+    rest = value[len(DNS_PREFIX) :] if is_dns else value
     host, sep, port = rest.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:50052
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -106,8 +106,12 @@ class Membership:
                     logger.warning("worker name %s: %s; no workers under it", spec, exc)
                     self._last[spec] = []
             except OSError as exc:
-                logger.warning("cannot resolve %s now (%s); keeping its last %d addresses", spec, exc,
-                               len(self._last.get(spec, [])))
+                logger.warning(
+                    "cannot resolve %s now (%s); keeping its last %d addresses",
+                    spec,
+                    exc,
+                    len(self._last.get(spec, [])),
+                )
             for address in self._last.get(spec, []):
                 found[address] = None
         return list(found)

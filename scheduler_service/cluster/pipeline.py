@@ -19,20 +19,21 @@ from specdec.step import StepRequest, StepResult
 class BusyStats:
     """Worker time accounting: idle share = 1 - worker_busy_s / active_wall_s."""
 
-    worker_busy_s: float = 0.0    # sum of the worker's own step times
-    active_wall_s: float = 0.0    # wall time with at least one step in flight, bubbles included
+    worker_busy_s: float = 0.0  # sum of the worker's own step times
+    active_wall_s: float = 0.0  # wall time with at least one step in flight, bubbles included
 
 
 class StepPipeline:
     """Keeps up to one step (sync) or two steps (async) in flight for one scheduler."""
 
-    def __init__(self, scheduler: Scheduler, stats: BusyStats | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, scheduler: Scheduler, stats: BusyStats | None = None, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.scheduler = scheduler
         self.stats = stats if stats is not None else BusyStats()
         self.max_in_flight = 2 if scheduler.config.is_async else 1
         self._clock = clock
-        self._busy_since: float | None = None   # start of the current busy period
+        self._busy_since: float | None = None  # start of the current busy period
         self._last_result_at: float | None = None
 
     @property

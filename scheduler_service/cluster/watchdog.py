@@ -32,9 +32,9 @@ class Watchdog:
         self._next_round = 0.0
 
     def tick(self, engines: list[WorkerEngine]) -> None:
-        """Makes a worker whose step takes longer than the step timeout leave; every HEALTH_INTERVAL_S, collects the last round of
-        health checks (a worker whose checks failed NUM_HEALTH_FAILURES_TO_LEAVE times in a row leaves) and
-        starts the next."""
+        """Makes a worker whose step takes longer than the step timeout leave; every HEALTH_INTERVAL_S, collects
+        the last round of health checks (a worker whose checks failed NUM_HEALTH_FAILURES_TO_LEAVE times in a row
+        leaves) and starts the next."""
         now = time.monotonic()
         for engine in engines:
             waiting_since = engine.waiting_since

@@ -12,7 +12,7 @@ from specdec.v1 import worker_pb2, worker_pb2_grpc
 
 _CLOSE = object()
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
-SESSION_METADATA_KEY = "specdec-session-id"   # the step stream's session (worker.proto, ExecuteModel)
+SESSION_METADATA_KEY = "specdec-session-id"  # the step stream's session (worker.proto, ExecuteModel)
 
 
 class StepStream:
@@ -20,8 +20,9 @@ class StepStream:
 
     def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub, session_id: str):
         self._outbox: queue.Queue = queue.Queue()
-        self._responses = stub.ExecuteModel(iter(self._outbox.get, _CLOSE),
-                                            metadata=[(SESSION_METADATA_KEY, session_id)])
+        self._responses = stub.ExecuteModel(
+            iter(self._outbox.get, _CLOSE), metadata=[(SESSION_METADATA_KEY, session_id)]
+        )
 
     def send(self, request: step.StepRequest) -> None:
         self._outbox.put(step_request_to_proto(request))
@@ -49,11 +50,15 @@ class WorkerClient:
     worker's certificate must carry when it differs from the address (grpc.ssl_target_name_override).
     """
 
-    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None,
-                 server_name: str | None = None):
+    def __init__(
+        self, address: str, credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None
+    ):
         self.address = address
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-                   *channel_options(server_name)]
+        options = [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            *channel_options(server_name),
+        ]
         if credentials is None:
             self.channel = grpc.insecure_channel(address, options=options)
         else:
@@ -64,12 +69,24 @@ class WorkerClient:
     def describe(self, block_size: int, timeout: float | None = None) -> worker_pb2.DescribeResponse:
         return self.stub.Describe(worker_pb2.DescribeRequest(block_size=block_size), timeout=timeout)
 
-    def init_cache(self, num_blocks: int, block_size: int, previous_session_id: str | None = None,
-                   take_over: bool = False, timeout: float | None = None) -> str:
+    def init_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        previous_session_id: str | None = None,
+        take_over: bool = False,
+        timeout: float | None = None,
+    ) -> str:
         """Starts a session (the worker drops every request it held); returns its id."""
-        reply = self.stub.InitCache(worker_pb2.InitCacheRequest(
-            num_blocks=num_blocks, block_size=block_size, previous_session_id=previous_session_id or "",
-            take_over=take_over), timeout=timeout)
+        reply = self.stub.InitCache(
+            worker_pb2.InitCacheRequest(
+                num_blocks=num_blocks,
+                block_size=block_size,
+                previous_session_id=previous_session_id or "",
+                take_over=take_over,
+            ),
+            timeout=timeout,
+        )
         return reply.session_id
 
     def open_stream(self, session_id: str) -> StepStream:

@@ -37,5 +37,5 @@ class BlockHashes:
         size = self.block_size
         for i in range(len(self.hashes), len(token_ids) // size):
             parent = self.hashes[-1] if self.hashes else self.root
-            self.hashes.append(hash_block(parent, token_ids[i * size:(i + 1) * size]))
+            self.hashes.append(hash_block(parent, token_ids[i * size : (i + 1) * size]))
         return self.hashes

@@ -42,10 +42,10 @@ class BlockManager:
         # Unreferenced blocks, least recently released first (a dict as an ordered set: O(1) removal on a hit).
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._block_tables: dict[str, list[int]] = {}
-        self._cached: dict[bytes, int] = {}          # block hash -> the block holding that KV
-        self._hash_of: dict[int, bytes] = {}         # the reverse, for eviction
-        self._num_hashed: dict[str, int] = {}        # per table: its leading blocks already offered to the cache
-        self._num_evictions = 0                      # cached blocks whose KV was dropped, since last taken
+        self._cached: dict[bytes, int] = {}  # block hash -> the block holding that KV
+        self._hash_of: dict[int, bytes] = {}  # the reverse, for eviction
+        self._num_hashed: dict[str, int] = {}  # per table: its leading blocks already offered to the cache
+        self._num_evictions = 0  # cached blocks whose KV was dropped, since last taken
 
     @property
     def num_total_blocks(self) -> int:
@@ -96,7 +96,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         block_ids = []
-        for block_hash in block_hashes[:(num_tokens - 1) // self.block_size]:
+        for block_hash in block_hashes[: (num_tokens - 1) // self.block_size]:
             block_id = self._cached.get(block_hash)
             if block_id is None:
                 break

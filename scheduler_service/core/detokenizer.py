@@ -63,8 +63,13 @@ class StopStringMatcher:
 class IncrementalDetokenizer:
     """Turns one request's output tokens into text deltas, cutting at the first stop string."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 stop_strings: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop_strings: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
         if any(not s for s in stop_strings):
             raise ValueError("stop strings must not be empty")
         self._tokenizer = tokenizer
@@ -90,29 +95,29 @@ class IncrementalDetokenizer:
         self._token_ids.append(token_id)
         prefix_text, new_text = self._decode_window()
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
-            self._advance(new_text[len(prefix_text):])
+            self._advance(new_text[len(prefix_text) :])
         return self.is_stopped
 
     def next_text_delta(self, is_finished: bool = False) -> str:
         """Text not yet returned that is safe to stream; everything left when `is_finished`."""
         if is_finished and not self.is_stopped and self._read_offset < len(self._token_ids):
             prefix_text, new_text = self._decode_window()  # flush an incomplete character as it is
-            self._advance(new_text[len(prefix_text):])
+            self._advance(new_text[len(prefix_text) :])
         end = len(self._text)
         if not (is_finished or self.is_stopped):
             end -= self._num_chars_held_back()
         # Invariant: held-back text never reaches into emitted text (a stop string
         # starting there would have made a longer held-back suffix earlier).
         assert end >= self._num_chars_emitted
-        delta = self._text[self._num_chars_emitted:end]
+        delta = self._text[self._num_chars_emitted : end]
         self._num_chars_emitted = end
         return delta
 
     def _decode_window(self) -> tuple[str, str]:
         decode = self._tokenizer.decode
-        prefix_ids = self._token_ids[self._prefix_offset:self._read_offset]
+        prefix_ids = self._token_ids[self._prefix_offset : self._read_offset]
         prefix_text = decode(prefix_ids, skip_special_tokens=self._skip_special_tokens)
-        new_text = decode(self._token_ids[self._prefix_offset:], skip_special_tokens=self._skip_special_tokens)
+        new_text = decode(self._token_ids[self._prefix_offset :], skip_special_tokens=self._skip_special_tokens)
         return prefix_text, new_text
 
     def _advance(self, delta: str) -> None:
@@ -120,10 +125,14 @@ class IncrementalDetokenizer:
         start = len(self._text)
         self._text += delta
         # A stop string may begin in earlier text and end in this delta; the earliest start wins.
-        stop_starts = [start + offset + 1 - len(m.stop) for offset, char in enumerate(delta)
-                       for m in self._matchers if m.feed(char)]
+        stop_starts = [
+            start + offset + 1 - len(m.stop)
+            for offset, char in enumerate(delta)
+            for m in self._matchers
+            if m.feed(char)
+        ]
         if stop_starts:
-            self._text = self._text[:min(stop_starts)]
+            self._text = self._text[: min(stop_starts)]
             self.is_stopped = True
 
     def _num_chars_held_back(self) -> int:

@@ -68,13 +68,13 @@ second draft) a tree.
 from dataclasses import dataclass, field
 
 MIN_OBSERVATIONS = 4
-CONTEXT_SCALE = 1024        # attended is counted in units of 1,024 query-row x context tokens
-SEQUENCE_DECAY = 0.8        # a sequence's recent history: ~5 speculating steps
-WORKER_DECAY = 0.99         # the worker-wide prior: ~100 sequence-steps
-PRIOR_WEIGHT = 2.0          # pseudo-counts of the worker-wide prior in a sequence's estimate
-INITIAL_ACCEPTANCE = 0.5    # before the worker has seen any draft
-COST_DECAY = 0.99           # the cost model's memory: ~100 steps
-MIN_STEP_MS = 0.01          # the cost model's weights: 1 / step_ms^2, from at least this
+CONTEXT_SCALE = 1024  # attended is counted in units of 1,024 query-row x context tokens
+SEQUENCE_DECAY = 0.8  # a sequence's recent history: ~5 speculating steps
+WORKER_DECAY = 0.99  # the worker-wide prior: ~100 sequence-steps
+PRIOR_WEIGHT = 2.0  # pseudo-counts of the worker-wide prior in a sequence's estimate
+INITIAL_ACCEPTANCE = 0.5  # before the worker has seen any draft
+COST_DECAY = 0.99  # the cost model's memory: ~100 steps
+MIN_STEP_MS = 0.01  # the cost model's weights: 1 / step_ms^2, from at least this
 
 
 @dataclass
@@ -84,11 +84,11 @@ class AcceptanceEstimate:
     decay: float = SEQUENCE_DECAY
     num_requested: list[float] = field(default_factory=list)  # [m]: steps whose k allowed a draft at m+1
     num_delivered: list[float] = field(default_factory=list)  # [m]: ... in which the proposer drafted one
-    num_tried: list[float] = field(default_factory=list)      # [m]: drafts at position m+1 that were checked
-    num_accepted: list[float] = field(default_factory=list)   # [m]: ... and accepted
+    num_tried: list[float] = field(default_factory=list)  # [m]: drafts at position m+1 that were checked
+    num_accepted: list[float] = field(default_factory=list)  # [m]: ... and accepted
     num_steps_without_drafts: int = 0  # consecutive steps the policy left the sequence at k = 0 (probing)
-    probe_interval: int = 0            # steps between its probes (0: the policy's base); doubles while they fail
-    is_probing: bool = False           # its last k was a probe's
+    probe_interval: int = 0  # steps between its probes (0: the policy's base); doubles while they fail
+    is_probing: bool = False  # its last k was a probe's
 
     def observe(self, num_requested: int, num_drafts: int, num_accepted: int) -> None:
         """One step that asked for `num_requested` drafts: `num_drafts` came, the first `num_accepted` held.
@@ -165,14 +165,19 @@ class CostCoefficients:
     """Predicted step time in ms (module docstring: T)."""
 
     c0: float
-    c_row: float        # per decode query row (1 + drafts per decoding sequence)
-    c_prefill: float    # per prefill token
+    c_row: float  # per decode query row (1 + drafts per decoding sequence)
+    c_prefill: float  # per prefill token
     c_seq: float
-    c_ctx: float        # per CONTEXT_SCALE attended (row x context) tokens
+    c_ctx: float  # per CONTEXT_SCALE attended (row x context) tokens
 
     def step_ms(self, rows: float, prefill_rows: int, seqs: int, attended: float) -> float:
-        return (self.c0 + self.c_row * rows + self.c_prefill * prefill_rows + self.c_seq * seqs
-                + self.c_ctx * attended / CONTEXT_SCALE)
+        return (
+            self.c0
+            + self.c_row * rows
+            + self.c_prefill * prefill_rows
+            + self.c_seq * seqs
+            + self.c_ctx * attended / CONTEXT_SCALE
+        )
 
 
 class StepCostModel:
@@ -230,9 +235,16 @@ class StepCostModel:
         active = list(range(self.NUM_FEATURES))  # the intercept (0) is never fixed
         while True:
             theta = [0.0] * self.NUM_FEATURES
-            for i, value in zip(active, _solve_linear(
-                    [[self.xtx[i][j] + (self.RIDGE * self.xtx[i][i] + 1e-12 if i == j else 0.0) for j in active]
-                     for i in active], [self.xty[i] for i in active])):
+            for i, value in zip(
+                active,
+                _solve_linear(
+                    [
+                        [self.xtx[i][j] + (self.RIDGE * self.xtx[i][i] + 1e-12 if i == j else 0.0) for j in active]
+                        for i in active
+                    ],
+                    [self.xty[i] for i in active],
+                ),
+            ):
                 theta[i] = value
             negative = [i for i in active[1:] if theta[i] < 0]
             if not negative:
@@ -264,10 +276,10 @@ def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
 class Candidate:
     """A decoding sequence the policy may let speculate."""
 
-    cap: int                        # most drafts allowed (server k, request's k, tokens left)
-    num_context_tokens: int         # context the sequence's query rows attend to
-    delivery: tuple[float, ...]     # q_1..q_cap: P(the proposer drafts a token at that position)
-    acceptance: tuple[float, ...]   # a_1..a_cap: conditional acceptance by position
+    cap: int  # most drafts allowed (server k, request's k, tokens left)
+    num_context_tokens: int  # context the sequence's query rows attend to
+    delivery: tuple[float, ...]  # q_1..q_cap: P(the proposer drafts a token at that position)
+    acceptance: tuple[float, ...]  # a_1..a_cap: conditional acceptance by position
     # Where it may draft a tree instead (module docstring: Draft trees), per node rank: P(the tree has it) and
     # P(it is accepted | the tree has it). Empty: chains only.
     tree_delivery: tuple[float, ...] = ()
@@ -283,18 +295,29 @@ def expected_accepted(candidate: Candidate, k: int) -> float:
     return total
 
 
-def choose_num_drafts(candidates: list[Candidate], cost: CostCoefficients, num_prefill_rows: int,
-                      num_prefill_seqs: int, num_base_tokens: float) -> list[int]:
+def choose_num_drafts(
+    candidates: list[Candidate],
+    cost: CostCoefficients,
+    num_prefill_rows: int,
+    num_prefill_seqs: int,
+    num_base_tokens: float,
+) -> list[int]:
     """The k per candidate maximising G(k) (module docstring) with chains; the step also runs prefill chunks.
 
     num_base_tokens: tokens the step emits with k = 0 for all (N).
     """
-    return _select([_chain_curve(c) for c in candidates], candidates, cost, num_prefill_rows, num_prefill_seqs,
-                   num_base_tokens)[0]
+    return _select(
+        [_chain_curve(c) for c in candidates], candidates, cost, num_prefill_rows, num_prefill_seqs, num_base_tokens
+    )[0]
 
 
-def choose_drafts(candidates: list[Candidate], cost: CostCoefficients, num_prefill_rows: int,
-                  num_prefill_seqs: int, num_base_tokens: float) -> tuple[list[int], list[bool]]:
+def choose_drafts(
+    candidates: list[Candidate],
+    cost: CostCoefficients,
+    num_prefill_rows: int,
+    num_prefill_seqs: int,
+    num_base_tokens: float,
+) -> tuple[list[int], list[bool]]:
     """The k per candidate, and whether it drafts a tree (module docstring: Chain or tree, per sequence)."""
     chains = [_chain_curve(c) for c in candidates]
     trees = [_tree_curve(c) for c in candidates]
@@ -304,17 +327,25 @@ def choose_drafts(candidates: list[Candidate], cost: CostCoefficients, num_prefi
     base_ms = _base_step_ms(candidates, cost, num_prefill_rows, num_prefill_seqs)
     rate = num_base_tokens / max(base_ms, 1e-9)
     for _ in range(2):  # at a plain step's rate, then at the goodput that choice reaches
-        is_tree = [bool(tree) and _surplus(tree, rate, _row_ms(c, cost)) >= _surplus(chain, rate, _row_ms(c, cost))
-                   for c, chain, tree in zip(candidates, chains, trees)]
-        ks, rate = _select([t if tree_taken else ch for ch, t, tree_taken in zip(chains, trees, is_tree)],
-                           candidates, cost, num_prefill_rows, num_prefill_seqs, num_base_tokens)
+        is_tree = [
+            bool(tree) and _surplus(tree, rate, _row_ms(c, cost)) >= _surplus(chain, rate, _row_ms(c, cost))
+            for c, chain, tree in zip(candidates, chains, trees)
+        ]
+        ks, rate = _select(
+            [t if tree_taken else ch for ch, t, tree_taken in zip(chains, trees, is_tree)],
+            candidates,
+            cost,
+            num_prefill_rows,
+            num_prefill_seqs,
+            num_base_tokens,
+        )
     return ks, [tree_taken and k > 1 for tree_taken, k in zip(is_tree, ks)]
 
 
 def _chain_curve(c: Candidate) -> list[tuple[float, float]]:
     """Per draft increment j: (accepted tokens it adds, P(a draft comes) = rows it adds)."""
     curve, survive = [], 1.0
-    for q, a in zip(c.delivery[:c.cap], c.acceptance[:c.cap]):
+    for q, a in zip(c.delivery[: c.cap], c.acceptance[: c.cap]):
         survive *= a
         if survive <= 0.0:
             break
@@ -326,7 +357,7 @@ def _tree_curve(c: Candidate) -> list[tuple[float, float]]:
     """Per node increment j: (q_j v_j, q_j), the values kept non-increasing (a later rank is chosen as no
     likelier than an earlier one; a noisy estimate must not make a larger budget look better per row)."""
     curve, ceiling = [], 1.0
-    for q, v in zip(c.tree_delivery[:c.cap], c.tree_value[:c.cap]):
+    for q, v in zip(c.tree_delivery[: c.cap], c.tree_value[: c.cap]):
         ceiling = min(ceiling, v)
         if ceiling <= 0.0:
             break
@@ -347,17 +378,24 @@ def _surplus(curve: list[tuple[float, float]], rate: float, row_ms: float) -> fl
     return best
 
 
-def _base_step_ms(candidates: list[Candidate], cost: CostCoefficients, num_prefill_rows: int,
-                  num_prefill_seqs: int) -> float:
+def _base_step_ms(
+    candidates: list[Candidate], cost: CostCoefficients, num_prefill_rows: int, num_prefill_seqs: int
+) -> float:
     attended = sum(c.num_context_tokens for c in candidates)
     return cost.step_ms(len(candidates), num_prefill_rows, num_prefill_seqs + len(candidates), attended)
 
 
-def _select(curves: list[list[tuple[float, float]]], candidates: list[Candidate], cost: CostCoefficients,
-            num_prefill_rows: int, num_prefill_seqs: int, num_base_tokens: float) -> tuple[list[int], float]:
+def _select(
+    curves: list[list[tuple[float, float]]],
+    candidates: list[Candidate],
+    cost: CostCoefficients,
+    num_prefill_rows: int,
+    num_prefill_seqs: int,
+    num_base_tokens: float,
+) -> tuple[list[int], float]:
     """The prefix of all increments, sorted by gain per ms, with the highest goodput; (k per curve, goodput)."""
     step_ms = _base_step_ms(candidates, cost, num_prefill_rows, num_prefill_seqs)
-    increments = []   # (gain per ms, candidate index, gain, cost in ms)
+    increments = []  # (gain per ms, candidate index, gain, cost in ms)
     for i, (c, curve) in enumerate(zip(candidates, curves)):
         row_ms = _row_ms(c, cost)
         for gain, rows in curve:

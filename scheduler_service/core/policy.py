@@ -46,8 +46,16 @@ then runs a plain step), and speculation resumes once the load falls.
 
 from dataclasses import dataclass, field
 
-from scheduler_service.core.goodput import (INITIAL_ACCEPTANCE, SEQUENCE_DECAY, WORKER_DECAY, AcceptanceEstimate,
-                                            Candidate, StepCostModel, TreeAcceptance, choose_drafts)
+from scheduler_service.core.goodput import (
+    INITIAL_ACCEPTANCE,
+    SEQUENCE_DECAY,
+    WORKER_DECAY,
+    AcceptanceEstimate,
+    Candidate,
+    StepCostModel,
+    TreeAcceptance,
+    choose_drafts,
+)
 from scheduler_service.core.request import Request
 from specdec.structured import FORCED_PROPOSER
 
@@ -108,9 +116,14 @@ def _match_key(request: Request) -> tuple[int, bool] | None:
 class SpeculationPolicy:
     """Decides every sequence's k for every step, and learns from what the steps returned."""
 
-    def __init__(self, num_speculative_tokens: int, speculative_disable_queue_size: int | None,
-                 policy: str = "goodput", probe_interval: int = DEFAULT_PROBE_INTERVAL,
-                 max_draft_tree_width: int = 1) -> None:
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        speculative_disable_queue_size: int | None,
+        policy: str = "goodput",
+        probe_interval: int = DEFAULT_PROBE_INTERVAL,
+        max_draft_tree_width: int = 1,
+    ) -> None:
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.num_speculative_tokens = num_speculative_tokens
@@ -145,8 +158,7 @@ class SpeculationPolicy:
             k = min(k, request.num_speculative_tokens)
         return min(k, max(request.num_tokens_left(max_model_len) - 1, 0))
 
-    def plan_step(self, decodes: list[Request], other: StepShape, num_running: int,
-                  max_model_len: int) -> StepPlan:
+    def plan_step(self, decodes: list[Request], other: StepShape, num_running: int, max_model_len: int) -> StepPlan:
         """k per decoding request for a step that also runs `other` (prefill chunks)."""
         if self.is_disabled_for_step(num_running) or self.num_speculative_tokens == 0:
             return StepPlan({r.request_id: 0 for r in decodes})
@@ -156,8 +168,9 @@ class SpeculationPolicy:
             return StepPlan({r.request_id: cap for r, cap in zip(decodes, caps)})
         matches = [_match_key(r) for r in decodes]
         candidates = [self._candidate(r, cap, match) for r, cap, match in zip(decodes, caps, matches)]
-        ks, trees = choose_drafts(candidates, cost, other.num_prefill_rows, other.num_seqs,
-                                  num_base_tokens=len(decodes))
+        ks, trees = choose_drafts(
+            candidates, cost, other.num_prefill_rows, other.num_seqs, num_base_tokens=len(decodes)
+        )
         plan = StepPlan({})
         self.num_planned_steps += 1
         for request, cap, k, match, tree in zip(decodes, caps, ks, matches, trees):
@@ -166,8 +179,13 @@ class SpeculationPolicy:
             estimate = self._estimate(request)
             interval = estimate.probe_interval or self.probe_interval
             no_drafts = match is not None and match[1] and request.next_draft.num_drafts == 0  # fresh: none come
-            if (k == 0 and cap > 0 and not no_drafts and estimate.num_steps_without_drafts >= interval
-                    and self.num_planned_steps % min(interval, PROBE_ALIGNMENT) == 0):
+            if (
+                k == 0
+                and cap > 0
+                and not no_drafts
+                and estimate.num_steps_without_drafts >= interval
+                and self.num_planned_steps % min(interval, PROBE_ALIGNMENT) == 0
+            ):
                 k, estimate.is_probing = 1, True  # probe: acceptance may have come back (its answer: observe)
             estimate.num_steps_without_drafts = 0 if k > 0 else estimate.num_steps_without_drafts + 1
             if match is not None:
@@ -222,11 +240,18 @@ class SpeculationPolicy:
                 delivery = [1.0] * cap
             elif by_match is not None:
                 delivery = [by_match.delivery(m, q) for m, q in enumerate(delivery)]
-        return Candidate(cap, request.num_computed_tokens, tuple(delivery[:cap]), acceptance[:cap],
-                         tree_delivery[:cap], tree_value[:cap])
+        return Candidate(
+            cap,
+            request.num_computed_tokens,
+            tuple(delivery[:cap]),
+            acceptance[:cap],
+            tree_delivery[:cap],
+            tree_value[:cap],
+        )
 
-    def _tree_curve(self, request: Request, delivery, acceptance,
-                    cap: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    def _tree_curve(
+        self, request: Request, delivery, acceptance, cap: int
+    ) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Per node rank, P(the tree has it) and its value, from the request's tree steps, shrunk towards the
         worker's, shrunk towards the chain's draft at that position (goodput.py, Draft trees); () without
         trees or for a constrained request."""
@@ -242,8 +267,15 @@ class SpeculationPolicy:
         tree_value = tuple(own.value(j, worker.value(j, v)) for j, v in enumerate(chain_values))
         return tree_delivery, tree_value
 
-    def observe_sequence(self, request: Request, num_requested: int, num_drafts: int, num_accepted: int,
-                         proposer: str = "", match: tuple[int, bool] | None = None) -> None:
+    def observe_sequence(
+        self,
+        request: Request,
+        num_requested: int,
+        num_drafts: int,
+        num_accepted: int,
+        proposer: str = "",
+        match: tuple[int, bool] | None = None,
+    ) -> None:
         """A sequence's step result: k requested, drafts proposed, drafts accepted, by which proposer; `match`:
         the step's StepPlan.matches entry."""
         if proposer == FORCED_PROPOSER:  # the constraint's tokens, not the proposer's: plan_step allows them
@@ -258,16 +290,21 @@ class SpeculationPolicy:
             self.worker_acceptance.observe(num_requested, num_drafts, num_accepted)
             if match is not None:
                 self.acceptance_by_match.setdefault(match, AcceptanceEstimate(decay=WORKER_DECAY)).observe(
-                    num_requested, num_drafts, num_accepted)
+                    num_requested, num_drafts, num_accepted
+                )
             if num_drafts > 0 and proposer:
                 request.last_proposer = proposer
-                for estimates, decay in ((request.acceptance_by_proposer, SEQUENCE_DECAY),
-                                         (self.worker_acceptance_by_proposer, WORKER_DECAY)):
+                for estimates, decay in (
+                    (request.acceptance_by_proposer, SEQUENCE_DECAY),
+                    (self.worker_acceptance_by_proposer, WORKER_DECAY),
+                ):
                     estimates.setdefault(proposer, AcceptanceEstimate(decay=decay)).observe(
-                        num_requested, num_drafts, num_accepted)
+                        num_requested, num_drafts, num_accepted
+                    )
 
-    def observe_tree(self, request: Request, num_requested: int, num_nodes: int, accepted_ranks: list[int],
-                     proposer: str = "") -> None:
+    def observe_tree(
+        self, request: Request, num_requested: int, num_nodes: int, accepted_ranks: list[int], proposer: str = ""
+    ) -> None:
         """A sequence's tree step: its node budget, the nodes the tree had, the ranks of the accepted ones."""
         if request.tree_acceptance is None:
             request.tree_acceptance = TreeAcceptance()

@@ -14,9 +14,9 @@ class RequestStatus(enum.Enum):
 
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"          # blocks freed; waits to recompute prompt + output
-    FINISHED_STOPPED = "stop"        # EOS, a stop token id or a stop string
-    FINISHED_LENGTH = "length"       # max_tokens or max_model_len
+    PREEMPTED = "preempted"  # blocks freed; waits to recompute prompt + output
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
 
     @property
@@ -45,19 +45,19 @@ class Request:
     is_eos_ignored: bool = False
     stop_strings: list[str] = field(default_factory=list)
     is_speculation_enabled: bool = True
-    num_speculative_tokens: int | None = None     # per-request k cap; None = the server's k
-    grammar: str = ""                              # structured outputs: the compiled constraint ("": none)
+    num_speculative_tokens: int | None = None  # per-request k cap; None = the server's k
+    grammar: str = ""  # structured outputs: the compiled constraint ("": none)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    arrival_index: int | None = None               # set by the scheduler; FCFS order
+    arrival_index: int | None = None  # set by the scheduler; FCFS order
     num_computed_tokens: int = 0
-    num_assumed_tokens: int = 0                    # output tokens assumed from steps in flight
+    num_assumed_tokens: int = 0  # output tokens assumed from steps in flight
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
-    num_moves: int = 0                             # times it resumed on another worker (bounded by the cluster)
-    num_cached_tokens: int | None = None           # prompt tokens found in the prefix cache when first scheduled
+    num_moves: int = 0  # times it resumed on another worker (bounded by the cluster)
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first scheduled
     is_held_by_worker: bool = False
     acceptance: AcceptanceEstimate | None = field(default=None, repr=False)  # the policy's, by draft position
     # With several proposers: the policy's estimate per proposer, and the one that drafted last.
@@ -79,8 +79,9 @@ class Request:
         if self.max_tokens < 1:
             raise ValueError(f"request {self.request_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
-            raise ValueError(f"request {self.request_id!r}: num_speculative_tokens must be >= 0, "
-                             f"got {self.num_speculative_tokens}")
+            raise ValueError(
+                f"request {self.request_id!r}: num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}"
+            )
         if any(not s for s in self.stop_strings):
             raise ValueError(f"request {self.request_id!r}: stop strings must not be empty")
 
@@ -116,7 +117,7 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """"stop", "length", "abort", or None while unfinished."""
+        """ "stop", "length", "abort", or None while unfinished."""
         return self.status.value if self.is_finished else None
 
     @property
@@ -128,16 +129,19 @@ class Request:
 
     def num_tokens_left(self, max_model_len: int) -> int:
         """Output tokens still allowed, counting assumed tokens as emitted."""
-        return min(self.max_tokens - self.num_output_tokens - self.num_assumed_tokens,
-                   max_model_len - self.num_tokens_assumed)
+        return min(
+            self.max_tokens - self.num_output_tokens - self.num_assumed_tokens, max_model_len - self.num_tokens_assumed
+        )
 
     def check_limits(self, max_model_len: int, num_kv_tokens: int) -> None:
         """Raises ValueError when the request can never be served by this scheduler."""
         if self.status is not RequestStatus.WAITING or self.output_token_ids:
             raise ValueError(f"request {self.request_id!r} is not a new request")
         if self.num_prompt_tokens >= max_model_len:
-            raise ValueError(f"request {self.request_id!r}: the prompt has {self.num_prompt_tokens} tokens; "
-                             f"max_model_len {max_model_len} leaves no room for output")
+            raise ValueError(
+                f"request {self.request_id!r}: the prompt has {self.num_prompt_tokens} tokens; "
+                f"max_model_len {max_model_len} leaves no room for output"
+            )
         self.check_fits(max_model_len, num_kv_tokens)
 
     def check_fits(self, max_model_len: int, num_kv_tokens: int) -> None:
@@ -145,8 +149,10 @@ class Request:
         # Lookahead is capped by the tokens left, so no step needs slots past this.
         num_tokens_max = min(self.num_prompt_tokens + self.max_tokens, max_model_len)
         if num_tokens_max > num_kv_tokens:
-            raise ValueError(f"request {self.request_id!r} may need {num_tokens_max} KV slots; the pool "
-                             f"holds {num_kv_tokens}: lower max_tokens")
+            raise ValueError(
+                f"request {self.request_id!r} may need {num_tokens_max} KV slots; the pool "
+                f"holds {num_kv_tokens}: lower max_tokens"
+            )
 
     def assume_step(self, num_new_tokens: int, num_lookahead_slots: int) -> "ScheduledTokens":
         """Records a scheduled step optimistically and returns the request's part of it.
@@ -162,8 +168,9 @@ class Request:
             self.num_assumed_tokens += 1 + num_lookahead_slots
         return ScheduledTokens(num_new_tokens, num_lookahead_slots, is_sampling, num_context_tokens)
 
-    def apply_step_output(self, scheduled: "ScheduledTokens", output: SequenceOutput | None,
-                          max_model_len: int) -> tuple[list[int], RequestStatus | None]:
+    def apply_step_output(
+        self, scheduled: "ScheduledTokens", output: SequenceOutput | None, max_model_len: int
+    ) -> tuple[list[int], RequestStatus | None]:
         """Applies the worker's real output of a step: corrects the assumption, appends tokens.
 
         Returns the tokens kept and the finished status they cause (or None).
@@ -180,12 +187,13 @@ class Request:
             self.num_accepted_tokens += output.num_accepted_tokens
             if output.num_draft_tokens and output.proposer:
                 drafted, accepted = self.drafts_by_proposer.get(output.proposer, (0, 0))
-                self.drafts_by_proposer[output.proposer] = (drafted + output.num_draft_tokens,
-                                                            accepted + output.num_accepted_tokens)
+                self.drafts_by_proposer[output.proposer] = (
+                    drafted + output.num_draft_tokens,
+                    accepted + output.num_accepted_tokens,
+                )
         return self._append_output_tokens(token_ids, max_model_len)
 
-    def _append_output_tokens(self, token_ids: list[int],
-                              max_model_len: int) -> tuple[list[int], RequestStatus | None]:
+    def _append_output_tokens(self, token_ids: list[int], max_model_len: int) -> tuple[list[int], RequestStatus | None]:
         # Tokens emitted after a stop token, a stop string or the length limit are dropped.
         for num_kept, token_id in enumerate(token_ids, start=1):
             self.output_token_ids.append(token_id)
@@ -206,9 +214,19 @@ class Request:
 
     def make_output(self, new_token_ids: list[int], text: str, logprobs: list[float] | None = None) -> "RequestOutput":
         """This step's output with the usage counts so far."""
-        return RequestOutput(self.request_id, new_token_ids, text, self.finish_reason, self.num_prompt_tokens,
-                             self.num_output_tokens, self.num_draft_tokens, self.num_accepted_tokens,
-                             logprobs or [], self.num_cached_tokens or 0, dict(self.drafts_by_proposer))
+        return RequestOutput(
+            self.request_id,
+            new_token_ids,
+            text,
+            self.finish_reason,
+            self.num_prompt_tokens,
+            self.num_output_tokens,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            logprobs or [],
+            self.num_cached_tokens or 0,
+            dict(self.drafts_by_proposer),
+        )
 
     def reset_for_recompute(self) -> None:
         """Forgets all KV state after preemption; the output already streamed is kept."""
@@ -260,11 +278,11 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     text: str
-    finish_reason: str | None        # None | "stop" | "length" | "abort"
+    finish_reason: str | None  # None | "stop" | "length" | "abort"
     num_prompt_tokens: int
     num_completion_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
     logprobs: list[float] = field(default_factory=list)  # one per new token, when requested
-    num_cached_tokens: int = 0       # prompt tokens whose KV came from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     drafts_by_proposer: dict[str, tuple[int, int]] = field(default_factory=dict)  # (drafted, accepted)

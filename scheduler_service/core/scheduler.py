@@ -46,11 +46,11 @@ class _Step:
     scheduled: dict[str, ScheduledTokens] = field(default_factory=dict)
     is_preempting: bool = False
     dropped_request_ids: list[str] = field(default_factory=list)  # sent as finished_request_ids
-    num_running: int = 0                                          # requests that may run (the disable limit)
-    num_drafts: dict[str, int] = field(default_factory=dict)      # the policy's k per decoding request
-    forced_only: set[str] = field(default_factory=set)            # ... of which k is for forced tokens only
+    num_running: int = 0  # requests that may run (the disable limit)
+    num_drafts: dict[str, int] = field(default_factory=dict)  # the policy's k per decoding request
+    forced_only: set[str] = field(default_factory=set)  # ... of which k is for forced tokens only
     matches: dict[str, tuple[int, bool]] = field(default_factory=dict)  # ... the previews they were planned on
-    tree_widths: dict[str, int] = field(default_factory=dict)     # ... their draft_tree_width (absent: 0)
+    tree_widths: dict[str, int] = field(default_factory=dict)  # ... their draft_tree_width (absent: 0)
 
 
 class Scheduler:
@@ -61,20 +61,25 @@ class Scheduler:
     previous step's `update()`.
     """
 
-    def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer | None = None,
-                 stats: SchedulerStats | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, tokenizer: Tokenizer | None = None, stats: SchedulerStats | None = None
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self._cache_root = cache_root(*config.kv_cache_facts)
-        self.policy = SpeculationPolicy(config.num_speculative_tokens, config.speculative_disable_queue_size,
-                                        config.speculation_policy, max_draft_tree_width=config.max_draft_tree_width)
+        self.policy = SpeculationPolicy(
+            config.num_speculative_tokens,
+            config.speculative_disable_queue_size,
+            config.speculation_policy,
+            max_draft_tree_width=config.max_draft_tree_width,
+        )
         self.stats = stats if stats is not None else SchedulerStats()  # passed on: counters outlive a scheduler
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []         # sorted by arrival_index
+        self.running: list[Request] = []  # sorted by arrival_index
         self._requests: dict[str, Request] = {}  # every request whose blocks/ids are not released yet
         self._in_flight: deque[_Step] = deque()
-        self._worker_drop_ids: list[str] = []    # sent as the next step's finished_request_ids
+        self._worker_drop_ids: list[str] = []  # sent as the next step's finished_request_ids
         self._next_step_id = 0
         self._next_arrival_index = 0
 
@@ -142,8 +147,7 @@ class Scheduler:
         request.arrival_index = self._next_arrival_index
         self._next_arrival_index += 1
         if self.tokenizer is not None:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                         request.stop_strings)
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.stop_strings)
         self._requests[request.request_id] = request
         self.waiting.append(request)
         self.stats.num_requests += 1
@@ -167,8 +171,10 @@ class Scheduler:
         """
         max_in_flight = 1 if self.config.is_async else 0
         if len(self._in_flight) > max_in_flight:
-            raise RuntimeError(f"{len(self._in_flight)} steps in flight ({self.config.scheduling} "
-                               "scheduling); apply a result with update() first")
+            raise RuntimeError(
+                f"{len(self._in_flight)} steps in flight ({self.config.scheduling} "
+                "scheduling); apply a result with update() first"
+            )
         plan = _Step(self._next_step_id, num_tokens_left=self.config.max_num_batched_tokens)
         plan.num_running = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
         decided = self._plan_num_drafts(plan.num_running)
@@ -231,10 +237,17 @@ class Scheduler:
             # Invariant: the table is a prefix of the worker's (only trims happened since the last send).
             num_blocks_kept = len(self.block_manager.block_table(request_id))
             new_block_ids = self.block_manager.append_slots(request_id, num_tokens_total, num_lookahead)
-            plan.cached_requests.append(CachedRequest(
-                request_id, new_block_ids, num_blocks_kept, num_new, num_speculative_tokens=num_lookahead,
-                forced_drafts_only=num_lookahead > 0 and request_id in plan.forced_only,
-                draft_tree_width=plan.tree_widths.get(request_id, 0)))
+            plan.cached_requests.append(
+                CachedRequest(
+                    request_id,
+                    new_block_ids,
+                    num_blocks_kept,
+                    num_new,
+                    num_speculative_tokens=num_lookahead,
+                    forced_drafts_only=num_lookahead > 0 and request_id in plan.forced_only,
+                    draft_tree_width=plan.tree_widths.get(request_id, 0),
+                )
+            )
             self._commit(request, plan, num_new, num_lookahead)
 
     def _schedule_waiting(self, plan: _Step) -> None:
@@ -253,9 +266,19 @@ class Scheduler:
             insort(self.running, request, key=lambda r: r.arrival_index)
             request.is_held_by_worker = True
             self._count_cache_query(request, num_cached)
-            plan.new_requests.append(NewRequest(request.request_id, request.all_token_ids, request.num_prompt_tokens,
-                                                request.sampling, block_ids, num_new, num_lookahead, num_cached,
-                                                request.grammar))
+            plan.new_requests.append(
+                NewRequest(
+                    request.request_id,
+                    request.all_token_ids,
+                    request.num_prompt_tokens,
+                    request.sampling,
+                    block_ids,
+                    num_new,
+                    num_lookahead,
+                    num_cached,
+                    request.grammar,
+                )
+            )
             self._commit(request, plan, num_new, num_lookahead)
 
     def cached_prefix(self, request: Request) -> list[int]:
@@ -322,12 +345,20 @@ class Scheduler:
         request.reset_for_recompute()
         self.waiting.appendleft(request)
         self.stats.num_preemptions += 1
-        logger.info("preempted %s (%d tokens to recompute); %d free blocks",
-                    request.request_id, request.num_tokens, self.num_free_blocks)
+        logger.info(
+            "preempted %s (%d tokens to recompute); %d free blocks",
+            request.request_id,
+            request.num_tokens,
+            self.num_free_blocks,
+        )
 
     def _emit_step(self, plan: _Step) -> StepRequest:
-        step = StepRequest(step_id=plan.step_id, new_requests=plan.new_requests,
-                           cached_requests=plan.cached_requests, finished_request_ids=self._worker_drop_ids)
+        step = StepRequest(
+            step_id=plan.step_id,
+            new_requests=plan.new_requests,
+            cached_requests=plan.cached_requests,
+            finished_request_ids=self._worker_drop_ids,
+        )
         plan.dropped_request_ids, self._worker_drop_ids = self._worker_drop_ids, []
         self._in_flight.append(plan)
         self._next_step_id += 1
@@ -335,8 +366,9 @@ class Scheduler:
         self.stats.num_prefix_cache_evictions += self.block_manager.take_num_evictions()
         if self.policy.num_speculative_tokens > 0 and self.policy.is_disabled_for_step(plan.num_running):
             self.stats.num_steps_speculation_disabled += 1
-        self.stats.count_ks([s.num_lookahead_slots for rid, s in plan.scheduled.items()
-                             if rid in plan.num_drafts and s.is_sampling])
+        self.stats.count_ks(
+            [s.num_lookahead_slots for rid, s in plan.scheduled.items() if rid in plan.num_drafts and s.is_sampling]
+        )
         return step
 
     def _observe(self, step: _Step, result: StepResult, outputs_by_id: dict[str, SequenceOutput]) -> None:
@@ -349,23 +381,41 @@ class Scheduler:
             shape.add(scheduled.num_new_tokens + num_drafts, scheduled.num_context_tokens, is_decode)
             request = self._requests[request_id]
             if output is not None and not request.is_finished and output.draft_tree_depth:
-                self.policy.observe_tree(request, scheduled.num_lookahead_slots, output.num_draft_tokens,
-                                         output.accepted_draft_ranks, output.proposer)
+                self.policy.observe_tree(
+                    request,
+                    scheduled.num_lookahead_slots,
+                    output.num_draft_tokens,
+                    output.accepted_draft_ranks,
+                    output.proposer,
+                )
             elif output is not None and not request.is_finished:
-                self.policy.observe_sequence(request, scheduled.num_lookahead_slots, output.num_draft_tokens,
-                                             output.num_accepted_tokens, output.proposer,
-                                             step.matches.get(request_id))
+                self.policy.observe_sequence(
+                    request,
+                    scheduled.num_lookahead_slots,
+                    output.num_draft_tokens,
+                    output.num_accepted_tokens,
+                    output.proposer,
+                    step.matches.get(request_id),
+                )
         self.stats.worker_step_s += result.stats.total_ms / 1e3
         self.stats.propose_s += result.stats.propose_ms / 1e3
         predicted_ms = self.policy.observe_step(shape, result.stats.total_ms)
         if predicted_ms is not None:
             self.stats.count_prediction(predicted_ms, result.stats.total_ms)
         if logger.isEnabledFor(logging.DEBUG):  # the cost model's data, one line a step (--log-level DEBUG)
-            logger.debug("step %d: %d decode rows (%d drafts), %d prefill rows, %d seqs, %d attended: %.2f ms "
-                         "(proposing %.2f), predicted %s", step.step_id, shape.num_rows,
-                         sum(o.num_draft_tokens for o in outputs_by_id.values()), shape.num_prefill_rows,
-                         shape.num_seqs, shape.num_attended, result.stats.total_ms, result.stats.propose_ms,
-                         "-" if predicted_ms is None else f"{predicted_ms:.2f} ms")
+            logger.debug(
+                "step %d: %d decode rows (%d drafts), %d prefill rows, %d seqs, %d attended: %.2f ms "
+                "(proposing %.2f), predicted %s",
+                step.step_id,
+                shape.num_rows,
+                sum(o.num_draft_tokens for o in outputs_by_id.values()),
+                shape.num_prefill_rows,
+                shape.num_seqs,
+                shape.num_attended,
+                result.stats.total_ms,
+                result.stats.propose_ms,
+                "-" if predicted_ms is None else f"{predicted_ms:.2f} ms",
+            )
 
     def _check_result(self, step: _Step, result: StepResult) -> dict[str, SequenceOutput]:
         """Validates the worker's outputs against what the step allowed, before changing any state."""
@@ -376,19 +426,25 @@ class Scheduler:
             output = outputs_by_id.get(request_id)
             num_emitted = len(output.token_ids) if output is not None else 0
             if not scheduled.can_emit(num_emitted):
-                raise ValueError(f"step {step.step_id}: worker emitted {num_emitted} tokens for {request_id!r} "
-                                 f"(scheduled {scheduled})")
+                raise ValueError(
+                    f"step {step.step_id}: worker emitted {num_emitted} tokens for {request_id!r} "
+                    f"(scheduled {scheduled})"
+                )
             if output is not None and not 0 <= output.num_kv_written_tokens <= scheduled.num_positions:
-                raise ValueError(f"step {step.step_id}: worker reports KV written for {output.num_kv_written_tokens} "
-                                 f"positions of {request_id!r}; the step reached {scheduled.num_positions}")
+                raise ValueError(
+                    f"step {step.step_id}: worker reports KV written for {output.num_kv_written_tokens} "
+                    f"positions of {request_id!r}; the step reached {scheduled.num_positions}"
+                )
         return outputs_by_id
 
-    def _apply_output(self, request: Request, scheduled: ScheduledTokens,
-                      output: SequenceOutput | None) -> RequestOutput | None:
+    def _apply_output(
+        self, request: Request, scheduled: ScheduledTokens, output: SequenceOutput | None
+    ) -> RequestOutput | None:
         new_token_ids, status = request.apply_step_output(scheduled, output, self.config.max_model_len)
         if output is not None:
-            self.stats.count_speculation(output.num_draft_tokens, output.num_accepted_tokens, output.proposer,
-                                         output.draft_tree_depth)
+            self.stats.count_speculation(
+                output.num_draft_tokens, output.num_accepted_tokens, output.proposer, output.draft_tree_depth
+            )
             # Before a finishing request releases its blocks: the KV of its committed tokens stays reusable.
             self._cache_blocks(request, output.num_kv_written_tokens)
         if not new_token_ids:
@@ -414,10 +470,13 @@ class Scheduler:
 
     def _is_certain_to_finish(self, request: Request) -> bool:
         """Whether steps in flight end the request by length even if they emit only one token each."""
-        num_sure = sum(1 for step in self._in_flight
-                       if (s := step.scheduled.get(request.request_id)) is not None and s.is_sampling)
-        return num_sure > 0 and (request.num_output_tokens + num_sure >= request.max_tokens
-                                 or request.num_tokens + num_sure >= self.config.max_model_len)
+        num_sure = sum(
+            1 for step in self._in_flight if (s := step.scheduled.get(request.request_id)) is not None and s.is_sampling
+        )
+        return num_sure > 0 and (
+            request.num_output_tokens + num_sure >= request.max_tokens
+            or request.num_tokens + num_sure >= self.config.max_model_len
+        )
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:
@@ -452,5 +511,6 @@ class Scheduler:
             self._worker_drop_ids.append(request.request_id)
             request.is_held_by_worker = False
         del self._requests[request.request_id]
-        logger.debug("released %s (%s); %d free blocks", request.request_id, request.finish_reason,
-                     self.num_free_blocks)
+        logger.debug(
+            "released %s (%s); %d free blocks", request.request_id, request.finish_reason, self.num_free_blocks
+        )

@@ -14,7 +14,7 @@ class SchedulerStats:
     num_steps_speculation_disabled: int = 0  # steps auto-disabled by the running-queue size
     # [k]: decoding (request, step) pairs the policy gave k drafts. A tuple, like the one below.
     num_sequence_steps_by_k: tuple[int, ...] = ()
-    num_drafts: int = 0                      # (request, step) pairs with at least one draft token
+    num_drafts: int = 0  # (request, step) pairs with at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     # [i]: (request, step) pairs that accepted draft position i; a pair that accepted n drafts counts at
@@ -27,9 +27,9 @@ class SchedulerStats:
     # Draft trees: [d] / [n]: (request, step) pairs whose drafts formed a tree d deep / of n nodes.
     num_tree_steps_by_depth: tuple[int, ...] = ()
     num_tree_steps_by_nodes: tuple[int, ...] = ()
-    num_prompt_tokens: int = 0               # prompts of requests that emitted their first token
-    num_emitted_tokens: int = 0              # tokens delivered to clients
-    num_sequence_steps: int = 0              # (request, step) pairs that delivered tokens
+    num_prompt_tokens: int = 0  # prompts of requests that emitted their first token
+    num_emitted_tokens: int = 0  # tokens delivered to clients
+    num_sequence_steps: int = 0  # (request, step) pairs that delivered tokens
     num_preemptions: int = 0
     # The prefix cache, in tokens: tokens of requests as they left the waiting queue, and of those the ones
     # found cached (vLLM's prefix_cache_queries / _hits); cached blocks evicted for new use.
@@ -49,6 +49,7 @@ class SchedulerStats:
     @classmethod
     def total(cls, stats: list["SchedulerStats"]) -> "SchedulerStats":
         """The sum of several workers' counters (the tuples of counts element-wise)."""
+
         def add(values):
             if isinstance(values[0], tuple):
                 return tuple(map(sum, zip_longest(*values, fillvalue=0)))
@@ -56,6 +57,7 @@ class SchedulerStats:
                 keys = sorted({key for value in values for key in value})
                 return {key: add([value[key] for value in values if key in value]) for key in keys}
             return sum(values)
+
         if not stats:
             return cls()
         return cls(**{f.name: add([getattr(s, f.name) for s in stats]) for f in fields(cls)})
@@ -74,8 +76,9 @@ class SchedulerStats:
         self.measured_step_s += measured_ms / 1e3
         self.step_time_abs_error_s += abs(predicted_ms - measured_ms) / 1e3
 
-    def count_speculation(self, num_draft_tokens: int, num_accepted_tokens: int, proposer: str = "",
-                          draft_tree_depth: int = 0) -> None:
+    def count_speculation(
+        self, num_draft_tokens: int, num_accepted_tokens: int, proposer: str = "", draft_tree_depth: int = 0
+    ) -> None:
         """Adds one (request, step) pair's drafts and accepted drafts, the proposer that drafted them, and the
         shape of a tree of drafts (its depth; 0: a chain)."""
         if draft_tree_depth > 0:

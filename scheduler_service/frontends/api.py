@@ -14,7 +14,7 @@ DEFAULT_MAX_TOKENS = 128
 # Limits on what a client controls, checked before any expensive work (tokenising, scheduling).
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_CHAT_MESSAGES = 1024
-MAX_CHARS_PER_TOKEN = 16        # a text prompt longer than max_model_len x this cannot fit: refused untokenised
+MAX_CHARS_PER_TOKEN = 16  # a text prompt longer than max_model_len x this cannot fit: refused untokenised
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
@@ -28,8 +28,10 @@ class InvalidRequestError(ValueError):
 def _check_text_size(num_chars: int, max_model_len: int, what: str) -> None:
     max_chars = max_model_len * MAX_CHARS_PER_TOKEN
     if num_chars > max_chars:
-        raise InvalidRequestError(f"{what} has {num_chars} characters: more than max_model_len {max_model_len} "
-                                  f"tokens can hold (at most {max_chars} characters)")
+        raise InvalidRequestError(
+            f"{what} has {num_chars} characters: more than max_model_len {max_model_len} "
+            f"tokens can hold (at most {max_chars} characters)"
+        )
 
 
 PROMPT_INPUTS = ("prompt", "prompt_token_ids", "messages")
@@ -41,25 +43,27 @@ def _chat_messages(messages, max_model_len: int) -> list[dict[str, str]]:
         raise InvalidRequestError(f"{len(messages)} chat messages: at most {MAX_CHAT_MESSAGES} are accepted")
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
-            raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
-                                      f"got {m.role[:32]!r}")
+            raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role[:32]!r}")
     _check_text_size(sum(len(m.content) for m in messages), max_model_len, "the chat")
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
 def _prompt_input(request: pb.GenerateRequest | pb.CompleteRequest) -> str:
     """Which of PROMPT_INPUTS the request sets; exactly one must be (an empty list counts as unset)."""
-    given = [name for name in PROMPT_INPUTS
-             if (request.HasField(name) if name == "prompt" else len(getattr(request, name)))]
+    given = [
+        name for name in PROMPT_INPUTS if (request.HasField(name) if name == "prompt" else len(getattr(request, name)))
+    ]
     if len(given) != 1:
         got = " and ".join(given) if given else "none"
-        raise InvalidRequestError(f"{'no prompt: ' if not given else ''}set exactly one of prompt, prompt_token_ids "
-                                  f"or messages, got {got}")
+        raise InvalidRequestError(
+            f"{'no prompt: ' if not given else ''}set exactly one of prompt, prompt_token_ids or messages, got {got}"
+        )
     return given[0]
 
 
-def prompt_token_ids(request: pb.GenerateRequest | pb.CompleteRequest, tokenizer: ChatTokenizer, vocab_size: int,
-                     max_model_len: int) -> list[int]:
+def prompt_token_ids(
+    request: pb.GenerateRequest | pb.CompleteRequest, tokenizer: ChatTokenizer, vocab_size: int, max_model_len: int
+) -> list[int]:
     """The prompt as token ids, from text, ids or chat messages."""
     kind = _prompt_input(request)
     try:
@@ -83,9 +87,13 @@ def prompt_token_ids(request: pb.GenerateRequest | pb.CompleteRequest, tokenizer
 def sampling_params(s: pb.SamplingParams) -> RequestSampling:
     """The client's sampling parameters, validated by RequestSampling (unset fields take their defaults)."""
     try:
-        return RequestSampling(temperature=s.temperature if s.HasField("temperature") else 1.0,
-                               top_p=s.top_p if s.HasField("top_p") else 1.0, top_k=s.top_k,
-                               seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs)
+        return RequestSampling(
+            temperature=s.temperature if s.HasField("temperature") else 1.0,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+            logprobs=s.logprobs,
+        )
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
 
@@ -115,22 +123,29 @@ def _check_stops(s: pb.SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(f"a stop string has {len(too_long[0])} characters: at most {MAX_STOP_STRING_CHARS}")
 
 
-def build_request(request: pb.GenerateRequest | pb.CompleteRequest, tokenizer: ChatTokenizer, vocab_size: int,
-                  eos_token_ids: list[int], max_model_len: int,
-                  compile_constraint: Callable[[pb.StructuredOutputs], str] | None = None) -> Request:
+def build_request(
+    request: pb.GenerateRequest | pb.CompleteRequest,
+    tokenizer: ChatTokenizer,
+    vocab_size: int,
+    eos_token_ids: list[int],
+    max_model_len: int,
+    compile_constraint: Callable[[pb.StructuredOutputs], str] | None = None,
+) -> Request:
     """Validates a GenerateRequest or CompleteRequest (the same fields) and builds the scheduler's Request
     (cheap checks first; the structured-output constraint, compiled by `compile_constraint`, last)."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequestError(f"request_id has {len(request.request_id)} characters: at most "
-                                  f"{MAX_REQUEST_ID_CHARS}")
+        raise InvalidRequestError(
+            f"request_id has {len(request.request_id)} characters: at most {MAX_REQUEST_ID_CHARS}"
+        )
     sampling = with_arrival_seed(sampling_params(request.sampling))
     s = request.sampling
     max_tokens = s.max_tokens if s.HasField("max_tokens") else None
     if max_tokens is not None and max_tokens <= 0:
         raise InvalidRequestError(f"max_tokens must be > 0, got {max_tokens}")
     if max_tokens is not None and max_tokens >= max_model_len:
-        raise InvalidRequestError(f"max_tokens {max_tokens} does not fit: max_model_len is {max_model_len} "
-                                  "tokens (prompt + output)")
+        raise InvalidRequestError(
+            f"max_tokens {max_tokens} does not fit: max_model_len is {max_model_len} tokens (prompt + output)"
+        )
     _check_stops(s, vocab_size)
     spec = request.speculation
     k = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else None
@@ -140,19 +155,30 @@ def build_request(request: pb.GenerateRequest | pb.CompleteRequest, tokenizer: C
     if max_tokens is None:  # unset: the default, or what is left of max_model_len
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, max_model_len - len(ids)))
     if len(ids) + max_tokens > max_model_len:
-        raise InvalidRequestError(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together more "
-                                  f"than max_model_len {max_model_len}; lower max_tokens")
+        raise InvalidRequestError(
+            f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together more "
+            f"than max_model_len {max_model_len}; lower max_tokens"
+        )
     is_constrained = s.HasField("structured_outputs") and s.structured_outputs.WhichOneof("constraint") is not None
     if is_constrained and s.ignore_eos:
-        raise InvalidRequestError("ignore_eos cannot be combined with structured_outputs: the output ends where "
-                                  "its constraint does")
+        raise InvalidRequestError(
+            "ignore_eos cannot be combined with structured_outputs: the output ends where its constraint does"
+        )
     grammar = _grammar(s.structured_outputs, compile_constraint) if is_constrained else ""
     try:
-        return Request(request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=ids,
-                       max_tokens=max_tokens, sampling=sampling, stop_token_ids=list(s.stop_token_ids),
-                       eos_token_ids=list(eos_token_ids), is_eos_ignored=s.ignore_eos, stop_strings=list(s.stop),
-                       is_speculation_enabled=spec.enabled if spec.HasField("enabled") else True,
-                       num_speculative_tokens=k, grammar=grammar)
+        return Request(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt_token_ids=ids,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop_token_ids=list(s.stop_token_ids),
+            eos_token_ids=list(eos_token_ids),
+            is_eos_ignored=s.ignore_eos,
+            stop_strings=list(s.stop),
+            is_speculation_enabled=spec.enabled if spec.HasField("enabled") else True,
+            num_speculative_tokens=k,
+            grammar=grammar,
+        )
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
 
@@ -160,8 +186,9 @@ def build_request(request: pb.GenerateRequest | pb.CompleteRequest, tokenizer: C
 def _grammar(outputs: pb.StructuredOutputs, compile_constraint: Callable[[pb.StructuredOutputs], str] | None) -> str:
     """The compiled constraint (one is set); raises InvalidRequestError for a bad one."""
     if compile_constraint is None:
-        raise InvalidRequestError("this server cannot compile structured_outputs constraints (its tokenizer has "
-                                  "no tokenizer.json)")
+        raise InvalidRequestError(
+            "this server cannot compile structured_outputs constraints (its tokenizer has no tokenizer.json)"
+        )
     try:
         return compile_constraint(outputs)
     except ValueError as exc:

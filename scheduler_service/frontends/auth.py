@@ -49,6 +49,7 @@ class ApiKeys:
 
 def _denied(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that ends every call with `code`."""
+
     def deny(request_or_iterator, context):
         context.abort(code, message)
 
@@ -73,8 +74,11 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         if not method.startswith(self._prefix):
             return continuation(handler_call_details)
-        token = bearer_token(value for key, value in handler_call_details.invocation_metadata or ()
-                             if key == "authorization" and isinstance(value, str))
+        token = bearer_token(
+            value
+            for key, value in handler_call_details.invocation_metadata or ()
+            if key == "authorization" and isinstance(value, str)
+        )
         if token is not None and self._keys.is_valid(token):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
@@ -92,10 +96,14 @@ def security_hooks(opts) -> dict:
     """
     credentials = server_credentials(opts.client_tls)
     channel_credentials(opts.worker_tls)
-    client_port = ("plaintext" if credentials is None else
-                   "mutual TLS" if opts.client_tls.requires_client_cert else "TLS")
-    logger.info("client port: %s; API keys: %s; workers: %s", client_port,
-                f"{len(opts.api_keys)} accepted" if opts.api_keys else "not required",
-                "TLS" if opts.worker_tls.is_enabled else "plaintext")
+    client_port = (
+        "plaintext" if credentials is None else "mutual TLS" if opts.client_tls.requires_client_cert else "TLS"
+    )
+    logger.info(
+        "client port: %s; API keys: %s; workers: %s",
+        client_port,
+        f"{len(opts.api_keys)} accepted" if opts.api_keys else "not required",
+        "TLS" if opts.worker_tls.is_enabled else "plaintext",
+    )
     interceptors = [ApiKeyInterceptor(opts.api_keys, SERVICE_NAME)] if opts.api_keys else []
     return dict(credentials=credentials, interceptors=interceptors)

@@ -90,9 +90,18 @@ class Frontend:
         """Called once a worker has described the model: from now on a request can be admitted."""
         facts, options = cluster.facts, cluster.options
         tokenizer_json = getattr(tokenizer, "tokenizer_json", None)
-        constraints = None if tokenizer_json is None else ConstraintCompiler(
-            tokenizer_json, facts.vocab_size, list(facts.eos_token_ids), options.structured_output_max_chars,
-            options.structured_output_timeout_s, self._constraint_compiled)
+        constraints = (
+            None
+            if tokenizer_json is None
+            else ConstraintCompiler(
+                tokenizer_json,
+                facts.vocab_size,
+                list(facts.eos_token_ids),
+                options.structured_output_max_chars,
+                options.structured_output_timeout_s,
+                self._constraint_compiled,
+            )
+        )
         with self._health_lock:
             self.cluster, self.tokenizer, self.constraints = cluster, tokenizer, constraints
             self._health_changed()
@@ -135,9 +144,10 @@ class Frontend:
         if self.is_draining:
             raise EngineError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down: retry on another replica")
         if not self._open_streams.acquire(blocking=False):
-            raise EngineError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"too many calls in progress ({self.max_open_streams}, --max-open-streams): "
-                              "retry later")
+            raise EngineError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many calls in progress ({self.max_open_streams}, --max-open-streams): retry later",
+            )
         try:
             cluster = self.require_cluster()
             return Stream(cluster, self._submit(cluster, request, deadline), self._open_streams.release)
@@ -145,13 +155,19 @@ class Frontend:
             self._open_streams.release()
             raise
 
-    def _submit(self, cluster: Cluster, request: pb.GenerateRequest | pb.CompleteRequest,
-                deadline: float | None) -> RequestHandle:
+    def _submit(
+        self, cluster: Cluster, request: pb.GenerateRequest | pb.CompleteRequest, deadline: float | None
+    ) -> RequestHandle:
         facts = cluster.facts
         try:
-            req = build_request(request, self.tokenizer, facts.vocab_size, list(facts.eos_token_ids),
-                                facts.config.max_model_len,
-                                None if self.constraints is None else self.constraints.compile)
+            req = build_request(
+                request,
+                self.tokenizer,
+                facts.vocab_size,
+                list(facts.eos_token_ids),
+                facts.config.max_model_len,
+                None if self.constraints is None else self.constraints.compile,
+            )
             return cluster.submit(req, deadline)
         except KeyError as exc:
             raise EngineError(grpc.StatusCode.ALREADY_EXISTS, str(exc.args[0])) from exc

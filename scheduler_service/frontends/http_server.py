@@ -19,7 +19,7 @@ from specdec.security import TlsFiles
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 10.0
-GRACEFUL_SHUTDOWN_S = 2   # connections still open at stop (the drain is over) get this long
+GRACEFUL_SHUTDOWN_S = 2  # connections still open at stop (the drain is over) get this long
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -38,17 +38,25 @@ class HttpServer:
         self._socket = _listen(host, port)
         self.port = self._socket.getsockname()[1]
         config = uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="auto", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-            ssl_certfile=tls.certfile, ssl_keyfile=tls.keyfile, ssl_ca_certs=tls.ca_certs,
-            ssl_cert_reqs=ssl.CERT_REQUIRED if tls.requires_client_cert else ssl.CERT_NONE)
+            app,
+            log_config=None,
+            access_log=False,
+            lifespan="auto",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            ssl_certfile=tls.certfile,
+            ssl_keyfile=tls.keyfile,
+            ssl_ca_certs=tls.ca_certs,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls.requires_client_cert else ssl.CERT_NONE,
+        )
         try:
             config.load()  # builds the TLS context now: a bad file fails here, not on the thread
         except (OSError, ssl.SSLError):
             self._socket.close()
             raise
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name="http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, name="http", daemon=True
+        )
 
     def start(self) -> None:
         """Starts serving; returns once uvicorn accepts connections (RuntimeError if it does not)."""

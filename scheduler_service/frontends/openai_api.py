@@ -11,8 +11,8 @@ gRPC status (openai_replies.HTTP_STATUS); bad parameters get 400, not 422.
 """
 
 import asyncio
-import contextlib
 from concurrent.futures import ThreadPoolExecutor
+import contextlib
 import json
 import logging
 import time
@@ -21,9 +21,9 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+import grpc
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-import grpc
 
 from scheduler_service.cluster.handle import EngineError
 from scheduler_service.core.request import RequestOutput
@@ -35,14 +35,20 @@ from scheduler_service.frontends.openai_replies import Reply, engine_error_body,
 logger = logging.getLogger(__name__)
 
 OWNED_BY = "specdec"
-HEALTH_PATH = "/health"   # open: probes need no key
+HEALTH_PATH = "/health"  # open: probes need no key
 MAX_BODY_BYTES = 4 << 20  # as gRPC's default message limit
 # Every 400 says so, whichever layer refused it (pydantic, the OpenAI mapping, api.build_request).
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.name.lower()
 
 
-def _error(status: int, message: str, error_type: str, param: str | None = None, code: str | None = None,
-           headers: dict | None = None) -> JSONResponse:
+def _error(
+    status: int,
+    message: str,
+    error_type: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict | None = None,
+) -> JSONResponse:
     return JSONResponse(error_body(message, error_type, param, code), status_code=status, headers=headers)
 
 
@@ -66,10 +72,18 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"] != HEALTH_PATH:
             token = bearer_token(v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization")
             if token is None or not self._keys.is_valid(token):
-                message = ("missing API key: send the header 'Authorization: Bearer <key>'" if token is None
-                           else "invalid API key")
-                response = _error(401, message, "invalid_request_error", code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})
+                message = (
+                    "missing API key: send the header 'Authorization: Bearer <key>'"
+                    if token is None
+                    else "invalid API key"
+                )
+                response = _error(
+                    401,
+                    message,
+                    "invalid_request_error",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -149,17 +163,27 @@ class OpenAIApi:
         facts = self.frontend.require_cluster().facts
         model_id = facts.served_model_name
         if body.model and not facts.is_named(body.model):  # absent: the served model
-            return _error(404, f"the model {body.model!r} does not exist: this server serves {model_id!r}",
-                          "invalid_request_error", "model", "model_not_found")
+            return _error(
+                404,
+                f"the model {body.model!r} does not exist: this server serves {model_id!r}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         try:
             pb_request = body.to_proto()
         except InvalidParamError as exc:
             return _error(400, str(exc), "invalid_request_error", exc.param, INVALID_ARGUMENT)
         stream = await run_in_threadpool(self.frontend.open, pb_request)  # tokenises: off the event loop
         is_chat = isinstance(body, ChatCompletionRequest)
-        reply = Reply(is_chat, stream.request_id, model_id, self.frontend.tokenizer,
-                      bool(body.logprobs) if is_chat else body.logprobs is not None,
-                      stream.handle.request.prompt_token_ids[-1])
+        reply = Reply(
+            is_chat,
+            stream.request_id,
+            model_id,
+            self.frontend.tokenizer,
+            bool(body.logprobs) if is_chat else body.logprobs is not None,
+            stream.handle.request.prompt_token_ids[-1],
+        )
         if body.stream:
             return EventStream(self._events(stream, reply, body.include_usage), stream)
         try:
@@ -183,6 +207,7 @@ class OpenAIApi:
 
     async def _whole(self, stream: Stream, reply: Reply, request: Request) -> Response:
         """Waits for the whole reply; a client that disconnects meanwhile aborts the request."""
+
         async def collect() -> list[RequestOutput]:
             outputs = [await self._next(stream)]
             while outputs[-1].finish_reason is None:
@@ -202,8 +227,10 @@ class OpenAIApi:
 
     def models(self) -> dict:
         model_id = self.frontend.require_cluster().facts.served_model_name
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": self.created,
-                                            "owned_by": OWNED_BY}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_id, "object": "model", "created": self.created, "owned_by": OWNED_BY}],
+        }
 
     def health(self) -> Response:
         """200 while a worker serves and the server is not draining, else 503."""
@@ -216,8 +243,12 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
     """Pydantic's errors as one OpenAI error with 400 (FastAPI's default is 422)."""
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":
-        return _error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
-                      "invalid_request_error", code=INVALID_ARGUMENT)
+        return _error(
+            400,
+            f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+            "invalid_request_error",
+            code=INVALID_ARGUMENT,
+        )
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
     message = f"{param}: {first['msg']}" if param else first["msg"]
@@ -239,10 +270,15 @@ def create_app(frontend: Frontend, api_keys: frozenset[str] = frozenset()) -> Fa
         app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(api_keys))
 
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(EngineError, lambda request, exc: JSONResponse(
-        engine_error_body(exc), status_code=http_status(exc.code)[0]))
-    app.add_exception_handler(StarletteHTTPException, lambda request, exc: _error(
-        exc.status_code, str(exc.detail), "invalid_request_error", headers=getattr(exc, "headers", None)))
+    app.add_exception_handler(
+        EngineError, lambda request, exc: JSONResponse(engine_error_body(exc), status_code=http_status(exc.code)[0])
+    )
+    app.add_exception_handler(
+        StarletteHTTPException,
+        lambda request, exc: _error(
+            exc.status_code, str(exc.detail), "invalid_request_error", headers=getattr(exc, "headers", None)
+        ),
+    )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -265,4 +301,3 @@ def create_app(frontend: Frontend, api_keys: frozenset[str] = frozenset()) -> Fa
         return api.health()
 
     return app
-

@@ -14,14 +14,24 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.v1 import generation_pb2 as pb
 
-INT32 = Annotated[int, Field(ge=-2**31, lt=2**31)]
+INT32 = Annotated[int, Field(ge=-(2**31), lt=2**31)]
 
 # field: its neutral values (the field may be sent with one of them: it then changes nothing).
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "audio": (None,),
-    "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
 }
 # The chat roles OpenAI clients send, mapped onto the roles the chat template knows (api.CHAT_ROLES).
 ROLE_ALIASES = {"developer": "system"}
@@ -105,11 +115,17 @@ class _Common(BaseModel):
 
     def sampling(self, max_tokens: int | None, logprobs: bool) -> pb.SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        fields: dict[str, Any] = dict(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                                      max_tokens=max_tokens)
-        return pb.SamplingParams(**{k: v for k, v in fields.items() if v is not None}, top_k=self.top_k or 0,
-                                 stop=stop, ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
-                                 structured_outputs=self._structured_outputs())
+        fields: dict[str, Any] = dict(
+            temperature=self.temperature, top_p=self.top_p, seed=self.seed, max_tokens=max_tokens
+        )
+        return pb.SamplingParams(
+            **{k: v for k, v in fields.items() if v is not None},
+            top_k=self.top_k or 0,
+            stop=stop,
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs,
+            structured_outputs=self._structured_outputs(),
+        )
 
     def _structured_outputs(self) -> pb.StructuredOutputs | None:
         """The one constraint the body sets (its value is checked by api.build_request), or None."""
@@ -120,26 +136,39 @@ class _Common(BaseModel):
             else:
                 spec = self.response_format.json_schema
                 if spec is None or spec.schema_ is None:
-                    raise InvalidParamError("response_format", "response_format of type json_schema needs "
-                                                               "json_schema.schema")
+                    raise InvalidParamError(
+                        "response_format", "response_format of type json_schema needs json_schema.schema"
+                    )
                 given.append(("response_format", pb.StructuredOutputs(json=json.dumps(spec.schema_))))
         so = self.structured_outputs
         if so is not None:
-            fields = {name: value for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                                      ("grammar", so.grammar), ("json_object", so.json_object))
-                      if value is not None}
+            fields = {
+                name: value
+                for name, value in (
+                    ("json", so.json_),
+                    ("regex", so.regex),
+                    ("choice", so.choice),
+                    ("grammar", so.grammar),
+                    ("json_object", so.json_object),
+                )
+                if value is not None
+            }
             if len(fields) > 1:
-                raise InvalidParamError("structured_outputs", f"structured_outputs sets {' and '.join(fields)}: "
-                                                              "set one")
+                raise InvalidParamError(
+                    "structured_outputs", f"structured_outputs sets {' and '.join(fields)}: set one"
+                )
             for name, value in fields.items():
                 given.append(("structured_outputs", _constraint(name, value)))
-        for name, value in (("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
-                            ("guided_choice", self.guided_choice), ("guided_grammar", self.guided_grammar)):
+        for name, value in (
+            ("guided_json", self.guided_json),
+            ("guided_regex", self.guided_regex),
+            ("guided_choice", self.guided_choice),
+            ("guided_grammar", self.guided_grammar),
+        ):
             if value is not None:
                 given.append((name, _constraint(name.removeprefix("guided_"), value)))
         if len(given) > 1:
-            raise InvalidParamError(given[1][0], f"{' and '.join(n for n, _ in given)} each set a constraint: "
-                                                 "set one")
+            raise InvalidParamError(given[1][0], f"{' and '.join(n for n, _ in given)} each set a constraint: set one")
         return given[0][1] if given else None
 
     @property
@@ -183,16 +212,19 @@ class ChatCompletionRequest(_Common):
         """The GenerateRequest of this body; raises InvalidParamError for what this server does not support."""
         self.check_supported()
         if self.top_logprobs:
-            raise InvalidParamError("top_logprobs", "top_logprobs > 0 is not supported: only the chosen token's "
-                                                    "logprob is returned (logprobs: true)")
+            raise InvalidParamError(
+                "top_logprobs",
+                "top_logprobs > 0 is not supported: only the chosen token's logprob is returned (logprobs: true)",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParamError("top_logprobs", "top_logprobs needs logprobs: true")
         for i, m in enumerate(self.messages):
             if (m.model_extra or {}).get("tool_calls"):
                 raise InvalidParamError(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return pb.GenerateRequest(messages=[m.to_proto() for m in self.messages],
-                                  sampling=self.sampling(max_tokens, bool(self.logprobs)))
+        return pb.GenerateRequest(
+            messages=[m.to_proto() for m in self.messages], sampling=self.sampling(max_tokens, bool(self.logprobs))
+        )
 
 
 class CompletionRequest(_Common):
@@ -205,8 +237,10 @@ class CompletionRequest(_Common):
         """The GenerateRequest of this body; raises InvalidParamError for what this server does not support."""
         self.check_supported()
         if self.logprobs not in (None, 0):
-            raise InvalidParamError("logprobs", f"logprobs must be 0 (the chosen token's logprob; no alternatives "
-                                                f"are returned), got {self.logprobs}")
+            raise InvalidParamError(
+                "logprobs",
+                f"logprobs must be 0 (the chosen token's logprob; no alternatives are returned), got {self.logprobs}",
+            )
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:

@@ -21,44 +21,76 @@ from specdec.v1 import generation_pb2_grpc
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
-_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
-           "abort": pb.FINISH_REASON_ABORT}
+_FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
 
 
 def _usage(o: RequestOutput) -> pb.Usage:
-    return pb.Usage(prompt_tokens=o.num_prompt_tokens, completion_tokens=o.num_completion_tokens,
-                    draft_tokens=o.num_draft_tokens, accepted_tokens=o.num_accepted_tokens,
-                    cached_prompt_tokens=o.num_cached_tokens,
-                    proposers=[pb.ProposerUsage(proposer=name, draft_tokens=drafted, accepted_tokens=accepted)
-                               for name, (drafted, accepted) in sorted(o.drafts_by_proposer.items())])
+    return pb.Usage(
+        prompt_tokens=o.num_prompt_tokens,
+        completion_tokens=o.num_completion_tokens,
+        draft_tokens=o.num_draft_tokens,
+        accepted_tokens=o.num_accepted_tokens,
+        cached_prompt_tokens=o.num_cached_tokens,
+        proposers=[
+            pb.ProposerUsage(proposer=name, draft_tokens=drafted, accepted_tokens=accepted)
+            for name, (drafted, accepted) in sorted(o.drafts_by_proposer.items())
+        ],
+    )
 
 
-def _counters(st: SchedulerStats, busy: BusyStats, num_failures: int, num_moved: int = 0,
-              num_requests: int | None = None) -> pb.Counters:
+def _counters(
+    st: SchedulerStats, busy: BusyStats, num_failures: int, num_moved: int = 0, num_requests: int | None = None
+) -> pb.Counters:
     return pb.Counters(
         num_requests=st.num_requests if num_requests is None else num_requests,
-        num_drafted_tokens=st.num_draft_tokens, num_accepted_tokens=st.num_accepted_tokens,
+        num_drafted_tokens=st.num_draft_tokens,
+        num_accepted_tokens=st.num_accepted_tokens,
         num_emitted_tokens=st.num_emitted_tokens,
         acceptance_rate=st.num_accepted_tokens / st.num_draft_tokens if st.num_draft_tokens else 0.0,
-        mean_accepted_length=st.num_emitted_tokens / max(st.num_sequence_steps, 1), num_steps=st.num_steps,
-        num_steps_speculation_disabled=st.num_steps_speculation_disabled, num_preemptions=st.num_preemptions,
-        worker_busy_seconds=busy.worker_busy_s, active_wall_seconds=busy.active_wall_s,
-        num_worker_failures=num_failures, num_moved_requests=num_moved,
+        mean_accepted_length=st.num_emitted_tokens / max(st.num_sequence_steps, 1),
+        num_steps=st.num_steps,
+        num_steps_speculation_disabled=st.num_steps_speculation_disabled,
+        num_preemptions=st.num_preemptions,
+        worker_busy_seconds=busy.worker_busy_s,
+        active_wall_seconds=busy.active_wall_s,
+        num_worker_failures=num_failures,
+        num_moved_requests=num_moved,
         num_accepted_tokens_per_pos=st.num_accepted_tokens_per_pos,
-        num_sequence_steps_by_k=st.num_sequence_steps_by_k, num_predicted_steps=st.num_predicted_steps,
-        predicted_step_seconds=st.predicted_step_s, measured_step_seconds=st.measured_step_s,
-        step_time_abs_error_seconds=st.step_time_abs_error_s, prefix_cache_queries=st.num_prefix_cache_queries,
-        prefix_cache_hits=st.num_prefix_cache_hits, num_prefix_cache_evictions=st.num_prefix_cache_evictions,
-        worker_step_seconds=st.worker_step_s, propose_seconds=st.propose_s,
-        num_tree_steps_by_depth=st.num_tree_steps_by_depth, num_tree_steps_by_nodes=st.num_tree_steps_by_nodes)
+        num_sequence_steps_by_k=st.num_sequence_steps_by_k,
+        num_predicted_steps=st.num_predicted_steps,
+        predicted_step_seconds=st.predicted_step_s,
+        measured_step_seconds=st.measured_step_s,
+        step_time_abs_error_seconds=st.step_time_abs_error_s,
+        prefix_cache_queries=st.num_prefix_cache_queries,
+        prefix_cache_hits=st.num_prefix_cache_hits,
+        num_prefix_cache_evictions=st.num_prefix_cache_evictions,
+        worker_step_seconds=st.worker_step_s,
+        propose_seconds=st.propose_s,
+        num_tree_steps_by_depth=st.num_tree_steps_by_depth,
+        num_tree_steps_by_nodes=st.num_tree_steps_by_nodes,
+    )
 
 
 def _workers(snap: ClusterSnapshot) -> list[pb.WorkerStatus]:
-    return [pb.WorkerStatus(address=w.address, state=w.state.value, num_running=w.num_running,
-                            num_waiting=w.num_waiting, num_free_kv_blocks=w.num_free_blocks,
-                            num_kv_blocks=w.num_total_blocks, counters=_counters(w.stats, w.busy, w.num_failures),
-                            last_error=w.last_error or "", num_cached_kv_blocks=w.num_cached_blocks)
-            for w in snap.workers]
+    return [
+        pb.WorkerStatus(
+            address=w.address,
+            state=w.state.value,
+            num_running=w.num_running,
+            num_waiting=w.num_waiting,
+            num_free_kv_blocks=w.num_free_blocks,
+            num_kv_blocks=w.num_total_blocks,
+            counters=_counters(w.stats, w.busy, w.num_failures),
+            last_error=w.last_error or "",
+            num_cached_kv_blocks=w.num_cached_blocks,
+        )
+        for w in snap.workers
+    ]
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -122,9 +154,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             final = o.finish_reason is not None
             if not (o.new_token_ids or o.text or final):
                 continue
-            yield pb.GenerateResponse(request_id=o.request_id, text=o.text, token_ids=o.new_token_ids,
-                                      logprobs=o.logprobs, finish_reason=_FINISH[o.finish_reason],
-                                      usage=_usage(o) if final else None)
+            yield pb.GenerateResponse(
+                request_id=o.request_id,
+                text=o.text,
+                token_ids=o.new_token_ids,
+                logprobs=o.logprobs,
+                finish_reason=_FINISH[o.finish_reason],
+                usage=_usage(o) if final else None,
+            )
 
     def Complete(self, request, context):
         """Runs a request to completion and returns everything at once."""
@@ -134,9 +171,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             ids.extend(o.new_token_ids)
             logprobs.extend(o.logprobs)
             if o.finish_reason is not None:
-                return pb.CompleteResponse(request_id=o.request_id, text="".join(text), token_ids=ids,
-                                           logprobs=logprobs, finish_reason=_FINISH[o.finish_reason],
-                                           usage=_usage(o))
+                return pb.CompleteResponse(
+                    request_id=o.request_id,
+                    text="".join(text),
+                    token_ids=ids,
+                    logprobs=logprobs,
+                    finish_reason=_FINISH[o.finish_reason],
+                    usage=_usage(o),
+                )
 
     def Abort(self, request, context):
         """Aborts a running request by id."""
@@ -150,42 +192,61 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         facts, snap = cluster.facts, cluster.snapshot()
         c = facts.config
         serving = [w for w in snap.workers if w.num_total_blocks]
-        counters = _counters(snap.stats, snap.busy, snap.num_worker_failures, snap.num_moved_requests,
-                             snap.num_requests)
+        counters = _counters(
+            snap.stats, snap.busy, snap.num_worker_failures, snap.num_moved_requests, snap.num_requests
+        )
         return pb.GetServerInfoResponse(
-            model=facts.served_model_name, proposer=facts.proposer, num_speculative_tokens=c.num_speculative_tokens,
-            max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs, block_size=c.block_size,
+            model=facts.served_model_name,
+            proposer=facts.proposer,
+            num_speculative_tokens=c.num_speculative_tokens,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            block_size=c.block_size,
             num_kv_blocks=sum(w.num_total_blocks for w in serving),
-            num_free_kv_blocks=sum(w.num_free_blocks for w in serving), scheduling=c.scheduling,
+            num_free_kv_blocks=sum(w.num_free_blocks for w in serving),
+            scheduling=c.scheduling,
             speculation_policy=c.speculation_policy,
-            speculative_disable_queue_size=c.speculative_disable_queue_size or 0, counters=counters,
+            speculative_disable_queue_size=c.speculative_disable_queue_size or 0,
+            counters=counters,
             num_running=sum(w.num_running for w in snap.workers),
             num_waiting=sum(w.num_waiting for w in snap.workers) + snap.num_waiting_for_worker,
-            workers=_workers(snap), enable_prefix_caching=c.enable_prefix_caching, routing=cluster.options.routing,
-            num_cached_kv_blocks=sum(w.num_cached_blocks for w in serving))
+            workers=_workers(snap),
+            enable_prefix_caching=c.enable_prefix_caching,
+            routing=cluster.options.routing,
+            num_cached_kv_blocks=sum(w.num_cached_blocks for w in serving),
+        )
 
 
 # Server threads beyond the streaming calls' bound: health checks, GetServerInfo, Abort, reflection.
 NUM_RESERVED_THREADS = 16
 
 
-def create_server(host: str, port: int, max_open_streams: int = 512,
-                  credentials: grpc.ServerCredentials | None = None, interceptors=()):
+def create_server(
+    host: str,
+    port: int,
+    max_open_streams: int = 512,
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors=(),
+):
     """A started server (health NOT_SERVING until a worker serves); returns (server, servicer, bound port).
 
     credentials: a TLS port (specdec.security.server_credentials), else plaintext; interceptors: e.g. the
     API-key check (auth.py).
     """
     # so_reuseport off: a port another server holds must fail to bind, not be shared.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_open_streams + NUM_RESERVED_THREADS),
-                         options=[("grpc.so_reuseport", 0)], interceptors=list(interceptors))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_open_streams + NUM_RESERVED_THREADS),
+        options=[("grpc.so_reuseport", 0)],
+        interceptors=list(interceptors),
+    )
     health_servicer = health.HealthServicer()
     servicer = GenerationServicer(health_servicer, Frontend(max_open_streams))
     servicer.set_serving(False)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
     try:
         address = f"{host}:{port}"
         bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)

@@ -8,7 +8,8 @@ dictionary lookup.
 
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 import threading
 import time
 
@@ -33,8 +34,15 @@ class _TokenizerUnusable(RuntimeError):
 class ConstraintCompiler:
     """Turns `StructuredOutputs` into the grammar text a NewRequest carries ("" when unconstrained)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], max_chars: int,
-                 timeout_s: float, on_compiled: Callable[[float | None], None] | None = None):
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        max_chars: int,
+        timeout_s: float,
+        on_compiled: Callable[[float | None], None] | None = None,
+    ):
         """on_compiled(seconds): called for every constrained request admitted; seconds is None for a cache hit."""
         self._tokenizer_args = (tokenizer_json, vocab_size, list(eos_token_ids))
         self._tokenizer = None
@@ -63,8 +71,9 @@ class ConstraintCompiler:
             raise ConstraintInputError("structured_outputs.json_object must be true when it is set")
         size = 0 if kind == "json_object" else sum(map(len, value)) if kind == "choice" else len(value)
         if size > self.max_chars:
-            raise ConstraintInputError(f"the {kind} constraint has {size} characters: at most {self.max_chars} "
-                                       "(--structured-output-max-chars)")
+            raise ConstraintInputError(
+                f"the {kind} constraint has {size} characters: at most {self.max_chars} (--structured-output-max-chars)"
+            )
         key = (kind, value)
         with self._lock:
             grammar = self._cache.get(key)
@@ -79,9 +88,11 @@ class ConstraintCompiler:
         try:
             grammar = future.result(timeout=self.timeout_s)
         except FutureTimeout:
-            raise EngineError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"compiling the {kind} constraint took longer than {self.timeout_s:g} s "
-                              "(--structured-output-timeout): simplify it") from None
+            raise EngineError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"compiling the {kind} constraint took longer than {self.timeout_s:g} s "
+                "(--structured-output-timeout): simplify it",
+            ) from None
         except structured.ConstraintError as exc:
             raise ConstraintInputError(str(exc)) from exc
         except _TokenizerUnusable as exc:
@@ -110,6 +121,8 @@ class ConstraintCompiler:
                 try:
                     self._tokenizer = structured.make_tokenizer(*self._tokenizer_args)
                 except Exception as exc:  # e.g. a model vocabulary smaller than the tokenizer's, no EOS
-                    raise _TokenizerUnusable(f"structured outputs are not available for this model: llguidance "
-                                             f"cannot use its tokenizer ({exc})") from exc
+                    raise _TokenizerUnusable(
+                        f"structured outputs are not available for this model: llguidance "
+                        f"cannot use its tokenizer ({exc})"
+                    ) from exc
             return self._tokenizer

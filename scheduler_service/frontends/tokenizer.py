@@ -58,6 +58,7 @@ class ChatTokenizer:
         """Renders messages with the generation prompt appended, then tokenises the text."""
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template: send a text prompt or token ids")
-        text = self.chat_template.render(messages=messages, add_generation_prompt=True,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        text = self.chat_template.render(
+            messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
+        )
         return self.encode(text)

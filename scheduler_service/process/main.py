@@ -40,7 +40,7 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     tokenizer = ChatTokenizer(opts.model_dir)
     server, servicer, port = create_server(opts.host, opts.port, opts.max_open_streams, **security_hooks(opts))
     announce(f"scheduler listening on {opts.host}:{port}")
-    signals = StopSignals()   # only on the main thread (tests run the scheduler on others, with `stop`)
+    signals = StopSignals()  # only on the main thread (tests run the scheduler on others, with `stop`)
     stoppers = [lambda: server.stop(grace=None)]  # what has started, stopped last first if starting fails
     try:
         http = _start_http(servicer.frontend, opts)
@@ -49,8 +49,13 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
         request_metrics = RequestMetrics()
         servicer.frontend.on_constraint_compiled.append(request_metrics.on_constraint_compiled)
         cluster = Cluster(opts, membership, tokenizer, servicer.set_serving, request_metrics)
-        metrics_server = (start_metrics_server(cluster_registry(cluster.snapshot, request_metrics), opts.host,
-                                               opts.metrics_port, "scheduler") if opts.metrics_port else None)
+        metrics_server = (
+            start_metrics_server(
+                cluster_registry(cluster.snapshot, request_metrics), opts.host, opts.metrics_port, "scheduler"
+            )
+            if opts.metrics_port
+            else None
+        )
         stoppers.append(lambda: _stop_metrics(metrics_server))
         cluster.start()
         stoppers.append(cluster.stop)
@@ -60,8 +65,13 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
             stopper()
         raise
     servicer.attach(cluster, tokenizer)
-    logger.info("serving %s (%s) from %s; %s scheduling", facts.served_model_name, facts.model_id,
-                ", ".join(opts.worker_addresses), facts.config.scheduling)
+    logger.info(
+        "serving %s (%s) from %s; %s scheduling",
+        facts.served_model_name,
+        facts.model_id,
+        ", ".join(opts.worker_addresses),
+        facts.config.scheduling,
+    )
     announce("scheduler ready")
     stats_logger = StatsLogger(cluster.snapshot, opts.log_stats_interval_s)
     stats_logger.start()
@@ -82,8 +92,11 @@ def _start_http(frontend: Frontend, opts: SchedulerOptions) -> HttpServer | None
         return None
     http = HttpServer(create_app(frontend, opts.api_keys), opts.host, opts.http_port, opts.client_tls)
     http.start()
-    logger.info("HTTP API: %s; API keys: %s", "TLS" if opts.client_tls.is_enabled else "plaintext",
-                "required" if opts.api_keys else "not required")
+    logger.info(
+        "HTTP API: %s; API keys: %s",
+        "TLS" if opts.client_tls.is_enabled else "plaintext",
+        "required" if opts.api_keys else "not required",
+    )
     announce(f"http listening on {opts.host}:{http.port}")
     return http
 
@@ -104,5 +117,6 @@ def drain(servicer, cluster: Cluster, grace_period_s: float) -> None:
     num_left = cluster.num_live_requests
     if num_left:
         logger.warning("shutdown grace period over: %d requests aborted", num_left)
-    cluster.stop(f"the scheduler shut down: the request did not finish within the shutdown grace period "
-                 f"({grace_period_s:.0f} s)")
+    cluster.stop(
+        f"the scheduler shut down: the request did not finish within the shutdown grace period ({grace_period_s:.0f} s)"
+    )

@@ -38,8 +38,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 class MetricInfo:
     """One exported metric, as the README's table lists it."""
 
-    name: str                  # as scraped; counters end in `_total`
-    kind: str                  # counter, gauge or histogram
+    name: str  # as scraped; counters end in `_total`
+    kind: str  # counter, gauge or histogram
     labels: tuple[str, ...]
     help: str
 
@@ -58,50 +58,103 @@ METRICS = (
     _info("worker_serving", "gauge", "1 while the worker serves, 0 while it joins or after it left.", "worker"),
     _info("prompt_tokens_total", "counter", "Prompt tokens of requests that emitted their first token."),
     _info("generation_tokens_total", "counter", "Output tokens delivered to clients."),
-    _info("request_success_total", "counter", "Finished requests by finish reason: stop, length, abort (cancelled, "
-          "or failed: no worker, moved too often).", "finished_reason"),
+    _info(
+        "request_success_total",
+        "counter",
+        "Finished requests by finish reason: stop, length, abort (cancelled, or failed: no worker, moved too often).",
+        "finished_reason",
+    ),
     _info("time_to_first_token_seconds", "histogram", "From arrival to the first output token."),
-    _info("inter_token_latency_seconds", "histogram",
-          "Between output tokens: each later output's gap divided over the tokens it carries, once per token."),
+    _info(
+        "inter_token_latency_seconds",
+        "histogram",
+        "Between output tokens: each later output's gap divided over the tokens it carries, once per token.",
+    ),
     _info("e2e_request_latency_seconds", "histogram", "From arrival to the last output (any finish reason)."),
     _info("spec_decode_num_drafts_total", "counter", "Sequence-steps with at least one draft token."),
     _info("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed."),
     _info("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
-    _info("spec_decode_num_accepted_tokens_per_pos_total", "counter",
-          "Sequence-steps that accepted the draft at this position (0..K-1); a step that accepted n drafts counts "
-          "at 0..n-1, so the positions sum to the accepted total.",
-          "position"),
-    _info("spec_decode_num_draft_tokens_by_proposer_total", "counter",
-          "Draft tokens proposed, by the proposer that drafted them (each step scores one proposer's drafts per "
-          "sequence).", "proposer"),
-    _info("spec_decode_num_accepted_tokens_per_pos_by_proposer_total", "counter",
-          "spec_decode_num_accepted_tokens_per_pos_total split by the proposer that drafted.", "proposer", "position"),
-    _info("spec_decode_num_sequence_steps_by_k_total", "counter",
-          "Decoding sequence-steps by the draft length k (0..K) the speculation policy chose.", "k"),
-    _info("spec_decode_num_tree_steps_by_depth_total", "counter",
-          "Sequence-steps whose drafts formed a tree (--draft-tree-width), by its depth.", "depth"),
-    _info("spec_decode_num_tree_steps_by_nodes_total", "counter",
-          "Sequence-steps whose drafts formed a tree, by its number of nodes.", "nodes"),
-    _info("spec_decode_predicted_step_seconds_total", "counter",
-          "The policy's step-cost model: predicted worker step time, summed over the steps it predicted."),
-    _info("spec_decode_measured_step_seconds_total", "counter",
-          "Measured worker step time of the steps the cost model predicted (compare with the predicted total)."),
+    _info(
+        "spec_decode_num_accepted_tokens_per_pos_total",
+        "counter",
+        "Sequence-steps that accepted the draft at this position (0..K-1); a step that accepted n drafts counts "
+        "at 0..n-1, so the positions sum to the accepted total.",
+        "position",
+    ),
+    _info(
+        "spec_decode_num_draft_tokens_by_proposer_total",
+        "counter",
+        "Draft tokens proposed, by the proposer that drafted them (each step scores one proposer's drafts per "
+        "sequence).",
+        "proposer",
+    ),
+    _info(
+        "spec_decode_num_accepted_tokens_per_pos_by_proposer_total",
+        "counter",
+        "spec_decode_num_accepted_tokens_per_pos_total split by the proposer that drafted.",
+        "proposer",
+        "position",
+    ),
+    _info(
+        "spec_decode_num_sequence_steps_by_k_total",
+        "counter",
+        "Decoding sequence-steps by the draft length k (0..K) the speculation policy chose.",
+        "k",
+    ),
+    _info(
+        "spec_decode_num_tree_steps_by_depth_total",
+        "counter",
+        "Sequence-steps whose drafts formed a tree (--draft-tree-width), by its depth.",
+        "depth",
+    ),
+    _info(
+        "spec_decode_num_tree_steps_by_nodes_total",
+        "counter",
+        "Sequence-steps whose drafts formed a tree, by its number of nodes.",
+        "nodes",
+    ),
+    _info(
+        "spec_decode_predicted_step_seconds_total",
+        "counter",
+        "The policy's step-cost model: predicted worker step time, summed over the steps it predicted.",
+    ),
+    _info(
+        "spec_decode_measured_step_seconds_total",
+        "counter",
+        "Measured worker step time of the steps the cost model predicted (compare with the predicted total).",
+    ),
     _info("num_steps_speculation_disabled_total", "counter", "Steps run without drafts because of the queue size."),
     _info("num_preemptions_total", "counter", "Requests preempted (recomputed later) for lack of KV blocks."),
-    _info("prefix_cache_queries_total", "counter",
-          "Tokens of requests leaving a waiting queue (new, preempted or moved), looked up in the prefix cache."),
+    _info(
+        "prefix_cache_queries_total",
+        "counter",
+        "Tokens of requests leaving a waiting queue (new, preempted or moved), looked up in the prefix cache.",
+    ),
     _info("prefix_cache_hits_total", "counter", "Of those, tokens whose KV was found cached (not computed)."),
     _info("prefix_cache_evictions_total", "counter", "Cached KV blocks whose KV was dropped to hold other tokens."),
     _info("prefix_cache_blocks", "gauge", "KV blocks in the serving workers' prefix caches (in use or free)."),
     _info("worker_failures_total", "counter", "Times a worker left by failing (crash, hang, broken stream)."),
     _info("moved_requests_total", "counter", "Requests moved to another worker after theirs left."),
-    _info("engine_errors_total", "counter", "Unexpected exceptions the worker engines and the cluster's maintenance caught."),
-    _info("structured_output_requests_total", "counter",
-          "Requests admitted with a structured-output constraint (JSON schema, JSON object, regex, choice, grammar)."),
-    _info("structured_output_cache_hits_total", "counter",
-          "Of those, constraints found compiled in the scheduler's cache (a repeated schema)."),
-    _info("structured_output_compile_seconds", "histogram",
-          "Compiling a constraint that was not cached (beside the step loop; bounded by --structured-output-timeout)."),
+    _info(
+        "engine_errors_total",
+        "counter",
+        "Unexpected exceptions the worker engines and the cluster's maintenance caught.",
+    ),
+    _info(
+        "structured_output_requests_total",
+        "counter",
+        "Requests admitted with a structured-output constraint (JSON schema, JSON object, regex, choice, grammar).",
+    ),
+    _info(
+        "structured_output_cache_hits_total",
+        "counter",
+        "Of those, constraints found compiled in the scheduler's cache (a repeated schema).",
+    ),
+    _info(
+        "structured_output_compile_seconds",
+        "histogram",
+        "Compiling a constraint that was not cached (beside the step loop; bounded by --structured-output-timeout).",
+    ),
 )
 _BY_NAME = {m.name: m for m in METRICS}
 
@@ -205,9 +258,10 @@ def _counter(name: str, value: float | None = None) -> CounterMetricFamily:
 
 
 def _load_gauges(snap: ClusterSnapshot) -> Iterator[Metric]:
-    running, waiting, usage, serving = (_gauge(f"specdec_worker_{name}") for name in
-                                        ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                                         "serving"))
+    running, waiting, usage, serving = (
+        _gauge(f"specdec_worker_{name}")
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "serving")
+    )
     for w in snap.workers:
         running.add_metric([w.address], w.num_running)
         waiting.add_metric([w.address], w.num_waiting)
@@ -228,21 +282,23 @@ def _usage(num_used_blocks: int, num_total_blocks: int) -> float:
 
 def _counters(snap: ClusterSnapshot) -> Iterator[Metric]:
     st = snap.stats
-    for name, value in (("prompt_tokens_total", st.num_prompt_tokens),
-                        ("generation_tokens_total", st.num_emitted_tokens),
-                        ("spec_decode_num_drafts_total", st.num_drafts),
-                        ("spec_decode_num_draft_tokens_total", st.num_draft_tokens),
-                        ("spec_decode_num_accepted_tokens_total", st.num_accepted_tokens),
-                        ("spec_decode_predicted_step_seconds_total", st.predicted_step_s),
-                        ("spec_decode_measured_step_seconds_total", st.measured_step_s),
-                        ("num_steps_speculation_disabled_total", st.num_steps_speculation_disabled),
-                        ("num_preemptions_total", st.num_preemptions),
-                        ("prefix_cache_queries_total", st.num_prefix_cache_queries),
-                        ("prefix_cache_hits_total", st.num_prefix_cache_hits),
-                        ("prefix_cache_evictions_total", st.num_prefix_cache_evictions),
-                        ("worker_failures_total", snap.num_worker_failures),
-                        ("moved_requests_total", snap.num_moved_requests),
-                        ("engine_errors_total", snap.num_engine_errors)):
+    for name, value in (
+        ("prompt_tokens_total", st.num_prompt_tokens),
+        ("generation_tokens_total", st.num_emitted_tokens),
+        ("spec_decode_num_drafts_total", st.num_drafts),
+        ("spec_decode_num_draft_tokens_total", st.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens_total", st.num_accepted_tokens),
+        ("spec_decode_predicted_step_seconds_total", st.predicted_step_s),
+        ("spec_decode_measured_step_seconds_total", st.measured_step_s),
+        ("num_steps_speculation_disabled_total", st.num_steps_speculation_disabled),
+        ("num_preemptions_total", st.num_preemptions),
+        ("prefix_cache_queries_total", st.num_prefix_cache_queries),
+        ("prefix_cache_hits_total", st.num_prefix_cache_hits),
+        ("prefix_cache_evictions_total", st.num_prefix_cache_evictions),
+        ("worker_failures_total", snap.num_worker_failures),
+        ("moved_requests_total", snap.num_moved_requests),
+        ("engine_errors_total", snap.num_engine_errors),
+    ):
         yield _counter(f"specdec_{name}", value)
     per_pos = _counter("specdec_spec_decode_num_accepted_tokens_per_pos_total")
     k = max((w.config.num_speculative_tokens for w in snap.workers if w.config is not None), default=0)
@@ -259,9 +315,11 @@ def _counters(snap: ClusterSnapshot) -> Iterator[Metric]:
         for position in range(max(k, len(counts))):
             per_pos.add_metric([proposer, str(position)], counts[position] if position < len(counts) else 0)
     yield per_pos
-    for name, label, counts in (("num_sequence_steps_by_k", "k", st.num_sequence_steps_by_k),
-                                ("num_tree_steps_by_depth", "depth", st.num_tree_steps_by_depth),
-                                ("num_tree_steps_by_nodes", "nodes", st.num_tree_steps_by_nodes)):
+    for name, label, counts in (
+        ("num_sequence_steps_by_k", "k", st.num_sequence_steps_by_k),
+        ("num_tree_steps_by_depth", "depth", st.num_tree_steps_by_depth),
+        ("num_tree_steps_by_nodes", "nodes", st.num_tree_steps_by_nodes),
+    ):
         histogram = _counter(f"specdec_spec_decode_{name}_total")
         for value, count in enumerate(counts):
             histogram.add_metric([str(value)], count)

@@ -33,25 +33,30 @@ def format_stats_line(previous: ClusterSnapshot, current: ClusterSnapshot, elaps
     num_generated_tokens = now.num_emitted_tokens - before.num_emitted_tokens
     num_running = sum(w.num_running for w in current.workers)
     num_waiting = sum(w.num_waiting for w in current.workers) + current.num_waiting_for_worker
-    if not (now.num_steps - before.num_steps or num_prompt_tokens or num_generated_tokens or num_running
-            or num_waiting):
+    if not (
+        now.num_steps - before.num_steps or num_prompt_tokens or num_generated_tokens or num_running or num_waiting
+    ):
         return None
     serving = [w for w in current.workers if w.state is WorkerState.SERVING]
     num_total_blocks = sum(w.num_total_blocks for w in serving)
     num_used_blocks = num_total_blocks - sum(w.num_free_blocks for w in serving)
     kv_usage = num_used_blocks / num_total_blocks if num_total_blocks else 0.0
     seconds = max(elapsed_s, 1e-9)
-    line = (f"Avg prompt throughput: {num_prompt_tokens / seconds:.1f} tokens/s, "
-            f"Avg generation throughput: {num_generated_tokens / seconds:.1f} tokens/s, "
-            f"Running: {num_running} reqs, Waiting: {num_waiting} reqs, KV cache usage: {100 * kv_usage:.1f}%, "
-            f"Prefix cache hit rate: {_hit_rate(before, now)}, ")
+    line = (
+        f"Avg prompt throughput: {num_prompt_tokens / seconds:.1f} tokens/s, "
+        f"Avg generation throughput: {num_generated_tokens / seconds:.1f} tokens/s, "
+        f"Running: {num_running} reqs, Waiting: {num_waiting} reqs, KV cache usage: {100 * kv_usage:.1f}%, "
+        f"Prefix cache hit rate: {_hit_rate(before, now)}, "
+    )
     num_draft_tokens = now.num_draft_tokens - before.num_draft_tokens
     num_drafts = now.num_drafts - before.num_drafts
     if not num_draft_tokens or not num_drafts:
         return line + "acceptance rate: - (no drafts)"
     num_accepted_tokens = now.num_accepted_tokens - before.num_accepted_tokens
-    return line + (f"acceptance rate: {100 * num_accepted_tokens / num_draft_tokens:.1f}% "
-                   f"(tokens per speculating step {1 + num_accepted_tokens / num_drafts:.2f})")
+    return line + (
+        f"acceptance rate: {100 * num_accepted_tokens / num_draft_tokens:.1f}% "
+        f"(tokens per speculating step {1 + num_accepted_tokens / num_drafts:.2f})"
+    )
 
 
 def _hit_rate(before, now) -> str:
@@ -63,8 +68,9 @@ def _hit_rate(before, now) -> str:
 class StatsLogger:
     """Logs format_stats_line at INFO every `interval_s` seconds on a thread of its own (0: never)."""
 
-    def __init__(self, snapshot: Callable[[], ClusterSnapshot], interval_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, snapshot: Callable[[], ClusterSnapshot], interval_s: float, clock: Callable[[], float] = time.monotonic
+    ):
         self._snapshot = snapshot
         self._interval_s = interval_s
         self._clock = clock

@@ -13,8 +13,10 @@ from scheduler_service.process import flags as scheduler_flags
 from specdec import security
 from specdec.cli import logs, parsing
 from specdec.metrics_server import check_metrics_port
-from worker_service.serving import flags as worker_flags
 from worker_service.runtime import default_model as models
+from worker_service.serving import flags as worker_flags
+
+
 def _add_model_flag(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--model", default=None, help=f"{help_text} (default: the embedded SmolLM2-135M-Instruct)")
 
@@ -39,8 +41,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
         credentials = security.server_credentials(security.server_tls_from_args(args))  # before the model
         config = worker_flags.config_from_args(args, str(models.resolve_model(args.model)), args.num_threads)
         check_metrics_port(args.metrics_port)
-        return run_worker(config, args.host, args.port, credentials=credentials, metrics_port=args.metrics_port,
-                          parent_fd=args.parent_fd)
+        return run_worker(
+            config,
+            args.host,
+            args.port,
+            credentials=credentials,
+            metrics_port=args.metrics_port,
+            parent_fd=args.parent_fd,
+        )
     except (ValueError, OSError, RuntimeError) as exc:  # a ModelLoadError is a RuntimeError
         print(f"specdec worker: error: {exc}", file=sys.stderr)
         return 1
@@ -51,8 +59,9 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
     try:
         model_dir = str(models.resolve_model(args.model))
-        return run_scheduler(scheduler_flags.options_from_args(args, model_dir, args.worker,
-                                                               models.model_name(args.model)))
+        return run_scheduler(
+            scheduler_flags.options_from_args(args, model_dir, args.worker, models.model_name(args.model))
+        )
     except Exception as exc:  # noqa: BLE001 - the CLI edge: one clear line, non-zero exit
         print(f"specdec scheduler: error: {exc}", file=sys.stderr)
         return 1
@@ -77,23 +86,38 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = parsing.SpecdecArgumentParser(prog="specdec", description=__doc__.splitlines()[0],
-                                           formatter_class=parsing.DefaultsHelpFormatter, epilog=parsing.ENV_EPILOG)
-    parser.add_argument("--version", action="version", version=f"specdec {parsing.version()}",
-                        help="print `specdec VERSION` and exit")
+    parser = parsing.SpecdecArgumentParser(
+        prog="specdec",
+        description=__doc__.splitlines()[0],
+        formatter_class=parsing.DefaultsHelpFormatter,
+        epilog=parsing.ENV_EPILOG,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"specdec {parsing.version()}", help="print `specdec VERSION` and exit"
+    )
     parsing.add_global_flags(parser, is_subcommand=False)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_worker(parsing.add_subcommand(sub, "worker", "run a worker service (models + KV cache)"))
     _add_scheduler(parsing.add_subcommand(sub, "scheduler", "run the scheduler (client API) for running workers"))
-    _add_serve(parsing.add_subcommand(
-        sub, "serve", "start workers and the scheduler on loopback",
-        description="Starts worker processes and the scheduler. The workers listen on 127.0.0.1 in plaintext; "
-                    "--ssl-* and --api-key-file protect the client port."))
+    _add_serve(
+        parsing.add_subcommand(
+            sub,
+            "serve",
+            "start workers and the scheduler on loopback",
+            description="Starts worker processes and the scheduler. The workers listen on 127.0.0.1 in plaintext; "
+            "--ssl-* and --api-key-file protect the client port.",
+        )
+    )
     _add_generate(parsing.add_subcommand(sub, "generate", "stream a completion from a running server"))
-    _add_train_draft(parsing.add_subcommand(
-        sub, "train-draft", "train an EAGLE-3 draft head for a model",
-        description="Generates the target's own responses to prompts from redistributable package text and "
-                    "prompts it writes itself, then trains an EAGLE-3 head on its hidden states. Resumable."))
+    _add_train_draft(
+        parsing.add_subcommand(
+            sub,
+            "train-draft",
+            "train an EAGLE-3 draft head for a model",
+            description="Generates the target's own responses to prompts from redistributable package text and "
+            "prompts it writes itself, then trains an EAGLE-3 head on its hidden states. Resumable.",
+        )
+    )
     return parser
 
 
@@ -104,21 +128,36 @@ def _add_worker(worker: argparse.ArgumentParser) -> None:
     worker_flags.add_flags(worker)
     worker.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     security.add_server_tls_flags(worker, "the worker port")
-    worker.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
-                        help="serve Prometheus metrics at http://HOST:PORT/metrics; 0: off")
-    worker.add_argument("--parent-fd", type=int, default=None, metavar="FD",
-                        help="exit when this inherited file descriptor reads end of file: `specdec serve` passes "
-                             "a pipe only it writes to, so that its workers end with it, even when it is killed "
-                             "(default: none, the worker runs until SIGTERM)")
+    worker.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics; 0: off",
+    )
+    worker.add_argument(
+        "--parent-fd",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="exit when this inherited file descriptor reads end of file: `specdec serve` passes "
+        "a pipe only it writes to, so that its workers end with it, even when it is killed "
+        "(default: none, the worker runs until SIGTERM)",
+    )
     worker.set_defaults(func=cmd_worker)
 
 
 def _add_scheduler(scheduler: argparse.ArgumentParser) -> None:
     scheduler.add_argument("--host", default="127.0.0.1", help="client API address to listen on")
     scheduler.add_argument("--port", type=int, default=50051, help="client API port; 0: any free port")
-    scheduler.add_argument("--worker", required=True, action="append", type=_worker_address,
-                           metavar="HOST:PORT|dns:///NAME:PORT",
-                           help="a worker, or every address a DNS name resolves to (repeatable)")
+    scheduler.add_argument(
+        "--worker",
+        required=True,
+        action="append",
+        type=_worker_address,
+        metavar="HOST:PORT|dns:///NAME:PORT",
+        help="a worker, or every address a DNS name resolves to (repeatable)",
+    )
     _add_model_flag(scheduler, "the workers' model, for its tokenizer")
     scheduler_flags.add_flags(scheduler)
     scheduler_flags.add_security_flags(scheduler)
@@ -130,12 +169,19 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=int, default=50051, help="client API port; 0: any free port")
     _add_model_flag(serve, "checkpoint directory or .gguf file")
     worker_flags.add_flags(serve)
-    serve.add_argument("--num-workers", type=int, default=1, metavar="N",
-                       help="worker processes; the CPU cores are split between them")
-    serve.add_argument("--num-threads", type=int, default=None,
-                       help="torch threads per worker (default: the cores / --num-workers)")
-    serve.add_argument("--worker-metrics-port", type=int, default=0, metavar="BASE",
-                       help="worker i serves Prometheus metrics on port BASE + i; 0: off")
+    serve.add_argument(
+        "--num-workers", type=int, default=1, metavar="N", help="worker processes; the CPU cores are split between them"
+    )
+    serve.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads per worker (default: the cores / --num-workers)"
+    )
+    serve.add_argument(
+        "--worker-metrics-port",
+        type=int,
+        default=0,
+        metavar="BASE",
+        help="worker i serves Prometheus metrics on port BASE + i; 0: off",
+    )
     scheduler_flags.add_flags(serve, with_model_flags=False)
     scheduler_flags.add_security_flags(serve, with_worker_flags=False)  # its loopback workers stay plaintext
     serve.set_defaults(func=cmd_serve)
@@ -147,25 +193,43 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, not as a chat message")
     gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0,
-                     help="nucleus sampling: the smallest set of tokens with this probability")
+    gen.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens with this probability"
+    )
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
     gen.add_argument("--seed", type=int, default=None, help="reproducible sampling (default: a random seed)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--no-speculation", action="store_true", help="decode this request without drafts")
-    gen.add_argument("--ca-file", default=None, metavar="PEM",
-                     help="CA of the server's certificate: connect with TLS (default: plaintext)")
-    gen.add_argument("--cert-file", default=None, metavar="PEM",
-                     help="client certificate, for mutual TLS (default: none)")
+    gen.add_argument(
+        "--ca-file",
+        default=None,
+        metavar="PEM",
+        help="CA of the server's certificate: connect with TLS (default: plaintext)",
+    )
+    gen.add_argument(
+        "--cert-file", default=None, metavar="PEM", help="client certificate, for mutual TLS (default: none)"
+    )
     gen.add_argument("--key-file", default=None, metavar="PEM", help="private key of --cert-file (default: none)")
-    gen.add_argument("--server-name", default=None, metavar="NAME",
-                     help="the name the server's certificate must carry (default: the host of --address)")
+    gen.add_argument(
+        "--server-name",
+        default=None,
+        metavar="NAME",
+        help="the name the server's certificate must carry (default: the host of --address)",
+    )
     keys = gen.add_mutually_exclusive_group()
-    keys.add_argument("--api-key", default=None, metavar="KEY",
-                      help="the API key to send; other local users can see it in the process list, so prefer "
-                           f"--api-key-file or ${security.API_KEY_ENV} (default: ${security.API_KEY_ENV}, if set)")
-    keys.add_argument("--api-key-file", default=None, metavar="PATH",
-                      help=f"file with the API key (its first key) (default: ${security.API_KEY_ENV}, if set)")
+    keys.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="the API key to send; other local users can see it in the process list, so prefer "
+        f"--api-key-file or ${security.API_KEY_ENV} (default: ${security.API_KEY_ENV}, if set)",
+    )
+    keys.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help=f"file with the API key (its first key) (default: ${security.API_KEY_ENV}, if set)",
+    )
     gen.set_defaults(func=cmd_generate)
 
 

@@ -11,8 +11,14 @@ from specdec.v1 import generation_pb2_grpc
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                 max_tokens=args.max_tokens, stop=args.stop, seed=args.seed)
+    sampling = pb.SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        seed=args.seed,
+    )
     request = pb.GenerateRequest(sampling=sampling)
     if args.no_speculation:
         request.speculation.enabled = False
@@ -29,9 +35,11 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
         return grpc.insecure_channel(args.address)
     if bool(args.cert_file) != bool(args.key_file):
         raise ValueError("--cert-file and --key-file go together: give both or neither")
-    credentials = grpc.ssl_channel_credentials(root_certificates=security.read_file(args.ca_file, "--ca-file"),
-                                               private_key=security.read_file(args.key_file, "--key-file"),
-                                               certificate_chain=security.read_file(args.cert_file, "--cert-file"))
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=security.read_file(args.ca_file, "--ca-file"),
+        private_key=security.read_file(args.key_file, "--key-file"),
+        certificate_chain=security.read_file(args.cert_file, "--cert-file"),
+    )
     return grpc.secure_channel(args.address, credentials, options=security.channel_options(args.server_name))
 
 
@@ -51,9 +59,12 @@ def generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 if response.finish_reason:
                     u = response.usage
-                    print(f"\n[{pb.FinishReason.Name(response.finish_reason)}] prompt {u.prompt_tokens}, "
-                          f"completion {u.completion_tokens}, drafted {u.draft_tokens}, "
-                          f"accepted {u.accepted_tokens} tokens", file=sys.stderr)
+                    print(
+                        f"\n[{pb.FinishReason.Name(response.finish_reason)}] prompt {u.prompt_tokens}, "
+                        f"completion {u.completion_tokens}, drafted {u.draft_tokens}, "
+                        f"accepted {u.accepted_tokens} tokens",
+                        file=sys.stderr,
+                    )
         except grpc.RpcError as exc:
             print(f"\nspecdec generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1

@@ -13,9 +13,14 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per record: time (UTC, ISO 8601), level, logger, message, and exception when any."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
-                 .isoformat(timespec="milliseconds"),
-                 "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        entry = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         if record.stack_info:

@@ -20,14 +20,17 @@ import textwrap
 from specdec.cli.logs import LOG_FORMATS, LOG_LEVELS
 
 ENV_PREFIX = "SPECDEC_"
-# Variables that already mean something of their own (specdec/security.py, worker_service/runtime/default_model.py): never
-# read as flags. `specdec generate --api-key` takes SPECDEC_API_KEY through security.load_client_api_key.
+# Variables that already mean something of their own (specdec/security.py,
+# worker_service/runtime/default_model.py): never read as flags. `specdec generate --api-key` takes
+# SPECDEC_API_KEY through security.load_client_api_key.
 OWN_MEANING_ENV = frozenset({"SPECDEC_API_KEY", "SPECDEC_CACHE_DIR"})
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
-ENV_EPILOG = (f"Every flag can also be set as an environment variable {ENV_PREFIX}<FLAG> (--num-speculative-tokens: "
-              f"{ENV_PREFIX}NUM_SPECULATIVE_TOKENS); the command line wins. Switches take "
-              f"{'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)}, repeatable flags a comma-separated list.")
+ENV_EPILOG = (
+    f"Every flag can also be set as an environment variable {ENV_PREFIX}<FLAG> (--num-speculative-tokens: "
+    f"{ENV_PREFIX}NUM_SPECULATIVE_TOKENS); the command line wins. Switches take "
+    f"{'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)}, repeatable flags a comma-separated list."
+)
 
 
 def version() -> str:
@@ -42,7 +45,7 @@ def env_var(action: argparse.Action) -> str | None:
     """SPECDEC_<FLAG> for an option that can come from the environment; None for the others."""
     if not action.option_strings or action.default is argparse.SUPPRESS:
         return None  # positionals, --help, --version, and the subcommand copies of the global flags
-    is_on_off = isinstance(action, argparse.BooleanOptionalAction)   # --x / --no-x: SPECDEC_X
+    is_on_off = isinstance(action, argparse.BooleanOptionalAction)  # --x / --no-x: SPECDEC_X
     if action.nargs == 0 and not isinstance(action.const, bool) and not is_on_off:
         return None  # count/const actions: no switch semantics to map a variable onto
     long_option = action.option_strings[0] if is_on_off else max(action.option_strings, key=len)
@@ -69,8 +72,9 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)  # keep --flag-names whole
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
-                             break_on_hyphens=False)
+        return textwrap.fill(
+            " ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+        )
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -78,7 +82,7 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
             return text
         source = getattr(action, "env_source", None)
         if source is not None:
-            text = text[:text.rfind("(default")].rstrip() if "(default" in text else text
+            text = text[: text.rfind("(default")].rstrip() if "(default" in text else text
             return f"{text} (default: {_escape(_format_default(action.default))}, from ${source})".strip()
         if "(default" in text:
             return text
@@ -138,7 +142,7 @@ class SpecdecArgumentParser(argparse.ArgumentParser):
         for action, values in from_env:
             given = getattr(namespace, action.dest, None)
             if isinstance(given, list) and len(given) > len(values):  # argparse appended to the variable's list
-                setattr(namespace, action.dest, given[len(values):])  # the command line replaces it
+                setattr(namespace, action.dest, given[len(values) :])  # the command line replaces it
         return namespace, extras
 
     def _apply_environment(self, environ: Mapping[str, str]) -> list[tuple[argparse.Action, list]]:
@@ -166,19 +170,31 @@ def add_global_flags(p: argparse.ArgumentParser, is_subcommand: bool) -> None:
     """--log-level and --log-format. On a subcommand they default to SUPPRESS, so that they only override
     the top-level value (which the environment may set) when given after the subcommand."""
     where = " (default: as given before the subcommand, else %s)"
-    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
-                   default=argparse.SUPPRESS if is_subcommand else "INFO",
-                   help="log messages of this level and above" + (where % "INFO" if is_subcommand else ""))
-    p.add_argument("--log-format", choices=LOG_FORMATS,
-                   default=argparse.SUPPRESS if is_subcommand else "text",
-                   help="text lines, or one JSON object per line (time, level, logger, message, exception)"
-                        + (where % "text" if is_subcommand else ""))
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=argparse.SUPPRESS if is_subcommand else "INFO",
+        help="log messages of this level and above" + (where % "INFO" if is_subcommand else ""),
+    )
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=argparse.SUPPRESS if is_subcommand else "text",
+        help="text lines, or one JSON object per line (time, level, logger, message, exception)"
+        + (where % "text" if is_subcommand else ""),
+    )
 
 
 def add_subcommand(sub: argparse._SubParsersAction, name: str, help_text: str, description: str | None = None):
     """A subcommand parser with the shared formatter, the environment epilog and the global flags."""
-    p = sub.add_parser(name, help=help_text, description=description or help_text[0].upper() + help_text[1:] + ".",
-                       formatter_class=DefaultsHelpFormatter, epilog=ENV_EPILOG)
+    p = sub.add_parser(
+        name,
+        help=help_text,
+        description=description or help_text[0].upper() + help_text[1:] + ".",
+        formatter_class=DefaultsHelpFormatter,
+        epilog=ENV_EPILOG,
+    )
     add_global_flags(p, is_subcommand=True)
     return p
 

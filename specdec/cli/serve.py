@@ -17,8 +17,9 @@ import threading
 from scheduler_service.process import flags as scheduler_flags
 from specdec import security
 from specdec.cli.parsing import flag_free_environ
-from worker_service.serving import flags as worker_flags
 from worker_service.runtime import default_model as models
+from worker_service.serving import flags as worker_flags
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,7 +28,7 @@ class WorkerProcess:
 
     def __init__(self, index: int, argv: list[str], parent_fd: int):
         self.index = index
-        self.argv = argv          # `specdec ...` arguments without --port and --parent-fd
+        self.argv = argv  # `specdec ...` arguments without --port and --parent-fd
         self.parent_fd = parent_fd  # the read end of the pipe whose end of file tells the worker to exit
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
@@ -48,8 +49,13 @@ class WorkerProcess:
             # port's TLS, say) may reach the worker.
             self.proc = proc = subprocess.Popen(
                 [sys.executable, "-m", "specdec", *self.argv, "--port", str(port), "--parent-fd", str(self.parent_fd)],
-                stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=flag_free_environ(),
-                pass_fds=(self.parent_fd,))
+                stdout=subprocess.PIPE,
+                stderr=None,
+                text=True,
+                start_new_session=True,
+                env=flag_free_environ(),
+                pass_fds=(self.parent_fd,),
+            )
         for line in proc.stdout:
             self._echo(line)
             if line.startswith("worker listening on "):
@@ -68,8 +74,9 @@ class WorkerProcess:
                 on_fatal(f"worker {self.index} exited with code {code} before loading its model")
                 return
             port = int(self.address.rsplit(":", 1)[1])
-            logger.warning("worker %d (%s) exited with code %d: starting it again on port %d",
-                           self.index, self.address, code, port)
+            logger.warning(
+                "worker %d (%s) exited with code %d: starting it again on port %d", self.index, self.address, code, port
+            )
             try:
                 self.start(port)
             except RuntimeError as exc:
@@ -100,8 +107,20 @@ class WorkerProcess:
 
 def _worker_argv(args: argparse.Namespace, model_dir: str) -> list[str]:
     num_threads = args.num_threads or max(1, (os.cpu_count() or 1) // args.num_workers)
-    return ["--log-level", args.log_level, "--log-format", args.log_format, "worker", "--host", "127.0.0.1",
-            "--model", model_dir, "--num-threads", str(num_threads), *worker_flags.forwarded_argv(args)]
+    return [
+        "--log-level",
+        args.log_level,
+        "--log-format",
+        args.log_format,
+        "worker",
+        "--host",
+        "127.0.0.1",
+        "--model",
+        model_dir,
+        "--num-threads",
+        str(num_threads),
+        *worker_flags.forwarded_argv(args),
+    ]
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -111,8 +130,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"specdec serve: error: --num-workers must be >= 1, got {args.num_workers}", file=sys.stderr)
         return 2
     if args.worker_metrics_port and not 0 < args.worker_metrics_port <= 65536 - args.num_workers:
-        print(f"specdec serve: error: --worker-metrics-port {args.worker_metrics_port} + {args.num_workers} workers "
-              "is not a port range in 1..65535 (0: off)", file=sys.stderr)
+        print(
+            f"specdec serve: error: --worker-metrics-port {args.worker_metrics_port} + {args.num_workers} workers "
+            "is not a port range in 1..65535 (0: off)",
+            file=sys.stderr,
+        )
         return 2
     workers: list[WorkerProcess] = []
     # Every worker inherits the read end; the write end stays here only (os.pipe's are not inherited), so

@@ -12,8 +12,9 @@ def test_a_record_is_one_json_object_per_line():
     try:
         raise ValueError("bad\nvalue")
     except ValueError:
-        record = logger.makeRecord("specdec.test", logging.ERROR, __file__, 1, "step %d failed", (7,),
-                                   exc_info=sys.exc_info())
+        record = logger.makeRecord(
+            "specdec.test", logging.ERROR, __file__, 1, "step %d failed", (7,), exc_info=sys.exc_info()
+        )
     line = JsonFormatter().format(record)
     assert "\n" not in line  # the traceback's newlines are escaped
     entry = json.loads(line)

@@ -10,10 +10,10 @@ import pytest
 
 from scheduler_service.process import flags as scheduler_flags
 from specdec.cli import build_parser, parsing
-from worker_service.serving import flags as worker_flags
 from worker_service.runtime import default_model as models
-from worker_service.speculation.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
 from worker_service.runtime.default_model import DEFAULT_MODEL_NAME
+from worker_service.serving import flags as worker_flags
+from worker_service.speculation.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_PROPOSER
 
 SUBCOMMANDS = ("worker", "scheduler", "serve", "generate")
 
@@ -63,8 +63,13 @@ def test_help_shows_a_default_for_every_flag(command, capsys, monkeypatch):
 
 
 def test_help_of_the_real_command_names_the_environment_variables():
-    out = subprocess.run([sys.executable, "-m", "specdec", "serve", "--help"], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "SPECDEC_NUM_SPECULATIVE_TOKENS": "7", "COLUMNS": "200"})
+    out = subprocess.run(
+        [sys.executable, "-m", "specdec", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SPECDEC_NUM_SPECULATIVE_TOKENS": "7", "COLUMNS": "200"},
+    )
     assert out.returncode == 0, out.stderr
     assert "SPECDEC_<FLAG>" in out.stdout
     entry = option_entries(out.stdout)["--num-speculative-tokens"]
@@ -76,13 +81,16 @@ def test_version_prints_the_installed_version():
     assert out.returncode == 0 and out.stdout == f"specdec {importlib.metadata.version('specdec')}\n"
 
 
-@pytest.mark.parametrize("argv, level, log_format", [
-    (["serve"], "INFO", "text"),
-    (["--log-level", "debug", "serve"], "DEBUG", "text"),
-    (["serve", "--log-level", "DEBUG", "--log-format", "json"], "DEBUG", "json"),
-    (["--log-level", "ERROR", "--log-format", "json", "serve", "--log-level", "WARNING"], "WARNING", "json"),
-    (["generate", "hi", "--log-format", "json"], "INFO", "json"),
-])
+@pytest.mark.parametrize(
+    "argv, level, log_format",
+    [
+        (["serve"], "INFO", "text"),
+        (["--log-level", "debug", "serve"], "DEBUG", "text"),
+        (["serve", "--log-level", "DEBUG", "--log-format", "json"], "DEBUG", "json"),
+        (["--log-level", "ERROR", "--log-format", "json", "serve", "--log-level", "WARNING"], "WARNING", "json"),
+        (["generate", "hi", "--log-format", "json"], "INFO", "json"),
+    ],
+)
 def test_global_flags_before_or_after_the_subcommand(argv, level, log_format):
     args = build_parser().parse_args(argv)
     assert (args.log_level, args.log_format) == (level, log_format)
@@ -97,9 +105,15 @@ def test_global_flags_from_the_environment_lose_to_the_command_line(monkeypatch)
 
 
 def test_environment_variables_configure_the_worker_and_the_scheduler(monkeypatch):
-    for name, value in {"SPECDEC_PROPOSER": "ngram", "SPECDEC_NUM_SPECULATIVE_TOKENS": "3", "SPECDEC_DTYPE": "half",
-                        "SPECDEC_KV_CACHE_MEMORY_GIB": "0.5", "SPECDEC_TAKE_OVER_WORKERS": "yes",
-                        "SPECDEC_WORKER": "10.0.0.1:50052, dns:///workers:50052", "SPECDEC_MAX_NUM_SEQS": "8"}.items():
+    for name, value in {
+        "SPECDEC_PROPOSER": "ngram",
+        "SPECDEC_NUM_SPECULATIVE_TOKENS": "3",
+        "SPECDEC_DTYPE": "half",
+        "SPECDEC_KV_CACHE_MEMORY_GIB": "0.5",
+        "SPECDEC_TAKE_OVER_WORKERS": "yes",
+        "SPECDEC_WORKER": "10.0.0.1:50052, dns:///workers:50052",
+        "SPECDEC_MAX_NUM_SEQS": "8",
+    }.items():
         monkeypatch.setenv(name, value)
     worker = worker_flags.config_from_args(build_parser().parse_args(["worker"]), "m", None)
     assert (worker.proposer, worker.num_speculative_tokens, worker.dtype) == ("ngram", 3, "float16")
@@ -120,8 +134,9 @@ def test_the_command_line_wins_over_the_environment(monkeypatch):
     assert build_parser().parse_args(["generate", "hi", "--stop", "c", "--stop", "d"]).stop == ["c", "d"]
 
 
-@pytest.mark.parametrize("value, expected", [("1", True), ("TRUE", True), ("on", True), ("0", False), ("no", False),
-                                             ("off", False)])
+@pytest.mark.parametrize(
+    "value, expected", [("1", True), ("TRUE", True), ("on", True), ("0", False), ("no", False), ("off", False)]
+)
 def test_switches_take_yes_and_no_words(monkeypatch, value, expected):
     monkeypatch.setenv("SPECDEC_NO_SPECULATION", value)
     assert build_parser().parse_args(["generate", "hi"]).no_speculation is expected
@@ -136,12 +151,23 @@ def test_an_on_off_flag_takes_its_positive_name_in_the_environment(monkeypatch, 
     assert build_parser().parse_args(argv).enable_prefix_caching is not expected
 
 
-@pytest.mark.parametrize("name, value, message", [
-    ("SPECDEC_PORT", "abc", "environment variable SPECDEC_PORT='abc': invalid int value: 'abc'"),
-    ("SPECDEC_PROPOSER", "medusa", "environment variable SPECDEC_PROPOSER='medusa': invalid proposer 'medusa': choose one of"),
-    ("SPECDEC_TAKE_OVER_WORKERS", "maybe", "environment variable SPECDEC_TAKE_OVER_WORKERS='maybe': expected one of"),
-    ("SPECDEC_LOG_LEVEL", "loud", "environment variable SPECDEC_LOG_LEVEL='loud': invalid choice"),
-])
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("SPECDEC_PORT", "abc", "environment variable SPECDEC_PORT='abc': invalid int value: 'abc'"),
+        (
+            "SPECDEC_PROPOSER",
+            "medusa",
+            "environment variable SPECDEC_PROPOSER='medusa': invalid proposer 'medusa': choose one of",
+        ),
+        (
+            "SPECDEC_TAKE_OVER_WORKERS",
+            "maybe",
+            "environment variable SPECDEC_TAKE_OVER_WORKERS='maybe': expected one of",
+        ),
+        ("SPECDEC_LOG_LEVEL", "loud", "environment variable SPECDEC_LOG_LEVEL='loud': invalid choice"),
+    ],
+)
 def test_a_bad_environment_value_is_a_clear_error_naming_the_variable(monkeypatch, capsys, name, value, message):
     monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as exit_info:
@@ -162,8 +188,11 @@ def test_variables_with_a_meaning_of_their_own_are_not_flags(monkeypatch):
     monkeypatch.setenv("SPECDEC_API_KEY", "secret")
     assert build_parser().parse_args(["generate", "hi"]).api_key is None  # generate reads it itself, last
     environ = {"SPECDEC_API_KEY": "k", "SPECDEC_CACHE_DIR": "/models", "SPECDEC_PORT": "1", "PATH": "/bin"}
-    assert parsing.flag_free_environ(environ) == {"SPECDEC_API_KEY": "k", "SPECDEC_CACHE_DIR": "/models",
-                                                  "PATH": "/bin"}
+    assert parsing.flag_free_environ(environ) == {
+        "SPECDEC_API_KEY": "k",
+        "SPECDEC_CACHE_DIR": "/models",
+        "PATH": "/bin",
+    }
 
 
 def test_dtype_half_is_float16():
@@ -183,8 +212,19 @@ def test_serve_passes_the_global_and_worker_flags_to_its_workers(monkeypatch):
     from specdec.cli.serve import _worker_argv
 
     monkeypatch.setenv("SPECDEC_DTYPE", "half")
-    args = build_parser().parse_args(["serve", "--log-level", "DEBUG", "--log-format", "json", "--proposer", "ngram",
-                                      "--num-speculative-tokens", "2"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--log-level",
+            "DEBUG",
+            "--log-format",
+            "json",
+            "--proposer",
+            "ngram",
+            "--num-speculative-tokens",
+            "2",
+        ]
+    )
     monkeypatch.delenv("SPECDEC_DTYPE")  # the worker process does not get it (flag_free_environ)
     worker = build_parser().parse_args([*_worker_argv(args, "/models/m"), "--port", "0"])
     assert (worker.command, worker.log_level, worker.log_format) == ("worker", "DEBUG", "json")
@@ -204,8 +244,15 @@ def test_without_flags_a_worker_speculates_with_the_default_proposer_and_its_k()
     assert scheduler_flags.options_from_args(serve, "m", ["127.0.0.1:1"]).num_speculative_tokens is None
 
 
-@pytest.mark.parametrize("model, name", [(None, DEFAULT_MODEL_NAME), ("/models/SmolLM2-360M", "SmolLM2-360M"),
-                                         ("/models/llama/", "llama"), ("/gguf/tiny.Q8_0.gguf", "tiny.Q8_0")])
+@pytest.mark.parametrize(
+    "model, name",
+    [
+        (None, DEFAULT_MODEL_NAME),
+        ("/models/SmolLM2-360M", "SmolLM2-360M"),
+        ("/models/llama/", "llama"),
+        ("/gguf/tiny.Q8_0.gguf", "tiny.Q8_0"),
+    ],
+)
 def test_the_served_name_is_the_models_own_name_unless_a_flag_names_it(model, name):
     assert models.model_name(model) == name
     for argv, served in ([], name), (["--served-model-name", "mine"], "mine"):
@@ -217,7 +264,9 @@ def test_the_served_name_is_the_models_own_name_unless_a_flag_names_it(model, na
 def test_the_client_and_the_parser_start_without_the_model_libraries():
     """`specdec generate` (a client) and every subcommand's --help load neither torch nor transformers: with
     them, each start took about 10 s (train-draft's flags had imported its trainer)."""
-    probe = ("import sys; import specdec.cli, specdec.cli.generate; specdec.cli.build_parser(); "
-             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    probe = (
+        "import sys; import specdec.cli, specdec.cli.generate; specdec.cli.build_parser(); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "[]"

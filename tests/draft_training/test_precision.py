@@ -6,29 +6,33 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.draft_training.test_teacher import NUM_STEPS, conversations
 from draft_training import trainer as trainer_module
 from draft_training.head import TrainableHead, head_config
 from draft_training.recipe import TrainConfig
 from draft_training.trainer import Trainer, autocast_dtype
+from tests.draft_training.test_teacher import NUM_STEPS, conversations
 from worker_service.runtime.eagle3_head import default_aux_layers
 from worker_service.runtime.loader import load_model
 
 
 def new_trainer(tiny_pair, tmp_path, precision: str) -> tuple[Trainer, list]:
     model = load_model(tiny_pair.target_path)
-    config = SimpleNamespace(learning_rate=1e-3, num_steps=NUM_STEPS, seed=0, epochs=1, checkpoint_every=100,
-                             precision=precision)
+    config = SimpleNamespace(
+        learning_rate=1e-3, num_steps=NUM_STEPS, seed=0, epochs=1, checkpoint_every=100, precision=precision
+    )
     torch.manual_seed(0)
-    head = TrainableHead(head_config(model.config, 200, default_aux_layers(model.config.num_hidden_layers)),
-                         model.model.embed_tokens.weight, model.lm_head.weight, model.model.norm.weight,
-                         torch.arange(3, 203))
+    head = TrainableHead(
+        head_config(model.config, 200, default_aux_layers(model.config.num_hidden_layers)),
+        model.model.embed_tokens.weight,
+        model.lm_head.weight,
+        model.model.norm.weight,
+        torch.arange(3, 203),
+    )
     return Trainer(head, config, tmp_path / "checkpoint.pt"), conversations(model)
 
 
 @pytest.mark.parametrize("precision, matmul_dtype", [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
-def test_a_training_step_runs_the_heads_matmuls_in_the_chosen_precision(tiny_pair, tmp_path, precision,
-                                                                         matmul_dtype):
+def test_a_training_step_runs_the_heads_matmuls_in_the_chosen_precision(tiny_pair, tmp_path, precision, matmul_dtype):
     trainer, batch = new_trainer(tiny_pair, tmp_path, precision)
     seen = []
     hook = trainer.head.lm_head.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))

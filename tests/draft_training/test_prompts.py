@@ -2,8 +2,7 @@
 
 import collections
 
-from draft_training.prompts import (SELF_PROMPT_EMPTY_SHARE, SELF_PROMPT_OPENERS,
-                                                   self_prompt_openers)
+from draft_training.prompts import SELF_PROMPT_EMPTY_SHARE, SELF_PROMPT_OPENERS, self_prompt_openers
 
 
 def test_self_written_prompts_mostly_start_with_a_kind_of_task():

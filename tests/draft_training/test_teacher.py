@@ -64,12 +64,17 @@ def test_a_soft_label_loss_scores_each_step_against_the_token_it_predicts(tiny_p
     model = load_model(tiny_pair.target_path)
     vocab = model.config.vocab_size
     draft_to_target = torch.arange(vocab)  # every label in the draft vocabulary: the two losses count the same rows
-    config = SimpleNamespace(learning_rate=1e-3, num_steps=NUM_STEPS, seed=0, epochs=1, checkpoint_every=100,
-                             precision="float32")
+    config = SimpleNamespace(
+        learning_rate=1e-3, num_steps=NUM_STEPS, seed=0, epochs=1, checkpoint_every=100, precision="float32"
+    )
     torch.manual_seed(0)
-    head = TrainableHead(head_config(model.config, vocab, default_aux_layers(model.config.num_hidden_layers)),
-                         model.model.embed_tokens.weight, model.lm_head.weight, model.model.norm.weight,
-                         draft_to_target)
+    head = TrainableHead(
+        head_config(model.config, vocab, default_aux_layers(model.config.num_hidden_layers)),
+        model.model.embed_tokens.weight,
+        model.lm_head.weight,
+        model.model.norm.weight,
+        draft_to_target,
+    )
     batch = conversations(model)
     hard = Trainer(head, config, tmp_path / "hard.pt")
     tokens, _, _ = dataset.collate(batch, NUM_STEPS, torch.device("cpu"))

@@ -11,14 +11,14 @@ import pytest
 from safetensors.torch import load_file
 import torch
 
-from tests.tiny_models import save_tiny_eagle3_head
-from tests.worker.driver import Driver
-from tests.worker.speculation.test_eagle3 import BLOCK_SIZE, NUM_BLOCKS, make_worker
 from draft_training import dataset
-from worker_service.runtime.runner import SequenceChunk
 from draft_training.recipe import TrainConfig
 from draft_training.train import run
 from draft_training.trainer import Trainer, autocast_dtype
+from tests.tiny_models import save_tiny_eagle3_head
+from tests.worker.driver import Driver
+from tests.worker.speculation.test_eagle3 import BLOCK_SIZE, NUM_BLOCKS, make_worker
+from worker_service.runtime.runner import SequenceChunk
 
 PROMPT_WORDS = [[10, 11, 12, 13, 14], [20, 21, 22], [30, 31, 30, 31, 30], [40, 41, 42, 43], [50, 60, 70, 80]]
 
@@ -31,10 +31,25 @@ def prompts_file(tmp_path):
 
 
 def config(tiny_pair, tmp_path, name, **kwargs) -> TrainConfig:
-    settings = dict(model=str(tiny_pair.target_path), output=str(tmp_path / name), work_dir=str(tmp_path / f"{name}-work"),
-                    sources=("self",), prompt_files=(str(prompts_file(tmp_path)),), num_self_prompts=8,
-                    max_new_tokens=24, generation_batch_size=8, dtype="float32", device="cpu", epochs=30, eval_fraction=0.2,
-                    batch_tokens=256, checkpoint_every=4, num_steps=3, learning_rate=3e-3, num_threads=1)
+    settings = dict(
+        model=str(tiny_pair.target_path),
+        output=str(tmp_path / name),
+        work_dir=str(tmp_path / f"{name}-work"),
+        sources=("self",),
+        prompt_files=(str(prompts_file(tmp_path)),),
+        num_self_prompts=8,
+        max_new_tokens=24,
+        generation_batch_size=8,
+        dtype="float32",
+        device="cpu",
+        epochs=30,
+        eval_fraction=0.2,
+        batch_tokens=256,
+        checkpoint_every=4,
+        num_steps=3,
+        learning_rate=3e-3,
+        num_threads=1,
+    )
     return TrainConfig(**{**settings, **kwargs})
 
 
@@ -76,7 +91,9 @@ def test_a_head_trained_on_soft_labels_beats_a_random_head(tiny_pair, trained, t
     summary = run(soft)
     assert summary["num_train_tokens"] == hard["num_train_tokens"]
     assert summary["train_precision"] == "float32"
-    assert "the target's distribution over the draft vocabulary" in (pathlib.Path(soft.output) / "README.md").read_text()
+    assert (
+        "the target's distribution over the draft vocabulary" in (pathlib.Path(soft.output) / "README.md").read_text()
+    )
     random_head = save_tiny_eagle3_head(tmp_path / "random", draft_vocab_size=summary["draft_vocab_size"])
     soft_rate, random_rate = acceptance(tiny_pair, soft.output), acceptance(tiny_pair, random_head)
     assert soft_rate > random_rate + 0.1, (soft_rate, random_rate)
@@ -100,8 +117,9 @@ def test_the_features_are_the_served_targets(tiny_pair, trained):
     worker.target.aux_layers = (2, 2, 1)
     tokens = conversation.token_ids[:-1]
     worker.target.forward([SequenceChunk(tokens, 0, list(range(-(-len(tokens) // BLOCK_SIZE))))])
-    torch.testing.assert_close(conversation.aux_hidden.float(), worker.target.last_aux_hidden,
-                               rtol=2e-2, atol=2e-2)  # stored in bf16
+    torch.testing.assert_close(
+        conversation.aux_hidden.float(), worker.target.last_aux_hidden, rtol=2e-2, atol=2e-2
+    )  # stored in bf16
 
 
 def test_an_interrupted_run_resumes_to_the_same_head(tiny_pair, trained, tmp_path, monkeypatch):
@@ -135,20 +153,26 @@ def test_an_interrupted_run_resumes_to_the_same_head(tiny_pair, trained, tmp_pat
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specdec", "train-draft", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "specdec", "train-draft", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.parametrize("case", ["unreadable", "empty", "no-target"])
 def test_bad_input_fails_with_one_clear_line(tiny_pair, tmp_path, case):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
-    args = {"unreadable": ["--model", str(tiny_pair.target_path), "--prompts", str(tmp_path / "missing.txt")],
-            "empty": ["--model", str(tiny_pair.target_path), "--sources", "none", "--prompts", str(empty)],
-            "no-target": ["--model", str(tmp_path / "no-model")]}[case]
+    args = {
+        "unreadable": ["--model", str(tiny_pair.target_path), "--prompts", str(tmp_path / "missing.txt")],
+        "empty": ["--model", str(tiny_pair.target_path), "--sources", "none", "--prompts", str(empty)],
+        "no-target": ["--model", str(tmp_path / "no-model")],
+    }[case]
     result = run_cli(*args, "--output", str(tmp_path / "out"), "--device", "cpu")
-    expected = {"unreadable": "cannot read prompts from", "empty": "no prompts in it",
-                "no-target": "not a checkpoint directory"}[case]
+    expected = {
+        "unreadable": "cannot read prompts from",
+        "empty": "no prompts in it",
+        "no-target": "not a checkpoint directory",
+    }[case]
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("specdec train-draft: error:")]

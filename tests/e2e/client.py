@@ -37,8 +37,9 @@ class Server:
         deadline = time.monotonic() + timeout
         while True:
             info = self.info()
-            if (info.num_running == 0 and info.num_waiting == 0 and info.num_free_kv_blocks == info.num_kv_blocks) \
-                    or time.monotonic() > deadline:
+            if (
+                info.num_running == 0 and info.num_waiting == 0 and info.num_free_kv_blocks == info.num_kv_blocks
+            ) or time.monotonic() > deadline:
                 return info
             time.sleep(0.05)
 
@@ -69,8 +70,13 @@ class InProcessApi:
 
     def wait_running(self, num_requests: int, timeout: float = 60.0, calls=()) -> None:
         """Waits until `num_requests` requests run (are past the waiting queue); reports like `wait_live`."""
-        self._wait_for(lambda: self.stub.GetServerInfo(pb.GetServerInfoRequest()).num_running, num_requests,
-                       "running", timeout, calls)
+        self._wait_for(
+            lambda: self.stub.GetServerInfo(pb.GetServerInfoRequest()).num_running,
+            num_requests,
+            "running",
+            timeout,
+            calls,
+        )
 
     @staticmethod
     def _wait_for(count, num_requests: int, what: str, timeout: float, calls) -> None:
@@ -78,8 +84,9 @@ class InProcessApi:
         while (now := count()) < num_requests:
             if time.monotonic() >= deadline:
                 ended = [f"{c.code()}: {c.details()}" for c in calls if c.done()]
-                raise AssertionError(f"{now} of {num_requests} requests {what}; "
-                                     f"{len(ended)} of {len(calls)} calls ended: {ended}")
+                raise AssertionError(
+                    f"{now} of {num_requests} requests {what}; {len(ended)} of {len(calls)} calls ended: {ended}"
+                )
             time.sleep(0.02)
 
 
@@ -108,9 +115,11 @@ def as_complete(request: pb.GenerateRequest) -> pb.CompleteRequest:
 
 
 def greedy_request(prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True, **kwargs) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt_token_ids=prompt_ids,
-                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                         ignore_eos=ignore_eos), **kwargs)
+    return pb.GenerateRequest(
+        prompt_token_ids=prompt_ids,
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos),
+        **kwargs,
+    )
 
 
 def stream(stub, request: pb.GenerateRequest) -> tuple[list[int], pb.GenerateResponse]:
@@ -133,16 +142,24 @@ def chat_prompts(model_path, questions: list[str]) -> list[list[int]]:
     from worker_service.runtime.loader import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"] for q in questions]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for q in questions
+    ]
 
 
 def http_json(port: int, method: str, path: str, body: dict | None = None, timeout: float = 120.0) -> tuple[int, dict]:
     """One HTTP call to 127.0.0.1:port with a JSON body (or none): the status and the decoded JSON reply."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            method,
+            path,
+            body=json.dumps(body) if body is not None else None,
+            headers={"Content-Type": "application/json"},
+        )
         response = conn.getresponse()
         return response.status, json.loads(response.read())
     finally:

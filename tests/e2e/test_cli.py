@@ -14,9 +14,11 @@ from specdec.v1 import generation_pb2_grpc
 from tests.certs import TestCA
 from tests.processes import running
 
-STATS_LINE = (r"INFO scheduler_service.process.stats_logger: Avg prompt throughput: \d+\.\d tokens/s, Avg generation "
-              r"throughput: \d+\.\d tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: \d+\.\d%, "
-              r"Prefix cache hit rate: (\d+\.\d%|-), acceptance rate: \d+\.\d% \(tokens per speculating step \d\.\d\d\)")
+STATS_LINE = (
+    r"INFO scheduler_service.process.stats_logger: Avg prompt throughput: \d+\.\d tokens/s, Avg generation "
+    r"throughput: \d+\.\d tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: \d+\.\d%, "
+    r"Prefix cache hit rate: (\d+\.\d%|-), acceptance rate: \d+\.\d% \(tokens per speculating step \d\.\d\d\)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +32,15 @@ def test_serve_configured_by_environment_variables(tiny_pair, server_cert):
     must not reach the loopback workers (they would refuse the scheduler's plaintext); --log-level after the
     subcommand turns on DEBUG."""
     ca_file, cert = server_cert
-    env = {"SPECDEC_SSL_CERTFILE": cert.certfile, "SPECDEC_SSL_KEYFILE": cert.keyfile, "SPECDEC_PROPOSER": "ngram",
-           "SPECDEC_NUM_SPECULATIVE_TOKENS": "3", "SPECDEC_BLOCK_SIZE": "4", "SPECDEC_LOG_STATS_INTERVAL": "0.3"}
-    args = ["serve", "--port", "0", "--model", str(tiny_pair.target_path), "--num-threads", "1",
-            "--log-level", "DEBUG"]
+    env = {
+        "SPECDEC_SSL_CERTFILE": cert.certfile,
+        "SPECDEC_SSL_KEYFILE": cert.keyfile,
+        "SPECDEC_PROPOSER": "ngram",
+        "SPECDEC_NUM_SPECULATIVE_TOKENS": "3",
+        "SPECDEC_BLOCK_SIZE": "4",
+        "SPECDEC_LOG_STATS_INTERVAL": "0.3",
+    }
+    args = ["serve", "--port", "0", "--model", str(tiny_pair.target_path), "--num-threads", "1", "--log-level", "DEBUG"]
     with running(args, env=env) as process:
         address = process.address(who="scheduler ")
         process.wait_for("scheduler ready")
@@ -41,9 +48,25 @@ def test_serve_configured_by_environment_variables(tiny_pair, server_cert):
         with grpc.secure_channel(address, credentials) as channel:
             info = generation_pb2_grpc.GenerationServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest())
         assert (info.proposer, info.num_speculative_tokens, info.block_size) == ("ngram", 3, 4)
-        out = subprocess.run([sys.executable, "-m", "specdec", "generate", "--raw", "w5 w6 w7 w5 w6 w7 w5 w6",
-                              "--max-tokens", "24", "--address", address, "--ca-file", ca_file],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "specdec",
+                "generate",
+                "--raw",
+                "w5 w6 w7 w5 w6 w7 w5 w6",
+                "--max-tokens",
+                "24",
+                "--address",
+                address,
+                "--ca-file",
+                ca_file,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         assert "completion 24" in out.stderr
         process.wait_for(STATS_LINE, timeout=5)  # well before the default interval (10 s) would log it

@@ -16,15 +16,22 @@ from worker_service.speculation.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DE
 pytestmark = pytest.mark.slow
 
 # A prompt whose answer repeats its input: copying proposers have something to draft.
-MESSAGES = [{"role": "user", "content": "Repeat this sentence three times: the quick brown fox jumps over the "
-                                        "lazy dog near the river bank."}]
+MESSAGES = [
+    {
+        "role": "user",
+        "content": "Repeat this sentence three times: the quick brown fox jumps over the lazy dog near the river bank.",
+    }
+]
 MAX_TOKENS = 48
 
 
-
 def _chat(port: int, **fields) -> tuple[int, dict]:
-    return http_json(port, "POST", "/v1/chat/completions",
-                 {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0, **fields})
+    return http_json(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0, **fields},
+    )
 
 
 def test_serve_without_flags_speculates_losslessly_under_the_models_name():
@@ -35,7 +42,9 @@ def test_serve_without_flags_speculates_losslessly_under_the_models_name():
         with grpc.insecure_channel(address) as channel:
             info = generation_pb2_grpc.GenerationServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest())
         assert (info.proposer, info.num_speculative_tokens) == (
-            DEFAULT_PROPOSER, DEFAULT_NUM_SPECULATIVE_TOKENS[DEFAULT_PROPOSER])
+            DEFAULT_PROPOSER,
+            DEFAULT_NUM_SPECULATIVE_TOKENS[DEFAULT_PROPOSER],
+        )
         assert info.model == DEFAULT_MODEL_NAME
         assert [m["id"] for m in http_json(http_port, "GET", "/v1/models")[1]["data"]] == [DEFAULT_MODEL_NAME]
 

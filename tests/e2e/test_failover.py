@@ -26,9 +26,17 @@ from worker_service.runtime.runner import ModelRunner
 from worker_service.speculation.config import WorkerConfig
 from worker_service.speculation.worker import Worker
 
-PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [40] * 12, [10, 11, 12, 10, 11], list(range(3, 23)),
-           [100, 101, 102], [9, 8, 7, 9, 8, 7, 9], [200, 201], [33, 34, 35, 36, 33, 34]]
-SEEDS = [None, None, None, None, 11, 12, 13, 14]   # the first four greedy, the rest sampled at 0.8
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7],
+    [40] * 12,
+    [10, 11, 12, 10, 11],
+    list(range(3, 23)),
+    [100, 101, 102],
+    [9, 8, 7, 9, 8, 7, 9],
+    [200, 201],
+    [33, 34, 35, 36, 33, 34],
+]
+SEEDS = [None, None, None, None, 11, 12, 13, 14]  # the first four greedy, the rest sampled at 0.8
 MAX_TOKENS = 160
 WORKER_ARGS = ["--num-threads", "1", "--proposer", "ngram", "--num-speculative-tokens", "3"]
 
@@ -58,8 +66,10 @@ def start_worker(pair, port: int = 0, args: list[str] = WORKER_ARGS) -> Process:
 
 def start_workers(pair, count: int, args: list[str] = WORKER_ARGS, port: int = 0) -> list[Process]:
     """`count` worker processes, started together (their imports overlap on the cores) and then waited for."""
-    processes = [Process(["worker", "--host", "127.0.0.1", "--port", str(port), "--model", str(pair.target_path),
-                          *args]) for _ in range(count)]
+    processes = [
+        Process(["worker", "--host", "127.0.0.1", "--port", str(port), "--model", str(pair.target_path), *args])
+        for _ in range(count)
+    ]
     try:
         for process in processes:
             process.wait_for("model loaded")
@@ -84,8 +94,10 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "the condition") ->
 
 def connect(scheduler, addresses: list[str]):
     """The scheduler's stub, once both workers serve."""
-    wait_until(lambda: all(worker_status(scheduler.stub, a).state == "serving" for a in addresses),
-               what="both workers to serve")
+    wait_until(
+        lambda: all(worker_status(scheduler.stub, a).state == "serving" for a in addresses),
+        what="both workers to serve",
+    )
     return scheduler.stub
 
 
@@ -95,8 +107,10 @@ class Streams:
     def __init__(self, stub, prompts: list[list[int]], id_prefix: str):
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.finish: list = [None] * len(prompts)
-        self.threads = [threading.Thread(target=self._consume, args=(stub, i, f"{id_prefix}{i}", prompt))
-                        for i, prompt in enumerate(prompts)]
+        self.threads = [
+            threading.Thread(target=self._consume, args=(stub, i, f"{id_prefix}{i}", prompt))
+            for i, prompt in enumerate(prompts)
+        ]
         for thread in self.threads:
             thread.start()
 
@@ -118,8 +132,10 @@ STEP_TIMEOUT_S = 3.0
 
 
 # eagle3,suffix with trees allowed (--draft-tree-width 2): the policy picks a chain or a tree per sequence and step.
-@pytest.mark.parametrize("how, proposer", [("SIGKILL", "ngram"), ("SIGSTOP", "ngram"), ("SIGTERM", "ngram"),
-                                           ("SIGKILL", "eagle3,suffix tree")])
+@pytest.mark.parametrize(
+    "how, proposer",
+    [("SIGKILL", "ngram"), ("SIGSTOP", "ngram"), ("SIGTERM", "ngram"), ("SIGKILL", "eagle3,suffix tree")],
+)
 def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, tiny_eagle3_head, reference, how, proposer):
     """Killed (its stream fails), stopped (no step result: the step timeout finds it) or terminated (it finishes
     its step in flight and leaves): its requests move and every stream completes exactly; then a worker
@@ -135,9 +151,22 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, tiny_eagle3_head, 
     try:
         # Least-loaded routing: the restarted worker must take work, which cache-aware routing would send to
         # the survivor, holding every prompt's prefix by then (tests/scheduler/cluster/test_routing.py).
-        with scheduler_in_process(["--model", str(tiny_pair.target_path), "--block-size", "4",
-                                   "--worker-step-timeout", str(STEP_TIMEOUT_S), "--routing", "least-loaded",
-                                   "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
+        with scheduler_in_process(
+            [
+                "--model",
+                str(tiny_pair.target_path),
+                "--block-size",
+                "4",
+                "--worker-step-timeout",
+                str(STEP_TIMEOUT_S),
+                "--routing",
+                "least-loaded",
+                "--worker",
+                addresses[0],
+                "--worker",
+                addresses[1],
+            ]
+        ) as scheduler:
             stub = connect(scheduler, addresses)
             streams = Streams(stub, PROMPTS, "r")
             wait_until(lambda: all(len(t) >= 4 for t in streams.tokens), what="every stream to begin")
@@ -156,8 +185,10 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, tiny_eagle3_head, 
                 assert streams.tokens[i] == expected, f"request {i} (seed {SEEDS[i]}) differs from the undisturbed run"
             info = stub.GetServerInfo(pb.GetServerInfoRequest())
             assert info.counters.num_moved_requests >= 1 and info.counters.num_worker_failures >= 1
-            wait_until(lambda: (s := worker_status(stub, addresses[1])).num_free_kv_blocks == s.num_kv_blocks > 0,
-                       what="the survivor's KV blocks to be free")
+            wait_until(
+                lambda: (s := worker_status(stub, addresses[1])).num_free_kv_blocks == s.num_kv_blocks > 0,
+                what="the survivor's KV blocks to be free",
+            )
             assert worker_status(stub, addresses[0]).state != "serving"
 
             port = int(addresses[0].rsplit(":", 1)[1])
@@ -167,9 +198,10 @@ def test_a_worker_fails_mid_stream_then_comes_back(tiny_pair, tiny_eagle3_head, 
             wait_until(lambda: worker_status(stub, addresses[0]).state == "serving", what="the worker to rejoin")
             placed_before = worker_status(stub, addresses[0]).counters.num_requests
             for i in range(4):
-                request = pb.CompleteRequest(prompt_token_ids=PROMPTS[i],
-                                             sampling=pb.SamplingParams(temperature=0.0, max_tokens=8,
-                                                                        ignore_eos=True))
+                request = pb.CompleteRequest(
+                    prompt_token_ids=PROMPTS[i],
+                    sampling=pb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                )
                 assert list(stub.Complete(request).token_ids) == reference[i][:8]
             assert worker_status(stub, addresses[0]).counters.num_requests > placed_before  # it takes work
     finally:
@@ -185,10 +217,15 @@ def shared_reference(tiny_pair):
     """The shared-prefix requests, each alone on an in-process worker (no cache, no speculation)."""
     worker = Worker(WorkerConfig(model=str(tiny_pair.target_path)), ModelRunner(load_model(tiny_pair.target_path)))
     worker.init_cache(512, 4)
-    return [Driver(worker.execute, 4, 512).generate(
-                [prompt], MAX_TOKENS, step.RequestSampling(temperature=0.0 if seed is None else 0.8, seed=seed),
-                prefix=f"ref{i}-")[0]
-            for i, (prompt, seed) in enumerate(zip(SHARED_PROMPTS, SEEDS))]
+    return [
+        Driver(worker.execute, 4, 512).generate(
+            [prompt],
+            MAX_TOKENS,
+            step.RequestSampling(temperature=0.0 if seed is None else 0.8, seed=seed),
+            prefix=f"ref{i}-",
+        )[0]
+        for i, (prompt, seed) in enumerate(zip(SHARED_PROMPTS, SEEDS))
+    ]
 
 
 def test_requests_moved_after_a_kill_resume_from_the_survivor_s_cached_prefix(tiny_pair, shared_reference):
@@ -198,8 +235,18 @@ def test_requests_moved_after_a_kill_resume_from_the_survivor_s_cached_prefix(ti
     workers = start_workers(tiny_pair, 2)
     addresses = [w.address() for w in workers]
     try:
-        with scheduler_in_process(["--model", str(tiny_pair.target_path), "--block-size", "4",
-                                   "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
+        with scheduler_in_process(
+            [
+                "--model",
+                str(tiny_pair.target_path),
+                "--block-size",
+                "4",
+                "--worker",
+                addresses[0],
+                "--worker",
+                addresses[1],
+            ]
+        ) as scheduler:
             stub = connect(scheduler, addresses)
             streams = Streams(stub, SHARED_PROMPTS, "s")
             wait_until(lambda: all(len(t) >= 4 for t in streams.tokens), what="every stream to begin")

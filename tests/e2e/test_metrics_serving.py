@@ -19,12 +19,24 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40] * 12, [10, 11, 12, 10, 11, 12, 1
 PROMTOOL = pathlib.Path(sys.executable).parent / "promtool"
 
 
-
 def test_scheduler_and_worker_metrics_ports(tiny_pair):
     scheduler_port, worker_port = free_ports(2)
-    args = ["--model", str(tiny_pair.target_path), "--block-size", "4", "--num-threads", "1", "--proposer", "ngram",
-            "--num-speculative-tokens", "3", "--metrics-port", str(scheduler_port),
-            "--worker-metrics-port", str(worker_port)]
+    args = [
+        "--model",
+        str(tiny_pair.target_path),
+        "--block-size",
+        "4",
+        "--num-threads",
+        "1",
+        "--proposer",
+        "ngram",
+        "--num-speculative-tokens",
+        "3",
+        "--metrics-port",
+        str(scheduler_port),
+        "--worker-metrics-port",
+        str(worker_port),
+    ]
     with serve_in_process(args) as server:
         results = stream_all(server.stub, [greedy_request(p, 24) for p in PROMPTS])
         info = server.wait_idle()
@@ -50,8 +62,9 @@ def test_scheduler_and_worker_metrics_ports(tiny_pair):
     assert worker.value("specdec_worker_speculating_seqs_total") > 0
     assert worker.exposed_names() == {name for name, _, _ in WORKER_METRICS}
     for endpoint in after_errors:
-        check = subprocess.run([str(PROMTOOL), "check", "metrics"], input=endpoint.text, capture_output=True,
-                               text=True, timeout=60)
+        check = subprocess.run(
+            [str(PROMTOOL), "check", "metrics"], input=endpoint.text, capture_output=True, text=True, timeout=60
+        )
         assert check.returncode == 0, f"promtool check metrics:\n{check.stdout}{check.stderr}"
 
 

@@ -15,10 +15,9 @@ from tests.serving import serve_in_process
 
 KEY = "sk-http-test-5d1e9a"
 MESSAGES = [{"role": "user", "content": "w9 w10 w9 w10"}]
-PROMPT_IDS = [5, 6, 7, 8, 5, 6, 7]   # repeats: the n-gram proposer drafts
+PROMPT_IDS = [5, 6, 7, 8, 5, 6, 7]  # repeats: the n-gram proposer drafts
 MAX_TOKENS = 12
 SERVED_MODEL_NAME = "tiny-llama"  # --served-model-name: what clients see instead of the checkpoint path
-
 
 
 class Server:
@@ -48,10 +47,30 @@ class Server:
 def server(tiny_pair, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "api-keys"
     key_file.write_text(f"{KEY}\n")
-    args = ["--http-port", str(free_port()), "--api-key-file", str(key_file),
-            "--model", str(tiny_pair.target_path), "--block-size", "4", "--num-threads", "1", "--max-model-len", "64",
-            "--num-kv-blocks", "64", "--proposer", "ngram", "--num-speculative-tokens", "3",
-            "--speculation-policy", "fixed", "--served-model-name", SERVED_MODEL_NAME]
+    args = [
+        "--http-port",
+        str(free_port()),
+        "--api-key-file",
+        str(key_file),
+        "--model",
+        str(tiny_pair.target_path),
+        "--block-size",
+        "4",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        "64",
+        "--num-kv-blocks",
+        "64",
+        "--proposer",
+        "ngram",
+        "--num-speculative-tokens",
+        "3",
+        "--speculation-policy",
+        "fixed",
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+    ]
     with serve_in_process(args) as serving:  # on exit: drained, run_scheduler returned 0
         yield Server(serving)
     for address in (serving.http_address, serving.address):  # both APIs stopped
@@ -72,9 +91,14 @@ def _speculative(usage) -> dict:
 
 def test_chat_greedy_matches_grpc_whole_and_streamed(server):
     expected = server.complete(messages=[pb.ChatMessage(**m) for m in MESSAGES])
-    kwargs = dict(model=server.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=server.metadata).model,
-                  messages=MESSAGES, temperature=0, max_completion_tokens=MAX_TOKENS, logprobs=True,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=server.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=server.metadata).model,
+        messages=MESSAGES,
+        temperature=0,
+        max_completion_tokens=MAX_TOKENS,
+        logprobs=True,
+        extra_body={"ignore_eos": True},
+    )
     assert kwargs["model"] == SERVED_MODEL_NAME  # gRPC and HTTP name the model alike
     whole = server.client.chat.completions.create(**kwargs)
     choice = whole.choices[0]
@@ -89,12 +113,15 @@ def test_chat_greedy_matches_grpc_whole_and_streamed(server):
     # The gRPC call above left the prompt's full blocks (below its last token) in the prefix cache.
     assert whole.usage.prompt_tokens_details.cached_tokens == (whole.usage.prompt_tokens - 1) // 4 * 4 > 0
     assert _speculative(whole.usage) == {
-        "draft_tokens": expected.usage.draft_tokens, "accepted_tokens": expected.usage.accepted_tokens,
-        "by_proposer": {p.proposer: {"draft_tokens": p.draft_tokens, "accepted_tokens": p.accepted_tokens}
-                        for p in expected.usage.proposers}}
+        "draft_tokens": expected.usage.draft_tokens,
+        "accepted_tokens": expected.usage.accepted_tokens,
+        "by_proposer": {
+            p.proposer: {"draft_tokens": p.draft_tokens, "accepted_tokens": p.accepted_tokens}
+            for p in expected.usage.proposers
+        },
+    }
 
-    chunks = list(server.client.chat.completions.create(**kwargs, stream=True,
-                                                        stream_options={"include_usage": True}))
+    chunks = list(server.client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant" and all(c.object == "chat.completion.chunk" for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     logprobs = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
@@ -107,8 +134,9 @@ def test_chat_greedy_matches_grpc_whole_and_streamed(server):
 def test_completions_greedy_matches_grpc_for_token_ids_and_text(server):
     expected = server.complete(prompt_token_ids=PROMPT_IDS)
     assert expected.usage.draft_tokens > 0  # the usage extension below counts real drafts
-    kwargs = dict(model=None, prompt=PROMPT_IDS, temperature=0, max_tokens=MAX_TOKENS, logprobs=0,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=None, prompt=PROMPT_IDS, temperature=0, max_tokens=MAX_TOKENS, logprobs=0, extra_body={"ignore_eos": True}
+    )
     whole = server.client.completions.create(**kwargs)
     choice = whole.choices[0]
     assert whole.object == "text_completion" and choice.text == expected.text
@@ -120,8 +148,9 @@ def test_completions_greedy_matches_grpc_for_token_ids_and_text(server):
 
     chunks = list(server.client.completions.create(**kwargs, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == expected.text
-    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == \
-        pytest.approx(list(expected.logprobs))
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == pytest.approx(
+        list(expected.logprobs)
+    )
     assert chunks[-1].choices[0].finish_reason == "length"
 
     by_text = server.client.completions.create(**{**kwargs, "prompt": "w5 w6 w7 w8 w5 w6 w7"})

@@ -59,8 +59,9 @@ class Api(InProcessApi):
 @contextlib.contextmanager
 def scheduler(tiny_pair, tls: TlsFiles = TlsFiles(), **options):
     worker = SimWorkerServer(step_time_s=0.02, num_blocks=1024)
-    opts = SchedulerOptions(model_dir=str(tiny_pair.target_path), worker_addresses=(worker.address,), port=0,
-                            block_size=4, **options)
+    opts = SchedulerOptions(
+        model_dir=str(tiny_pair.target_path), worker_addresses=(worker.address,), port=0, block_size=4, **options
+    )
     tokenizer = ChatTokenizer(opts.model_dir)
     server, servicer, port = create_server(opts.host, opts.port, opts.max_open_streams)
     http_server = HttpServer(create_app(servicer.frontend), "127.0.0.1", 0, tls)  # port 0: any (the flag's 0 is off)
@@ -110,9 +111,12 @@ def test_a_client_that_disconnects_mid_stream_frees_the_blocks(api):
 
 def test_a_client_that_disconnects_while_waiting_for_a_whole_reply_frees_the_blocks(api):
     conn = http.client.HTTPConnection("127.0.0.1", api.http_port, timeout=30)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(
-        {"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 3000, "ignore_eos": True}),
-        headers={"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        body=json.dumps({"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 3000, "ignore_eos": True}),
+        headers={"Content-Type": "application/json"},
+    )
     api.wait_live(1)
     conn.close()
     api.wait_all_free(timeout=5)
@@ -120,8 +124,9 @@ def test_a_client_that_disconnects_while_waiting_for_a_whole_reply_frees_the_blo
 
 def test_the_open_stream_bound_is_shared_with_grpc(tiny_pair):
     with scheduler(tiny_pair, max_open_streams=1) as api:
-        call = api.stub.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6], sampling=pb.SamplingParams(
-            max_tokens=3000, ignore_eos=True)))
+        call = api.stub.Generate(
+            pb.GenerateRequest(prompt_token_ids=[5, 6], sampling=pb.SamplingParams(max_tokens=3000, ignore_eos=True))
+        )
         next(call)
         conn, response = api.post("/v1/completions", {"prompt": "w5", "max_tokens": 2})
         body = json.loads(response.read())
@@ -158,8 +163,9 @@ def test_https_with_the_client_port_files(tiny_pair, tmp_path):
     ca = TestCA(tmp_path)
     cert = ca.issue("server", ["localhost"], ["127.0.0.1"])
     with scheduler(tiny_pair, tls=TlsFiles(cert.certfile, cert.keyfile)) as api:
-        conn = http.client.HTTPSConnection("127.0.0.1", api.http_port, timeout=10,
-                                           context=ssl.create_default_context(cafile=ca.ca_file))
+        conn = http.client.HTTPSConnection(
+            "127.0.0.1", api.http_port, timeout=10, context=ssl.create_default_context(cafile=ca.ca_file)
+        )
         conn.request("GET", "/health")
         assert conn.getresponse().status == 200
         conn.close()
@@ -193,8 +199,13 @@ def test_a_body_over_4_mb_gets_413(api):
     big = json.dumps({"prompt": "w5 " * (2 << 20)}).encode()
     for chunked in (False, True):  # with content-length; chunked, counted as it comes
         conn = http.client.HTTPConnection("127.0.0.1", api.http_port, timeout=30)
-        conn.request("POST", "/v1/completions", body=iter([big]) if chunked else big,
-                     headers={"Content-Type": "application/json"}, encode_chunked=chunked)
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=iter([big]) if chunked else big,
+            headers={"Content-Type": "application/json"},
+            encode_chunked=chunked,
+        )
         response = conn.getresponse()
         assert response.status == 413 and "larger than 4194304 bytes" in json.loads(response.read())["error"]["message"]
         conn.close()

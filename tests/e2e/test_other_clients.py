@@ -34,8 +34,19 @@ CLIENT_TIMEOUT_S = 60
 
 def tiny_args(pair, *extra) -> list[str]:
     """`specdec serve` flags for the tiny target with n-gram speculation (k=3)."""
-    return ["--model", str(pair.target_path), "--block-size", "4", "--num-threads", "1",
-            "--proposer", "ngram", "--num-speculative-tokens", "3", *extra]
+    return [
+        "--model",
+        str(pair.target_path),
+        "--block-size",
+        "4",
+        "--num-threads",
+        "1",
+        "--proposer",
+        "ngram",
+        "--num-speculative-tokens",
+        "3",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +61,13 @@ def python_complete(server, request_json: str) -> pb.CompleteResponse:
 
 
 def greedy_chat_json(prompt: str, max_tokens: int) -> str:
-    return json.dumps({"messages": [{"role": "user", "content": prompt}],
-                       "sampling": {"temperature": 0, "maxTokens": max_tokens}})
+    return json.dumps(
+        {"messages": [{"role": "user", "content": prompt}], "sampling": {"temperature": 0, "maxTokens": max_tokens}}
+    )
 
 
 # ---------------------------------------------------------------------------------------------- Node.js
+
 
 @pytest.fixture(scope="session")
 def node_client():
@@ -65,21 +78,36 @@ def node_client():
         pytest.fail(f"{' and '.join(missing)} not found on PATH: the Node.js client test needs Node.js 18+ and npm")
     installed = NODE_DIR / "node_modules" / ".package-lock.json"  # npm writes it on every install
     if not installed.exists() or installed.stat().st_mtime < (NODE_DIR / "package-lock.json").stat().st_mtime:
-        done = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, capture_output=True,
-                              text=True, timeout=600)
+        done = subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, f"npm ci in {NODE_DIR} failed:\n{done.stdout}\n{done.stderr}"
     return ["node", str(NODE_DIR / "client.js")]
 
 
 def run_node(node_client, *args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([*node_client, *args], capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S,
-                          env={**os.environ, "SPECDEC_API_KEY": "", **(env or {})})
+    return subprocess.run(
+        [*node_client, *args],
+        capture_output=True,
+        text=True,
+        timeout=CLIENT_TIMEOUT_S,
+        env={**os.environ, "SPECDEC_API_KEY": "", **(env or {})},
+    )
 
 
 def test_node_client_streams_a_chat_completion(server, node_client, tiny_pair):
     expected = python_complete(server, greedy_chat_json(PROMPT, MAX_TOKENS))
-    done = run_node(node_client, "--address", server.address, "--temperature", "0",
-                    "--max-tokens", str(MAX_TOKENS), "--json", PROMPT)
+    done = run_node(
+        node_client,
+        "--address",
+        server.address,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--json",
+        PROMPT,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["model"] == tiny_pair.target_path.name  # the served name: its directory's
@@ -89,8 +117,10 @@ def test_node_client_streams_a_chat_completion(server, node_client, tiny_pair):
     assert result["num_messages"] > 1  # streamed, not one message at the end
     assert result["finish_reason"] == pb.FinishReason.Name(expected.finish_reason)
     usage = result["usage"]
-    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (expected.usage.prompt_tokens,
-                                                                    len(expected.token_ids))
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
+        expected.usage.prompt_tokens,
+        len(expected.token_ids),
+    )
     assert 0 <= usage["accepted_tokens"] <= usage["draft_tokens"]
 
 
@@ -116,6 +146,7 @@ def test_node_client_reports_grpc_errors(server, node_client):
 
 
 # ---------------------------------------------------------------------------------------------- grpcurl
+
 
 def readme_grpcurl_commands(address: str) -> list[list[str]]:
     """The docs' grpcurl block (docs/serving.md), one argument list per command, aimed at `address`."""
@@ -195,13 +226,21 @@ def test_readme_grpcurl_commands(server):
 
 # ---------------------------------------------------------------------------------------------- TLS + API key
 
+
 def test_tls_and_api_key(tiny_pair, node_client, tmp_path):
     """Both clients over TLS with an API key, as the README says; without the key: UNAUTHENTICATED."""
     ca = TestCA(tmp_path / "ca")
     cert = ca.issue("server", ["localhost"], ["127.0.0.1"])
     (tmp_path / "api-keys").write_text(API_KEY + "\n")
-    args = [*tiny_args(tiny_pair), "--ssl-certfile", cert.certfile, "--ssl-keyfile", cert.keyfile,
-            "--api-key-file", str(tmp_path / "api-keys")]
+    args = [
+        *tiny_args(tiny_pair),
+        "--ssl-certfile",
+        cert.certfile,
+        "--ssl-keyfile",
+        cert.keyfile,
+        "--api-key-file",
+        str(tmp_path / "api-keys"),
+    ]
     with serve_in_process(args) as server:
         address = server.address
         base = ["--address", address, "--ca-file", ca.ca_file, "--temperature", "0", "--max-tokens", "4", "--json"]
@@ -211,8 +250,17 @@ def test_tls_and_api_key(tiny_pair, node_client, tmp_path):
         assert len(token_ids) == 4
         done = run_node(node_client, *base, PROMPT)
         assert done.returncode == 1 and "error: UNAUTHENTICATED" in done.stderr
-        grpcurl = [str(GRPCURL), "-cacert", ca.ca_file, "-H", f"authorization: Bearer {API_KEY}",
-                   "-d", greedy_chat_json(PROMPT, 4), address, "specdec.v1.GenerationService/Generate"]
+        grpcurl = [
+            str(GRPCURL),
+            "-cacert",
+            ca.ca_file,
+            "-H",
+            f"authorization: Bearer {API_KEY}",
+            "-d",
+            greedy_chat_json(PROMPT, 4),
+            address,
+            "specdec.v1.GenerationService/Generate",
+        ]
         done = subprocess.run(grpcurl, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S)
         assert done.returncode == 0, done.stderr
         assert [t for m in json_messages(done.stdout) for t in field(m, "token_ids")] == token_ids

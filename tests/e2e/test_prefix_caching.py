@@ -10,7 +10,7 @@ from tests.e2e.client import greedy_request, stream, stream_all
 from tests.e2e.test_serving_tiny import tiny_args
 from tests.serving import serve_in_process
 
-SYSTEM = [(13 * j + 5) % 240 + 3 for j in range(37)]   # a shared "system prompt": 9 full blocks of 4
+SYSTEM = [(13 * j + 5) % 240 + 3 for j in range(37)]  # a shared "system prompt": 9 full blocks of 4
 TAILS = [[5, 6, 7, 8, 5, 6, 7], [40] * 6, [10, 11, 12, 10, 11], [100, 101, 102], [9, 8, 7, 9]]
 MAX_TOKENS = 12
 
@@ -20,8 +20,14 @@ def workload() -> list[pb.GenerateRequest]:
     requests = []
     for i, tail in enumerate(TAILS):
         requests.append(greedy_request(SYSTEM + tail, MAX_TOKENS))
-        requests.append(pb.GenerateRequest(prompt_token_ids=SYSTEM + tail, sampling=pb.SamplingParams(
-            temperature=0.8, top_p=0.9, seed=1000 + i, max_tokens=MAX_TOKENS, ignore_eos=True)))
+        requests.append(
+            pb.GenerateRequest(
+                prompt_token_ids=SYSTEM + tail,
+                sampling=pb.SamplingParams(
+                    temperature=0.8, top_p=0.9, seed=1000 + i, max_tokens=MAX_TOKENS, ignore_eos=True
+                ),
+            )
+        )
     return requests
 
 
@@ -40,8 +46,9 @@ def greedy_only(outputs: list[list[int]]) -> list[list[int]]:
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def uncached(request, tiny_pair):
     """The outputs of a server without prefix caching (plain decoding), per dtype."""
-    args = tiny_args(tiny_pair, "--proposer", "none", "--scheduling", "sync", "--dtype", request.param,
-                     "--no-enable-prefix-caching")
+    args = tiny_args(
+        tiny_pair, "--proposer", "none", "--scheduling", "sync", "--dtype", request.param, "--no-enable-prefix-caching"
+    )
     with serve_in_process(args) as server:
         outputs, lasts = run(server)
         info = server.wait_idle()
@@ -55,11 +62,29 @@ def uncached(request, tiny_pair):
 # a run on a loaded machine, and once not at all).
 CONFIGS = {
     "plain-async": ["--proposer", "none", "--scheduling", "async"],
-    "ngram-sync-preempt": ["--proposer", "ngram", "--num-speculative-tokens", "3", "--scheduling", "sync",
-                           "--num-kv-blocks", "24"],
+    "ngram-sync-preempt": [
+        "--proposer",
+        "ngram",
+        "--num-speculative-tokens",
+        "3",
+        "--scheduling",
+        "sync",
+        "--num-kv-blocks",
+        "24",
+    ],
     # The fixed policy reserves k slots every step, so the pool runs out whatever the goodput policy would choose.
-    "draft-async-preempt": ["--proposer", "draft", "--num-speculative-tokens", "3", "--scheduling", "async",
-                            "--num-kv-blocks", "24", "--speculation-policy", "fixed"],
+    "draft-async-preempt": [
+        "--proposer",
+        "draft",
+        "--num-speculative-tokens",
+        "3",
+        "--scheduling",
+        "async",
+        "--num-kv-blocks",
+        "24",
+        "--speculation-policy",
+        "fixed",
+    ],
     "suffix-async": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "async"],
 }
 
@@ -81,10 +106,10 @@ def test_outputs_with_cache_hits_equal_outputs_without_caching(tiny_pair, uncach
     assert outputs == expected
     assert info.enable_prefix_caching and info.routing == "cache-aware"
     # Every workload request finds at least the system prompt's 9 blocks (the cold request left them).
-    assert all(last.usage.cached_prompt_tokens >= 36 for last in lasts), [l.usage for l in lasts]
+    assert all(last.usage.cached_prompt_tokens >= 36 for last in lasts), [last.usage for last in lasts]
     assert info.counters.prefix_cache_hits >= 36 * len(lasts)
     assert info.num_cached_kv_blocks >= 9
-    assert info.num_free_kv_blocks == info.num_kv_blocks             # cached blocks count as free: no leak
+    assert info.num_free_kv_blocks == info.num_kv_blocks  # cached blocks count as free: no leak
     if "preempt" in name:
         assert info.counters.num_preemptions > 0
     if name.startswith(("ngram", "draft")):  # the suffix proposer finds no repeat in the tiny model's text

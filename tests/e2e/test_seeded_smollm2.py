@@ -14,18 +14,26 @@ from specdec.v1 import generation_pb2 as pb
 from tests.e2e.client import chat_prompts, serve, stream, stream_all
 from tests.serving import serve_in_process
 
-QUESTIONS = ["Write a short story about a robot who learns to paint.", "Describe the water cycle.",
-             "Give me three tips for learning a new language.", "What makes a good cup of coffee?",
-             "Repeat after me: the cat sat on the mat, the cat sat on the mat.", "Explain what a CPU does.",
-             "Write a limerick about a cat.", "Why do leaves change colour in autumn?"]
+QUESTIONS = [
+    "Write a short story about a robot who learns to paint.",
+    "Describe the water cycle.",
+    "Give me three tips for learning a new language.",
+    "What makes a good cup of coffee?",
+    "Repeat after me: the cat sat on the mat, the cat sat on the mat.",
+    "Explain what a CPU does.",
+    "Write a limerick about a cat.",
+    "Why do leaves change colour in autumn?",
+]
 MAX_TOKENS = 24
 
 pytestmark = pytest.mark.slow
 
 
 def seeded(prompt: list[int], seed: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
-        temperature=0.8, top_p=0.95, seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return pb.GenerateRequest(
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +53,20 @@ def alone(smollm2_path, prompts):
 
 
 def test_preempted_and_with_ngram_speculation(smollm2_path, prompts, alone):
-    args = ["--model", str(smollm2_path), "--proposer", "ngram", "--num-speculative-tokens", "4",
-            "--num-kv-blocks", "16", "--scheduling", "sync",  # preempts even with the shared template cached
-            "--speculation-policy", "fixed"]  # drafts every step, whatever the measured step times
+    args = [
+        "--model",
+        str(smollm2_path),
+        "--proposer",
+        "ngram",
+        "--num-speculative-tokens",
+        "4",
+        "--num-kv-blocks",
+        "16",
+        "--scheduling",
+        "sync",  # preempts even with the shared template cached
+        "--speculation-policy",
+        "fixed",
+    ]  # drafts every step, whatever the measured step times
     with serve_in_process(args) as server:
         results = stream_all(server.stub, [seeded(p, 100 + i) for i, p in enumerate(prompts)])
         info = server.wait_idle()
@@ -59,8 +78,20 @@ def test_with_suffix_speculation(smollm2_path, prompts, alone):
     """Twice: the second time the worker's index of recent outputs holds the first time's tokens."""
     # The fixed policy drafts every step: the goodput policy may leave a 24-token request at k = 0 between probes
     # (it learns from the first round that drafts cost more than they return), and then the index is never asked.
-    args = ["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.25", "--proposer", "suffix",
-            "--num-speculative-tokens", "8", "--scheduling", "sync", "--speculation-policy", "fixed"]
+    args = [
+        "--model",
+        str(smollm2_path),
+        "--kv-cache-memory-gib",
+        "0.25",
+        "--proposer",
+        "suffix",
+        "--num-speculative-tokens",
+        "8",
+        "--scheduling",
+        "sync",
+        "--speculation-policy",
+        "fixed",
+    ]
     requests = [seeded(p, 100 + i) for i, p in enumerate(prompts)]
     with serve_in_process(args) as server:
         first = stream_all(server.stub, requests)
@@ -78,15 +109,27 @@ def _worker_pids(serve_pid: int) -> list[int]:
 
 
 def test_after_a_move(smollm2_path, prompts, alone):
-    args = ["--model", str(smollm2_path), "--num-workers", "2", "--kv-cache-memory-gib", "0.25",
-            "--proposer", "ngram", "--num-speculative-tokens", "3"]
+    args = [
+        "--model",
+        str(smollm2_path),
+        "--num-workers",
+        "2",
+        "--kv-cache-memory-gib",
+        "0.25",
+        "--proposer",
+        "ngram",
+        "--num-speculative-tokens",
+        "3",
+    ]
     with serve(args) as server:
         while sum(w.state == "serving" for w in server.info().workers) < 2:
             time.sleep(0.1)
         requests = [seeded(p, 100 + i) for i, p in enumerate(prompts)]
         results: list = [None] * len(requests)
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, stream(server.stub, requests[i])))
-                   for i in range(len(requests))]
+        threads = [
+            threading.Thread(target=lambda i=i: results.__setitem__(i, stream(server.stub, requests[i])))
+            for i in range(len(requests))
+        ]
         for thread in threads:
             thread.start()
         while server.info().counters.num_emitted_tokens < 4 * len(requests):

@@ -29,9 +29,8 @@ from tests.processes import Process, free_port, running
 from tests.sim_worker import SimWorkerServer
 
 NUM_STARTS = 4  # 2 per health path: each start takes ~10 s of the suite
-POLL_S = 0.005          # as fast as a client that retries at once
+POLL_S = 0.005  # as fast as a client that retries at once
 WORKER_EXIT_S = 10.0
-
 
 
 def _wait_until(is_ready, timeout_s: float = 120.0) -> None:
@@ -57,8 +56,9 @@ def test_health_waits_for_the_client_api_after_a_worker_serves(tiny_pair):
     """The scheduler's pieces as run_scheduler starts them, stopped between the cluster's first serving worker
     and the client API's attach: both health endpoints still say not serving there, and SERVING after it."""
     worker = SimWorkerServer()
-    opts = SchedulerOptions(model_dir=str(tiny_pair.target_path), worker_addresses=(worker.address,), port=0,
-                            block_size=4)
+    opts = SchedulerOptions(
+        model_dir=str(tiny_pair.target_path), worker_addresses=(worker.address,), port=0, block_size=4
+    )
     tokenizer = ChatTokenizer(opts.model_dir)
     server, servicer, port = create_server(opts.host, opts.port)
     http_server = HttpServer(create_app(servicer.frontend), "127.0.0.1", 0)
@@ -100,8 +100,19 @@ def test_health_serving_means_a_request_is_admitted_at_once(tiny_pair):
     ones), then called at once through both APIs: no call may be refused as 'starting'."""
     for start in range(NUM_STARTS):
         http_port = free_port()
-        args = ["serve", "--port", "0", "--http-port", str(http_port), "--model", str(tiny_pair.target_path),
-                "--num-threads", "1", "--block-size", "4"]
+        args = [
+            "serve",
+            "--port",
+            "0",
+            "--http-port",
+            str(http_port),
+            "--model",
+            str(tiny_pair.target_path),
+            "--num-threads",
+            "1",
+            "--block-size",
+            "4",
+        ]
         with running(args) as process:
             address = process.address(who="scheduler ")
             with grpc.insecure_channel(address) as channel:
@@ -112,9 +123,17 @@ def test_health_serving_means_a_request_is_admitted_at_once(tiny_pair):
                     _wait_until(lambda: _http_health_serving(http_port))
                 stub = generation_pb2_grpc.GenerationServiceStub(channel)
                 responses = list(stub.Generate(greedy_request([5, 6, 7, 8], 2), timeout=60))
-                status, body = http_json(http_port, "POST", "/v1/chat/completions",
-                                     {"model": str(tiny_pair.target_path), "max_tokens": 2, "temperature": 0,
-                                      "messages": [{"role": "user", "content": "w5 w6"}]})
+                status, body = http_json(
+                    http_port,
+                    "POST",
+                    "/v1/chat/completions",
+                    {
+                        "model": str(tiny_pair.target_path),
+                        "max_tokens": 2,
+                        "temperature": 0,
+                        "messages": [{"role": "user", "content": "w5 w6"}],
+                    },
+                )
             assert sum(len(r.token_ids) for r in responses) == 2, f"start {start}"
             assert status == 200, f"start {start}: {body}"
             assert body["usage"]["completion_tokens"] == 2, f"start {start}: {body}"
@@ -145,8 +164,7 @@ def _is_running(pid: int) -> bool:
 def test_workers_exit_when_serve_is_killed_with_its_process_group(tiny_pair):
     """SIGKILL to serve's process group, as a supervisor sends after its grace period: the workers, which run
     in sessions of their own, must notice and exit within WORKER_EXIT_S."""
-    args = ["serve", "--port", "0", "--num-workers", "2", "--model", str(tiny_pair.target_path),
-            "--num-threads", "1"]
+    args = ["serve", "--port", "0", "--num-workers", "2", "--model", str(tiny_pair.target_path), "--num-threads", "1"]
     process = Process(args, start_new_session=True)
     try:
         process.wait_for("scheduler ready")

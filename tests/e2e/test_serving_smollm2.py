@@ -7,10 +7,16 @@ from specdec.v1 import generation_pb2 as pb
 from tests.e2e.client import as_complete, chat_prompts, stream_all
 from tests.serving import serve_in_process
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
-             "Explain why the sky is blue in one sentence.", "Translate 'good morning' into German.",
-             "What is 12 times 12?", "Name a famous painting by Leonardo da Vinci.",
-             "Repeat after me: the cat sat on the mat, the cat sat on the mat."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain why the sky is blue in one sentence.",
+    "Translate 'good morning' into German.",
+    "What is 12 times 12?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "Repeat after me: the cat sat on the mat, the cat sat on the mat.",
+]
 MAX_TOKENS = 32
 
 pytestmark = pytest.mark.slow
@@ -29,11 +35,27 @@ def reference(smollm2_greedy, prompts):
 CONFIGS = {
     "plain-sync": ["--proposer", "none", "--scheduling", "sync"],
     "ngram-async": ["--proposer", "ngram", "--num-speculative-tokens", "4", "--scheduling", "async"],
-    "ngram-sync-preempt": ["--proposer", "ngram", "--num-speculative-tokens", "4", "--scheduling", "sync",
-                           "--num-kv-blocks", "12"],
+    "ngram-sync-preempt": [
+        "--proposer",
+        "ngram",
+        "--num-speculative-tokens",
+        "4",
+        "--scheduling",
+        "sync",
+        "--num-kv-blocks",
+        "12",
+    ],
     # fixed k: under the goodput policy suffix may draft nothing on a loaded machine (tests/e2e/test_serving_tiny.py)
-    "suffix-async": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "async",
-                     "--speculation-policy", "fixed"],
+    "suffix-async": [
+        "--proposer",
+        "suffix",
+        "--num-speculative-tokens",
+        "8",
+        "--scheduling",
+        "async",
+        "--speculation-policy",
+        "fixed",
+    ],
     # The head that ships for the default model, found without a path.
     "eagle3-async": ["--proposer", "eagle3", "--scheduling", "async"],
     "eagle3,suffix-sync-preempt": ["--proposer", "eagle3,suffix", "--scheduling", "sync", "--num-kv-blocks", "12"],
@@ -43,9 +65,10 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_concurrent_chat_requests_match_transformers(smollm2_path, prompts, reference, name):
     with serve_in_process(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *CONFIGS[name]]) as server:
-        requests = [pb.GenerateRequest(prompt_token_ids=p,
-                                       sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
-                    for p in prompts]
+        requests = [
+            pb.GenerateRequest(prompt_token_ids=p, sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+            for p in prompts
+        ]
         results = stream_all(server.stub, requests)
         info = server.wait_idle()
     assert [tokens for tokens, _ in results] == reference  # HF stops at EOS, and so does the server
@@ -58,9 +81,10 @@ def test_concurrent_chat_requests_match_transformers(smollm2_path, prompts, refe
 
 def test_chat_messages_and_text(smollm2_path):
     with serve_in_process(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.25"]) as server:
-        chat = pb.GenerateRequest(messages=[pb.ChatMessage(
-            role="user", content="What is the capital of France?")],
-            sampling=pb.SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]))
+        chat = pb.GenerateRequest(
+            messages=[pb.ChatMessage(role="user", content="What is the capital of France?")],
+            sampling=pb.SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]),
+        )
         done = server.stub.Complete(as_complete(chat))
     assert done.finish_reason == pb.FINISH_REASON_STOP
     assert done.text.startswith("The capital of France is") and "Paris" not in done.text
@@ -73,20 +97,34 @@ def test_a_second_turn_reuses_the_first_and_still_matches_transformers(smollm2_p
     from worker_service.runtime.loader import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_path)
-    turns = [("List three prime numbers.", "Now add them up."),
-             ("What is the capital of France?", "And of Italy?")]
+    turns = [("List three prime numbers.", "Now add them up."), ("What is the capital of France?", "And of Italy?")]
     with serve_in_process(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *CONFIGS[name]]) as server:
         for first, second in turns:
             turn1 = chat_prompts(smollm2_path, [first])[0]
-            answer, _ = stream_all(server.stub, [pb.GenerateRequest(
-                prompt_token_ids=turn1, sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))])[0]
-            history = [{"role": "user", "content": first},
-                       {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
-                       {"role": "user", "content": second}]
-            turn2 = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"]
-            tokens, last = stream_all(server.stub, [pb.GenerateRequest(
-                prompt_token_ids=turn2, sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))])[0]
+            answer, _ = stream_all(
+                server.stub,
+                [
+                    pb.GenerateRequest(
+                        prompt_token_ids=turn1, sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+                    )
+                ],
+            )[0]
+            history = [
+                {"role": "user", "content": first},
+                {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
+                {"role": "user", "content": second},
+            ]
+            turn2 = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+            tokens, last = stream_all(
+                server.stub,
+                [
+                    pb.GenerateRequest(
+                        prompt_token_ids=turn2, sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+                    )
+                ],
+            )[0]
             assert tokens == smollm2_greedy(turn2, MAX_TOKENS)
             assert last.usage.cached_prompt_tokens >= len(turn1) // 16 * 16 > 0
         info = server.wait_idle()

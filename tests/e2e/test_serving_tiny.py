@@ -12,8 +12,16 @@ from tests.e2e.client import Server, as_complete, expect_status, greedy_request,
 from tests.serving import serve_in_process
 from worker_service.runtime.loader import load_model
 
-PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [40] * 12, [10, 11, 12, 10, 11], list(range(3, 23)), [100, 101, 102],
-           [9, 8, 7, 9, 8, 7, 9], [200, 201], [33, 34, 35, 36, 33, 34]]
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7],
+    [40] * 12,
+    [10, 11, 12, 10, 11],
+    list(range(3, 23)),
+    [100, 101, 102],
+    [9, 8, 7, 9, 8, 7, 9],
+    [200, 201],
+    [33, 34, 35, 36, 33, 34],
+]
 MAX_TOKENS = 16
 
 
@@ -27,7 +35,7 @@ def reference(tiny_pair):
         with torch.inference_mode():
             for _ in range(MAX_TOKENS):
                 seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-        outputs.append(seq[len(prompt):])
+        outputs.append(seq[len(prompt) :])
     return outputs
 
 
@@ -39,29 +47,107 @@ CONFIGS = {
     "plain-sync": ["--proposer", "none", "--scheduling", "sync"],
     "plain-async": ["--proposer", "none", "--scheduling", "async"],
     "ngram-async": ["--proposer", "ngram", "--num-speculative-tokens", "3", "--scheduling", "async"],
-    "ngram-sync-preempt": ["--proposer", "ngram", "--num-speculative-tokens", "3", "--scheduling", "sync",
-                           "--num-kv-blocks", "24"],
-    "draft-async-preempt": ["--proposer", "draft", "--num-speculative-tokens", "3", "--scheduling", "async",
-                            "--num-kv-blocks", "24"],
+    "ngram-sync-preempt": [
+        "--proposer",
+        "ngram",
+        "--num-speculative-tokens",
+        "3",
+        "--scheduling",
+        "sync",
+        "--num-kv-blocks",
+        "24",
+    ],
+    "draft-async-preempt": [
+        "--proposer",
+        "draft",
+        "--num-speculative-tokens",
+        "3",
+        "--scheduling",
+        "async",
+        "--num-kv-blocks",
+        "24",
+    ],
     # suffix, fixed k: the goodput policy drafts the full k only for its first steps, and then may keep k at 0 on
     # a loaded machine (its measured step times) before the tiny model's output repeats enough for suffix to
     # match, and drafted > 0 is asserted (CI failed so: 0 drafted in suffix-async-preempt under goodput)
-    "suffix-sync": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "sync",
-                    "--speculation-policy", "fixed"],
-    "suffix-async-preempt": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--scheduling", "async",
-                             "--num-kv-blocks", "24", "--speculation-policy", "fixed"],
-    "eagle3-async-preempt": ["--proposer", "eagle3", "--num-speculative-tokens", "3", "--scheduling", "async",
-                             "--num-kv-blocks", "24", "--speculation-policy", "fixed"],
+    "suffix-sync": [
+        "--proposer",
+        "suffix",
+        "--num-speculative-tokens",
+        "8",
+        "--scheduling",
+        "sync",
+        "--speculation-policy",
+        "fixed",
+    ],
+    "suffix-async-preempt": [
+        "--proposer",
+        "suffix",
+        "--num-speculative-tokens",
+        "8",
+        "--scheduling",
+        "async",
+        "--num-kv-blocks",
+        "24",
+        "--speculation-policy",
+        "fixed",
+    ],
+    "eagle3-async-preempt": [
+        "--proposer",
+        "eagle3",
+        "--num-speculative-tokens",
+        "3",
+        "--scheduling",
+        "async",
+        "--num-kv-blocks",
+        "24",
+        "--speculation-policy",
+        "fixed",
+    ],
     "eagle3,suffix-sync": ["--proposer", "eagle3,suffix", "--num-speculative-tokens", "4", "--scheduling", "sync"],
     # draft trees (--draft-tree-width), fixed k: the worker's width then makes every drafting step a tree, where
     # the goodput policy may keep k <= 1 (no tree) on a loaded machine, and tree steps > 0 are asserted (the
     # policy's choice of chain or tree has its own tests in tests/scheduler/core)
-    "suffix-tree-async-preempt": ["--proposer", "suffix", "--num-speculative-tokens", "8", "--draft-tree-width", "3",
-                                  "--scheduling", "async", "--num-kv-blocks", "24", "--speculation-policy", "fixed"],
-    "eagle3-tree-sync-preempt": ["--proposer", "eagle3", "--num-speculative-tokens", "4", "--draft-tree-width", "3",
-                                 "--scheduling", "sync", "--num-kv-blocks", "24", "--speculation-policy", "fixed"],
-    "eagle3,suffix-tree-async": ["--proposer", "eagle3,suffix", "--num-speculative-tokens", "4",
-                                 "--draft-tree-width", "2", "--scheduling", "async", "--speculation-policy", "fixed"],
+    "suffix-tree-async-preempt": [
+        "--proposer",
+        "suffix",
+        "--num-speculative-tokens",
+        "8",
+        "--draft-tree-width",
+        "3",
+        "--scheduling",
+        "async",
+        "--num-kv-blocks",
+        "24",
+        "--speculation-policy",
+        "fixed",
+    ],
+    "eagle3-tree-sync-preempt": [
+        "--proposer",
+        "eagle3",
+        "--num-speculative-tokens",
+        "4",
+        "--draft-tree-width",
+        "3",
+        "--scheduling",
+        "sync",
+        "--num-kv-blocks",
+        "24",
+        "--speculation-policy",
+        "fixed",
+    ],
+    "eagle3,suffix-tree-async": [
+        "--proposer",
+        "eagle3,suffix",
+        "--num-speculative-tokens",
+        "4",
+        "--draft-tree-width",
+        "2",
+        "--scheduling",
+        "async",
+        "--speculation-policy",
+        "fixed",
+    ],
 }
 
 
@@ -98,9 +184,14 @@ def test_seeded_eagle3_under_preemption_equals_plain_seeded_decoding(tiny_pair, 
     """Seeded requests sampled together through an EAGLE-3 server (chains or trees) whose KV pool forces
     preemptions give the tokens each gets from a plain server alone: keyed sampling, whatever the head
     drafted."""
+
     def seeded(i: int, prompt: list[int]) -> pb.GenerateRequest:
-        return pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
-            temperature=0.8, top_p=0.95, seed=300 + i, max_tokens=MAX_TOKENS, ignore_eos=True))
+        return pb.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(
+                temperature=0.8, top_p=0.95, seed=300 + i, max_tokens=MAX_TOKENS, ignore_eos=True
+            ),
+        )
 
     requests = [seeded(i, p) for i, p in enumerate(PROMPTS)]
     with serve_in_process(tiny_args(tiny_pair, *CONFIGS["plain-sync"])) as server:
@@ -115,9 +206,21 @@ def test_seeded_eagle3_under_preemption_equals_plain_seeded_decoding(tiny_pair, 
 
 def test_auto_disable_then_resume(tiny_pair, reference):
     """More than 2 running: steps carry k=0; once one request remains it speculates again (self-draft)."""
-    args = tiny_args(tiny_pair, "--proposer", "draft", "--draft-model", str(tiny_pair.target_path),
-                     "--num-speculative-tokens", "3", "--speculative-disable-queue-size", "2", "--scheduling", "sync",
-                     "--speculation-policy", "fixed")  # k from the queue rule alone, not from timings (goodput)
+    args = tiny_args(
+        tiny_pair,
+        "--proposer",
+        "draft",
+        "--draft-model",
+        str(tiny_pair.target_path),
+        "--num-speculative-tokens",
+        "3",
+        "--speculative-disable-queue-size",
+        "2",
+        "--scheduling",
+        "sync",
+        "--speculation-policy",
+        "fixed",
+    )  # k from the queue rule alone, not from timings (goodput)
     with serve_in_process(args) as server:
         requests = [greedy_request(p, 4) for p in PROMPTS[:3]] + [greedy_request(PROMPTS[3], MAX_TOKENS)]
         results = stream_all(server.stub, requests)
@@ -153,13 +256,21 @@ def test_bad_client_input(plain_server):
         expect_status(lambda: stub.Complete(as_complete(request)), grpc.StatusCode.INVALID_ARGUMENT, fragment)
     expect_status(lambda: stub.Abort(pb.AbortRequest(request_id="nope")), grpc.StatusCode.NOT_FOUND, "nope")
     # Still serving: text, chat and token-id prompts.
-    done = stub.Complete(as_complete(pb.GenerateRequest(prompt="w5 w6 w7", sampling=pb.SamplingParams(
-        max_tokens=5, temperature=0, logprobs=True, ignore_eos=True))))
+    done = stub.Complete(
+        as_complete(
+            pb.GenerateRequest(
+                prompt="w5 w6 w7",
+                sampling=pb.SamplingParams(max_tokens=5, temperature=0, logprobs=True, ignore_eos=True),
+            )
+        )
+    )
     assert done.usage.prompt_tokens == 3 and len(done.token_ids) == 5
     assert len(done.logprobs) == 5 and all(lp <= 0 for lp in done.logprobs)
     assert done.text.split() == [f"w{t}" for t in done.token_ids if t > 2]
-    chat = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="w9 w10")],
-                              sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
+    chat = pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="user", content="w9 w10")],
+        sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True),
+    )
     assert stub.Complete(as_complete(chat)).usage.prompt_tokens == 5  # w3 w9 w10 w4 w5 from the chat template
 
 
@@ -209,7 +320,7 @@ def test_port_taken_exits_nonzero(tiny_pair, plain_server):
         proc.wait_for("error: cannot listen")
 
 
-DRAIN_TOKENS = 400   # long enough that all four still run when SIGTERM lands (40 took under 0.5 s)
+DRAIN_TOKENS = 400  # long enough that all four still run when SIGTERM lands (40 took under 0.5 s)
 
 
 def test_sigterm_drains_running_requests_then_exits_cleanly(tiny_pair):
@@ -224,7 +335,11 @@ def test_sigterm_drains_running_requests_then_exits_cleanly(tiny_pair):
             next(call)  # every request runs
         proc.proc.terminate()
         proc.wait_for("shutting down: 4 requests running")
-        expect_status(lambda: server.stub.Complete(as_complete(greedy_request([5], 4)), timeout=10), grpc.StatusCode.UNAVAILABLE, "")
+        expect_status(
+            lambda: server.stub.Complete(as_complete(greedy_request([5], 4)), timeout=10),
+            grpc.StatusCode.UNAVAILABLE,
+            "",
+        )
         assert [[r.finish_reason for r in call][-1] for call in calls] == [pb.FINISH_REASON_LENGTH] * 4
         assert proc.proc.wait(60) == 0
         server.channel.close()

@@ -22,11 +22,16 @@ from tests.processes import free_ports
 from tests.serving import scheduler_in_process, serve_in_process
 from tests.tiny_models import make_tiny_byte_pair
 
-SCHEMA = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 8},
-    "population": {"type": "integer", "minimum": 0, "maximum": 99999},
-    "capital": {"type": "boolean"}},
-    "required": ["city", "population", "capital"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "population": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "population", "capital"],
+    "additionalProperties": False,
+}
 MAX_TOKENS = 80
 MODEL = "tiny-bytes"
 
@@ -37,11 +42,12 @@ def server(request, tmp_path_factory):
 
 
 # The other proposers (and forced drafts off), each under one of the two schedulings
-SPECULATING = {"suffix-sync": ("sync", ["--proposer", "suffix", "--num-speculative-tokens", "6"]),
-               "eagle3-async": ("async", ["--proposer", "eagle3", "--num-speculative-tokens", "4"]),
-               "eagle3,suffix-sync": ("sync", ["--proposer", "eagle3,suffix", "--num-speculative-tokens", "4"]),
-               "ngram-unforced-async": ("async", ["--proposer", "ngram", "--num-speculative-tokens", "4",
-                                                  "--no-forced-drafts"])}
+SPECULATING = {
+    "suffix-sync": ("sync", ["--proposer", "suffix", "--num-speculative-tokens", "6"]),
+    "eagle3-async": ("async", ["--proposer", "eagle3", "--num-speculative-tokens", "4"]),
+    "eagle3,suffix-sync": ("sync", ["--proposer", "eagle3,suffix", "--num-speculative-tokens", "4"]),
+    "ngram-unforced-async": ("async", ["--proposer", "ngram", "--num-speculative-tokens", "4", "--no-forced-drafts"]),
+}
 
 
 @pytest.fixture(scope="module", params=list(SPECULATING))
@@ -55,24 +61,59 @@ def serving(tmp_path_factory, scheduling: str, proposer_args: list[str]):
     (tests/serving.py), and its clients."""
     pair = make_tiny_byte_pair(tmp_path_factory.mktemp("bytes"))
     http_port, metrics_port = free_ports(2)
-    args = ["--http-port", str(http_port), "--metrics-port", str(metrics_port),
-            "--model", str(pair.target_path), "--block-size", "4", "--num-threads", "1", "--max-model-len", "256",
-            "--num-kv-blocks", "256", *proposer_args, "--speculation-policy", "fixed",
-            "--structured-output-timeout", "1", "--served-model-name", MODEL, "--scheduling", scheduling]
+    args = [
+        "--http-port",
+        str(http_port),
+        "--metrics-port",
+        str(metrics_port),
+        "--model",
+        str(pair.target_path),
+        "--block-size",
+        "4",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        "256",
+        "--num-kv-blocks",
+        "256",
+        *proposer_args,
+        "--speculation-policy",
+        "fixed",
+        "--structured-output-timeout",
+        "1",
+        "--served-model-name",
+        MODEL,
+        "--scheduling",
+        scheduling,
+    ]
     if any("eagle3" in arg for arg in proposer_args):
         args += ["--draft-model", str(pair.eagle3_head_path)]
     with serve_in_process(args) as server:
-        yield {"stub": server.stub,
-               "openai": openai.OpenAI(base_url=f"http://{server.http_address}/v1", api_key="none", max_retries=0),
-               "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "args": args}
+        yield {
+            "stub": server.stub,
+            "openai": openai.OpenAI(base_url=f"http://{server.http_address}/v1", api_key="none", max_retries=0),
+            "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+            "args": args,
+        }
 
 
-def complete(server, constraint: pb.StructuredOutputs, speculate: bool = True, seed: int | None = None,
-             prompt: str = "Describe a city.", max_tokens: int = MAX_TOKENS) -> pb.CompleteResponse:
-    sampling = pb.SamplingParams(temperature=0 if seed is None else 1.0, max_tokens=max_tokens,
-                                 structured_outputs=constraint, **({} if seed is None else {"seed": seed}))
-    return server["stub"].Complete(pb.CompleteRequest(prompt=prompt, sampling=sampling,
-                                                      speculation=pb.SpeculationParams(enabled=speculate)))
+def complete(
+    server,
+    constraint: pb.StructuredOutputs,
+    speculate: bool = True,
+    seed: int | None = None,
+    prompt: str = "Describe a city.",
+    max_tokens: int = MAX_TOKENS,
+) -> pb.CompleteResponse:
+    sampling = pb.SamplingParams(
+        temperature=0 if seed is None else 1.0,
+        max_tokens=max_tokens,
+        structured_outputs=constraint,
+        **({} if seed is None else {"seed": seed}),
+    )
+    return server["stub"].Complete(
+        pb.CompleteRequest(prompt=prompt, sampling=sampling, speculation=pb.SpeculationParams(enabled=speculate))
+    )
 
 
 @pytest.mark.parametrize("seed", [None, 7])
@@ -103,23 +144,32 @@ def test_every_proposer_keeps_the_schema_and_changes_no_token(speculating_server
     named = server["args"][server["args"].index("--proposer") + 1].split(",")
     assert any(by_proposer[name].draft_tokens > 0 for name in named if name in by_proposer), by_proposer
     forced = by_proposer.get("forced")
-    forced_on_metrics = _metric(server, "specdec_spec_decode_num_draft_tokens_by_proposer_total",
-                                'proposer="forced"')
+    forced_on_metrics = _metric(server, "specdec_spec_decode_num_draft_tokens_by_proposer_total", 'proposer="forced"')
     if "--no-forced-drafts" in server["args"]:
         assert forced is None and forced_on_metrics == 0
     else:
         assert forced.draft_tokens > 0 and forced.accepted_tokens > 0 and forced_on_metrics >= forced.draft_tokens
 
 
-@pytest.mark.parametrize(("constraint", "check"), [
-    (pb.StructuredOutputs(regex=r"[A-Z][a-z]{2,6} [0-9]{3}-[0-9]{4}"),
-     lambda text: re.fullmatch(r"[A-Z][a-z]{2,6} [0-9]{3}-[0-9]{4}", text)),
-    (pb.StructuredOutputs(choice=pb.Choice(choices=["positive", "negative", "neutral"])),
-     lambda text: text in ("positive", "negative", "neutral")),
-    (pb.StructuredOutputs(grammar='start: "(" item ("," item)* ")"\nitem: /[a-z]{1,3}/'),
-     lambda text: re.fullmatch(r"\([a-z]{1,3}(,[a-z]{1,3})*\)", text)),
-    (pb.StructuredOutputs(grammar='root ::= "yes" | "no"'), lambda text: text in ("yes", "no")),
-], ids=["regex", "choice", "lark", "gbnf"])
+@pytest.mark.parametrize(
+    ("constraint", "check"),
+    [
+        (
+            pb.StructuredOutputs(regex=r"[A-Z][a-z]{2,6} [0-9]{3}-[0-9]{4}"),
+            lambda text: re.fullmatch(r"[A-Z][a-z]{2,6} [0-9]{3}-[0-9]{4}", text),
+        ),
+        (
+            pb.StructuredOutputs(choice=pb.Choice(choices=["positive", "negative", "neutral"])),
+            lambda text: text in ("positive", "negative", "neutral"),
+        ),
+        (
+            pb.StructuredOutputs(grammar='start: "(" item ("," item)* ")"\nitem: /[a-z]{1,3}/'),
+            lambda text: re.fullmatch(r"\([a-z]{1,3}(,[a-z]{1,3})*\)", text),
+        ),
+        (pb.StructuredOutputs(grammar='root ::= "yes" | "no"'), lambda text: text in ("yes", "no")),
+    ],
+    ids=["regex", "choice", "lark", "gbnf"],
+)
 def test_every_kind_of_constraint_is_followed(server, constraint, check):
     reply = complete(server, constraint)
     assert reply.finish_reason == pb.FINISH_REASON_STOP, reply.text
@@ -140,26 +190,35 @@ def test_any_json_object(server):
 def test_the_openai_client_gets_json_of_its_schema(server):
     client = server["openai"]
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "A city, as JSON."}], temperature=0,
+        model=MODEL,
+        messages=[{"role": "user", "content": "A city, as JSON."}],
+        temperature=0,
         max_tokens=MAX_TOKENS,
-        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}})
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}},
+    )
     assert reply.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
-    legacy = client.completions.create(model=MODEL, prompt="Mood:", max_tokens=8, temperature=0,
-                                       extra_body={"guided_choice": ["happy", "sad"]})
+    legacy = client.completions.create(
+        model=MODEL, prompt="Mood:", max_tokens=8, temperature=0, extra_body={"guided_choice": ["happy", "sad"]}
+    )
     assert legacy.choices[0].text in ("happy", "sad")
 
 
-@pytest.mark.parametrize(("body", "check"), [
-    ({"response_format": {"type": "json_object"}}, lambda text: text.startswith("{")),
-    ({"extra_body": {"guided_json": SCHEMA}}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
-    ({"extra_body": {"guided_regex": "[a-c]{2}-[0-9]{3}"}}, lambda text: re.fullmatch("[a-c]{2}-[0-9]{3}", text)),
-    ({"extra_body": {"guided_grammar": 'root ::= "on" | "off"'}}, lambda text: text in ("on", "off")),
-    ({"extra_body": {"structured_outputs": {"choice": ["left", "right"]}}}, lambda text: text in ("left", "right")),
-], ids=["json_object", "guided_json", "guided_regex", "guided_grammar", "structured_outputs"])
+@pytest.mark.parametrize(
+    ("body", "check"),
+    [
+        ({"response_format": {"type": "json_object"}}, lambda text: text.startswith("{")),
+        ({"extra_body": {"guided_json": SCHEMA}}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+        ({"extra_body": {"guided_regex": "[a-c]{2}-[0-9]{3}"}}, lambda text: re.fullmatch("[a-c]{2}-[0-9]{3}", text)),
+        ({"extra_body": {"guided_grammar": 'root ::= "on" | "off"'}}, lambda text: text in ("on", "off")),
+        ({"extra_body": {"structured_outputs": {"choice": ["left", "right"]}}}, lambda text: text in ("left", "right")),
+    ],
+    ids=["json_object", "guided_json", "guided_regex", "guided_grammar", "structured_outputs"],
+)
 def test_the_openai_client_s_other_constraint_fields_are_followed(server, body, check):
     reply = server["openai"].chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Answer."}], temperature=0, max_tokens=MAX_TOKENS, **body)
+        model=MODEL, messages=[{"role": "user", "content": "Answer."}], temperature=0, max_tokens=MAX_TOKENS, **body
+    )
     text = reply.choices[0].message.content
     assert check(text), text
     # json_object: the random model's strings may run on to max_tokens; the others end their grammar
@@ -172,21 +231,42 @@ def test_max_tokens_inside_the_constraint_finishes_with_length(server):
     assert reply.text.startswith("{")  # a prefix of a valid record, as far as it got
 
 
-@pytest.mark.parametrize(("body", "message"), [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "strin"}}}}}}, "strin"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "if": {"properties": {"a": {"const": 1}}}}}}}, "if"),
-    ({"extra_body": {"guided_regex": "(unclosed"}}, "regex"),
-    ({"extra_body": {"guided_regex": "a+", "guided_choice": ["a"]}}, "guided_regex and guided_choice"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}}, "no value"),
-    ({"extra_body": {"guided_json": {"type": "object"}, "ignore_eos": True}}, "ignore_eos"),
-])
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}},
+                }
+            },
+            "strin",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "if": {"properties": {"a": {"const": 1}}}},
+                    },
+                }
+            },
+            "if",
+        ),
+        ({"extra_body": {"guided_regex": "(unclosed"}}, "regex"),
+        ({"extra_body": {"guided_regex": "a+", "guided_choice": ["a"]}}, "guided_regex and guided_choice"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}}, "no value"),
+        ({"extra_body": {"guided_json": {"type": "object"}, "ignore_eos": True}}, "ignore_eos"),
+    ],
+)
 def test_bad_constraints_get_400_naming_the_problem(server, body, message):
     with pytest.raises(openai.BadRequestError) as caught:
-        server["openai"].chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                                 max_tokens=8, **body)
+        server["openai"].chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=8, **body
+        )
     assert message in str(caught.value)
     reply = complete(server, pb.StructuredOutputs(regex="ok"))  # and the server goes on serving
     assert reply.finish_reason == pb.FINISH_REASON_STOP and reply.text == "ok"
@@ -203,16 +283,17 @@ def _metric(server, name: str, label: str | None = None) -> float:
     text = urllib.request.urlopen(server["metrics"], timeout=10).read().decode()
     if label is None:
         return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name + "{") and label in line)
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{") and label in line)
 
 
 def test_a_repeated_schema_is_a_cache_hit(server):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"]}
     constraint = pb.StructuredOutputs(json=json.dumps(schema))
     complete(server, constraint)
-    hits, requests = (_metric(server, "specdec_structured_output_cache_hits_total"),
-                      _metric(server, "specdec_structured_output_requests_total"))
+    hits, requests = (
+        _metric(server, "specdec_structured_output_cache_hits_total"),
+        _metric(server, "specdec_structured_output_requests_total"),
+    )
     complete(server, constraint)
     assert _metric(server, "specdec_structured_output_cache_hits_total") == hits + 1
     assert _metric(server, "specdec_structured_output_requests_total") == requests + 1
@@ -239,8 +320,10 @@ def test_a_hostile_constraint_is_refused_within_the_bound_while_others_stream(se
     enormous = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(5000)}}
     with pytest.raises(grpc.RpcError) as caught:
         complete(server, pb.StructuredOutputs(json=json.dumps(enormous)))
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--structured-output-max-chars" in \
-        caught.value.details()
+    assert (
+        caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "--structured-output-max-chars" in caught.value.details()
+    )
     nested: dict = {"type": "string"}
     for _ in range(400):
         nested = {"type": "array", "items": nested}
@@ -257,11 +340,16 @@ def test_a_hostile_constraint_is_refused_within_the_bound_while_others_stream(se
     assert num_tokens[0] == 200 and max(stream_gaps[1:]) < 1.0
 
 
-LONG_SCHEMA = {"type": "object", "properties": {
-    "notes": {"type": "string", "maxLength": 40},
-    "codes": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 5},
-    "score": {"type": "integer", "minimum": 0, "maximum": 9999}},
-    "required": ["notes", "codes", "score"], "additionalProperties": False}
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "notes": {"type": "string", "maxLength": 40},
+        "codes": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 5},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9999},
+    },
+    "required": ["notes", "codes", "score"],
+    "additionalProperties": False,
+}
 FAILOVER_PROMPTS = ["alpha beta", "gamma", "delta epsilon zeta", "eta", "theta iota", "kappa lambda mu"]
 FAILOVER_SEEDS = [None, None, None, 21, 22, 23]
 FAILOVER_MAX_TOKENS = 200
@@ -289,9 +377,10 @@ def _failover_reference(pair) -> list[list[int]]:
     outputs = []
     for i, (prompt, seed) in enumerate(zip(FAILOVER_PROMPTS, FAILOVER_SEEDS)):
         params = step.RequestSampling(temperature=0.0 if seed is None else 0.8, seed=seed)
-        out = Driver(worker.execute, 4, 512).generate([tokenizer.encode(prompt)], FAILOVER_MAX_TOKENS, params,
-                                                      prefix=f"ref{i}-", grammar=grammar)[0]
-        outputs.append(out[:out.index(2) + 1])
+        out = Driver(worker.execute, 4, 512).generate(
+            [tokenizer.encode(prompt)], FAILOVER_MAX_TOKENS, params, prefix=f"ref{i}-", grammar=grammar
+        )[0]
+        outputs.append(out[: out.index(2) + 1])
     return outputs
 
 
@@ -306,9 +395,24 @@ def test_constrained_streams_survive_preemption_and_a_killed_worker(byte_pair):
     workers = start_workers(byte_pair, 2, args)
     addresses = [w.address() for w in workers]
     try:
-        with scheduler_in_process(["--model", str(byte_pair.target_path), "--block-size", "4", "--num-kv-blocks", "56",
-                                   "--speculation-policy", "fixed", "--routing", "least-loaded",
-                                   "--worker", addresses[0], "--worker", addresses[1]]) as scheduler:
+        with scheduler_in_process(
+            [
+                "--model",
+                str(byte_pair.target_path),
+                "--block-size",
+                "4",
+                "--num-kv-blocks",
+                "56",
+                "--speculation-policy",
+                "fixed",
+                "--routing",
+                "least-loaded",
+                "--worker",
+                addresses[0],
+                "--worker",
+                addresses[1],
+            ]
+        ) as scheduler:
             stub = scheduler.stub
             wait_until(lambda: all(worker_status(stub, a).state == "serving" for a in addresses))
             tokens, finish = [[] for _ in FAILOVER_PROMPTS], [None] * len(FAILOVER_PROMPTS)
@@ -316,9 +420,12 @@ def test_constrained_streams_survive_preemption_and_a_killed_worker(byte_pair):
 
             def consume(i: int) -> None:
                 seed = FAILOVER_SEEDS[i]
-                sampling = pb.SamplingParams(temperature=0.0 if seed is None else 0.8, max_tokens=FAILOVER_MAX_TOKENS,
-                                             structured_outputs=pb.StructuredOutputs(json=json.dumps(LONG_SCHEMA)),
-                                             **({} if seed is None else {"seed": seed}))
+                sampling = pb.SamplingParams(
+                    temperature=0.0 if seed is None else 0.8,
+                    max_tokens=FAILOVER_MAX_TOKENS,
+                    structured_outputs=pb.StructuredOutputs(json=json.dumps(LONG_SCHEMA)),
+                    **({} if seed is None else {"seed": seed}),
+                )
                 for response in stub.Generate(pb.GenerateRequest(prompt=FAILOVER_PROMPTS[i], sampling=sampling)):
                     tokens[i] += response.token_ids
                     texts[i] += response.text

@@ -10,7 +10,7 @@ import kernels, kernels.paged_attention, kernels.slot_mapping  # ours, imported 
 import torch
 import transformers
 from transformers.utils.import_utils import is_kernels_available
-assert kernels.__file__.startswith({str(__import__('pathlib').Path(__file__).resolve().parents[2])!r}), kernels.__file__
+assert kernels.__file__.startswith({str(__import__("pathlib").Path(__file__).resolve().parents[2])!r}), kernels.__file__
 assert not is_kernels_available(), "transformers took our kernels package for Hugging Face's"
 model = transformers.AutoModelForCausalLM.from_pretrained({str(tiny_pair.target_path)!r})
 out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)

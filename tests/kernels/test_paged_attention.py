@@ -3,14 +3,14 @@
 The CPU's C kernel has its own tests (test_paged_attention_cpu.py), on these cases.
 """
 
-import math
 from dataclasses import dataclass
+import math
 
 import pytest
 import torch
 
-import kernels.paged_attention as pa
 from kernels._triton import HAS_TRITON
+import kernels.paged_attention as pa
 
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 
@@ -41,8 +41,7 @@ class Case:
     scale: float
 
     def args(self, device: str = "cpu") -> tuple:
-        tensors = (self.query, self.key_cache, self.value_cache, self.block_tables,
-                   self.query_start_loc, self.seq_lens)
+        tensors = (self.query, self.key_cache, self.value_cache, self.block_tables, self.query_start_loc, self.seq_lens)
         return (*(t.to(device) for t in tensors), self.scale)
 
 
@@ -71,9 +70,17 @@ def make_case(specs, block_size, num_heads=4, num_kv_heads=2, head_dim=8, dtype=
     query_start_loc = torch.zeros(len(specs) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(q_lens, 0)
     query = torch.randn(int(q_lens.sum()), num_heads, head_dim, generator=gen)
-    return Case(query.to(dtype), key_cache.to(dtype), value_cache.to(dtype), block_tables, query_start_loc,
-                torch.tensor([s for _, s in specs], dtype=torch.int32), dense_keys, dense_values,
-                1 / math.sqrt(head_dim))
+    return Case(
+        query.to(dtype),
+        key_cache.to(dtype),
+        value_cache.to(dtype),
+        block_tables,
+        query_start_loc,
+        torch.tensor([s for _, s in specs], dtype=torch.int32),
+        dense_keys,
+        dense_values,
+        1 / math.sqrt(head_dim),
+    )
 
 
 def dense_attention(case: Case) -> torch.Tensor:  # [T, H, D] float64
@@ -81,7 +88,7 @@ def dense_attention(case: Case) -> torch.Tensor:  # [T, H, D] float64
     outs = []
     starts = case.query_start_loc.tolist()
     for b, (keys, values) in enumerate(zip(case.dense_keys, case.dense_values)):
-        q = case.query[starts[b]: starts[b + 1]].double()  # [Q, H, D]
+        q = case.query[starts[b] : starts[b + 1]].double()  # [Q, H, D]
         group = q.shape[1] // keys.shape[1]
         k = keys.double().repeat_interleave(group, dim=1)  # [L, H, D]
         v = values.double().repeat_interleave(group, dim=1)  # [L, H, D]
@@ -138,14 +145,18 @@ def test_sdpa_matches_transformers_sdpa():
     module.num_key_value_groups, module.is_causal = 2, True
     starts = case.query_start_loc.tolist()
     for b, (keys, values) in enumerate(zip(case.dense_keys, case.dense_values)):
-        q = case.query[starts[b]: starts[b + 1]].transpose(0, 1)[None]  # [1, H, Q, L]
+        q = case.query[starts[b] : starts[b + 1]].transpose(0, 1)[None]  # [1, H, Q, L]
         q_len, seq_len = q.shape[2], keys.shape[0]
         mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(seq_len - q_len)[None, None]  # [1, 1, Q, L]
         expected, _ = sdpa_attention.sdpa_attention_forward(
-            module, q, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attention_mask=None if q_len == seq_len else mask, scaling=case.scale,
+            module,
+            q,
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attention_mask=None if q_len == seq_len else mask,
+            scaling=case.scale,
         )  # [1, Q, H, D]
-        assert (out[starts[b]: starts[b + 1]] - expected[0]).abs().max() <= 1e-5
+        assert (out[starts[b] : starts[b + 1]] - expected[0]).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("name", ["five_token_queries", "mixed"])
@@ -170,8 +181,12 @@ def test_dispatcher_falls_back_to_sdpa_without_the_c_kernel(monkeypatch):
 @requires_triton
 @pytest.mark.parametrize(
     "name, block_size, heads, head_dim",
-    [("mixed", 4, (4, 2), 8), ("mixed", 16, (4, 1), 12), ("five_token_queries", 16, (2, 2), 8),
-     ("four_lengths", 4, (4, 2), 8)],
+    [
+        ("mixed", 4, (4, 2), 8),
+        ("mixed", 16, (4, 1), 12),
+        ("five_token_queries", 16, (2, 2), 8),
+        ("four_lengths", 4, (4, 2), 8),
+    ],
 )
 def test_triton_matches_ref(name, block_size, heads, head_dim, triton_device):
     case = make_case(CASES[name], block_size, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)

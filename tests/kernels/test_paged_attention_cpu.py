@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kernels import cpu_build, paged_attention_cpu as cpu_kernel
+from kernels import cpu_build
+from kernels import paged_attention_cpu as cpu_kernel
 from tests.kernels.test_paged_attention import CASES, dense_attention, make_case
 from tests.worker.runtime.test_fast_linear import NARROWER_BUILDS
 
@@ -16,13 +17,13 @@ def built():
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
-@pytest.mark.parametrize("heads, head_dim", [((4, 2), 8), ((4, 4), 8), ((6, 2), 20), ((9, 3), 64)],
-                         ids=["gqa", "mha", "odd-dim", "smollm2"])
+@pytest.mark.parametrize(
+    "heads, head_dim", [((4, 2), 8), ((4, 4), 8), ((6, 2), 20), ((9, 3), 64)], ids=["gqa", "mha", "odd-dim", "smollm2"]
+)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_dense(name, block_size, heads, head_dim, dtype):
-    case = make_case(CASES[name], block_size, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
-                     dtype=dtype)
+    case = make_case(CASES[name], block_size, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, dtype=dtype)
     out = cpu_kernel.paged_attention_cpu(*case.args())
     assert out.dtype == dtype and out.shape == case.query.shape
     assert (out.double() - dense_attention(case)).abs().max() <= TOLERANCE[dtype]
@@ -32,8 +33,9 @@ def test_matches_dense(name, block_size, heads, head_dim, dtype):
 def test_matches_dense_over_several_key_parts(dtype):
     """Rows with more keys than one work item takes (the kernel's PART_KEYS, 128): their parts' partial
     softmaxes are combined; a verify query whose rows end in different parts; exactly one part's keys."""
-    case = make_case([(1, 300), (4, 259), (2, 129), (1, 128), (3, 700)], 16, num_heads=9, num_kv_heads=3,
-                     head_dim=64, dtype=dtype)
+    case = make_case(
+        [(1, 300), (4, 259), (2, 129), (1, 128), (3, 700)], 16, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype
+    )
     out = cpu_kernel.paged_attention_cpu(*case.args())
     assert (out.double() - dense_attention(case)).abs().max() <= TOLERANCE[dtype]
 
@@ -50,9 +52,15 @@ def one_row_decode(attention, case, token: int, seq: int) -> torch.Tensor:  # [H
     """Query `token` of sequence `seq` alone, as a one-token decode at its position."""
     starts, lens = case.query_start_loc.tolist(), case.seq_lens.tolist()
     position = lens[seq] - (starts[seq + 1] - starts[seq]) + (token - starts[seq])
-    out = attention(case.query[token: token + 1], case.key_cache, case.value_cache,
-                    case.block_tables[seq: seq + 1], torch.tensor([0, 1], dtype=torch.int32),
-                    torch.tensor([position + 1], dtype=torch.int32), case.scale)
+    out = attention(
+        case.query[token : token + 1],
+        case.key_cache,
+        case.value_cache,
+        case.block_tables[seq : seq + 1],
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([position + 1], dtype=torch.int32),
+        case.scale,
+    )
     return out[0]
 
 
@@ -69,8 +77,11 @@ def rows_that_differ(attention, dtype, context: int) -> list[tuple[int, int]]:
         start = case.query_start_loc[1].item()
         try:
             torch.set_num_threads(1 if q_len % 2 else threads)
-            differ += [(q_len, token) for token in range(start, start + q_len)
-                       if not torch.equal(together[token], one_row_decode(attention, case, token, seq=1))]
+            differ += [
+                (q_len, token)
+                for token in range(start, start + q_len)
+                if not torch.equal(together[token], one_row_decode(attention, case, token, seq=1))
+            ]
         finally:
             torch.set_num_threads(threads)
     return differ
@@ -87,9 +98,10 @@ def test_rows_are_bitwise_batch_invariant(dtype, context):
 def test_the_invariance_check_has_teeth():
     """rows_that_differ catches an attention whose rows change once a call holds more than 8 rows (built here,
     so the check's teeth do not depend on whether this machine's SDPA happens to be invariant)."""
+
     def rounds_by_batch(query, *args):
         if query.shape[0] > 8:
-            query = query * (1 + 2 ** -6)  # another rounding of the scores, as another blocking would give
+            query = query * (1 + 2**-6)  # another rounding of the scores, as another blocking would give
         return cpu_kernel.paged_attention_cpu(query, *args)
 
     differ = rows_that_differ(rounds_by_batch, torch.bfloat16, 130)

@@ -9,8 +9,7 @@ from kernels.rejection_sampler import rejection_sample_ref, rejection_sample_tri
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 
 
-def random_case(num_seqs: int, num_spec: int, num_vocab: int, has_draft_probs: bool, seed: int,
-                device: str) -> tuple:
+def random_case(num_seqs: int, num_spec: int, num_vocab: int, has_draft_probs: bool, seed: int, device: str) -> tuple:
     """Mixed greedy / random rows, proposal lengths 0..K, -1 padding, zeros in q,
     rows with p == q, and drafts that are often the target's argmax so every
     path runs."""
@@ -41,8 +40,7 @@ def random_case(num_seqs: int, num_spec: int, num_vocab: int, has_draft_probs: b
     [(300, 3, 6), (40, 0, 6), (50, 1, 7), (12, 4, 1500)],  # many rows per program; K = 0; 2 vocab blocks
 )
 def test_triton_matches_reference(num_seqs, num_spec, num_vocab, has_draft_probs, triton_device):
-    args = random_case(num_seqs, num_spec, num_vocab, has_draft_probs, seed=num_seqs + num_spec,
-                       device=triton_device)
+    args = random_case(num_seqs, num_spec, num_vocab, has_draft_probs, seed=num_seqs + num_spec, device=triton_device)
     want_tokens, want_emitted = rejection_sample_ref(*args)
     got_tokens, got_emitted = rejection_sample_triton(*args)
     assert torch.equal(got_tokens, want_tokens)
@@ -73,8 +71,13 @@ def test_triton_greedy_exact_match_semantics(triton_device):
     num_draft = torch.tensor([3, 3, 2, 0], device=triton_device)  # [B]
     is_greedy = torch.ones(4, dtype=torch.bool, device=triton_device)
     output, num_emitted = rejection_sample_triton(
-        target, drafts, num_draft, None, is_greedy,
-        torch.rand(4, 3, device=triton_device), torch.ones(4, 4, 6, device=triton_device),
+        target,
+        drafts,
+        num_draft,
+        None,
+        is_greedy,
+        torch.rand(4, 3, device=triton_device),
+        torch.ones(4, 4, 6, device=triton_device),
     )
     assert output.tolist() == [[3, 1, 4, 0], [3, 1, -1, -1], [2, 2, 5, -1], [0, -1, -1, -1]]
     assert num_emitted.tolist() == [4, 2, 3, 1]
@@ -84,8 +87,15 @@ def test_triton_ties_go_to_the_lowest_token_id(triton_device):
     # Equal scores in different vocabulary blocks (V = 1500, blocks of 1024).
     target = torch.zeros(2, 1, 1500)  # [B=2, K+1=1, V]
     target[:, 0, [1300, 7, 1100]] = 1 / 3
-    args = (target, torch.zeros(2, 0, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), None,
-            torch.tensor([False, True]), torch.zeros(2, 0), torch.ones(2, 1, 1500))
+    args = (
+        target,
+        torch.zeros(2, 0, dtype=torch.int64),
+        torch.zeros(2, dtype=torch.int64),
+        None,
+        torch.tensor([False, True]),
+        torch.zeros(2, 0),
+        torch.ones(2, 1, 1500),
+    )
     args = tuple(a.to(triton_device) if a is not None else None for a in args)
     assert rejection_sample_triton(*args)[0][:, 0].tolist() == [7, 7]
     assert rejection_sample_ref(*args)[0][:, 0].tolist() == [7, 7]
@@ -112,7 +122,9 @@ def test_triton_is_lossless(has_draft_probs, triton_device):
         drafts = torch.tensor([0, 5]).expand(num_trials, -1)  # [N, K], n-gram guesses (q_1(5) > 0)
     num_draft = torch.randint(0, num_spec + 1, (num_trials,), generator=gen)  # [N]
     output, num_emitted = rejection_sample_triton(
-        Q.expand(num_trials, -1, -1).to(triton_device), drafts.to(triton_device), num_draft.to(triton_device),
+        Q.expand(num_trials, -1, -1).to(triton_device),
+        drafts.to(triton_device),
+        num_draft.to(triton_device),
         P.expand(num_trials, -1, -1).to(triton_device) if has_draft_probs else None,
         torch.zeros(num_trials, dtype=torch.bool, device=triton_device),
         torch.rand(num_trials, num_spec, generator=gen).to(triton_device),

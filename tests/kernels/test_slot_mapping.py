@@ -74,8 +74,7 @@ def test_triton_matches_hand_computed(triton_device):
 def test_triton_matches_ref(num_seqs, block_size, triton_device):
     block_tables, query_start_loc, positions, _ = random_case(num_seqs, block_size, num_seqs)
     expected = slot_mapping_ref(block_tables, query_start_loc, positions, block_size)
-    slots = slot_mapping_triton(*(t.to(triton_device) for t in (block_tables, query_start_loc, positions)),
-                                block_size)
+    slots = slot_mapping_triton(*(t.to(triton_device) for t in (block_tables, query_start_loc, positions)), block_size)
     assert torch.equal(slots.cpu(), expected)
 
 

@@ -17,7 +17,7 @@ def built():
 def pack(allowed: torch.Tensor) -> torch.Tensor:  # [R, V] bool -> [R, ceil(V / 32)] int32, llguidance's layout
     num_words = -(-allowed.shape[1] // 32)
     bits = torch.zeros((allowed.shape[0], num_words * 32), dtype=torch.int64)
-    bits[:, :allowed.shape[1]] = allowed.long()
+    bits[:, : allowed.shape[1]] = allowed.long()
     words = (bits.view(allowed.shape[0], num_words, 32) << torch.arange(32)).sum(-1)  # 0 .. 2^32 - 1
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 

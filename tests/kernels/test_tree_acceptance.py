@@ -23,7 +23,7 @@ def plain_decode(prompt: tuple[int, ...], seed: int, num_tokens: int) -> list[in
     context = prompt
     for _ in range(num_tokens):
         context += (keyed_target(context, seed),)
-    return list(context[len(prompt):])
+    return list(context[len(prompt) :])
 
 
 def tree_decode(accept, prompt: tuple[int, ...], seed: int, num_tokens: int, rng: random.Random) -> list[int]:
@@ -47,7 +47,7 @@ def tree_decode(accept, prompt: tuple[int, ...], seed: int, num_tokens: int, rng
         assert emitted[:-1] == [tokens[row] for row in path]
         assert all(parents[b] == a for a, b in zip([0, *path], path))  # a path from the root
         context += tuple(emitted)
-    return list(context[len(prompt):])[:num_tokens]
+    return list(context[len(prompt) :])[:num_tokens]
 
 
 def accept_first_child(target_tokens, node_tokens, parents):
@@ -92,6 +92,9 @@ def test_tree_decoding_emits_plain_decodings_tokens(seed):
 
 def test_accepting_a_sibling_instead_of_the_matching_child_is_caught():
     prompt = (1, 2, 3)
-    differ = [seed for seed in range(8) if tree_decode(accept_first_child, prompt, seed, 60, random.Random(seed))
-              != plain_decode(prompt, seed, 60)]
+    differ = [
+        seed
+        for seed in range(8)
+        if tree_decode(accept_first_child, prompt, seed, 60, random.Random(seed)) != plain_decode(prompt, seed, 60)
+    ]
     assert len(differ) == 8

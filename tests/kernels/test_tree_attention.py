@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
-import kernels.paged_attention as pa
-from kernels import cpu_build, paged_attention_cpu as cpu_kernel
+from kernels import cpu_build
+from kernels import paged_attention_cpu as cpu_kernel
 from kernels.draft_tree import DraftTrees
+import kernels.paged_attention as pa
 from tests.kernels.test_paged_attention import make_case, requires_triton
 from tests.worker.runtime.test_fast_linear import NARROWER_BUILDS
 
@@ -55,7 +56,7 @@ def dense_tree_attention(case, trees: DraftTrees) -> torch.Tensor:  # [T, H, D] 
     outs = []
     starts, lens = case.query_start_loc.tolist(), case.seq_lens.tolist()
     for b, (keys, values) in enumerate(zip(case.dense_keys, case.dense_values)):
-        q = case.query[starts[b]: starts[b + 1]].double()  # [Q, H, D]
+        q = case.query[starts[b] : starts[b + 1]].double()  # [Q, H, D]
         group = q.shape[1] // keys.shape[1]
         k = keys.double().repeat_interleave(group, dim=1)  # [L, H, D]
         v = values.double().repeat_interleave(group, dim=1)  # [L, H, D]
@@ -139,8 +140,14 @@ def decode_over_path(case, trees: DraftTrees, token: int, seq: int) -> torch.Ten
         flat = cache.view(-1, *cache.shape[2:])
         flat[fresh_slots] = flat[slots].clone()
     out = cpu_kernel.paged_attention_cpu(
-        case.query[token: token + 1], key_cache, value_cache, fresh[None].to(torch.int32),
-        torch.tensor([0, 1], dtype=torch.int32), torch.tensor([len(positions)], dtype=torch.int32), case.scale)
+        case.query[token : token + 1],
+        key_cache,
+        value_cache,
+        fresh[None].to(torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([len(positions)], dtype=torch.int32),
+        case.scale,
+    )
     return out[0]
 
 
@@ -161,8 +168,12 @@ def test_a_tree_row_is_bitwise_a_decode_over_its_path(dtype, context):
         torch.set_num_threads(num_threads)
         try:
             together = cpu_kernel.paged_attention_cpu(*case.args(), trees)  # [T, H, D]
-            differ = [(seq, token) for seq in (1, 3, 5) for token in range(starts[seq], starts[seq + 1])
-                      if not torch.equal(together[token], decode_over_path(case, trees, token, seq))]
+            differ = [
+                (seq, token)
+                for seq in (1, 3, 5)
+                for token in range(starts[seq], starts[seq + 1])
+                if not torch.equal(together[token], decode_over_path(case, trees, token, seq))
+            ]
         finally:
             torch.set_num_threads(threads)
         assert differ == [], num_threads
@@ -189,8 +200,7 @@ def test_from_parents_computes_depths_and_paths():
     trees = DraftTrees.from_parents([0, 1, 6], [4, 10], [-1, -1, 0, 0, 1, 3])
     assert trees.is_tree.tolist() == [0, 1] and trees.prefix_lens.tolist() == [0, 5]
     assert trees.depths.tolist() == [0, 0, 1, 1, 2, 3]
-    assert trees.paths.tolist()[1:] == [[5, -1, -1, -1], [5, 6, -1, -1], [5, 7, -1, -1], [5, 6, 8, -1],
-                                        [5, 6, 8, 9]]
+    assert trees.paths.tolist()[1:] == [[5, -1, -1, -1], [5, 6, -1, -1], [5, 7, -1, -1], [5, 6, 8, -1], [5, 6, 8, 9]]
 
 
 @pytest.mark.parametrize("parents", [[-1, 1], [-1, -2], [0, 0]])
@@ -206,8 +216,16 @@ def level_batch(dtype, context: int = 40):
     specs = [(2, context + 6), (1, 30), (2, context + 8), (3, 50)]
     case = make_case(specs, 16, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype)
     starts = case.query_start_loc.tolist()
-    paths = [[context + 1, context + 2, context + 4], [context + 1, context + 3, context + 5], None,
-             [context, context + 3, context + 6], [context + 1, context + 2, context + 7], None, None, None]
+    paths = [
+        [context + 1, context + 2, context + 4],
+        [context + 1, context + 3, context + 5],
+        None,
+        [context, context + 3, context + 6],
+        [context + 1, context + 2, context + 7],
+        None,
+        None,
+        None,
+    ]
     trees = DraftTrees.from_paths(starts[:-1], [context, 0, context, 0], paths)
     assert trees.is_tree.tolist() == [1, 0, 1, 0]
     return case, trees

@@ -18,10 +18,17 @@ class Driver:
     def blocks(self, num_tokens: int) -> list[int]:
         return [self.free_blocks.pop() for _ in range(-(-num_tokens // self.block_size))]
 
-    def generate(self, prompts: list[list[int]], max_tokens: int,
-                 sampling: step.RequestSampling | list[step.RequestSampling] | None = None,
-                 num_speculative_tokens: int | list[int] = 0, prefix: str = "r", keep: bool = False,
-                 grammar: str = "", tree_widths: list[int] | None = None) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        sampling: step.RequestSampling | list[step.RequestSampling] | None = None,
+        num_speculative_tokens: int | list[int] = 0,
+        prefix: str = "r",
+        keep: bool = False,
+        grammar: str = "",
+        tree_widths: list[int] | None = None,
+    ) -> list[list[int]]:
         """`sampling`: one for all requests, or one per prompt (default greedy); every decode step has
         k = num_speculative_tokens, one for all or one per prompt (the tables always have room for it).
         `keep`: the worker keeps the requests at the end (ids `{prefix}{i}`), else they are finished.
@@ -29,15 +36,29 @@ class Driver:
         `tree_widths`: each request's draft_tree_width in every step (default 0: the worker's own)."""
         sampling = sampling or step.RequestSampling(temperature=0.0)
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        ks = num_speculative_tokens if isinstance(num_speculative_tokens, list) else [num_speculative_tokens] * len(
-            prompts)
+        ks = (
+            num_speculative_tokens
+            if isinstance(num_speculative_tokens, list)
+            else [num_speculative_tokens] * len(prompts)
+        )
         ids = [f"{prefix}{i}" for i in range(len(prompts))]
         k_of = dict(zip(ids, ks))
         width_of = dict(zip(ids, tree_widths or [0] * len(prompts)))
         outputs = {rid: [] for rid in ids}
-        new = [step.NewRequest(rid, p, len(p), s, self.blocks(len(p) + max_tokens + 8), len(p), k_of[rid],
-                               grammar=grammar, draft_tree_width=width_of[rid])
-               for rid, p, s in zip(ids, prompts, samplings)]
+        new = [
+            step.NewRequest(
+                rid,
+                p,
+                len(p),
+                s,
+                self.blocks(len(p) + max_tokens + 8),
+                len(p),
+                k_of[rid],
+                grammar=grammar,
+                draft_tree_width=width_of[rid],
+            )
+            for rid, p, s in zip(ids, prompts, samplings)
+        ]
         request = step.StepRequest(next(self.step_ids), new_requests=new)
         while True:
             result = self.execute(request)

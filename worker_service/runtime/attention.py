@@ -28,29 +28,43 @@ class PagedMetadata:
     """Where a packed batch's tokens live in the paged cache."""
 
     kv_cache: KVCache
-    slot_mapping: torch.Tensor     # [T] int64: cache slot of each packed token
-    block_tables: torch.Tensor     # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each packed token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
     query_start_loc: torch.Tensor  # [B+1] int32: token offsets of each sequence
-    seq_lens: torch.Tensor         # [B] int32: KV length of each sequence including this step's tokens
+    seq_lens: torch.Tensor  # [B] int32: KV length of each sequence including this step's tokens
     trees: DraftTrees | None = None  # sequences whose query rows form draft trees (kernels/draft_tree.py)
 
 
-def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: torch.Tensor | None,
-                            scaling: float | None = None, paged_metadata: PagedMetadata | None = None,
-                            **kwargs) -> tuple[torch.Tensor, None]:
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    paged_metadata: PagedMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Writes K/V into the paged cache and attends over it. Returns `[1, T, H, D]`."""
     if paged_metadata is None:
         raise RuntimeError(f"attention '{ATTENTION_NAME}' needs the paged_metadata forward argument")
     meta = paged_metadata
     q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1)    # [T, KVH, D]
+    k = key[0].transpose(0, 1)  # [T, KVH, D]
     v = value[0].transpose(0, 1)  # [T, KVH, D]
     layer_idx = module.layer_idx
     meta.kv_cache.write(layer_idx, k, v, meta.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = paged_attention(q, meta.kv_cache.key_caches[layer_idx], meta.kv_cache.value_caches[layer_idx],
-                          meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, meta.trees)  # [T, H, D]
+    out = paged_attention(
+        q,
+        meta.kv_cache.key_caches[layer_idx],
+        meta.kv_cache.value_caches[layer_idx],
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        scale,
+        meta.trees,
+    )  # [T, H, D]
     return out.unsqueeze(0), None
 
 

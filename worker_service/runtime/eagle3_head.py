@@ -34,9 +34,18 @@ from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
 logger = logging.getLogger(__name__)
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.")  # SpecForge, speculators
-LAYER_TENSORS = ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
-                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "hidden_norm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
 HEAD_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t")
 # On the CPU a head's step is a few rows through every weight once (memory bound): its linears are served as
 # llama.cpp's q8_0 blocks (fast_linear.quantize_linear), a quarter of fp32's bytes, with fp32 activations. The
@@ -68,8 +77,10 @@ def _layer_tensors(tensors: dict[str, torch.Tensor], directory: pathlib.Path) ->
     """The decoder layer's tensors under their own names, whichever stack's prefix they carry."""
     prefix = next((p for p in LAYER_PREFIXES if f"{p}{LAYER_TENSORS[0]}" in tensors), None)
     if prefix is None:
-        raise HeadError(f"EAGLE-3 head {directory}: no decoder layer: missing tensor "
-                        f"{' or '.join(p + LAYER_TENSORS[0] for p in LAYER_PREFIXES)}")
+        raise HeadError(
+            f"EAGLE-3 head {directory}: no decoder layer: missing tensor "
+            f"{' or '.join(p + LAYER_TENSORS[0] for p in LAYER_PREFIXES)}"
+        )
     missing = [prefix + name for name in LAYER_TENSORS if prefix + name not in tensors]
     missing += [name for name in HEAD_TENSORS if name not in tensors]
     if missing:
@@ -89,14 +100,23 @@ class TargetFacts:
 class Eagle3Head(torch.nn.Module):
     """One EAGLE-3 head on the target's device, in the activation dtype; see the module docstring."""
 
-    def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], layer: dict[str, torch.Tensor],
-                 aux_layers: tuple[int, ...], target_embedding: torch.nn.Embedding):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        tensors: dict[str, torch.Tensor],
+        layer: dict[str, torch.Tensor],
+        aux_layers: tuple[int, ...],
+        target_embedding: torch.nn.Embedding,
+    ):
         super().__init__()
         hidden = config.hidden_size
         self.aux_layers = aux_layers
         self.fc = _linear(tensors["fc.weight"])
-        self.embed_tokens = (torch.nn.Embedding.from_pretrained(tensors["embed_tokens.weight"])
-                             if "embed_tokens.weight" in tensors else target_embedding)
+        self.embed_tokens = (
+            torch.nn.Embedding.from_pretrained(tensors["embed_tokens.weight"])
+            if "embed_tokens.weight" in tensors
+            else target_embedding
+        )
         self.input_layernorm = _norm(layer["input_layernorm.weight"], config)
         self.hidden_norm = _norm(layer["hidden_norm.weight"], config)
         self.post_attention_layernorm = _norm(layer["post_attention_layernorm.weight"], config)
@@ -135,8 +155,14 @@ class Eagle3Head(torch.nn.Module):
         return self.fc(aux_hidden.to(self.dtype))
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor,
-                meta: PagedMetadata, output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        features: torch.Tensor,
+        meta: PagedMetadata,
+        output_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One step over a packed batch: input_ids [T] (the token after each position), positions [T],
         features [T, hidden]. Writes the head's K/V of every row; returns (normed, pre-norm) [T, hidden], or
         only of `output_rows` (each the last row of its sequence: a catch-up needs one row's output). On the
@@ -179,8 +205,9 @@ def _norm(weight: torch.Tensor, config: LlamaConfig) -> LlamaRMSNorm:
     return norm
 
 
-def load_head(directory: str | pathlib.Path, target: TargetFacts, target_embedding: torch.nn.Embedding,
-              device: torch.device) -> Eagle3Head:
+def load_head(
+    directory: str | pathlib.Path, target: TargetFacts, target_embedding: torch.nn.Embedding, device: torch.device
+) -> Eagle3Head:
     """Loads and checks a head against its target; HeadError names what does not fit (both values)."""
     directory = pathlib.Path(directory)
     config_path = directory / "config.json"
@@ -192,19 +219,26 @@ def load_head(directory: str | pathlib.Path, target: TargetFacts, target_embeddi
     config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "eagle_config")})
     fc_in = tensors["fc.weight"].shape[1]
     if fc_in != 3 * target.hidden_size:
-        raise HeadError(f"EAGLE-3 head {directory}: it reads hidden states of size {fc_in // 3} (fc takes "
-                        f"{fc_in}); the target's hidden size is {target.hidden_size}")
+        raise HeadError(
+            f"EAGLE-3 head {directory}: it reads hidden states of size {fc_in // 3} (fc takes "
+            f"{fc_in}); the target's hidden size is {target.hidden_size}"
+        )
     if config.vocab_size != target.vocab_size:
-        raise HeadError(f"EAGLE-3 head {directory}: vocabulary {config.vocab_size}; the target's is "
-                        f"{target.vocab_size}")
-    aux = tuple((raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-                or default_aux_layers(target.num_layers))
+        raise HeadError(
+            f"EAGLE-3 head {directory}: vocabulary {config.vocab_size}; the target's is {target.vocab_size}"
+        )
+    aux = tuple(
+        (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers)
+    )
     if len(aux) != 3 or not all(0 <= i < target.num_layers for i in aux):
-        raise HeadError(f"EAGLE-3 head {directory}: it reads target layers {list(aux)}; the target has "
-                        f"{target.num_layers} layers")
+        raise HeadError(
+            f"EAGLE-3 head {directory}: it reads target layers {list(aux)}; the target has {target.num_layers} layers"
+        )
     if len(tensors["d2t"]) != tensors["lm_head.weight"].shape[0]:
-        raise HeadError(f"EAGLE-3 head {directory}: d2t maps {len(tensors['d2t'])} draft ids; lm_head scores "
-                        f"{tensors['lm_head.weight'].shape[0]}")
+        raise HeadError(
+            f"EAGLE-3 head {directory}: d2t maps {len(tensors['d2t'])} draft ids; lm_head scores "
+            f"{tensors['lm_head.weight'].shape[0]}"
+        )
     head = Eagle3Head(config, tensors, layer, aux, target_embedding).to(device).eval()
     if device.type == "cpu" and can_pack(head):  # a step reads every weight once: a quarter of fp32's bytes
         for module in head.modules():
@@ -215,6 +249,10 @@ def load_head(directory: str | pathlib.Path, target: TargetFacts, target_embeddi
     head.fast = CpuHeadForward(head) if reason is None else None
     if reason is not None and device.type == "cpu":
         logger.info("the EAGLE-3 head runs transformers' modules (the fast CPU forward does not cover %s)", reason)
-    logger.info("EAGLE-3 head %s: draft vocabulary %d, reads target layers %s", directory,
-                tensors["lm_head.weight"].shape[0], list(aux))
+    logger.info(
+        "EAGLE-3 head %s: draft vocabulary %d, reads target layers %s",
+        directory,
+        tensors["lm_head.weight"].shape[0],
+        list(aux),
+    )
     return head

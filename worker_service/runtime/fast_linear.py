@@ -70,19 +70,24 @@ class PackedLinear(torch.nn.Module):
             self.weight_format, self.weight_code = blocks.format, quantized.FORMATS[blocks.format].code
         else:
             packed = linear_cpu.pack_weight(linear.weight.detach())  # [G, in, GROUP_OUT]
-            self.weight_format, self.weight_code = str(linear.weight.dtype).removeprefix("torch."), \
-                DTYPE_CODES[linear.weight.dtype]
+            self.weight_format, self.weight_code = (
+                str(linear.weight.dtype).removeprefix("torch."),
+                DTYPE_CODES[linear.weight.dtype],
+            )
         self.register_buffer("packed_weight", packed, persistent=False)
         bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None  # [out] fp32
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_cpu.linear_cpu(x, self.packed_weight, self.out_features, self.bias,
-                                     weight_code=self.weight_code)  # [..., out]
+        return linear_cpu.linear_cpu(
+            x, self.packed_weight, self.out_features, self.bias, weight_code=self.weight_code
+        )  # [..., out]
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"weights={self.weight_format}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"weights={self.weight_format}"
+        )
 
 
 class SharedInputLinears(torch.nn.Module):
@@ -100,14 +105,16 @@ class SharedInputLinears(torch.nn.Module):
     def __init__(self, linears: list[torch.nn.Linear]):
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum(out), in]
-        fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
-                                device="meta")  # no initialisation: the parameters are set below
+        fused = torch.nn.Linear(
+            weight.shape[1], weight.shape[0], bias=linears[0].bias is not None, device="meta"
+        )  # no initialisation: the parameters are set below
         fused.weight = torch.nn.Parameter(weight, requires_grad=False)
         if block_weight(linears[0]) is not None:  # fuse_shared_inputs groups only linears of one format
             setattr(fused, BLOCK_WEIGHT, BlockWeight.cat([block_weight(linear) for linear in linears]))
         if fused.bias is not None:
-            fused.bias = torch.nn.Parameter(torch.cat([linear.bias.detach() for linear in linears]),
-                                            requires_grad=False)
+            fused.bias = torch.nn.Parameter(
+                torch.cat([linear.bias.detach() for linear in linears]), requires_grad=False
+            )
         self.fused = PackedLinear(fused)
         self.sizes = [linear.out_features for linear in linears]
         self._input: torch.Tensor | None = None
@@ -143,8 +150,10 @@ def fuse_shared_inputs(model: torch.nn.Module) -> int:
             linears = [getattr(parent, name, None) for name in names]
             if not all(type(m) is torch.nn.Linear for m in linears):
                 continue
-            formats = {(m.in_features, m.weight.dtype, m.bias is None, getattr(block_weight(m), "format", None))
-                       for m in linears}
+            formats = {
+                (m.in_features, m.weight.dtype, m.bias is None, getattr(block_weight(m), "format", None))
+                for m in linears
+            }
             if len(formats) != 1:
                 continue
             group = SharedInputLinears(linears)
@@ -157,8 +166,7 @@ def fuse_shared_inputs(model: torch.nn.Module) -> int:
 
 def can_pack(model: torch.nn.Module) -> bool:
     """True for a CPU model in a dtype the C kernel takes, once the kernel is built (it builds now)."""
-    return (model.device.type == "cpu" and model.dtype in linear_cpu.DTYPE_CODES
-            and linear_cpu.available())
+    return model.device.type == "cpu" and model.dtype in linear_cpu.DTYPE_CODES and linear_cpu.available()
 
 
 def pack_linears(model: torch.nn.Module) -> int:
@@ -174,7 +182,11 @@ def pack_linears(model: torch.nn.Module) -> int:
         setattr(parent, child, PackedLinear(module))
     num_grouped = sum(len(m.sizes) for m in model.modules() if isinstance(m, SharedInputLinears))
     formats = collections.Counter(m.weight_format for m in model.modules() if isinstance(m, PackedLinear))
-    logger.info("packed %d linear layers for the batch-invariant kernel (weights: %s), %d of them in %d fused "
-                "groups", len(targets) + num_grouped, ", ".join(f"{n} {f}" for f, n in formats.items()),
-                num_grouped, num_fused)
+    logger.info(
+        "packed %d linear layers for the batch-invariant kernel (weights: %s), %d of them in %d fused groups",
+        len(targets) + num_grouped,
+        ", ".join(f"{n} {f}" for f, n in formats.items()),
+        num_grouped,
+        num_fused,
+    )
     return len(targets) + num_grouped

@@ -28,10 +28,11 @@ def _split_path(model_path: pathlib.Path) -> tuple[str, dict]:
     raise ModelLoadError(f"model path {model_path} is neither a checkpoint directory nor a .gguf file")
 
 
-def load_model(model_path: str | pathlib.Path, dtype: str = "float32",
-               device: torch.device | str = "cpu") -> PreTrainedModel:
+def load_model(
+    model_path: str | pathlib.Path, dtype: str = "float32", device: torch.device | str = "cpu"
+) -> PreTrainedModel:
     """Loads a causal LM in eval mode on `device` (GGUF weights are dequantised to `dtype`). A quantized dtype
-    (QUANTIZED_DTYPES) loads fp32 on the CPU and gives the linears their blocks (worker_service/runtime/quantization.py)."""
+    (QUANTIZED_DTYPES) loads fp32 on the CPU and gives the linears their blocks (runtime/quantization.py)."""
     if dtype not in DTYPES and dtype not in QUANTIZED_DTYPES:
         raise ModelLoadError(f"dtype must be one of {sorted(DTYPES) + list(QUANTIZED_DTYPES)}, got {dtype!r}")
     if dtype in QUANTIZED_DTYPES and torch.device(device).type != "cpu":
@@ -40,8 +41,9 @@ def load_model(model_path: str | pathlib.Path, dtype: str = "float32",
     start = time.monotonic()
     logger.info("loading model %s (%s on %s)", model_path, dtype, device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[activation_dtype(dtype)],
-                                                     local_files_only=True, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[activation_dtype(dtype)], local_files_only=True, **kwargs
+        )
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {model_path}: {exc}") from exc
     model.to(device).eval().requires_grad_(False)  # loaded on the CPU first: GGUF dequantises there

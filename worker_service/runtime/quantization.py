@@ -47,8 +47,11 @@ def source_gguf(model_path: str | pathlib.Path) -> pathlib.Path | None:
     gguf_path = pathlib.Path(source.get("gguf", ""))
     if gguf_path.is_file() and gguf_path.stat().st_size == source.get("size"):
         return gguf_path
-    logger.warning("%s names %s as its source, which is gone or changed: its weights will be quantized anew",
-                   path / SOURCE_FILE, gguf_path)
+    logger.warning(
+        "%s names %s as its source, which is gone or changed: its weights will be quantized anew",
+        path / SOURCE_FILE,
+        gguf_path,
+    )
     return None
 
 
@@ -59,8 +62,11 @@ def gguf_format(model_path: str | pathlib.Path) -> str | None:
     if gguf_path is None:
         return None
     _, tensors = _gguf_index(gguf_path)
-    formats = {FORMAT_OF_GGML.get(tensor.ggml_type) for name, tensor in tensors.items()
-               if name.startswith("blk.") and len(tensor.shape) == 2}
+    formats = {
+        FORMAT_OF_GGML.get(tensor.ggml_type)
+        for name, tensor in tensors.items()
+        if name.startswith("blk.") and len(tensor.shape) == 2
+    }
     return formats.pop() if len(formats) == 1 else None
 
 
@@ -72,7 +78,7 @@ _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 1
 class _TensorInfo:
     ggml_type: gguf.GGMLQuantizationType
     shape: tuple[int, ...]  # innermost dimension first, as GGUF lists them
-    offset: int             # from the file's start
+    offset: int  # from the file's start
 
 
 def _gguf_index(gguf_path: pathlib.Path) -> tuple[dict[str, str | int], dict[str, _TensorInfo]]:
@@ -98,7 +104,7 @@ def _parse_index(gguf_path: pathlib.Path, data: memoryview) -> tuple[dict[str, s
         nonlocal pos
         length = take("Q")
         pos += length
-        return bytes(data[pos - length:pos]).decode("utf-8", errors="replace")
+        return bytes(data[pos - length : pos]).decode("utf-8", errors="replace")
 
     def value(kind: int):
         nonlocal pos
@@ -128,8 +134,9 @@ def _parse_index(gguf_path: pathlib.Path, data: memoryview) -> tuple[dict[str, s
         infos.append((name, take("I"), shape, take("Q")))
     alignment = metadata.get("general.alignment") or 32
     start = -(-pos // alignment) * alignment
-    tensors = {name: _TensorInfo(gguf.GGMLQuantizationType(kind), shape, start + offset)
-               for name, kind, shape, offset in infos}
+    tensors = {
+        name: _TensorInfo(gguf.GGMLQuantizationType(kind), shape, start + offset) for name, kind, shape, offset in infos
+    }
     return metadata, tensors
 
 
@@ -198,12 +205,18 @@ def quantize_model(model: PreTrainedModel, format: str, model_path: str | pathli
         blocks = source.get(f"{name}.weight", wanted) if source is not None else None
         values = blocks.dequantize() if blocks is not None else None
         if blocks is not None and not torch.equal(values, module.weight):
-            raise ValueError(f"{name}: the blocks in {gguf_path} do not dequantise to the weights transformers "
-                             "loaded from it (an unknown tensor layout)")
+            raise ValueError(
+                f"{name}: the blocks in {gguf_path} do not dequantise to the weights transformers "
+                "loaded from it (an unknown tensor layout)"
+            )
         counts["from the GGUF" if blocks is not None else "quantized here"] += 1
         if blocks is None:
             quantize_linear(module, wanted)
         else:
             setattr(module, BLOCK_WEIGHT, blocks)
-    logger.info("%s weights, linear layers: %s (the output layer in %s)", format,
-                ", ".join(f"{count} {how}" for how, count in counts.items() if count), OUTPUT_FORMAT)
+    logger.info(
+        "%s weights, linear layers: %s (the output layer in %s)",
+        format,
+        ", ".join(f"{count} {how}" for how, count in counts.items() if count),
+        OUTPUT_FORMAT,
+    )

@@ -35,10 +35,10 @@ logger = logging.getLogger(__name__)
 class SequenceChunk:
     """The tokens of one sequence to compute in a forward pass."""
 
-    token_ids: list[int]   # tokens at positions start_pos .. start_pos + len - 1
-    start_pos: int         # tokens before this position already have their K/V cached
-    block_table: list[int] # block ids covering at least start_pos + len positions
-    num_logits: int = 1    # logits wanted for the last num_logits tokens (0 for a mid-prompt chunk)
+    token_ids: list[int]  # tokens at positions start_pos .. start_pos + len - 1
+    start_pos: int  # tokens before this position already have their K/V cached
+    block_table: list[int]  # block ids covering at least start_pos + len positions
+    num_logits: int = 1  # logits wanted for the last num_logits tokens (0 for a mid-prompt chunk)
     parents: list[int] | None = None  # a draft tree: each row's parent row (-1: the cached prefix); None a chain
 
 
@@ -46,8 +46,8 @@ class SequenceChunk:
 class PackedBatch:
     """Chunks flattened into the tensors one forward pass needs."""
 
-    input_ids: torch.Tensor       # [T] int64
-    positions: torch.Tensor       # [T] int64
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
     logits_indices: torch.Tensor  # [N] int64: packed rows whose logits are returned
     metadata: PagedMetadata
 
@@ -69,26 +69,33 @@ def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -
     # `rows`: where each token's K/V goes; `positions`: where it is computed (a tree row: at its depth).
     trees, positions = None, rows
     if any(c.parents is not None for c in chunks):
-        parents = [p for c in chunks for p in (c.parents if c.parents is not None
-                                                 else range(-1, len(c.token_ids) - 1))]
+        parents = [p for c in chunks for p in (c.parents if c.parents is not None else range(-1, len(c.token_ids) - 1))]
         trees = DraftTrees.from_parents(starts, seq_lens, parents)
         chunk_starts = [c.start_pos for c in chunks for _ in c.token_ids]
         is_tree = [bool(tree) for c, tree in zip(chunks, trees.is_tree.tolist()) for _ in c.token_ids]
-        positions = [start + depth if tree else row
-                     for start, depth, tree, row in zip(chunk_starts, trees.depths.tolist(), is_tree, rows)]
+        positions = [
+            start + depth if tree else row
+            for start, depth, tree, row in zip(chunk_starts, trees.depths.tolist(), is_tree, rows)
+        ]
         trees = trees.to(device)
     block_tables = _block_tables(chunks, device)  # [B, M] int32
     rows_t = torch.tensor(rows, dtype=torch.int64, device=device)  # [T]
     query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)  # [B+1]
     slot_mapping = compute_slot_mapping(block_tables, query_start_loc, rows_t, kv_cache.block_size)  # [T]
-    metadata = PagedMetadata(kv_cache=kv_cache, slot_mapping=slot_mapping, block_tables=block_tables,
-                             query_start_loc=query_start_loc,
-                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), trees=trees)
-    return PackedBatch(input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-                       positions=rows_t if trees is None else torch.tensor(positions, dtype=torch.int64,
-                                                                            device=device),
-                       logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
-                       metadata=metadata)
+    metadata = PagedMetadata(
+        kv_cache=kv_cache,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        trees=trees,
+    )
+    return PackedBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=rows_t if trees is None else torch.tensor(positions, dtype=torch.int64, device=device),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        metadata=metadata,
+    )
 
 
 def _block_tables(chunks: list[SequenceChunk], device: torch.device) -> torch.Tensor:  # [B, M] int32
@@ -125,8 +132,9 @@ class ModelRunner:
         """(Re)allocates the KV cache; every cached K/V is dropped."""
         self.kv_cache = None  # freed first: the old and the new cache may not both fit in the budget
         self.kv_cache = KVCache(self.kv_spec, num_blocks, block_size, self.device)
-        logger.info("allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
-                    self.kv_cache.num_bytes / 2**20)
+        logger.info(
+            "allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, block_size, self.kv_cache.num_bytes / 2**20
+        )
         return self.kv_cache
 
     def keep_path(self, block_table: list[int], start_pos: int, path_rows: list[int]) -> None:
@@ -146,6 +154,7 @@ class ModelRunner:
             raise RuntimeError("the KV cache is not initialised")
         batch = pack(chunks, self.kv_cache, self.device)
         # the hidden states of the logits rows only: [N, hidden]
-        hidden, self.last_aux_hidden = self.backend(batch.input_ids, batch.positions, batch.metadata,
-                                                    batch.logits_indices, self.aux_layers)
+        hidden, self.last_aux_hidden = self.backend(
+            batch.input_ids, batch.positions, batch.metadata, batch.logits_indices, self.aux_layers
+        )
         return self.model.lm_head(hidden).float()  # [N, V]

@@ -16,13 +16,19 @@ from worker_service.speculation.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_STEP_WAIT_S = 60.0   # the longest a step (a long prefill on a CPU) may take to finish on SIGTERM
-PARENT_GONE_EXIT_S = 5.0      # once the parent is gone, the longest the orderly shutdown may take
+SHUTDOWN_STEP_WAIT_S = 60.0  # the longest a step (a long prefill on a CPU) may take to finish on SIGTERM
+PARENT_GONE_EXIT_S = 5.0  # once the parent is gone, the longest the orderly shutdown may take
 
 
-def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = True,
-               credentials: grpc.ServerCredentials | None = None, metrics_port: int = 0,
-               parent_fd: int | None = None) -> int:
+def run_worker(
+    config: WorkerConfig,
+    host: str,
+    port: int,
+    ready_line: bool = True,
+    credentials: grpc.ServerCredentials | None = None,
+    metrics_port: int = 0,
+    parent_fd: int | None = None,
+) -> int:
     """Serves until SIGTERM/SIGINT. Prints `worker listening on HOST:PORT` once bound.
 
     credentials: TLS on the port (specdec.security.server_credentials; with a CA only clients with a
@@ -35,13 +41,14 @@ def run_worker(config: WorkerConfig, host: str, port: int, ready_line: bool = Tr
     server, servicer, bound_port = create_server(host, port, credentials=credentials)
     logger.info("%s on %s:%d", "plaintext" if credentials is None else "TLS", host, bound_port)
     try:
-        metrics_server = (start_metrics_server(servicer.metrics.registry, host, metrics_port, "worker")
-                          if metrics_port else None)
+        metrics_server = (
+            start_metrics_server(servicer.metrics.registry, host, metrics_port, "worker") if metrics_port else None
+        )
     except OSError:
         server.stop(grace=None)
         raise
     announce(f"worker listening on {host}:{bound_port}")
-    stop = threading.Event()   # set by the parent watch (a thread)
+    stop = threading.Event()  # set by the parent watch (a thread)
     signals = StopSignals()
     if parent_fd is not None:
         threading.Thread(target=_exit_with_parent, args=(parent_fd, stop), name="parent-watch", daemon=True).start()

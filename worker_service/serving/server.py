@@ -22,8 +22,8 @@ from grpc_reflection.v1alpha import reflection
 from specdec.convert import step_request_from_proto, step_result_to_proto
 from specdec.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.serving.metrics import WorkerMetrics
-from worker_service.speculation.request_state import InvalidStepError
 from worker_service.serving.session import SessionError, SessionGate, session_stream
+from worker_service.speculation.request_state import InvalidStepError
 from worker_service.speculation.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -38,10 +38,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.worker: Worker | None = None
         self.model_id = ""
         self.health = health_servicer
-        self.metrics = WorkerMetrics()   # served by run_worker with --metrics-port
+        self.metrics = WorkerMetrics()  # served by run_worker with --metrics-port
         self.compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.sessions = SessionGate()
-        self.is_stopping = False   # SIGTERM: finish the step in flight, then end the step stream
+        self.is_stopping = False  # SIGTERM: finish the step in flight, then end the step stream
 
     def run_compute(self, fn, *args):
         """Runs fn(*args) on the compute thread and returns its result (or raises its exception)."""
@@ -78,12 +78,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         bytes_per_block = worker.kv_bytes_per_block(request.block_size)
         eos_ids = worker.eos_token_ids
         return worker_pb2.DescribeResponse(
-            model_id=self.model_id, vocab_size=worker.target.vocab_size, max_model_len=worker.max_model_len,
+            model_id=self.model_id,
+            vocab_size=worker.target.vocab_size,
+            max_model_len=worker.max_model_len,
             kv_bytes_per_block=bytes_per_block,
             num_blocks_capacity=config.kv_cache_memory_bytes // bytes_per_block,
-            eos_token_ids=eos_ids, dtype=config.dtype, proposer=config.proposer,
-            max_num_speculative_tokens=worker.max_num_speculative_tokens, draft_model_id=config.draft_model or "",
-            scorer=config.scorer, device=config.device, max_draft_tree_width=worker.max_draft_tree_width)
+            eos_token_ids=eos_ids,
+            dtype=config.dtype,
+            proposer=config.proposer,
+            max_num_speculative_tokens=worker.max_num_speculative_tokens,
+            draft_model_id=config.draft_model or "",
+            scorer=config.scorer,
+            device=config.device,
+            max_draft_tree_width=worker.max_draft_tree_width,
+        )
 
     def InitCache(self, request, context):
         """Starts a scheduler session: allocates the KV cache, drops every request; the worker then reports
@@ -92,12 +100,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if self.is_stopping:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         if request.num_blocks <= 0 or request.block_size <= 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"num_blocks and block_size must be > 0, got {request.num_blocks}, {request.block_size}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"num_blocks and block_size must be > 0, got {request.num_blocks}, {request.block_size}",
+            )
         capacity = worker.config.kv_cache_memory_bytes // max(worker.kv_bytes_per_block(request.block_size), 1)
         if request.num_blocks > capacity:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{request.num_blocks} blocks exceed the KV memory budget ({capacity} blocks)")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{request.num_blocks} blocks exceed the KV memory budget ({capacity} blocks)",
+            )
 
         def start_session() -> tuple[str, int]:  # on the compute thread: no step runs in between
             session_id = self.sessions.begin(request.previous_session_id, request.take_over)
@@ -108,16 +120,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             session_id, num_bytes = self.run_compute(start_session)
         except SessionError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        logger.info("session started: %d KV blocks of %d tokens%s", request.num_blocks, request.block_size,
-                    " (taken over)" if request.take_over else "")
+        logger.info(
+            "session started: %d KV blocks of %d tokens%s",
+            request.num_blocks,
+            request.block_size,
+            " (taken over)" if request.take_over else "",
+        )
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         return worker_pb2.InitCacheResponse(kv_cache_bytes=num_bytes, session_id=session_id)
 
     def ExecuteModel(self, request_iterator, context):
         """Executes the session's steps in order; one response per request."""
         worker = self._require_worker(context)
-        yield from session_stream(self.sessions, context,
-                                  lambda session_id: self._execute_steps(worker, session_id, request_iterator, context))
+        yield from session_stream(
+            self.sessions,
+            context,
+            lambda session_id: self._execute_steps(worker, session_id, request_iterator, context),
+        )
 
     def _execute_steps(self, worker: Worker, session_id: str, request_iterator, context):
         def execute(step_request):  # on the compute thread, after every step queued before it
@@ -148,21 +167,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
 # Server-side keepalive: a scheduler that vanished without closing its connection (a lost node) is found
 # within ~15 s, and its session no longer blocks the next scheduler.
-KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-                     ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 
-def create_server(host: str, port: int, max_workers: int = 16, credentials: grpc.ServerCredentials | None = None,
-                  ) -> tuple[grpc.Server, WorkerServicer, int]:
+def create_server(
+    host: str,
+    port: int,
+    max_workers: int = 16,
+    credentials: grpc.ServerCredentials | None = None,
+) -> tuple[grpc.Server, WorkerServicer, int]:
     """A started server with the Worker, health and reflection services; returns the bound port.
 
     Only one step stream at a time holds a thread for long (one session, one stream); any other gets
     FAILED_PRECONDITION at once, so the pool stays free for health checks. credentials: a TLS port
     (specdec.security.server_credentials; with a CA, clients need a certificate), else plaintext.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20),
-                                  ("grpc.max_send_message_length", 64 << 20), *KEEPALIVE_OPTIONS])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            *KEEPALIVE_OPTIONS,
+        ],
+    )
     health_servicer = health.HealthServicer()
     for name in (SERVICE_NAME, ""):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -170,7 +203,8 @@ def create_server(host: str, port: int, max_workers: int = 16, credentials: grpc
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:

@@ -36,7 +36,7 @@ class SessionGate:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.session_id: str | None = None
-        self._open_stream_session_id: str | None = None   # the session whose step stream is open
+        self._open_stream_session_id: str | None = None  # the session whose step stream is open
 
     def begin(self, previous_session_id: str, take_over: bool) -> str:
         """Starts a new session and returns its id; raises SessionError while another one is in use.
@@ -46,8 +46,10 @@ class SessionGate:
         with self._lock:
             busy = self._open_stream_session_id
             if busy is not None and busy != previous_session_id and not take_over:
-                raise SessionError("the worker serves another scheduler (its step stream is open); "
-                                   "a scheduler replacing it must take the worker over (--take-over-workers)")
+                raise SessionError(
+                    "the worker serves another scheduler (its step stream is open); "
+                    "a scheduler replacing it must take the worker over (--take-over-workers)"
+                )
             self.session_id = secrets.token_hex(16)
             return self.session_id
 
@@ -55,8 +57,9 @@ class SessionGate:
         """Admits a step stream of the current session; raises SessionError otherwise."""
         with self._lock:
             if not session_id:
-                raise SessionError(f"no session: call InitCache, then send its session id as `{SESSION_METADATA_KEY}`"
-                                   " metadata")
+                raise SessionError(
+                    f"no session: call InitCache, then send its session id as `{SESSION_METADATA_KEY}` metadata"
+                )
             if session_id != self.session_id:
                 raise SessionError("stale session: another InitCache started a new session since")
             if self._open_stream_session_id == session_id:
@@ -79,8 +82,7 @@ def session_id_of(metadata) -> str | None:
     return next((value for key, value in metadata if key == SESSION_METADATA_KEY), None)
 
 
-def session_stream(gate: SessionGate, context: grpc.ServicerContext,
-                   run_steps: Callable[[str], Iterator]) -> Iterator:
+def session_stream(gate: SessionGate, context: grpc.ServicerContext, run_steps: Callable[[str], Iterator]) -> Iterator:
     """ExecuteModel's body: admits the call as its session's one step stream (FAILED_PRECONDITION otherwise),
     yields from run_steps(session_id), and closes the stream however it ends."""
     session_id = session_id_of(context.invocation_metadata())

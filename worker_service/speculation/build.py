@@ -27,8 +27,12 @@ def build_worker(config: WorkerConfig) -> Worker:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = devices.use_device(config.device)
-    dtype = resolve_dtype(config.dtype, checkpoint_dtype(config.model), device.type,
-                          gguf_format(config.model) if device.type == "cpu" else None)
+    dtype = resolve_dtype(
+        config.dtype,
+        checkpoint_dtype(config.model),
+        device.type,
+        gguf_format(config.model) if device.type == "cpu" else None,
+    )
     target = ModelRunner(load_model(config.model, dtype, device))
     draft = head = None
     if "draft" in config.proposer_names:
@@ -38,7 +42,12 @@ def build_worker(config: WorkerConfig) -> Worker:
         facts = TargetFacts(model.config.hidden_size, model.config.vocab_size, model.config.num_hidden_layers)
         head = load_head(config.draft_model, facts, model.model.embed_tokens, device)
     budget = devices.kv_cache_budget_bytes(device, config.kv_cache_memory_bytes, config.gpu_memory_utilization)
-    logger.info("running on %s in %s (--dtype %s); KV cache budget %.2f GiB", devices.describe(device), dtype,
-                config.dtype, budget / devices.GIB)
+    logger.info(
+        "running on %s in %s (--dtype %s); KV cache budget %.2f GiB",
+        devices.describe(device),
+        dtype,
+        config.dtype,
+        budget / devices.GIB,
+    )
     config = replace(config, device=str(device), dtype=dtype, kv_cache_memory_bytes=budget)
     return Worker(config, target, draft, head)

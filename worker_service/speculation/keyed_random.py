@@ -93,8 +93,9 @@ def row_keys(seeds: Sequence[int], positions: Sequence[int], stream: int) -> np.
     """The key of each row: the seed's halves, then the position, absorbed into the stream's salt."""
     for seed, position in zip(seeds, positions, strict=True):
         if not (0 <= seed <= MAX_SEED and 0 <= position <= MAX_POSITION):
-            raise ValueError(f"need seeds in [0, 2**64) and positions in [0, 2**32), got seed {seed}, "
-                             f"position {position}")
+            raise ValueError(
+                f"need seeds in [0, 2**64) and positions in [0, 2**32), got seed {seed}, position {position}"
+            )
     seeds = np.asarray(seeds, dtype=np.uint64).reshape(-1)  # [N]
     positions = np.asarray(positions, dtype=np.uint64).reshape(-1).astype(np.uint32)  # [N]
     seed_lo = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)  # [N]

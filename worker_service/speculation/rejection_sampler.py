@@ -27,8 +27,13 @@ import torch
 
 from kernels.rejection_sampler import rejection_sample
 from specdec.step import MAX_SEED
-from worker_service.speculation.keyed_random import (MAX_POSITION, STREAM_ACCEPT, STREAM_TOKEN, keyed_exponential,
-                                          keyed_uniform)
+from worker_service.speculation.keyed_random import (
+    MAX_POSITION,
+    STREAM_ACCEPT,
+    STREAM_TOKEN,
+    keyed_exponential,
+    keyed_uniform,
+)
 
 __all__ = ["RejectionSampler", "keyed_step_noise", "num_accepted_drafts", "rejection_sample"]
 
@@ -56,8 +61,9 @@ def keyed_step_noise(
     noise = torch.ones((len(seeds), num_spec + 1, num_vocab), dtype=torch.float32, device=device)  # [B, K+1, V]
     rows = [(b, i) for b, n in enumerate(num_draft_tokens) if not is_greedy[b] for i in range(n + 1)]
     if rows:
-        keyed = keyed_exponential([seeds[b] for b, _ in rows], [positions[b] + i for b, i in rows],
-                                  STREAM_TOKEN, num_vocab, device)  # [R, V]
+        keyed = keyed_exponential(
+            [seeds[b] for b, _ in rows], [positions[b] + i for b, i in rows], STREAM_TOKEN, num_vocab, device
+        )  # [R, V]
         seq_index = torch.tensor([b for b, _ in rows], device=device)  # [R]
         noise[seq_index, torch.tensor([i for _, i in rows], device=device)] = keyed
     return noise
@@ -95,16 +101,14 @@ class RejectionSampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, K+1] int64 (-1 padded), [B] int64
         """Return ``(output_token_ids, num_emitted)``; see :func:`num_accepted_drafts`."""
         if self.strict:
-            validate_inputs(target_probs, draft_token_ids, num_draft_tokens, draft_probs, is_greedy, seeds,
-                            positions)
+            validate_inputs(target_probs, draft_token_ids, num_draft_tokens, draft_probs, is_greedy, seeds, positions)
         num_spec, num_vocab = draft_token_ids.shape[1], target_probs.shape[2]
         device = target_probs.device
-        noise = keyed_step_noise(seeds, positions, num_draft_tokens.tolist(), is_greedy.tolist(), num_spec,
-                                 num_vocab, device)  # [B, K+1, V]
+        noise = keyed_step_noise(
+            seeds, positions, num_draft_tokens.tolist(), is_greedy.tolist(), num_spec, num_vocab, device
+        )  # [B, K+1, V]
         uniform = None if draft_probs is None else keyed_accept_uniforms(seeds, positions, num_spec, device)
-        return rejection_sample(
-            target_probs, draft_token_ids, num_draft_tokens, draft_probs, is_greedy, uniform, noise
-        )
+        return rejection_sample(target_probs, draft_token_ids, num_draft_tokens, draft_probs, is_greedy, uniform, noise)
 
 
 def validate_inputs(
@@ -120,8 +124,10 @@ def validate_inputs(
     _check_shapes(target_probs, draft_token_ids, num_draft_tokens, draft_probs, is_greedy, seeds, positions)
     bad_keys = [(s, p) for s, p in zip(seeds, positions) if not (0 <= s <= MAX_SEED and 0 <= p <= MAX_POSITION)]
     if bad_keys:
-        raise ValueError(f"need seeds in [0, 2**64) and positions in [0, 2**32), got seed {bad_keys[0][0]}, "
-                         f"position {bad_keys[0][1]}")
+        raise ValueError(
+            f"need seeds in [0, 2**64) and positions in [0, 2**32), got seed {bad_keys[0][0]}, "
+            f"position {bad_keys[0][1]}"
+        )
     for name, tensor, dtype in [
         ("target_probs", target_probs, torch.float32),
         ("draft_token_ids", draft_token_ids, torch.int64),
@@ -171,5 +177,6 @@ def _check_shapes(
                 f"got {tuple(tensor.shape)}"
             )
     if len(seeds) != num_seqs or len(positions) != num_seqs:
-        raise ValueError(f"need one seed and one position per sequence: {num_seqs}, "
-                         f"got {len(seeds)} and {len(positions)}")
+        raise ValueError(
+            f"need one seed and one position per sequence: {num_seqs}, got {len(seeds)} and {len(positions)}"
+        )

@@ -19,18 +19,20 @@ class RequestState:
     """What the worker knows of one request."""
 
     request_id: str
-    token_ids: list[int]          # prompt + every emitted token
+    token_ids: list[int]  # prompt + every emitted token
     num_prompt_tokens: int
     sampling: step.RequestSampling  # validated when the step was built; its seed is always set
     block_table: list[int]
-    num_speculative_tokens: int   # this step's k (the scheduler's lookahead slots); drafts may be fewer
+    num_speculative_tokens: int  # this step's k (the scheduler's lookahead slots); drafts may be fewer
     forced_drafts_only: bool = False  # this step's k is for the constraint's forced tokens: no proposer
-    draft_tree_width: int = 0     # this step's most children per draft (1: a chain; 0: the proposer's own width)
+    draft_tree_width: int = 0  # this step's most children per draft (1: a chain; 0: the proposer's own width)
     num_computed_tokens: int = 0  # target KV written for token_ids[:num_computed_tokens]
     num_draft_computed_tokens: int = 0  # the same for the draft model's KV
     scheduled_new_tokens: int = field(default=0, repr=False)  # this step's chunk size
     grammar: str = field(default="", repr=False)  # structured outputs: the constraint ("": none)
-    matcher: object | None = field(default=None, repr=False)  # its llguidance matcher (worker_service/speculation/structured.py)
+    matcher: object | None = field(
+        default=None, repr=False
+    )  # its llguidance matcher (worker_service/speculation/structured.py)
 
     @property
     def is_constrained(self) -> bool:
@@ -64,34 +66,47 @@ def new_state(r: step.NewRequest, vocab_size: int, num_blocks: int) -> RequestSt
     if not r.token_ids:
         raise InvalidStepError(f"request {r.request_id!r}: no token ids")
     if not 0 < r.num_prompt_tokens <= len(r.token_ids):
-        raise InvalidStepError(f"request {r.request_id!r}: num_prompt_tokens {r.num_prompt_tokens} "
-                               f"must be in [1, {len(r.token_ids)}]")
+        raise InvalidStepError(
+            f"request {r.request_id!r}: num_prompt_tokens {r.num_prompt_tokens} must be in [1, {len(r.token_ids)}]"
+        )
     _check_tokens(r.token_ids, vocab_size, r.request_id)
     _check_blocks(r.block_ids, num_blocks, r.request_id)
     if r.num_speculative_tokens < 0:
         raise InvalidStepError(f"request {r.request_id!r}: num_speculative_tokens must be >= 0")
     if not 0 <= r.num_computed_tokens < len(r.token_ids):
-        raise InvalidStepError(f"request {r.request_id!r}: num_computed_tokens {r.num_computed_tokens} must be in "
-                               f"[0, {len(r.token_ids) - 1}] (at least the last token is computed)")
+        raise InvalidStepError(
+            f"request {r.request_id!r}: num_computed_tokens {r.num_computed_tokens} must be in "
+            f"[0, {len(r.token_ids) - 1}] (at least the last token is computed)"
+        )
     sampling = r.sampling
     if sampling.seed is None:  # a scheduler that sends none: key this request's randomness by a fresh seed
         sampling = replace(sampling, seed=secrets.randbits(63))
-    return RequestState(request_id=r.request_id, token_ids=list(r.token_ids), num_prompt_tokens=r.num_prompt_tokens,
-                        sampling=sampling, block_table=list(r.block_ids),
-                        num_speculative_tokens=r.num_speculative_tokens, scheduled_new_tokens=r.num_new_tokens,
-                        # A prefix-cache hit: the blocks hold every model's KV of these positions.
-                        num_computed_tokens=r.num_computed_tokens, num_draft_computed_tokens=r.num_computed_tokens,
-                        grammar=r.grammar, draft_tree_width=r.draft_tree_width)
+    return RequestState(
+        request_id=r.request_id,
+        token_ids=list(r.token_ids),
+        num_prompt_tokens=r.num_prompt_tokens,
+        sampling=sampling,
+        block_table=list(r.block_ids),
+        num_speculative_tokens=r.num_speculative_tokens,
+        scheduled_new_tokens=r.num_new_tokens,
+        # A prefix-cache hit: the blocks hold every model's KV of these positions.
+        num_computed_tokens=r.num_computed_tokens,
+        num_draft_computed_tokens=r.num_computed_tokens,
+        grammar=r.grammar,
+        draft_tree_width=r.draft_tree_width,
+    )
 
 
 def check_cached(c: step.CachedRequest, state: RequestState | None, num_blocks: int) -> None:
     """Validates a CachedRequest delta against the request's state."""
     if state is None:
-        raise InvalidStepError(f"unknown request id {c.request_id!r}: the worker holds no state for it "
-                               "(send it as a new request)")
+        raise InvalidStepError(
+            f"unknown request id {c.request_id!r}: the worker holds no state for it (send it as a new request)"
+        )
     if not 0 <= c.num_blocks_kept <= len(state.block_table):
-        raise InvalidStepError(f"request {c.request_id!r}: num_blocks_kept {c.num_blocks_kept} is outside "
-                               f"[0, {len(state.block_table)}]")
+        raise InvalidStepError(
+            f"request {c.request_id!r}: num_blocks_kept {c.num_blocks_kept} is outside [0, {len(state.block_table)}]"
+        )
     _check_blocks(c.new_block_ids, num_blocks, c.request_id)
     if c.num_speculative_tokens < 0:
         raise InvalidStepError(f"request {c.request_id!r}: num_speculative_tokens must be >= 0")
@@ -106,20 +121,31 @@ def apply_cached(c: step.CachedRequest, state: RequestState) -> None:
     state.draft_tree_width = c.draft_tree_width
 
 
-def check_schedulable(state: RequestState, block_size: int, max_model_len: int,
-                      max_num_speculative_tokens: int, max_draft_tree_width: int = 1) -> None:
+def check_schedulable(
+    state: RequestState,
+    block_size: int,
+    max_model_len: int,
+    max_num_speculative_tokens: int,
+    max_draft_tree_width: int = 1,
+) -> None:
     """The chunk fits the known tokens, k and the tree width are within the worker's, and the block table
     covers the chunk (plus k lookahead slots for a decode)."""
     if state.num_speculative_tokens > max_num_speculative_tokens:
-        raise InvalidStepError(f"request {state.request_id!r}: num_speculative_tokens {state.num_speculative_tokens} "
-                               f"exceeds this worker's {max_num_speculative_tokens}")
+        raise InvalidStepError(
+            f"request {state.request_id!r}: num_speculative_tokens {state.num_speculative_tokens} "
+            f"exceeds this worker's {max_num_speculative_tokens}"
+        )
     if not 0 <= state.draft_tree_width <= max(max_draft_tree_width, 1):
-        raise InvalidStepError(f"request {state.request_id!r}: draft_tree_width {state.draft_tree_width} is outside "
-                               f"[0, {max(max_draft_tree_width, 1)}] (this worker's --draft-tree-width)")
+        raise InvalidStepError(
+            f"request {state.request_id!r}: draft_tree_width {state.draft_tree_width} is outside "
+            f"[0, {max(max_draft_tree_width, 1)}] (this worker's --draft-tree-width)"
+        )
     pending = state.num_tokens - state.num_computed_tokens
     if not 1 <= state.scheduled_new_tokens <= pending:
-        raise InvalidStepError(f"request {state.request_id!r}: num_new_tokens {state.scheduled_new_tokens} must be "
-                               f"in [1, {pending}] (tokens not yet computed)")
+        raise InvalidStepError(
+            f"request {state.request_id!r}: num_new_tokens {state.scheduled_new_tokens} must be "
+            f"in [1, {pending}] (tokens not yet computed)"
+        )
     end = state.num_computed_tokens + state.scheduled_new_tokens
     is_decode = pending == 1
     if is_decode:  # drafts go into the k lookahead slots
@@ -127,5 +153,7 @@ def check_schedulable(state: RequestState, block_size: int, max_model_len: int,
     end = min(end, max_model_len)
     capacity = len(state.block_table) * block_size
     if capacity < end:
-        raise InvalidStepError(f"request {state.request_id!r}: block table of {len(state.block_table)} blocks "
-                               f"({capacity} slots) is shorter than the {end} positions this step needs")
+        raise InvalidStepError(
+            f"request {state.request_id!r}: block table of {len(state.block_table)} blocks "
+            f"({capacity} slots) is shorter than the {end} positions this step needs"
+        )

@@ -97,5 +97,6 @@ def sample_from_probs(
         noise = torch.ones_like(probs, dtype=torch.float32)  # [N, V]
         if rows:
             noise[torch.tensor(rows, device=probs.device)] = keyed_exponential(
-                [seeds[i] for i in rows], [positions[i] for i in rows], stream, probs.shape[-1], probs.device)
+                [seeds[i] for i in rows], [positions[i] for i in rows], stream, probs.shape[-1], probs.device
+            )
     return race(probs.float(), noise)  # [N]

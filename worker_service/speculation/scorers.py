@@ -25,8 +25,9 @@ def expand(chunks: list[SequenceChunk]) -> list[SequenceChunk]:
         if chunk.num_logits <= 1 or chunk.num_logits != len(chunk.token_ids):
             rows.append(chunk)
             continue
-        rows.extend(SequenceChunk([tok], chunk.start_pos + j, chunk.block_table, 1)
-                    for j, tok in enumerate(chunk.token_ids))
+        rows.extend(
+            SequenceChunk([tok], chunk.start_pos + j, chunk.block_table, 1) for j, tok in enumerate(chunk.token_ids)
+        )
     return rows
 
 

@@ -70,10 +70,12 @@ class Grammars:
             except Exception as exc:  # an invalid grammar, or a tokenizer llguidance cannot use
                 raise InvalidStepError(f"request {state.request_id!r}: cannot compile its constraint: {exc}") from exc
             matcher = start.deep_copy()
-            generated = state.token_ids[state.num_prompt_tokens:]
+            generated = state.token_ids[state.num_prompt_tokens :]
             if not matcher.consume_tokens(generated):
-                raise InvalidStepError(f"request {state.request_id!r}: its generated tokens do not follow its "
-                                       f"constraint ({matcher.get_error().strip()})")
+                raise InvalidStepError(
+                    f"request {state.request_id!r}: its generated tokens do not follow its "
+                    f"constraint ({matcher.get_error().strip()})"
+                )
             state.matcher = matcher
         return state.matcher
 
@@ -91,7 +93,7 @@ def valid_drafts(matcher: LLMatcher, drafts: list[int], keep_first_forbidden: bo
     certain and the position samples normalize(max(q - p, 0)), as it must; cutting it would sample q there
     instead (exact only for drafts that are one-hot in p: n-gram, suffix, EAGLE-3, greedy)."""
     num_valid = matcher.validate_tokens(drafts)
-    return drafts[:num_valid + 1 if keep_first_forbidden else num_valid]
+    return drafts[: num_valid + 1 if keep_first_forbidden else num_valid]
 
 
 def masks(matcher: LLMatcher, drafts: list[int], vocab_size: int) -> torch.Tensor:
@@ -103,7 +105,7 @@ def masks(matcher: LLMatcher, drafts: list[int], vocab_size: int) -> torch.Tenso
         fill_mask(matcher, bitmask[j])
         if j < len(drafts):
             if matcher.validate_tokens([drafts[j]]) != 1:  # a kept forbidden draft: it is rejected for certain,
-                bitmask[j + 1:] = 0                       # the rows past it are never emitted (EOS only)
+                bitmask[j + 1 :] = 0  # the rows past it are never emitted (EOS only)
                 break
             matcher.consume_token(drafts[j])
             num_consumed += 1
@@ -123,8 +125,9 @@ def fill_mask(matcher: LLMatcher, words: torch.Tensor) -> None:
     matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], bitmasks: list[torch.Tensor],
-                eos_token_ids: list[int]) -> torch.Tensor:
+def apply_masks(
+    logits: torch.Tensor, rows: list[int], bitmasks: list[torch.Tensor], eos_token_ids: list[int]
+) -> torch.Tensor:
     """`logits` ([N, V], the step's own: changed in place) with the tokens each bitmask forbids at -inf, in the
     rows given (bitmask i covers rows rows[i], rows[i] + 1, ...). A row that allows nothing (past the grammar's
     end) allows EOS. Masks are built for the model's output size (make_tokenizer's n_vocab), padded to whole

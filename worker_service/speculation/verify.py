@@ -32,13 +32,18 @@ _sampler = RejectionSampler()
 
 @dataclass
 class VerifyResult:
-    token_ids: list[list[int]]   # emitted tokens per sequence: accepted drafts + one recovered/bonus token
+    token_ids: list[list[int]]  # emitted tokens per sequence: accepted drafts + one recovered/bonus token
     logprobs: list[list[float]]  # target log-probability of each emitted token (empty unless requested)
-    paths: list[list[int]]       # accepted draft rows per sequence (1-based; a chain's 1..a, a tree's path)
+    paths: list[list[int]]  # accepted draft rows per sequence (1-based; a chain's 1..a, a tree's path)
 
 
-def verify(states: list[RequestState], logits: torch.Tensor, drafts: list[list[int]],
-           draft_probs: torch.Tensor | None, parents: list[list[int] | None] | None = None) -> VerifyResult:
+def verify(
+    states: list[RequestState],
+    logits: torch.Tensor,
+    drafts: list[list[int]],
+    draft_probs: torch.Tensor | None,
+    parents: list[list[int] | None] | None = None,
+) -> VerifyResult:
     """`logits` holds 1 + len(drafts[i]) rows per sequence, in order (`[N, V]`); `parents[i]`, where given, the
     parent row (0: the root, the sequence's first row) of each of drafts[i]: a tree."""
     rows_per_seq = [len(d) + 1 for d in drafts]
@@ -59,8 +64,9 @@ def verify(states: list[RequestState], logits: torch.Tensor, drafts: list[list[i
     return VerifyResult(token_ids, logprobs, paths)
 
 
-def _accept_trees(states: list[RequestState], logits: torch.Tensor, drafts: list[list[int]],
-                  parents: list[list[int] | None]) -> tuple[list[list[int]], list[list[int]]]:
+def _accept_trees(
+    states: list[RequestState], logits: torch.Tensor, drafts: list[list[int]], parents: list[list[int] | None]
+) -> tuple[list[list[int]], list[list[int]]]:
     """Every row's keyed sample y (argmax for greedy), at its position num_tokens + depth; then each sequence's
     accepted path (a chain is the tree whose parents are the previous rows)."""
     draft_parents = [p if p is not None else list(range(len(d))) for d, p in zip(drafts, parents)]
@@ -74,13 +80,17 @@ def _accept_trees(states: list[RequestState], logits: torch.Tensor, drafts: list
         depth_of_row = [d for seq_depths in depths for d in seq_depths]
         index = torch.tensor(sampled, device=logits.device)  # [R]
         probs = logits_to_probs(logits[index], *sampling_tensors([row_params[i] for i in sampled], logits.device))
-        noise = keyed_exponential([row_states[i].sampling.seed for i in sampled],
-                                  [row_states[i].num_tokens + depth_of_row[i] for i in sampled], STREAM_TOKEN,
-                                  logits.shape[-1], logits.device)  # [R, V]
+        noise = keyed_exponential(
+            [row_states[i].sampling.seed for i in sampled],
+            [row_states[i].num_tokens + depth_of_row[i] for i in sampled],
+            STREAM_TOKEN,
+            logits.shape[-1],
+            logits.device,
+        )  # [R, V]
         targets[index] = race(probs, noise)  # [R]
     targets_host, token_ids, paths, offset = targets.tolist(), [], [], 0
     for draft, seq_parents in zip(drafts, tree_parents):
-        path, emitted = accept_tree(targets_host[offset: offset + len(seq_parents)], [None, *draft], seq_parents)
+        path, emitted = accept_tree(targets_host[offset : offset + len(seq_parents)], [None, *draft], seq_parents)
         token_ids.append(emitted)
         paths.append(path)
         offset += len(seq_parents)
@@ -98,7 +108,7 @@ def _greedy(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
     token_ids, offset = [], 0
     for draft in drafts:
         emitted = []
-        for j, target in enumerate(targets[offset: offset + len(draft) + 1]):
+        for j, target in enumerate(targets[offset : offset + len(draft) + 1]):
             emitted.append(target)
             if j == len(draft) or draft[j] != target:
                 break
@@ -107,22 +117,31 @@ def _greedy(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
     return token_ids
 
 
-def _rejection_sample(states: list[RequestState], probs: torch.Tensor, drafts: list[list[int]],
-                      draft_probs: torch.Tensor | None) -> list[list[int]]:
+def _rejection_sample(
+    states: list[RequestState], probs: torch.Tensor, drafts: list[list[int]], draft_probs: torch.Tensor | None
+) -> list[list[int]]:
     """Pads the rows to [B, K+1, V] and runs the sampler; K = 0 is a plain sampling step."""
     num_seqs, num_spec = len(states), max(len(d) for d in drafts)
     device = probs.device
     target_probs = _pad_rows(probs, drafts, num_spec)  # [B, K+1, V]
-    draft_ids = torch.tensor([d + [0] * (num_spec - len(d)) for d in drafts], dtype=torch.int64,
-                             device=device).view(num_seqs, num_spec)  # [B, K]
+    draft_ids = torch.tensor([d + [0] * (num_spec - len(d)) for d in drafts], dtype=torch.int64, device=device).view(
+        num_seqs, num_spec
+    )  # [B, K]
     num_draft_tokens = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=device)  # [B]
     is_greedy = torch.tensor([s.sampling.is_greedy for s in states], device=device)  # [B]
     if draft_probs is not None:
         draft_probs = draft_probs[:, :num_spec]  # [B, K, V]
-    output, num_emitted = _sampler(target_probs, draft_ids, num_draft_tokens, draft_probs, is_greedy,
-                                   [s.sampling.seed for s in states], [s.num_tokens for s in states])
+    output, num_emitted = _sampler(
+        target_probs,
+        draft_ids,
+        num_draft_tokens,
+        draft_probs,
+        is_greedy,
+        [s.sampling.seed for s in states],
+        [s.num_tokens for s in states],
+    )
     rows = torch.cat([num_emitted.unsqueeze(1), output], dim=1).tolist()  # [B, 1 + K+1]: one copy to the host
-    return [row[1: 1 + row[0]] for row in rows]
+    return [row[1 : 1 + row[0]] for row in rows]
 
 
 def _pad_rows(probs: torch.Tensor, drafts: list[list[int]], num_spec: int) -> torch.Tensor:  # [B, K+1, V]
@@ -138,8 +157,9 @@ def _pad_rows(probs: torch.Tensor, drafts: list[list[int]], num_spec: int) -> to
     return target_probs
 
 
-def _logprobs(logits: torch.Tensor, rows_per_seq: list[int], paths: list[list[int]],
-              token_ids: list[list[int]]) -> list[list[float]]:
+def _logprobs(
+    logits: torch.Tensor, rows_per_seq: list[int], paths: list[list[int]], token_ids: list[list[int]]
+) -> list[list[float]]:
     """Each emitted token's log-probability in its row (the root's, then the accepted rows'): one gather on
     the device, one copy to the host."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
@@ -149,6 +169,6 @@ def _logprobs(logits: torch.Tensor, rows_per_seq: list[int], paths: list[list[in
     flat = log_probs[torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device)].tolist()
     out, offset = [], 0
     for tokens in token_ids:
-        out.append(flat[offset: offset + len(tokens)])
+        out.append(flat[offset : offset + len(tokens)])
         offset += len(tokens)
     return out

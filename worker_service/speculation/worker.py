@@ -16,10 +16,10 @@ import time
 import torch
 
 from specdec import step
-from worker_service.speculation import structured
-from worker_service.speculation.config import DEFAULT_NUM_SPECULATIVE_TOKENS, WorkerConfig
 from worker_service.runtime.eagle3_head import Eagle3Head
 from worker_service.runtime.runner import ModelRunner, SequenceChunk
+from worker_service.speculation import structured
+from worker_service.speculation.config import DEFAULT_NUM_SPECULATIVE_TOKENS, WorkerConfig
 from worker_service.speculation.proposers import Proposal, Proposer, num_matching
 from worker_service.speculation.proposers.combined import CombinedProposer
 from worker_service.speculation.proposers.draft import DraftProposer
@@ -28,8 +28,14 @@ from worker_service.speculation.proposers.ngram import NgramProposer
 from worker_service.speculation.proposers.preview import PreviewingProposer
 from worker_service.speculation.proposers.suffix import SuffixProposer
 from worker_service.speculation.proposers.trees import chain_length, tree_depth
-from worker_service.speculation.request_state import (InvalidStepError, RequestState, apply_cached, check_cached,
-                                          check_schedulable, new_state)
+from worker_service.speculation.request_state import (
+    InvalidStepError,
+    RequestState,
+    apply_cached,
+    check_cached,
+    check_schedulable,
+    new_state,
+)
 from worker_service.speculation.scorers import SCORERS
 from worker_service.speculation.verify import verify
 
@@ -40,12 +46,12 @@ logger = logging.getLogger(__name__)
 class Drafts:
     """What the draft stage hands on, per scheduled sequence."""
 
-    token_ids: list[list[int]]               # the drafts scored (forced tokens, or the proposer's, maybe cut)
-    probs: torch.Tensor | None               # [B, K, V] draft probabilities; None: one-hot drafts
-    sources: list[str] | None                # the proposer of each sequence's drafts; None: the configured one
-    parents: list[list[int] | None]          # a tree's parent rows; None: a chain
-    ranks: list[list[int] | None]            # the order a tree's rows were chosen in (None: row order)
-    proposed: list[list[int]]                # the proposer's own drafts, before a constraint cut or replaced them
+    token_ids: list[list[int]]  # the drafts scored (forced tokens, or the proposer's, maybe cut)
+    probs: torch.Tensor | None  # [B, K, V] draft probabilities; None: one-hot drafts
+    sources: list[str] | None  # the proposer of each sequence's drafts; None: the configured one
+    parents: list[list[int] | None]  # a tree's parent rows; None: a chain
+    ranks: list[list[int] | None]  # the order a tree's rows were chosen in (None: row order)
+    proposed: list[list[int]]  # the proposer's own drafts, before a constraint cut or replaced them
     proposed_parents: list[list[int] | None]  # ... and their tree
 
     @classmethod
@@ -56,8 +62,15 @@ class Drafts:
     @classmethod
     def of(cls, proposal: Proposal, num_seqs: int) -> "Drafts":
         parents = proposal.parents or [None] * num_seqs
-        return cls(proposal.draft_token_ids, proposal.draft_probs, proposal.sources, parents,
-                   [proposal.ranks_of(i) for i in range(num_seqs)], proposal.draft_token_ids, parents)
+        return cls(
+            proposal.draft_token_ids,
+            proposal.draft_probs,
+            proposal.sources,
+            parents,
+            [proposal.ranks_of(i) for i in range(num_seqs)],
+            proposal.draft_token_ids,
+            parents,
+        )
 
 
 class StageTimer:
@@ -78,8 +91,13 @@ class StageTimer:
 class Worker:
     """Holds the target (and draft model or EAGLE-3 head) and the requests' cached state."""
 
-    def __init__(self, config: WorkerConfig, target: ModelRunner, draft: ModelRunner | None = None,
-                 head: Eagle3Head | None = None):
+    def __init__(
+        self,
+        config: WorkerConfig,
+        target: ModelRunner,
+        draft: ModelRunner | None = None,
+        head: Eagle3Head | None = None,
+    ):
         self.config = config
         self.target = target
         self.draft = draft
@@ -98,8 +116,13 @@ class Worker:
         names = [n for n in self.config.proposer_names if n != "none"]
         proposers = {name: self._make_one(name) for name in names}
         if len(proposers) > 1:  # each drafts at most its own default k (and the worker's k)
-            return CombinedProposer(proposers, {name: min(DEFAULT_NUM_SPECULATIVE_TOKENS[name],
-                                                          self.config.num_speculative_tokens) for name in proposers})
+            return CombinedProposer(
+                proposers,
+                {
+                    name: min(DEFAULT_NUM_SPECULATIVE_TOKENS[name], self.config.num_speculative_tokens)
+                    for name in proposers
+                },
+            )
         proposer = next(iter(proposers.values()), None)
         if proposer is not None and proposer.reports_match and self.config.draft_previews:
             return PreviewingProposer(proposer)
@@ -112,8 +135,10 @@ class Worker:
             if self.draft is None:
                 raise ValueError("proposer 'draft' needs a draft model runner")
             if self.draft.vocab_size != self.target.vocab_size:
-                raise ValueError(f"the draft's vocabulary ({self.draft.vocab_size}) differs from the target's "
-                                 f"({self.target.vocab_size})")
+                raise ValueError(
+                    f"the draft's vocabulary ({self.draft.vocab_size}) differs from the target's "
+                    f"({self.target.vocab_size})"
+                )
             return DraftProposer(self.draft)
         if name == "suffix":
             return SuffixProposer(self.config.suffix_cache_tokens, self.config.draft_tree_width)
@@ -200,8 +225,13 @@ class Worker:
         scheduled = news + [staged[c.request_id] for c in request.cached_requests]
         try:
             for state in scheduled:
-                check_schedulable(state, self.block_size, self.max_model_len, self.max_num_speculative_tokens,
-                                  self.max_draft_tree_width)
+                check_schedulable(
+                    state,
+                    self.block_size,
+                    self.max_model_len,
+                    self.max_num_speculative_tokens,
+                    self.max_draft_tree_width,
+                )
         except InvalidStepError:
             for rid, original in originals.items():  # roll back: the step is rejected whole
                 vars(staged[rid]).update(vars(original))
@@ -270,25 +300,34 @@ class Worker:
         token_ids, parents = list(drafts.token_ids), list(drafts.parents)
         for i, state in enumerate(scheduled):
             if state.is_constrained and parents[i] is not None:
-                token_ids[i], parents[i] = token_ids[i][:chain_length(parents[i])], None
-        token_ids, probs, sources = self._constrain_drafts(scheduled, forced, token_ids, drafts.probs,
-                                                           drafts.sources)
+                token_ids[i], parents[i] = token_ids[i][: chain_length(parents[i])], None
+        token_ids, probs, sources = self._constrain_drafts(scheduled, forced, token_ids, drafts.probs, drafts.sources)
         parents = [None if f else p for p, f in zip(parents, forced)]
         return dataclasses.replace(drafts, token_ids=token_ids, probs=probs, sources=sources, parents=parents)
 
-    def _verify(self, scheduled: list[RequestState], logits: torch.Tensor, drafts: Drafts,
-                sampling_rows: list[int]):
+    def _verify(self, scheduled: list[RequestState], logits: torch.Tensor, drafts: Drafts, sampling_rows: list[int]):
         """The emitted tokens of the sequences that sample (`sampling_rows`): constrained rows' logits masked,
         then each draft accepted or not by the accept rule in verify.py."""
         states = [scheduled[i] for i in sampling_rows]
         token_ids = [drafts.token_ids[i] for i in sampling_rows]
         if any(s.is_constrained for s in scheduled):
             logits = self._mask(logits, states, token_ids)
-        return verify(states, logits, token_ids, None if drafts.probs is None else drafts.probs[sampling_rows],
-                      [drafts.parents[i] for i in sampling_rows])
+        return verify(
+            states,
+            logits,
+            token_ids,
+            None if drafts.probs is None else drafts.probs[sampling_rows],
+            [drafts.parents[i] for i in sampling_rows],
+        )
 
-    def _commit(self, scheduled: list[RequestState], chunks: list[SequenceChunk], drafts: Drafts,
-                sampling_rows: list[int], result) -> dict[str, step.SequenceOutput]:
+    def _commit(
+        self,
+        scheduled: list[RequestState],
+        chunks: list[SequenceChunk],
+        drafts: Drafts,
+        sampling_rows: list[int],
+        result,
+    ) -> dict[str, step.SequenceOutput]:
         """Moves each tree's accepted path where a chain's would be, advances every sequence past its scheduled
         tokens and appends the emitted ones (_accept); the outputs, with what each sequence drafted and accepted."""
         parents = drafts.parents
@@ -299,8 +338,9 @@ class Worker:
             state.num_computed_tokens += state.scheduled_new_tokens
         for row, i in enumerate(sampling_rows):
             out = outputs[scheduled[i].request_id]
-            self._accept(scheduled[i], drafts.token_ids[i], drafts.proposed[i], drafts.proposed_parents[i], result,
-                         row, out)
+            self._accept(
+                scheduled[i], drafts.token_ids[i], drafts.proposed[i], drafts.proposed_parents[i], result, row, out
+            )
             if drafts.token_ids[i]:
                 out.proposer = drafts.sources[i] if drafts.sources is not None else self.config.proposer
             if parents[i] is not None:
@@ -309,22 +349,29 @@ class Worker:
                 out.accepted_draft_ranks = [order[path_row - 1] for path_row in result.paths[row]]
         return outputs
 
-    def _after_step(self, scheduled: list[RequestState], chunks: list[SequenceChunk], sampling_rows: list[int],
-                    outputs: dict[str, step.SequenceOutput]) -> None:
+    def _after_step(
+        self,
+        scheduled: list[RequestState],
+        chunks: list[SequenceChunk],
+        sampling_rows: list[int],
+        outputs: dict[str, step.SequenceOutput],
+    ) -> None:
         """The proposer hears the positions committed this step (the chunk's tokens and accepted drafts); a
         previewing proposer looks up each sampled sequence's next drafts now."""
         if self.proposer is None:
             return
-        self.proposer.after_step(scheduled, chunks, [s.num_computed_tokens - c.start_pos
-                                                     for s, c in zip(scheduled, chunks)])
+        self.proposer.after_step(
+            scheduled, chunks, [s.num_computed_tokens - c.start_pos for s, c in zip(scheduled, chunks)]
+        )
         if isinstance(self.proposer, PreviewingProposer) and sampling_rows:
             sampled = [scheduled[i] for i in sampling_rows]
             caps = [self._within_model_len(s, self.max_num_speculative_tokens) for s in sampled]
             for state, preview in zip(sampled, self.proposer.preview(sampled, caps)):
                 outputs[state.request_id].next_draft = preview
 
-    def _report_kv(self, scheduled: list[RequestState], sampling_rows: list[int],
-                   outputs: dict[str, step.SequenceOutput]) -> None:
+    def _report_kv(
+        self, scheduled: list[RequestState], sampling_rows: list[int], outputs: dict[str, step.SequenceOutput]
+    ) -> None:
         """What the scheduler needs of the KV after the step: the positions every model wrote, and the tokens
         a constraint forces next (the next step's free drafts)."""
         for state in scheduled:
@@ -336,8 +383,10 @@ class Worker:
         """Per sequence, the tokens its constraint forces next, up to its k (none with --no-forced-drafts)."""
         if not self.config.forced_drafts:
             return [[] for _ in scheduled]
-        return [structured.forced_tokens(self.grammars.matcher(s), k) if s.is_constrained and k else []
-                for s, k in zip(scheduled, num_slots)]
+        return [
+            structured.forced_tokens(self.grammars.matcher(s), k) if s.is_constrained and k else []
+            for s, k in zip(scheduled, num_slots)
+        ]
 
     def _num_forced_next(self, state: RequestState) -> int:
         """The tokens the constraint forces after the emitted ones (at most K): the next step's free drafts."""
@@ -345,8 +394,14 @@ class Worker:
             return 0
         return len(structured.forced_tokens(self.grammars.matcher(state), self.max_num_speculative_tokens))
 
-    def _constrain_drafts(self, scheduled: list[RequestState], forced: list[list[int]], drafts: list[list[int]],
-                          draft_probs, sources: list[str] | None):
+    def _constrain_drafts(
+        self,
+        scheduled: list[RequestState],
+        forced: list[list[int]],
+        drafts: list[list[int]],
+        draft_probs,
+        sources: list[str] | None,
+    ):
         """Constrained sequences' drafts: the grammar's forced tokens (proposer "forced", one-hot draft
         probabilities), else the proposer's drafts cut at the first one the grammar forbids."""
         drafts, sources = list(drafts), list(sources) if sources is not None else None
@@ -362,12 +417,14 @@ class Worker:
                 if draft_probs is not None:
                     draft_probs[i].zero_()
                     device = draft_probs.device
-                    draft_probs[i, torch.arange(len(drafts[i]), device=device),
-                                torch.tensor(drafts[i], device=device)] = 1.0
+                    draft_probs[
+                        i, torch.arange(len(drafts[i]), device=device), torch.tensor(drafts[i], device=device)
+                    ] = 1.0
             elif state.is_constrained and drafts[i]:
                 sampled_from_p = draft_probs is not None and not state.sampling.is_greedy
-                drafts[i] = structured.valid_drafts(self.grammars.matcher(state), drafts[i],
-                                                    keep_first_forbidden=sampled_from_p)
+                drafts[i] = structured.valid_drafts(
+                    self.grammars.matcher(state), drafts[i], keep_first_forbidden=sampled_from_p
+                )
         return drafts, draft_probs, sources
 
     def _mask(self, logits, states: list[RequestState], drafts: list[list[int]]):
@@ -390,16 +447,23 @@ class Worker:
         """The sequence's target rows: its scheduled tokens, then its drafts (a chain, or a tree after the one
         pending token: drafts come only after it)."""
         begin = state.num_computed_tokens
-        tokens = state.token_ids[begin: begin + state.scheduled_new_tokens] + drafts
+        tokens = state.token_ids[begin : begin + state.scheduled_new_tokens] + drafts
         completes = begin + state.scheduled_new_tokens == state.num_tokens
         if parents is not None:
             assert state.scheduled_new_tokens == 1 and len(parents) == len(drafts)
             parents = [-1, *parents]
-        return SequenceChunk(tokens, begin, state.block_table, num_logits=(1 + len(drafts)) if completes else 0,
-                             parents=parents)
+        return SequenceChunk(
+            tokens, begin, state.block_table, num_logits=(1 + len(drafts)) if completes else 0, parents=parents
+        )
 
-    def _keep_paths(self, scheduled: list[RequestState], chunks: list[SequenceChunk], sampling_rows: list[int],
-                    parents: list[list[int] | None], paths: list[list[int]]) -> None:
+    def _keep_paths(
+        self,
+        scheduled: list[RequestState],
+        chunks: list[SequenceChunk],
+        sampling_rows: list[int],
+        parents: list[list[int] | None],
+        paths: list[list[int]],
+    ) -> None:
         """Moves each tree's accepted path where a chain's accepted drafts would be: its K/V in the target's
         cache, and its rows of the features the target kept for an EAGLE-3 head (the head catches up on
         committed positions in order, proposers/eagle3.py)."""
@@ -415,8 +479,16 @@ class Worker:
         if aux is not None and order != list(range(offsets[-1])):
             self.target.last_aux_hidden = aux[torch.tensor(order, device=aux.device)]
 
-    def _accept(self, state: RequestState, drafts: list[int], proposed: list[int], proposed_parents, result,
-                row: int, out: step.SequenceOutput) -> None:
+    def _accept(
+        self,
+        state: RequestState,
+        drafts: list[int],
+        proposed: list[int],
+        proposed_parents,
+        result,
+        row: int,
+        out: step.SequenceOutput,
+    ) -> None:
         """Appends the emitted tokens; accepted drafts' K/V (already in the cache) count as computed.
 
         `proposed`: the proposer's own drafts (a tree where `proposed_parents` is given), which a constraint may
@@ -430,8 +502,11 @@ class Worker:
         if state.matcher is not None:
             structured.advance(state.matcher, emitted)
         if self.proposer is not None:
-            num_confirmed = (num_accepted if proposed is drafts
-                             else min(num_matching(proposed, emitted, proposed_parents), num_accepted))
+            num_confirmed = (
+                num_accepted
+                if proposed is drafts
+                else min(num_matching(proposed, emitted, proposed_parents), num_accepted)
+            )
             self.proposer.after_verify(state, num_tokens_before, len(proposed), num_confirmed)
         out.token_ids = emitted
         out.logprobs = result.logprobs[row] if state.return_logprobs else []

@@ -29,10 +29,12 @@ def partial_acceptance(step_id: int, request_id: str) -> int:
     return (step_id + len(request_id)) % 4
 
 
-def make_cluster(specs: list[str], resolver=None, on_serving_changed=lambda is_serving: None, request_observer=None,
-                 **options) -> Cluster:
-    opts = SchedulerOptions(model_dir="", worker_addresses=tuple(specs), block_size=BLOCK_SIZE,
-                            worker_refresh_interval_s=0.1, **options)
+def make_cluster(
+    specs: list[str], resolver=None, on_serving_changed=lambda is_serving: None, request_observer=None, **options
+) -> Cluster:
+    opts = SchedulerOptions(
+        model_dir="", worker_addresses=tuple(specs), block_size=BLOCK_SIZE, worker_refresh_interval_s=0.1, **options
+    )
     membership = Membership([parse_worker_spec(s) for s in specs], *([resolver] if resolver else []))
     cluster = Cluster(opts, membership, PieceTokenizer(), on_serving_changed, request_observer)
     cluster.start()
@@ -49,10 +51,14 @@ def wait_until(predicate, timeout: float = 20.0, what: str = "the condition") ->
 def wait_idle(cluster: Cluster):
     """Waits until no request runs and every serving worker's KV blocks are free (a step in flight may
     still hold a finished request's blocks); returns the snapshot."""
+
     def is_idle() -> bool:
         snap = cluster.snapshot()
-        return all(w.num_running == w.num_waiting == 0 and w.num_free_blocks == w.num_total_blocks
-                   for w in snap.workers) and snap.num_waiting_for_worker == 0
+        return (
+            all(w.num_running == w.num_waiting == 0 and w.num_free_blocks == w.num_total_blocks for w in snap.workers)
+            and snap.num_waiting_for_worker == 0
+        )
+
     wait_until(is_idle, what="the workers to be idle with every block free")
     return cluster.snapshot()
 
@@ -156,8 +162,9 @@ def test_a_failed_worker_s_requests_move_and_it_rejoins_at_the_same_address():
 def cluster_with_its_worker_down(worker_wait_timeout_s: float, on_serving_changed=lambda is_serving: None):
     """A cluster whose only worker served once and is gone; returns it and the worker's port."""
     worker = SimWorkerServer()
-    cluster = make_cluster([worker.address], worker_wait_timeout_s=worker_wait_timeout_s,
-                           on_serving_changed=on_serving_changed)
+    cluster = make_cluster(
+        [worker.address], worker_wait_timeout_s=worker_wait_timeout_s, on_serving_changed=on_serving_changed
+    )
     wait_until(lambda: serving(cluster) == [worker.address], what="the worker to serve")
     worker.stop()
     wait_until(lambda: not serving(cluster), what="the worker to leave")
@@ -226,9 +233,11 @@ def test_discovery_adds_and_removes_workers_and_removed_workers_requests_move():
         wait_until(lambda: all(len(t) >= 3 for t in streams.tokens.values()), what="every stream to begin")
         answers.append([workers[0].address, workers[1].address])  # scaled up
         wait_until(lambda: len(serving(cluster)) == 2, what="the new worker to join")
-        answers.append([workers[1].address])                      # scaled down: the first one is gone
-        wait_until(lambda: [w.address for w in cluster.snapshot().workers] == [workers[1].address],
-                   what="the first worker to leave")
+        answers.append([workers[1].address])  # scaled down: the first one is gone
+        wait_until(
+            lambda: [w.address for w in cluster.snapshot().workers] == [workers[1].address],
+            what="the first worker to leave",
+        )
         assert not streams.finish  # it left mid-stream
         streams.join()
         streams.assert_complete_and_exact()
@@ -310,8 +319,10 @@ def test_a_worker_serving_another_model_does_not_join_and_says_why():
     try:
         wait_until(lambda: serving(cluster) == [good.address], what="the first worker to serve")
         other.servicer.thaw()
+
         def other_status():
             return {w.address: w for w in cluster.snapshot().workers}[other.address]
+
         wait_until(lambda: "cannot join" in (other_status().last_error or ""), what="the join error")
         assert other_status().state is WorkerState.JOINING and "another-model" in other_status().last_error
     finally:

@@ -26,11 +26,11 @@ def test_static_and_dns_specs_combine_and_follow_the_resolver():
 
     membership = Membership([parse_worker_spec("127.0.0.1:9"), parse_worker_spec("dns:///workers:50052")], resolver)
     assert membership.addresses() == ["127.0.0.1:9", "10.0.0.1:50052", "10.0.0.2:50052"]
-    answers["workers"] = OSError("resolver timed out")      # cannot answer now: keep the last answer
+    answers["workers"] = OSError("resolver timed out")  # cannot answer now: keep the last answer
     assert membership.addresses() == ["127.0.0.1:9", "10.0.0.1:50052", "10.0.0.2:50052"]
     answers["workers"] = ["10.0.0.2:50052", "10.0.0.3:50052"]
     assert membership.addresses() == ["127.0.0.1:9", "10.0.0.2:50052", "10.0.0.3:50052"]
-    answers["workers"] = NameNotFoundError("no such name")   # scaled to zero: no workers under it ...
+    answers["workers"] = NameNotFoundError("no such name")  # scaled to zero: no workers under it ...
     assert membership.addresses() == ["127.0.0.1:9", "10.0.0.2:50052", "10.0.0.3:50052"]  # ... once it persists
     assert membership.addresses() == ["127.0.0.1:9", "10.0.0.2:50052", "10.0.0.3:50052"]
     assert membership.addresses() == ["127.0.0.1:9"]

@@ -4,7 +4,7 @@ from scheduler_service.cluster.engine import WorkerState
 from tests.scheduler.cluster.test_cluster import Streams, make_cluster, serving, wait_idle, wait_until
 from tests.sim_worker import SimWorkerServer
 
-SYSTEM = [(5 * j + 2) % 50 for j in range(40)]    # 40 tokens: 10 full blocks of 4
+SYSTEM = [(5 * j + 2) % 50 for j in range(40)]  # 40 tokens: 10 full blocks of 4
 
 
 def shared_prefix_prompts(n: int, start: int = 0) -> dict[str, list[int]]:
@@ -45,7 +45,7 @@ def test_a_shared_prefix_goes_to_the_worker_holding_it_while_load_allows():
         streams.join()
         streams.assert_complete_and_exact()
         snap = wait_idle(cluster)
-        assert snap.stats.num_prefix_cache_hits == 4 * 40    # every block of the prefix, every request
+        assert snap.stats.num_prefix_cache_hits == 4 * 40  # every block of the prefix, every request
     finally:
         stop(cluster, workers)
 
@@ -74,7 +74,7 @@ def test_requests_spread_when_the_holder_is_much_busier_and_a_gone_worker_s_cach
         streams.join()
         streams.assert_complete_and_exact()
         snap = wait_idle(cluster)
-        assert all(w.num_cached_blocks >= 10 for w in snap.workers)   # both hold the prefix now
+        assert all(w.num_cached_blocks >= 10 for w in snap.workers)  # both hold the prefix now
         other = next(w for w in workers if w.address != holder)
         other.stop()
         wait_until(lambda: serving(cluster) == [holder], what="the other worker to leave")

@@ -43,7 +43,7 @@ def test_can_allocate_and_can_append_are_false_when_exhausted():
     assert manager.can_allocate(12)
     assert not manager.can_allocate(13)
     manager.allocate("a", 8)
-    assert manager.can_append_slots("a", 9, 3)      # 12 positions: one more block
+    assert manager.can_append_slots("a", 9, 3)  # 12 positions: one more block
     assert not manager.can_append_slots("a", 9, 4)  # 13 positions: two more blocks
     manager.append_slots("a", 9, 3)
     assert manager.num_free_blocks == 0

@@ -69,8 +69,9 @@ def test_hugging_face_byte_level_bpe_round_trips():
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, show_progress=False,
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, show_progress=False, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(["hello world", "naïve café déjà vu"] * 5, trainer=trainer)
     text = "café 日本 hello naïve 🙂 world"  # 日, 本 and 🙂 were never merged: one token per byte
     token_ids = tokenizer.encode(text).ids
@@ -100,10 +101,10 @@ def naive_stream(text: str, stops: list[str]) -> tuple[str, list[str]]:
         seen = text[:end]
         starts = [i for stop in stops if (i := seen.find(stop)) != -1]
         if starts:
-            deltas.append(seen[emitted:min(starts)])
-            return seen[:min(starts)], deltas
+            deltas.append(seen[emitted : min(starts)])
+            return seen[: min(starts)], deltas
         held = max((n for stop in stops for n in range(1, len(stop)) if seen.endswith(stop[:n])), default=0)
-        deltas.append(seen[emitted:end - held])
+        deltas.append(seen[emitted : end - held])
         emitted = end - held
     return text, deltas
 

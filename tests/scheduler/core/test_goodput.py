@@ -3,8 +3,16 @@
 import pytest
 
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.goodput import (AcceptanceEstimate, Candidate, CostCoefficients, StepCostModel,
-                                            TreeAcceptance, choose_drafts, choose_num_drafts, expected_accepted)
+from scheduler_service.core.goodput import (
+    AcceptanceEstimate,
+    Candidate,
+    CostCoefficients,
+    StepCostModel,
+    TreeAcceptance,
+    choose_drafts,
+    choose_num_drafts,
+    expected_accepted,
+)
 from scheduler_service.core.policy import TREE_PROBE_INTERVAL, SpeculationPolicy, StepShape
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
@@ -41,7 +49,7 @@ def test_k_follows_each_sequence_acceptance_and_its_cap():
 def test_drafts_the_proposer_rarely_delivers_cost_little():
     """A suffix-like proposer: confident drafts, but long ones seldom. A large k is cheap where rows cost."""
     mid = CostCoefficients(c0=20.0, c_row=1.0, c_prefill=1.0, c_seq=0.0, c_ctx=0.0)
-    rare_but_good = Candidate(16, 100, tuple(0.9 ** j for j in range(16)), (0.9,) * 16)
+    rare_but_good = Candidate(16, 100, tuple(0.9**j for j in range(16)), (0.9,) * 16)
     always_but_poor = Candidate(16, 100, (1.0,) * 16, (0.3,) * 16)
     assert choose_num_drafts([rare_but_good, always_but_poor], mid, 0, 0, 2)[0] >= 10
 
@@ -74,7 +82,7 @@ def test_acceptance_estimate_by_position():
         estimate.observe(num_requested=3, num_drafts=3, num_accepted=1)  # first accepted, second rejected
     assert estimate.acceptance(0, prior=0.5, weight=0.0) == 1.0
     assert estimate.acceptance(1, prior=0.5, weight=0.0) == 0.0
-    assert estimate.acceptance(2, prior=0.5, weight=0.0) == 0.5   # never checked: the prior
+    assert estimate.acceptance(2, prior=0.5, weight=0.0) == 0.5  # never checked: the prior
     estimate.observe(num_requested=4, num_drafts=2, num_accepted=2)  # the proposer found only two
     assert [estimate.delivery(m, prior=1.0, weight=0.0) for m in range(4)] == [1.0, 1.0, 10 / 11, 0.0]
 
@@ -82,11 +90,20 @@ def test_acceptance_estimate_by_position():
 def test_cost_model_learns_a_linear_step_time():
     model = StepCostModel(decay=1.0)
     assert model.coefficients() is None
-    shapes = [(1, 0, 1, 100), (6, 0, 1, 600), (16, 0, 8, 4000), (40, 300, 9, 90000), (3, 0, 2, 50),
-              (64, 0, 16, 20000), (1, 500, 2, 130000), (8, 100, 3, 9000)]
+    shapes = [
+        (1, 0, 1, 100),
+        (6, 0, 1, 600),
+        (16, 0, 8, 4000),
+        (40, 300, 9, 90000),
+        (3, 0, 2, 50),
+        (64, 0, 16, 20000),
+        (1, 500, 2, 130000),
+        (8, 100, 3, 9000),
+    ]
     for rows, prefill_rows, seqs, attended in shapes:
-        model.observe(rows, prefill_rows, seqs, attended,
-                      10 + 2 * rows + 0.25 * prefill_rows + 0.5 * seqs + 3 * attended / 1024)
+        model.observe(
+            rows, prefill_rows, seqs, attended, 10 + 2 * rows + 0.25 * prefill_rows + 0.5 * seqs + 3 * attended / 1024
+        )
     c = model.coefficients()
     assert (c.c0, c.c_row, c.c_prefill, c.c_seq, c.c_ctx) == pytest.approx((10, 2, 0.25, 0.5, 3), rel=1e-2)
     assert model.predict_ms(10, 0, 2, 2048) == pytest.approx(10 + 20 + 1 + 6, rel=1e-2)
@@ -109,11 +126,25 @@ def test_cost_model_stays_sane_after_a_long_steady_stretch():
 # Steps a SmolLM2 worker with an EAGLE-3 head measured after it started (AMD EPYC, q4_1): (decode rows,
 # prefill rows, sequences, attended), ms. Two short requests, then a constrained one whose prefill took 1.4 s
 # (its grammar compiled beside it) where a similar one took 0.6 s.
-MEASURED_STEPS = [((0, 357, 1, 0), 614.29), ((2, 0, 1, 714), 14.28), ((1, 0, 1, 363), 12.17),
-                  ((3, 0, 1, 1077), 24.63), ((1, 0, 1, 364), 12.48), ((1, 0, 1, 361), 9.03), ((1, 0, 1, 362), 8.06),
-                  ((1, 0, 1, 363), 8.65), ((0, 421, 1, 0), 807.33), ((1, 0, 1, 437), 10.23), ((1, 0, 1, 438), 10.29),
-                  ((1, 0, 1, 439), 10.71), ((1, 0, 1, 440), 10.63), ((1, 0, 1, 441), 9.48), ((1, 0, 1, 442), 10.03),
-                  ((1, 0, 1, 443), 10.22), ((0, 363, 1, 0), 1421.4)]
+MEASURED_STEPS = [
+    ((0, 357, 1, 0), 614.29),
+    ((2, 0, 1, 714), 14.28),
+    ((1, 0, 1, 363), 12.17),
+    ((3, 0, 1, 1077), 24.63),
+    ((1, 0, 1, 364), 12.48),
+    ((1, 0, 1, 361), 9.03),
+    ((1, 0, 1, 362), 8.06),
+    ((1, 0, 1, 363), 8.65),
+    ((0, 421, 1, 0), 807.33),
+    ((1, 0, 1, 437), 10.23),
+    ((1, 0, 1, 438), 10.29),
+    ((1, 0, 1, 439), 10.71),
+    ((1, 0, 1, 440), 10.63),
+    ((1, 0, 1, 441), 9.48),
+    ((1, 0, 1, 442), 10.03),
+    ((1, 0, 1, 443), 10.22),
+    ((0, 363, 1, 0), 1421.4),
+]
 
 
 def test_one_slow_prefill_does_not_make_draft_rows_free():
@@ -129,8 +160,9 @@ def test_one_slow_prefill_does_not_make_draft_rows_free():
 
 
 def fitted_policy(cost: CostCoefficients, probe_interval: int = 4, max_draft_tree_width: int = 1) -> SpeculationPolicy:
-    policy = SpeculationPolicy(K, None, "goodput", probe_interval=probe_interval,
-                               max_draft_tree_width=max_draft_tree_width)
+    policy = SpeculationPolicy(
+        K, None, "goodput", probe_interval=probe_interval, max_draft_tree_width=max_draft_tree_width
+    )
     for rows in (1, 3, 6, 2, 5, 1, 4, 6):
         policy.observe_step(StepShape(rows, 0, 1, rows * 100), cost.step_ms(rows, 0, 1, rows * 100))
     return policy
@@ -269,7 +301,9 @@ def test_a_sequence_drafting_chains_tries_a_tree_again():
     for _ in range(20):
         policy.observe_sequence(request, K, K, K)
         policy.observe_tree(request, K, K, [1])
-    widths = [policy.plan_step([request], StepShape(), 1, 1000).tree_widths["r"] for _ in range(2 * TREE_PROBE_INTERVAL + 2)]
+    widths = [
+        policy.plan_step([request], StepShape(), 1, 1000).tree_widths["r"] for _ in range(2 * TREE_PROBE_INTERVAL + 2)
+    ]
     assert widths == ([1] * TREE_PROBE_INTERVAL + [2]) * 2
 
 
@@ -324,8 +358,8 @@ def test_acceptance_is_learnt_per_proposer_and_k_follows_the_one_drafting():
     policy = SpeculationPolicy(K, None)
     request = Request("r", [1, 2, 3], max_tokens=50)
     for _ in range(20):
-        policy.observe_sequence(request, K, K, K, proposer="suffix")      # suffix: always all accepted
-        policy.observe_sequence(request, K, K, 0, proposer="eagle3")      # eagle3: never
+        policy.observe_sequence(request, K, K, K, proposer="suffix")  # suffix: always all accepted
+        policy.observe_sequence(request, K, K, 0, proposer="eagle3")  # eagle3: never
     assert request.last_proposer == "eagle3"
     low = policy._candidate(request, K, None).acceptance
     policy.observe_sequence(request, K, K, K, proposer="suffix")
@@ -360,7 +394,7 @@ def test_draft_depth_is_learnt_per_proposer_too():
     deep = policy._candidate(request, K, None).delivery
     policy.observe_sequence(request, K, 1, 1, proposer="eagle3")
     shallow = policy._candidate(request, K, None).delivery
-    assert 0.6 < deep[0] < 0.8 and 0.6 < shallow[0] < 0.8      # about 2 of 3 steps drafted
+    assert 0.6 < deep[0] < 0.8 and 0.6 < shallow[0] < 0.8  # about 2 of 3 steps drafted
     assert min(deep[1:]) > 0.9 * deep[0] and max(shallow[1:]) < 0.2
     # Without a proposer name (a single proposer), the one estimate of every step is used, as before.
     single = Request("s", [1, 2, 3], max_tokens=50)
@@ -426,8 +460,11 @@ def test_the_scheduler_feeds_the_policy_the_preview_each_step_was_planned_on(sch
     for i in range(2):
         scheduler.add_request(Request(f"r{i}", [1, 2, 3 + i], max_tokens=60))
     ks_by_id: dict[str, list[int]] = {"r0": [], "r1": []}
-    outputs = run(scheduler, worker, on_step=lambda step: [ks_by_id[c.request_id].append(c.num_speculative_tokens)
-                                                           for c in step.cached_requests])
+    outputs = run(
+        scheduler,
+        worker,
+        on_step=lambda step: [ks_by_id[c.request_id].append(c.num_speculative_tokens) for c in step.cached_requests],
+    )
     for i in range(2):
         assert streamed(outputs[f"r{i}"]) == reference_output([1, 2, 3 + i], 60)
     fresh = scheduling == "sync"

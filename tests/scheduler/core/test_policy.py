@@ -29,8 +29,7 @@ def test_per_request_k():
 
 
 def test_auto_disable_under_load_and_resume_when_it_falls():
-    config = SchedulerConfig(num_kv_blocks=64, block_size=4, num_speculative_tokens=3,
-                             speculative_disable_queue_size=2)
+    config = SchedulerConfig(num_kv_blocks=64, block_size=4, num_speculative_tokens=3, speculative_disable_queue_size=2)
     scheduler, worker = Scheduler(config), FakeWorker(block_size=4)
     max_tokens_by_id = {"a": 4, "b": 6, "c": 20, "d": 24}
     for request_id, max_tokens in max_tokens_by_id.items():
@@ -62,11 +61,20 @@ def test_opted_out_request_never_speculates():
     assert outputs["on"][-1].num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"num_kv_blocks": 0}, {"block_size": 0}, {"max_num_seqs": 0}, {"max_num_batched_tokens": 0},
-    {"max_model_len": 1}, {"num_speculative_tokens": -1}, {"speculative_disable_queue_size": 0},
-    {"scheduling": "eager"}, {"speculation_policy": "always"},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_kv_blocks": 0},
+        {"block_size": 0},
+        {"max_num_seqs": 0},
+        {"max_num_batched_tokens": 0},
+        {"max_model_len": 1},
+        {"num_speculative_tokens": -1},
+        {"speculative_disable_queue_size": 0},
+        {"scheduling": "eager"},
+        {"speculation_policy": "always"},
+    ],
+)
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         SchedulerConfig(**{"num_kv_blocks": 8, **kwargs})

@@ -20,6 +20,7 @@ from scheduler_service.core.scheduler import Scheduler
 from specdec.step import SequenceOutput, StepRequest, StepResult
 from tests.sim_worker import PIECES, VOCAB_SIZE, FakeWorker, PieceTokenizer, reference_output
 
+
 def run(scheduler: Scheduler, worker: FakeWorker, on_step=None, max_iterations: int = 10_000):
     """Drives the engine's step pipeline against the fake worker (two steps in flight in async mode).
 
@@ -97,8 +98,12 @@ def test_chunked_prefill_shares_the_budget_with_decodes():
     for step in steps:
         num_tokens = sum(r.num_new_tokens for r in step.new_requests + step.cached_requests)
         assert num_tokens <= 8
-    chunks = [r.num_new_tokens for step in steps for r in step.new_requests + step.cached_requests
-              if r.request_id == "long" and r.num_new_tokens > 1]
+    chunks = [
+        r.num_new_tokens
+        for step in steps
+        for r in step.new_requests + step.cached_requests
+        if r.request_id == "long" and r.num_new_tokens > 1
+    ]
     assert sum(chunks) == 20 and len(chunks) > 2  # the prompt was split
     assert streamed(outputs["long"]) == reference_output(list(range(20)), 3)
     assert streamed(outputs["short"]) == reference_output([1, 2], 20)
@@ -126,8 +131,9 @@ def test_eos_stop_ids_and_truncation_after_a_stop():
     num_to_eos, num_to_stop = expected.index(eos) + 1, expected.index(stop) + 1
     assert num_to_eos < num_to_stop
     scheduler.add_request(Request("eos", [5], max_tokens=12, eos_token_ids=[eos]))
-    scheduler.add_request(Request("ignore", [5], max_tokens=12, eos_token_ids=[eos], is_eos_ignored=True,
-                                  stop_token_ids=[stop]))
+    scheduler.add_request(
+        Request("ignore", [5], max_tokens=12, eos_token_ids=[eos], is_eos_ignored=True, stop_token_ids=[stop])
+    )
     outputs = run(scheduler, worker)
     # The step that emitted the EOS emitted more tokens after it (k=4, all accepted): dropped.
     assert worker.num_emitted_by_id["eos"] > num_to_eos
@@ -145,17 +151,20 @@ def test_stop_string_across_tokens():
     scheduler.add_request(Request("a", [7, 8], max_tokens=20, stop_strings=[stop_string]))
     outputs = run(scheduler, worker)["a"]
     streamed_text = "".join(o.text for o in outputs)
-    assert streamed_text == text[:text.index(stop_string)]
+    assert streamed_text == text[: text.index(stop_string)]
     assert outputs[-1].finish_reason == "stop"
-    assert streamed(outputs) == expected[:text.index(stop_string) + len(stop_string)]
+    assert streamed(outputs) == expected[: text.index(stop_string) + len(stop_string)]
 
 
 def test_k_cap_is_lowered_near_max_tokens():
     scheduler, worker = make(num_speculative_tokens=4)
     scheduler.add_request(Request("a", [1], max_tokens=7))
     caps = []
-    run(scheduler, worker, on_step=lambda step: caps.extend(
-        r.num_speculative_tokens for r in step.new_requests + step.cached_requests))
+    run(
+        scheduler,
+        worker,
+        on_step=lambda step: caps.extend(r.num_speculative_tokens for r in step.new_requests + step.cached_requests),
+    )
     assert caps == [0, 4, 0]  # the prefill step: none; then 1 + 4 tokens, and 1 left: no drafts past max_tokens
     assert worker.num_emitted_by_id["a"] == 7
 
@@ -295,9 +304,9 @@ def test_stats_count_drafts_by_proposer_and_sum_over_workers():
     a.count_speculation(4, 2, "eagle3")
     a.count_speculation(5, 5, "suffix")
     b.count_speculation(3, 1, "eagle3")
-    b.count_speculation(2, 0, "")          # a single proposer's worker reports no name: only the totals count
+    b.count_speculation(2, 0, "")  # a single proposer's worker reports no name: only the totals count
     snapshot = a.num_accepted_tokens_per_pos_by_proposer
-    a.count_speculation(1, 1, "eagle3")    # counters are replaced, never changed in place: snapshots stay
+    a.count_speculation(1, 1, "eagle3")  # counters are replaced, never changed in place: snapshots stay
     assert snapshot == {"eagle3": (1, 1), "suffix": (1, 1, 1, 1, 1)}
     total = SchedulerStats.total([a, b])
     assert total.num_draft_tokens_by_proposer == {"eagle3": 8, "suffix": 5}
@@ -332,8 +341,12 @@ def test_a_tree_teaches_the_policy_by_the_ranks_of_its_accepted_nodes_and_is_cou
         assert trees.num_delivered[3] > 0 and trees.num_accepted[0] == trees.num_delivered[0]
         assert trees.num_accepted[2] == trees.num_delivered[2] and trees.num_accepted[1] == trees.num_accepted[3] == 0
         assert len(acceptance.num_requested) < 4  # the chains were only the last steps (fewer drafts left)
-        assert stats.num_tree_steps_by_depth[2] == stats.num_tree_steps_by_nodes[4] == sum(
-            stats.num_tree_steps_by_depth) > 0
+        assert (
+            stats.num_tree_steps_by_depth[2]
+            == stats.num_tree_steps_by_nodes[4]
+            == sum(stats.num_tree_steps_by_depth)
+            > 0
+        )
     else:
         assert acceptance.num_tried[1] > 0 and acceptance.num_accepted[1] == acceptance.num_tried[1]
         assert acceptance.num_tried[2] > 0 and acceptance.num_accepted[2] == 0
@@ -359,6 +372,8 @@ def test_debug_log_traces_each_steps_shape_and_time(caplog):
         run(scheduler, timed, on_step=steps.append)
     lines = [r.getMessage() for r in caplog.records if "decode rows" in r.getMessage()]
     assert len(lines) == len(steps) and any(drafts)
-    assert lines[0].startswith(f"step 0: 0 decode rows (0 drafts), {sum(map(len, prompt_by_id.values()))} "
-                               "prefill rows, 2 seqs, 0 attended: 12.50 ms")
+    assert lines[0].startswith(
+        f"step 0: 0 decode rows (0 drafts), {sum(map(len, prompt_by_id.values()))} "
+        "prefill rows, 2 seqs, 0 attended: 12.50 ms"
+    )
     assert [f"({n} drafts)" in line for line, n in zip(lines, drafts)] == [True] * len(lines)

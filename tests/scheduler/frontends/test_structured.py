@@ -63,7 +63,9 @@ def test_a_slow_compile_is_refused_in_time_and_its_late_result_serves_the_next_r
     start = time.monotonic()
     with pytest.raises(EngineError) as caught:
         constraints.compile(SCHEMA)
-    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--structured-output-timeout" in str(caught.value)
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--structured-output-timeout" in str(
+        caught.value
+    )
     assert time.monotonic() - start < 0.5
     time.sleep(0.8)  # the compile finishes in the background
     assert constraints.compile(SCHEMA) and events == [None]
@@ -78,9 +80,12 @@ def test_a_tokenizer_llguidance_cannot_use_is_the_server_s_error(tokenizer_json)
 
 def test_each_kind_is_checked(tokenizer_json):
     constraints, _ = compiler(tokenizer_json)
-    for bad, message in [(pb.StructuredOutputs(regex="(x"), "regex"), (pb.StructuredOutputs(json="{"), "not valid JSON"),
-                         (pb.StructuredOutputs(choice=pb.Choice()), "at least one choice"),
-                         (pb.StructuredOutputs(grammar="start: x"), "x"),
-                         (pb.StructuredOutputs(json_object=False), "must be true")]:
+    for bad, message in [
+        (pb.StructuredOutputs(regex="(x"), "regex"),
+        (pb.StructuredOutputs(json="{"), "not valid JSON"),
+        (pb.StructuredOutputs(choice=pb.Choice()), "at least one choice"),
+        (pb.StructuredOutputs(grammar="start: x"), "x"),
+        (pb.StructuredOutputs(json_object=False), "must be true"),
+    ]:
         with pytest.raises(ConstraintInputError, match=message):
             constraints.compile(bad)

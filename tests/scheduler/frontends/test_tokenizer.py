@@ -13,10 +13,13 @@ def test_matches_transformers_on_smollm2(smollm2_path):
     from transformers import AutoTokenizer
 
     ours, theirs = ChatTokenizer(smollm2_path), AutoTokenizer.from_pretrained(smollm2_path)
-    for messages in ([{"role": "user", "content": "What is 2+2?"}],
-                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ünïcödé 🙂"}]):
-        want = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                          return_dict=True)["input_ids"]
+    for messages in (
+        [{"role": "user", "content": "What is 2+2?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ünïcödé 🙂"}],
+    ):
+        want = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
         assert ours.apply_chat_template(messages) == want
     ids = ours.encode("Hello, world! ünïcödé")
     assert ids == theirs.encode("Hello, world! ünïcödé", add_special_tokens=False)
@@ -24,9 +27,11 @@ def test_matches_transformers_on_smollm2(smollm2_path):
 
 
 def test_no_torch_import(smollm2_path):
-    code = (f"import sys; from scheduler_service.frontends.tokenizer import ChatTokenizer; "
-            f"t = ChatTokenizer({str(smollm2_path)!r}); t.apply_chat_template([{{'role': 'user', 'content': 'x'}}]); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        f"import sys; from scheduler_service.frontends.tokenizer import ChatTokenizer; "
+        f"t = ChatTokenizer({str(smollm2_path)!r}); t.apply_chat_template([{{'role': 'user', 'content': 'x'}}]); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -18,8 +18,15 @@ from scheduler_service.process.metrics import METRICS, RequestMetrics, cluster_r
 from specdec.cli import build_parser
 from specdec.cli.serve import serve
 from specdec.metrics_server import start_metrics_server
-from tests.scheduler.cluster.test_cluster import (Streams, make_cluster, partial_acceptance, prompts, serving, wait_idle,
-                                          wait_until)
+from tests.scheduler.cluster.test_cluster import (
+    Streams,
+    make_cluster,
+    partial_acceptance,
+    prompts,
+    serving,
+    wait_idle,
+    wait_until,
+)
 from tests.sim_worker import SimWorkerServer, reference_output
 
 
@@ -102,8 +109,7 @@ def test_counters_and_histograms_follow_a_speculative_run(metrics_cluster):
     assert after.value("specdec_generation_tokens_total") == num_received
     num_prompt_tokens = sum(map(len, streams.prompts.values())) + len(stop_prompt) + 5
     assert after.value("specdec_prompt_tokens_total") == num_prompt_tokens
-    assert after.by_label("specdec_request_success_total", "finished_reason") == {"length": 6, "stop": 1,
-                                                                                   "abort": 1}
+    assert after.by_label("specdec_request_success_total", "finished_reason") == {"length": 6, "stop": 1, "abort": 1}
 
     # Speculation: both workers' counts summed; per-position counts add up to the accepted total.
     drafted = after.value("specdec_spec_decode_num_draft_tokens_total")
@@ -202,15 +208,16 @@ def test_metrics_port_out_of_range_is_rejected(port):
 
 
 def test_serve_forwards_a_metrics_port_per_worker_and_rejects_a_range_past_65535(capsys):
-    args = build_parser().parse_args(["serve", "--metrics-port", "9090", "--worker-metrics-port", "65535",
-                                      "--num-workers", "2"])
+    args = build_parser().parse_args(
+        ["serve", "--metrics-port", "9090", "--worker-metrics-port", "65535", "--num-workers", "2"]
+    )
     assert scheduler_flags.options_from_args(args, "", ["127.0.0.1:1"]).metrics_port == 9090
     assert serve(args) == 2 and "--worker-metrics-port" in capsys.readouterr().err
 
 
 def test_prefix_cache_metrics_count_tokens_hits_and_cached_blocks(metrics_cluster):
     cluster, _, port = metrics_cluster
-    system = [(3 * j + 1) % 50 for j in range(24)]                      # 6 full blocks of 4
+    system = [(3 * j + 1) % 50 for j in range(24)]  # 6 full blocks of 4
     first = Streams(cluster, {"first": system + [1]}, max_tokens=5)
     first.join()
     then = Streams(cluster, {"then": system + [2, 3]}, max_tokens=5)

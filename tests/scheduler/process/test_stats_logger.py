@@ -13,38 +13,79 @@ from tests.scheduler.cluster.test_cluster import Streams, make_cluster, prompts,
 from tests.sim_worker import SimWorkerServer, partial_acceptance
 
 
-def worker(num_running=0, num_waiting=0, num_free_blocks=100, num_total_blocks=100,
-           state=WorkerState.SERVING) -> WorkerSnapshot:
-    return WorkerSnapshot(address="127.0.0.1:1", state=state, config=None, stats=SchedulerStats(), busy=BusyStats(),
-                          num_failures=0, num_engine_errors=0, last_error=None, num_running=num_running,
-                          num_waiting=num_waiting, num_free_blocks=num_free_blocks, num_total_blocks=num_total_blocks,
-                          num_cached_blocks=0)
+def worker(
+    num_running=0, num_waiting=0, num_free_blocks=100, num_total_blocks=100, state=WorkerState.SERVING
+) -> WorkerSnapshot:
+    return WorkerSnapshot(
+        address="127.0.0.1:1",
+        state=state,
+        config=None,
+        stats=SchedulerStats(),
+        busy=BusyStats(),
+        num_failures=0,
+        num_engine_errors=0,
+        last_error=None,
+        num_running=num_running,
+        num_waiting=num_waiting,
+        num_free_blocks=num_free_blocks,
+        num_total_blocks=num_total_blocks,
+        num_cached_blocks=0,
+    )
 
 
 def snapshot(workers=(), num_waiting_for_worker=0, **stats) -> ClusterSnapshot:
-    return ClusterSnapshot(workers=tuple(workers), stats=SchedulerStats(**stats), busy=BusyStats(),
-                           num_worker_failures=0, num_engine_errors=0, num_requests=0, num_moved_requests=0,
-                           num_waiting_for_worker=num_waiting_for_worker)
+    return ClusterSnapshot(
+        workers=tuple(workers),
+        stats=SchedulerStats(**stats),
+        busy=BusyStats(),
+        num_worker_failures=0,
+        num_engine_errors=0,
+        num_requests=0,
+        num_moved_requests=0,
+        num_waiting_for_worker=num_waiting_for_worker,
+    )
 
 
 def test_the_line_is_made_of_the_interval_deltas():
-    before = snapshot(num_steps=10, num_prompt_tokens=100, num_emitted_tokens=50, num_draft_tokens=30,
-                      num_accepted_tokens=20, num_drafts=10, num_prefix_cache_queries=100, num_prefix_cache_hits=10)
-    after = snapshot([worker(2, 1, num_free_blocks=60), worker(1, 0, num_free_blocks=100),
-                      worker(state=WorkerState.GONE, num_free_blocks=0)],  # a gone worker's blocks do not count
-                     num_waiting_for_worker=2, num_steps=30, num_prompt_tokens=300, num_emitted_tokens=250,
-                     num_draft_tokens=130, num_accepted_tokens=95, num_drafts=40, num_prefix_cache_queries=300,
-                     num_prefix_cache_hits=160)
+    before = snapshot(
+        num_steps=10,
+        num_prompt_tokens=100,
+        num_emitted_tokens=50,
+        num_draft_tokens=30,
+        num_accepted_tokens=20,
+        num_drafts=10,
+        num_prefix_cache_queries=100,
+        num_prefix_cache_hits=10,
+    )
+    after = snapshot(
+        [
+            worker(2, 1, num_free_blocks=60),
+            worker(1, 0, num_free_blocks=100),
+            worker(state=WorkerState.GONE, num_free_blocks=0),
+        ],  # a gone worker's blocks do not count
+        num_waiting_for_worker=2,
+        num_steps=30,
+        num_prompt_tokens=300,
+        num_emitted_tokens=250,
+        num_draft_tokens=130,
+        num_accepted_tokens=95,
+        num_drafts=40,
+        num_prefix_cache_queries=300,
+        num_prefix_cache_hits=160,
+    )
     line = format_stats_line(before, after, elapsed_s=4.0)
-    assert line == ("Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 50.0 tokens/s, "
-                    "Running: 3 reqs, Waiting: 3 reqs, KV cache usage: 20.0%, Prefix cache hit rate: 75.0%, "
-                    "acceptance rate: 75.0% (tokens per speculating step 3.50)")
+    assert line == (
+        "Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 50.0 tokens/s, "
+        "Running: 3 reqs, Waiting: 3 reqs, KV cache usage: 20.0%, Prefix cache hit rate: 75.0%, "
+        "acceptance rate: 75.0% (tokens per speculating step 3.50)"
+    )
 
 
 def test_no_drafts_in_the_interval_and_an_idle_interval():
     before = snapshot(num_steps=5, num_emitted_tokens=5, num_draft_tokens=8, num_accepted_tokens=4, num_drafts=2)
-    after = snapshot([worker(1)], num_steps=7, num_emitted_tokens=7, num_draft_tokens=8, num_accepted_tokens=4,
-                     num_drafts=2)
+    after = snapshot(
+        [worker(1)], num_steps=7, num_emitted_tokens=7, num_draft_tokens=8, num_accepted_tokens=4, num_drafts=2
+    )
     assert format_stats_line(before, after, 1.0).endswith("acceptance rate: - (no drafts)")
     assert "Prefix cache hit rate: -, " in format_stats_line(before, after, 1.0)  # no request left a queue
     idle = snapshot([worker(0)], num_steps=7, num_emitted_tokens=7)
@@ -95,7 +136,9 @@ def test_a_real_cluster_line_counts_what_the_clients_received():
         cluster.stop()
         sim.stop()
     num_prompt_tokens = sum(map(len, prompts(4).values()))
-    assert line.startswith(f"Avg prompt throughput: {num_prompt_tokens:.1f} tokens/s, "
-                           f"Avg generation throughput: {4 * 12:.1f} tokens/s, Running: 0 reqs, Waiting: 0 reqs, "
-                           f"KV cache usage: 0.0%, Prefix cache hit rate: ")
+    assert line.startswith(
+        f"Avg prompt throughput: {num_prompt_tokens:.1f} tokens/s, "
+        f"Avg generation throughput: {4 * 12:.1f} tokens/s, Running: 0 reqs, Waiting: 0 reqs, "
+        f"KV cache usage: 0.0%, Prefix cache hit rate: "
+    )
     assert re.search(r"acceptance rate: \d+\.\d% \(tokens per speculating step \d\.\d\d\)$", line)

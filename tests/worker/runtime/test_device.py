@@ -12,10 +12,10 @@ from tests.worker.driver import Driver
 from tests.worker.speculation.test_eagle3 import make_worker as make_eagle3_worker
 from tests.worker.speculation.test_speculative import BLOCK_SIZE, NUM_BLOCKS, PROMPTS, make_worker
 from worker_service.runtime import device as devices
-from worker_service.speculation.config import WorkerConfig
 from worker_service.runtime.dtypes import check_device, resolve_device
 from worker_service.serving.flags import config_from_args, forwarded_argv
 from worker_service.speculation.build import build_worker
+from worker_service.speculation.config import WorkerConfig
 
 GIB = 2**30
 aten = torch.ops.aten
@@ -23,8 +23,16 @@ aten = torch.ops.aten
 # (block tables, keyed-noise row keys, draft-tree paths; `detach_` is how torch.tensor(..., pin_memory=True)
 # finishes its host staging tensor), results copied back to the host, and `tolist` reading host metadata
 # (`resolve_conj` / `resolve_neg`).
-HOST_SIDE_OPS = frozenset({aten.lift_fresh.default, aten.detach_.default, aten._to_copy.default,
-                           aten.copy_.default, aten.resolve_conj.default, aten.resolve_neg.default})
+HOST_SIDE_OPS = frozenset(
+    {
+        aten.lift_fresh.default,
+        aten.detach_.default,
+        aten._to_copy.default,
+        aten.copy_.default,
+        aten.resolve_conj.default,
+        aten.resolve_neg.default,
+    }
+)
 
 
 class DeviceRecorder(TorchDispatchMode):
@@ -56,22 +64,27 @@ def test_the_recorder_catches_a_tensor_off_the_device():
         torch.ones(3)
     assert recorder.off_device(torch.device("meta")) == [("aten.ones.default", torch.device("cpu"))]
     assert recorder.off_device(torch.device("cpu")) == [
-        ("aten.zeros.default", torch.device("meta")), ("aten.add_.Tensor", torch.device("meta")),
-        ("aten._to_copy.default", torch.device("meta"))]
+        ("aten.zeros.default", torch.device("meta")),
+        ("aten.add_.Tensor", torch.device("meta")),
+        ("aten._to_copy.default", torch.device("meta")),
+    ]
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft", "eagle3", "eagle3-trees"])
 def test_every_step_tensor_is_on_the_models_device(tiny_pair, tiny_eagle3_head, device, proposer):
     """Greedy, seeded-sampling and logprob requests speculating together: no op returns a tensor elsewhere."""
     if proposer.startswith("eagle3"):
-        worker = make_eagle3_worker(tiny_pair, tiny_eagle3_head, k=3, device=device,
-                                    tree_width=3 if proposer == "eagle3-trees" else 1)
+        worker = make_eagle3_worker(
+            tiny_pair, tiny_eagle3_head, k=3, device=device, tree_width=3 if proposer == "eagle3-trees" else 1
+        )
         worker.proposer.min_confidence = 0.0  # a random head's drafts: every step drafts
     else:
         worker = make_worker(tiny_pair, proposer, 3, device=device)
-    samplings = [step.RequestSampling(temperature=0.0),
-                 step.RequestSampling(temperature=0.8, top_p=0.9, top_k=20, seed=7, logprobs=True),
-                 step.RequestSampling(temperature=1.0, seed=8)]
+    samplings = [
+        step.RequestSampling(temperature=0.0),
+        step.RequestSampling(temperature=0.8, top_p=0.9, top_k=20, seed=7, logprobs=True),
+        step.RequestSampling(temperature=1.0, seed=8),
+    ]
     recorder = DeviceRecorder()
 
     def execute(request: step.StepRequest) -> step.StepResult:
@@ -100,18 +113,28 @@ def test_bad_device_spellings_are_refused_naming_the_flag(name, capsys):
     assert f"argument --device: must be auto, cpu, cuda or cuda:N, got {name!r}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("requested, num_cuda_devices, expected", [
-    ("auto", 0, "cpu"), ("auto", 2, "cuda:0"), ("cpu", 2, "cpu"), ("cuda", 1, "cuda:0"), ("cuda:1", 2, "cuda:1"),
-])
+@pytest.mark.parametrize(
+    "requested, num_cuda_devices, expected",
+    [
+        ("auto", 0, "cpu"),
+        ("auto", 2, "cuda:0"),
+        ("cpu", 2, "cpu"),
+        ("cuda", 1, "cuda:0"),
+        ("cuda:1", 2, "cuda:1"),
+    ],
+)
 def test_resolve_device(requested, num_cuda_devices, expected):
     assert resolve_device(requested, num_cuda_devices) == expected
 
 
-@pytest.mark.parametrize("requested, num_cuda_devices, message", [
-    ("cuda", 0, "--device cuda: CUDA is not available here"),
-    ("cuda:0", 0, "--device cuda:0: CUDA is not available here"),
-    ("cuda:2", 2, r"--device cuda:2: this host has 2 CUDA device\(s\), cuda:0..cuda:1"),
-])
+@pytest.mark.parametrize(
+    "requested, num_cuda_devices, message",
+    [
+        ("cuda", 0, "--device cuda: CUDA is not available here"),
+        ("cuda:0", 0, "--device cuda:0: CUDA is not available here"),
+        ("cuda:2", 2, r"--device cuda:2: this host has 2 CUDA device\(s\), cuda:0..cuda:1"),
+    ],
+)
 def test_resolve_device_refuses_a_missing_cuda_device(requested, num_cuda_devices, message):
     with pytest.raises(ValueError, match=message):
         resolve_device(requested, num_cuda_devices)
@@ -135,8 +158,9 @@ def test_gpu_memory_utilization_must_be_a_fraction(utilization):
 
 
 def test_gpu_kv_budget_is_the_fraction_less_the_weights_and_the_reserve():
-    budget = devices.gpu_kv_budget_bytes(total_bytes=80 * GIB, free_bytes=79 * GIB, used_bytes=GIB,
-                                         utilization=0.9, reserve_bytes=2 * GIB)
+    budget = devices.gpu_kv_budget_bytes(
+        total_bytes=80 * GIB, free_bytes=79 * GIB, used_bytes=GIB, utilization=0.9, reserve_bytes=2 * GIB
+    )
     assert budget == int(80 * GIB * 0.9) - GIB - 2 * GIB
     assert devices.gpu_kv_budget_bytes(80 * GIB, 79 * GIB, GIB, 0.5, 0) == 40 * GIB - GIB
 
@@ -159,9 +183,16 @@ def test_cuda_without_cuda_is_a_startup_error(tiny_pair):
 
 
 def test_build_worker_places_the_models_and_sets_the_budget(tiny_pair, device):
-    config = WorkerConfig(model=str(tiny_pair.target_path), device=device, proposer="draft", num_speculative_tokens=2,
-                          draft_model=str(tiny_pair.draft_path), kv_cache_memory_bytes=GIB // 4,
-                          gpu_memory_utilization=0.5, num_threads=1)
+    config = WorkerConfig(
+        model=str(tiny_pair.target_path),
+        device=device,
+        proposer="draft",
+        num_speculative_tokens=2,
+        draft_model=str(tiny_pair.draft_path),
+        kv_cache_memory_bytes=GIB // 4,
+        gpu_memory_utilization=0.5,
+        num_threads=1,
+    )
     worker = build_worker(config)
     expected = torch.device("cuda:0" if device == "cuda" else "cpu")
     assert worker.config.device == str(expected)  # what Describe reports

@@ -5,24 +5,27 @@ import torch
 
 from tests.tiny_models import tiny_llama
 from tests.worker.driver import Driver
-from worker_service.speculation.config import WorkerConfig
 from worker_service.runtime.dtypes import resolve_dtype
-from worker_service.speculation.build import build_worker
 from worker_service.runtime.loader import checkpoint_dtype
+from worker_service.speculation.build import build_worker
+from worker_service.speculation.config import WorkerConfig
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 
 
-@pytest.mark.parametrize("requested, checkpoint, device, expected", [
-    ("auto", "bfloat16", "cpu", "float32"),     # the CPU: float32 whatever the checkpoint says
-    ("auto", "bfloat16", "cuda", "bfloat16"),   # an accelerator: the checkpoint's dtype
-    ("auto", "float16", "cuda", "float16"),
-    ("auto", None, "cuda", "float32"),          # a checkpoint that names none
-    ("auto", "float64", "cuda", "float32"),     # or one we do not run
-    ("half", "float32", "cpu", "float16"),
-    ("bfloat16", "float32", "cpu", "bfloat16"),
-])
+@pytest.mark.parametrize(
+    "requested, checkpoint, device, expected",
+    [
+        ("auto", "bfloat16", "cpu", "float32"),  # the CPU: float32 whatever the checkpoint says
+        ("auto", "bfloat16", "cuda", "bfloat16"),  # an accelerator: the checkpoint's dtype
+        ("auto", "float16", "cuda", "float16"),
+        ("auto", None, "cuda", "float32"),  # a checkpoint that names none
+        ("auto", "float64", "cuda", "float32"),  # or one we do not run
+        ("half", "float32", "cpu", "float16"),
+        ("bfloat16", "float32", "cpu", "bfloat16"),
+    ],
+)
 def test_resolve_dtype(requested, checkpoint, device, expected):
     assert resolve_dtype(requested, checkpoint, device) == expected
 
@@ -55,8 +58,15 @@ def test_auto_loads_float32_on_the_cpu_and_the_config_says_so(bf16_checkpoint):
 def test_float16_loads_and_decodes_on_the_cpu(tiny_pair):
     """float16 works on the CPU (slower than float32 there, but exact enough): weights, KV cache and a
     speculative decode with drafts from a float16 draft model."""
-    config = WorkerConfig(model=str(tiny_pair.target_path), dtype="half", device="cpu", proposer="draft",
-                          draft_model=str(tiny_pair.draft_path), num_speculative_tokens=3, num_threads=1)
+    config = WorkerConfig(
+        model=str(tiny_pair.target_path),
+        dtype="half",
+        device="cpu",
+        proposer="draft",
+        draft_model=str(tiny_pair.draft_path),
+        num_speculative_tokens=3,
+        num_threads=1,
+    )
     worker = build_worker(config)
     assert worker.config.dtype == "float16"
     assert worker.target.model.dtype == worker.draft.model.dtype == torch.float16

@@ -12,10 +12,10 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from kernels import layer_ops_cpu
 from tests.tiny_models import tiny_llama
 from worker_service.runtime.backends.cpu_llama import CpuLlamaForward
+from worker_service.runtime.backends.transformers_layers import TransformersForward
 from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
 from worker_service.runtime.loader import load_model
 from worker_service.runtime.runner import ModelRunner, SequenceChunk
-from worker_service.runtime.backends.transformers_layers import TransformersForward
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BLOCK_SIZE = 4
@@ -49,15 +49,16 @@ def test_rope_rounds_as_apply_rotary_pos_emb(dtype):
     positions = torch.tensor([[0, 1, 2, 7, 8, 9, 10, 100, 101, 300, 511]])
     cos, sin = rotary(torch.zeros(1, dtype=dtype), positions)  # [1, T, D]
     qkv = _random((tokens, (heads + 2 * kv_heads) * head_dim), dtype, 3)
-    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim).transpose(0, 1)[None]  # [1, H, T, D]
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim).transpose(0, 1)[None]
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim).transpose(0, 1)[None]  # [1, H, T, D]
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim).transpose(0, 1)[None]
     q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
     ours = qkv.clone()
     layer_ops_cpu.rope_(ours, heads + kv_heads, head_dim, cos[0].contiguous(), sin[0].contiguous())
-    assert torch.equal(ours[:, :heads * head_dim], q_ref[0].transpose(0, 1).reshape(tokens, -1))
-    assert torch.equal(ours[:, heads * head_dim:(heads + kv_heads) * head_dim],
-                       k_ref[0].transpose(0, 1).reshape(tokens, -1))
-    assert torch.equal(ours[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])  # v
+    assert torch.equal(ours[:, : heads * head_dim], q_ref[0].transpose(0, 1).reshape(tokens, -1))
+    assert torch.equal(
+        ours[:, heads * head_dim : (heads + kv_heads) * head_dim], k_ref[0].transpose(0, 1).reshape(tokens, -1)
+    )
+    assert torch.equal(ours[:, (heads + kv_heads) * head_dim :], qkv[:, (heads + kv_heads) * head_dim :])  # v
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,18 +93,26 @@ def test_every_kernel_computes_a_row_alone(dtype):
     rotated = rows.clone()
     layer_ops_cpu.rope_(rotated, 4, 32, cos, sin)
     for r in (0, 151, 299):
-        alone = [layer_ops_cpu.add_rms_norm(rows[r:r + 1], residual[r:r + 1].clone(), weight, 1e-6),
-                 layer_ops_cpu.silu_mul(rows[r:r + 1])]
-        one = rows[r:r + 1].clone()
-        layer_ops_cpu.rope_(one, 4, 32, cos[r:r + 1], sin[r:r + 1])
-        assert all(torch.equal(b[r:r + 1], a) for b, a in zip(batched, alone)) and torch.equal(rotated[r:r + 1], one)
+        alone = [
+            layer_ops_cpu.add_rms_norm(rows[r : r + 1], residual[r : r + 1].clone(), weight, 1e-6),
+            layer_ops_cpu.silu_mul(rows[r : r + 1]),
+        ]
+        one = rows[r : r + 1].clone()
+        layer_ops_cpu.rope_(one, 4, 32, cos[r : r + 1], sin[r : r + 1])
+        assert all(torch.equal(b[r : r + 1], a) for b, a in zip(batched, alone)) and torch.equal(
+            rotated[r : r + 1], one
+        )
 
 
 def _steps(vocab: int) -> list[list[tuple[int, int, int]]]:
     """Per step, per sequence (index, tokens in the step, logits wanted): prefills (one chunked), decodes,
     verify queries of several rows, all mixed."""
-    return [[(0, 9, 1), (1, 5, 0)], [(0, 1, 1), (1, 6, 6), (2, 3, 3)], [(0, 4, 4), (1, 1, 1), (2, 1, 1), (3, 12, 1)],
-            [(0, 1, 1), (1, 5, 5), (2, 2, 2), (3, 1, 1)]]
+    return [
+        [(0, 9, 1), (1, 5, 0)],
+        [(0, 1, 1), (1, 6, 6), (2, 3, 3)],
+        [(0, 4, 4), (1, 1, 1), (2, 1, 1), (3, 12, 1)],
+        [(0, 1, 1), (1, 5, 5), (2, 2, 2), (3, 1, 1)],
+    ]
 
 
 def _run(runner: ModelRunner, seed: int) -> list[torch.Tensor]:
@@ -119,7 +128,7 @@ def _run(runner: ModelRunner, seed: int) -> list[torch.Tensor]:
     for step in _steps(runner.vocab_size):
         chunks = []
         for seq, num, num_logits in step:
-            chunks.append(SequenceChunk(tokens[seq][done[seq]:done[seq] + num], done[seq], tables[seq], num_logits))
+            chunks.append(SequenceChunk(tokens[seq][done[seq] : done[seq] + num], done[seq], tables[seq], num_logits))
             done[seq] += num
         outputs.append(runner.forward(chunks))
     return outputs
@@ -128,13 +137,16 @@ def _run(runner: ModelRunner, seed: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 def test_fast_forward_logits_equal_the_transformers_forward(request, model, dtype):
-    path = request.getfixturevalue("tiny_pair").target_path if model == "tiny" \
-        else request.getfixturevalue("smollm2_path")
+    path = (
+        request.getfixturevalue("tiny_pair").target_path if model == "tiny" else request.getfixturevalue("smollm2_path")
+    )
     name = str(dtype).removeprefix("torch.")
     fast = ModelRunner(load_model(path, name))
     reference = ModelRunner(load_model(path, name))
     assert fast.backend.name == "cpu_llama"
-    reference.backend = TransformersForward(reference.model)  # transformers' decoder layers, on the same kernels for linears and attention
+    reference.backend = TransformersForward(
+        reference.model
+    )  # transformers' decoder layers, on the same kernels for linears and attention
     for ours, theirs in zip(_run(fast, 0), _run(reference, 0)):
         # fp32: only sum orders differ (RMSNorm's mean); bf16/fp16: that, carried through the layers in the
         # dtype's rounding, so a tolerance of a few of its ulps at the logits' magnitude.

@@ -9,8 +9,14 @@ import torch
 
 from kernels import cpu_build, linear_cpu, quantized
 from kernels.quantized import BlockWeight
-from worker_service.runtime.fast_linear import (BLOCK_WEIGHT, PackedLinear, SharedInputLinears, can_pack, fuse_shared_inputs,
-                                        pack_linears)
+from worker_service.runtime.fast_linear import (
+    BLOCK_WEIGHT,
+    PackedLinear,
+    SharedInputLinears,
+    can_pack,
+    fuse_shared_inputs,
+    pack_linears,
+)
 from worker_service.runtime.loader import load_model
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -21,8 +27,9 @@ FORMATS = list(quantized.FORMATS)  # llama.cpp's block formats (--dtype q8_0, q4
 QUANTIZED_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (64, 1000), (32, 5)]  # in: a multiple of 32
 
 
-def quantized_linear(in_features: int, out_features: int, format: str, bias: bool = True,
-                     seed: int = 0) -> tuple[PackedLinear, PackedLinear, torch.nn.Linear]:
+def quantized_linear(
+    in_features: int, out_features: int, format: str, bias: bool = True, seed: int = 0
+) -> tuple[PackedLinear, PackedLinear, torch.nn.Linear]:
     """(the linear served from `format` blocks, the fp32 linear of the blocks' dequantised weights, the
     torch.nn.Linear of those weights)."""
     torch.manual_seed(seed)
@@ -47,7 +54,7 @@ def rows_that_differ(linear, x: torch.Tensor, row_counts=ROW_COUNTS) -> list[str
     for n in row_counts:
         if not torch.equal(linear(x[:n]), full[:n]):
             differ.append(f"the first {n} rows")
-        if not torch.equal(linear(x[n - 1:n]), full[n - 1:n]):
+        if not torch.equal(linear(x[n - 1 : n]), full[n - 1 : n]):
             differ.append(f"row {n - 1} alone")
     return differ
 
@@ -61,8 +68,12 @@ def test_packed_linear_matches_nn_linear(in_features, out_features, bias, dtype)
     packed = PackedLinear(linear)
     x = torch.randn(3, 7, in_features, dtype=dtype)
     with torch.inference_mode():
-        got, want = packed(x), torch.nn.functional.linear(x.float(), linear.weight.float(),
-                                                          None if linear.bias is None else linear.bias.float())
+        got, want = (
+            packed(x),
+            torch.nn.functional.linear(
+                x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float()
+            ),
+        )
         assert got.dtype == dtype and got.shape == want.shape
         assert (got.float() - want).abs().max() <= TOLERANCE[dtype] * max(1.0, want.abs().max().item())
         assert packed(x[0, :1]).shape == (1, out_features)

@@ -14,18 +14,21 @@ import pytest
 import torch
 
 from worker_service.runtime.backends import cpu_llama
+from worker_service.runtime.backends.transformers_layers import TransformersForward
 from worker_service.runtime.loader import load_model
 from worker_service.runtime.runner import ModelRunner, SequenceChunk
-from worker_service.runtime.backends.transformers_layers import TransformersForward
 
 BLOCK_SIZE = 4
 # (cached prefix, rows in the mixed step) per sequence: a fresh prefill, decodes, verify queries of 2..7 rows,
 # a prefill chunk over a cached prefix; 64 rows in all.
 LAYOUT = [(0, 21), (9, 1), (14, 6), (3, 1), (0, 1), (25, 7), (6, 2), (11, 10), (30, 1), (2, 4), (17, 5), (8, 5)]
-# Every dtype on the tiny model, with the fast forward (worker_service/runtime/backends/cpu_llama.py) and with transformers'
-# (the one other models run); SmolLM2 in the dtypes it is served in (fp16 on the CPU is slow).
-CASES = [("tiny", dtype, forward) for dtype in ("float32", "bfloat16", "float16", "q8_0", "q4_1")
-         for forward in ("fast", "transformers")]
+# Every dtype on the tiny model, with the fast forward (worker_service/runtime/backends/cpu_llama.py) and with
+# transformers' (the one other models run); SmolLM2 in the dtypes it is served in (fp16 on the CPU is slow).
+CASES = [
+    ("tiny", dtype, forward)
+    for dtype in ("float32", "bfloat16", "float16", "q8_0", "q4_1")
+    for forward in ("fast", "transformers")
+]
 CASES += [pytest.param("smollm2", dtype, "fast", marks=pytest.mark.slow) for dtype in ("float32", "bfloat16", "q4_1")]
 
 
@@ -45,21 +48,32 @@ def rows_that_differ(runner: ModelRunner) -> list[int]:
     tables = [[free.pop() for _ in range(-(-len(s) // BLOCK_SIZE))] for s in sequences]
 
     # The cached prefixes, prefilled in one step; then the mixed step, with every row's logits.
-    runner.forward([SequenceChunk(s[:cached], 0, t, num_logits=0)
-                    for s, t, (cached, _) in zip(sequences, tables, LAYOUT) if cached])
-    mixed = runner.forward([SequenceChunk(s[cached:], cached, t, num_logits=rows)
-                            for s, t, (cached, rows) in zip(sequences, tables, LAYOUT)])  # [64, V]
+    runner.forward(
+        [
+            SequenceChunk(s[:cached], 0, t, num_logits=0)
+            for s, t, (cached, _) in zip(sequences, tables, LAYOUT)
+            if cached
+        ]
+    )
+    mixed = runner.forward(
+        [
+            SequenceChunk(s[cached:], cached, t, num_logits=rows)
+            for s, t, (cached, rows) in zip(sequences, tables, LAYOUT)
+        ]
+    )  # [64, V]
 
     alone_tables = [[free.pop() for _ in range(-(-len(s) // BLOCK_SIZE))] for s in sequences]
-    alone = torch.cat([one_row_at_a_time(runner, s, t)[cached:]
-                       for s, t, (cached, _) in zip(sequences, alone_tables, LAYOUT)])  # [64, V]
+    alone = torch.cat(
+        [one_row_at_a_time(runner, s, t)[cached:] for s, t, (cached, _) in zip(sequences, alone_tables, LAYOUT)]
+    )  # [64, V]
     return [i for i in range(64) if not torch.equal(mixed[i], alone[i])]
 
 
 @pytest.mark.parametrize("model, dtype, forward", CASES)
 def test_a_row_alone_equals_the_row_in_a_mixed_batch_of_64(request, model, dtype, forward):
-    model_path = request.getfixturevalue("tiny_pair").target_path if model == "tiny" \
-        else request.getfixturevalue("smollm2_path")
+    model_path = (
+        request.getfixturevalue("tiny_pair").target_path if model == "tiny" else request.getfixturevalue("smollm2_path")
+    )
     runner = ModelRunner(load_model(model_path, dtype))
     assert runner.backend.name == "cpu_llama"
     if forward == "transformers":
@@ -74,7 +88,7 @@ def test_the_check_catches_a_batch_dependent_linear_in_the_fast_forward(tiny_pai
     exact = cpu_llama.project
 
     def batch_dependent(layer, source, target):
-        exact(layer, source * (1 + 2 ** -7) if source.shape[0] > 1 else source, target)
+        exact(layer, source * (1 + 2**-7) if source.shape[0] > 1 else source, target)
 
     monkeypatch.setattr(cpu_llama, "project", batch_dependent)
     runner = ModelRunner(load_model(tiny_pair.target_path, "float32"))

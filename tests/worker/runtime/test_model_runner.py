@@ -74,8 +74,12 @@ def check_chunked_prefill(h: Harness, vocab: int, atol: float = ATOL):
     assert h.runner.forward([SequenceChunk(prompt[:11], 0, table, num_logits=0)]).shape[0] == 0
     # The second chunk shares the pass with a fresh prefill of another sequence.
     other = random_tokens(9, 8, vocab)
-    got = h.runner.forward([SequenceChunk(prompt[11:], 11, table, num_logits=19),
-                            SequenceChunk(other, 0, h.blocks_for(len(other)), num_logits=1)])
+    got = h.runner.forward(
+        [
+            SequenceChunk(prompt[11:], 11, table, num_logits=19),
+            SequenceChunk(other, 0, h.blocks_for(len(other)), num_logits=1),
+        ]
+    )
     want = torch.cat([reference_logits(h.reference, prompt)[11:], reference_logits(h.reference, other)[-1:]])
     assert (got - want).abs().max().item() <= atol
 

@@ -13,11 +13,11 @@ import torch
 from kernels.quantized import FORMATS, BlockWeight
 from tests.worker.runtime.test_fast_forward import _run
 from worker_service.runtime import quantization
-from worker_service.speculation.config import WorkerConfig
 from worker_service.runtime.dtypes import QUANTIZED_DTYPES, resolve_dtype
 from worker_service.runtime.fast_linear import BLOCK_WEIGHT, PackedLinear, block_weight
 from worker_service.runtime.loader import ModelLoadError, load_model
 from worker_service.runtime.runner import ModelRunner
+from worker_service.speculation.config import WorkerConfig
 
 
 def test_the_dtype_names_are_the_kernel_formats():
@@ -52,8 +52,10 @@ def test_a_quantized_model_computes_what_fp32_computes_on_its_dequantised_weight
     fp32 = load_model(tiny_pair.target_path, "float32")
     fp32.load_state_dict(model.state_dict())  # the dequantised values
     served, reference = ModelRunner(model), ModelRunner(fp32)
-    assert {m.weight_format for m in served.model.modules() if isinstance(m, PackedLinear)} == \
-        {dtype, quantization.OUTPUT_FORMAT}
+    assert {m.weight_format for m in served.model.modules() if isinstance(m, PackedLinear)} == {
+        dtype,
+        quantization.OUTPUT_FORMAT,
+    }
     assert served.backend.name == "cpu_llama"
     for ours, theirs in zip(_run(served, 0), _run(reference, 0)):
         assert torch.equal(ours, theirs)
@@ -71,13 +73,16 @@ def test_inputs_not_a_multiple_of_the_block_stay_fp32(tmp_path):
     assert any(block_weight(m) is None for m in linears) and any(block_weight(m) for m in linears)
 
 
-@pytest.mark.parametrize("requested, checkpoint, device, source, expected", [
-    ("auto", None, "cpu", "q4_1", "q4_1"),        # a Q4_1 GGUF (the default model) keeps its blocks
-    ("auto", None, "cpu", None, "float32"),       # another checkpoint: float32 on the CPU
-    ("auto", "bfloat16", "cuda", "q4_1", "bfloat16"),  # on a GPU the blocks are dequantised
-    ("float32", None, "cpu", "q4_1", "float32"),  # --dtype says otherwise
-    ("q8_0", None, "cpu", "q4_1", "q8_0"),
-])
+@pytest.mark.parametrize(
+    "requested, checkpoint, device, source, expected",
+    [
+        ("auto", None, "cpu", "q4_1", "q4_1"),  # a Q4_1 GGUF (the default model) keeps its blocks
+        ("auto", None, "cpu", None, "float32"),  # another checkpoint: float32 on the CPU
+        ("auto", "bfloat16", "cuda", "q4_1", "bfloat16"),  # on a GPU the blocks are dequantised
+        ("float32", None, "cpu", "q4_1", "float32"),  # --dtype says otherwise
+        ("q8_0", None, "cpu", "q4_1", "q8_0"),
+    ],
+)
 def test_resolve_dtype_keeps_a_gguf_quantization_on_the_cpu(requested, checkpoint, device, source, expected):
     assert resolve_dtype(requested, checkpoint, device, source) == expected
 
@@ -141,5 +146,8 @@ def test_the_gguf_index_agrees_with_gguf_py(smollm2_path):
     assert metadata["general.architecture"] == "llama" and len(tensors) == len(reader.tensors)
     for tensor in reader.tensors:
         ours = tensors[tensor.name]
-        assert (ours.ggml_type, list(ours.shape), ours.offset) == \
-            (tensor.tensor_type, list(tensor.shape), tensor.data_offset)
+        assert (ours.ggml_type, list(ours.shape), ours.offset) == (
+            tensor.tensor_type,
+            list(tensor.shape),
+            tensor.data_offset,
+        )

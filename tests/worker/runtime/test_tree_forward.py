@@ -5,10 +5,10 @@ gives (bitwise, on the CPU's batch-invariant kernels; fp32 and bf16)."""
 import pytest
 import torch
 
+from tests.worker.runtime.test_model_runner import random_tokens
+from worker_service.runtime.backends.transformers_layers import TransformersForward
 from worker_service.runtime.loader import load_model
 from worker_service.runtime.runner import ModelRunner, SequenceChunk
-from worker_service.runtime.backends.transformers_layers import TransformersForward
-from tests.worker.runtime.test_model_runner import random_tokens
 
 BLOCK_SIZE = 4
 #            row: 0   1  2  3  4  5  6  7  8  9
@@ -43,13 +43,16 @@ class Runner:
     def fresh_logits(self, token_ids: list[int]) -> torch.Tensor:  # [V]
         """The last token's logits of a new sequence prefilled with `token_ids` (beside another sequence)."""
         other = random_tokens(6, 99, self.vocab)
-        logits = self.runner.forward([SequenceChunk(other, 0, self.table(6)),
-                                      SequenceChunk(token_ids, 0, self.table(len(token_ids)))])
+        logits = self.runner.forward(
+            [SequenceChunk(other, 0, self.table(6)), SequenceChunk(token_ids, 0, self.table(len(token_ids)))]
+        )
         return logits[1]
 
 
-@pytest.fixture(params=[("float32", "fast"), ("bfloat16", "fast"), ("float32", "transformers"),
-                        ("bfloat16", "transformers")], ids="-".join)
+@pytest.fixture(
+    params=[("float32", "fast"), ("bfloat16", "fast"), ("float32", "transformers"), ("bfloat16", "transformers")],
+    ids="-".join,
+)
 def setup(request, tiny_pair):
     runner = Runner(tiny_pair.target_path, *request.param)
     prompt = random_tokens(11, 1, runner.vocab)
@@ -65,8 +68,11 @@ def setup(request, tiny_pair):
 
 def test_each_tree_row_is_a_plain_run_over_its_path(setup):
     runner, prompt, nodes, _, logits = setup
-    differ = [row for row in range(len(PARENTS))
-              if not torch.equal(logits[row], runner.fresh_logits(prompt + [nodes[r - 1] for r in path_of(row)]))]
+    differ = [
+        row
+        for row in range(len(PARENTS))
+        if not torch.equal(logits[row], runner.fresh_logits(prompt + [nodes[r - 1] for r in path_of(row)]))
+    ]
     assert differ == []
 
 
@@ -79,7 +85,7 @@ def test_after_keeping_a_path_the_next_step_is_a_fresh_runs(setup, accepted):
     verify = random_tokens(3, 4, runner.vocab)  # the next step: the bonus token and two drafts, a chain
     got = runner.runner.forward([SequenceChunk(verify, len(tokens), table, num_logits=3)])  # [3, V]
     for j in range(3):
-        assert torch.equal(got[j], runner.fresh_logits(tokens + verify[:j + 1])), j
+        assert torch.equal(got[j], runner.fresh_logits(tokens + verify[: j + 1])), j
 
 
 def test_without_the_move_a_non_first_branch_is_read_wrong(setup):

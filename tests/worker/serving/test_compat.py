@@ -6,14 +6,17 @@ import sys
 import pytest
 
 from worker_service.serving import compat
+
+
 def test_the_installed_libraries_pass():
     compat.check_versions()
 
 
 def test_an_old_library_is_named_with_the_version_needed(monkeypatch):
     installed = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version",
-                        lambda name: "4.40.0" if name == "transformers" else installed(name))
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "4.40.0" if name == "transformers" else installed(name)
+    )
     with pytest.raises(RuntimeError, match=r"^specdec needs transformers >= 4\.56 \(found 4\.40\.0\)$"):
         compat.check_versions()
 

@@ -5,10 +5,10 @@ import pytest
 
 from specdec.v1 import worker_pb2 as pb
 from specdec.v1 import worker_pb2_grpc
-from worker_service.speculation.config import WorkerConfig
 from worker_service.runtime.loader import load_model
 from worker_service.runtime.runner import ModelRunner
 from worker_service.serving.server import create_server
+from worker_service.speculation.config import WorkerConfig
 from worker_service.speculation.worker import Worker
 
 
@@ -29,8 +29,14 @@ def stub(tiny_pair):
 def one_step(stub_and_session, request_id: str, sampling: pb.RequestSampling) -> pb.ExecuteModelResponse:
     """One step on a stream of its own; returns once the worker has ended the stream."""
     stub, session_id = stub_and_session
-    new = pb.NewRequest(request_id=request_id, token_ids=[5, 6, 7], num_prompt_tokens=3, sampling=sampling,
-                        block_ids=[0, 1], num_new_tokens=3)
+    new = pb.NewRequest(
+        request_id=request_id,
+        token_ids=[5, 6, 7],
+        num_prompt_tokens=3,
+        sampling=sampling,
+        block_ids=[0, 1],
+        num_new_tokens=3,
+    )
     step = pb.ExecuteModelRequest(step_id=1, new_requests=[new], finished_request_ids=[request_id])
     responses = list(stub.ExecuteModel(iter([step]), metadata=[("specdec-session-id", session_id)]))
     return responses[0]

@@ -6,8 +6,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 import torch
 
-from specdec import step
 from scheduler_service.cluster.worker_client import WorkerClient
+from specdec import step
 from tests.e2e.client import expect_status
 from tests.processes import running
 from tests.serving import worker_in_process
@@ -25,8 +25,9 @@ def health_status(address: str, service: str = "") -> int:
 
 @pytest.fixture(scope="module")
 def tiny_worker(tiny_pair):
-    with worker_in_process(["--model", str(tiny_pair.target_path), "--num-threads", "1", "--proposer", "none"]) \
-            as worker:
+    with worker_in_process(
+        ["--model", str(tiny_pair.target_path), "--num-threads", "1", "--proposer", "none"]
+    ) as worker:
         assert health_status(worker.address) == health_pb2.HealthCheckResponse.NOT_SERVING  # no cache yet
         client = SessionClient(worker.address)
         client.new_session()
@@ -97,7 +98,7 @@ def test_seeded_sampling_reproducible(tiny_worker):
     second = stream_driver(client).generate(prompts[::-1], 20, sampling=seeded, prefix="s2")[::-1]
     other = stream_driver(client).generate(prompts, 20, sampling=step.RequestSampling(1.0, 0.9, 50, 99), prefix="s3")
     assert first == second  # same seed: same tokens whatever the batch order
-    assert first != other   # and the seed matters
+    assert first != other  # and the seed matters
 
 
 def expect_invalid(client: SessionClient, request: step.StepRequest, fragment: str) -> None:
@@ -108,21 +109,27 @@ def test_bad_requests_get_invalid_argument_and_worker_keeps_serving(tiny_worker)
     client = tiny_worker
     client.new_session()
     greedy = step.RequestSampling(temperature=0.0)
-    expect_invalid(client, step.StepRequest(1, cached_requests=[step.CachedRequest("nope", [], 0, 1)]),
-                   "unknown request id 'nope'")
+    expect_invalid(
+        client, step.StepRequest(1, cached_requests=[step.CachedRequest("nope", [], 0, 1)]), "unknown request id 'nope'"
+    )
     short = step.NewRequest("short", list(range(3, 40)), 37, greedy, [7], 37)  # 16 slots for 37 tokens
     expect_invalid(client, step.StepRequest(2, new_requests=[short]), "shorter than the 37 positions")
     vocab = step.NewRequest("vocab", [5, 256], 2, greedy, [8], 2)
     expect_invalid(client, step.StepRequest(3, new_requests=[vocab]), "token id 256 is outside the vocabulary")
     # This worker has no proposer (its k is 0): a step asking for drafts is refused.
     drafts = step.NewRequest("drafts", [5, 6], 2, greedy, [9], 2, num_speculative_tokens=3)
-    expect_invalid(client, step.StepRequest(4, new_requests=[drafts]), "num_speculative_tokens 3 exceeds this worker's 0")
+    expect_invalid(
+        client, step.StepRequest(4, new_requests=[drafts]), "num_speculative_tokens 3 exceeds this worker's 0"
+    )
     # A prefix-cache hit leaves at least the last token to compute.
     all_cached = step.NewRequest("cached", [5, 6, 7, 8], 4, greedy, [10], 0, num_computed_tokens=4)
     expect_invalid(client, step.StepRequest(5, new_requests=[all_cached]), "num_computed_tokens 4 must be in [0, 3]")
     # Still serving, and the rejected steps left no state behind.
-    expect_invalid(client, step.StepRequest(6, cached_requests=[step.CachedRequest("short", [], 0, 1)]),
-                   "unknown request id 'short'")
+    expect_invalid(
+        client,
+        step.StepRequest(6, cached_requests=[step.CachedRequest("short", [], 0, 1)]),
+        "unknown request id 'short'",
+    )
     assert stream_driver(client).generate([[5, 6, 7]], 4, prefix="after")[0]
 
 
@@ -178,19 +185,27 @@ def test_bad_model_path_exits_nonzero(tmp_path):
         assert proc.proc.wait(30) == 1
 
 
-CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-                "Explain why the sky is blue in one sentence."]  # as tests/e2e/test_serving_smollm2.py's
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain why the sky is blue in one sentence.",
+]  # as tests/e2e/test_serving_smollm2.py's
 
 
 @pytest.mark.slow
 def test_smollm2_greedy_matches_transformers_generate(smollm2_path, smollm2_greedy):
     tokenizer = load_tokenizer(smollm2_path)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"] for p in CHAT_PROMPTS]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for p in CHAT_PROMPTS
+    ]
     want = [smollm2_greedy(p, 32) for p in prompts]
     # One n-gram worker: k = 0 every step is plain decoding, k = 3 speculates (the scheduler's per-step k).
-    with worker_in_process(["--model", str(smollm2_path), "--proposer", "ngram", "--num-speculative-tokens", "3",
-                            "--draft-previews"]) as worker:
+    with worker_in_process(
+        ["--model", str(smollm2_path), "--proposer", "ngram", "--num-speculative-tokens", "3", "--draft-previews"]
+    ) as worker:
         client = SessionClient(worker.address)
         got = stream_driver(client).generate(prompts, 32)
         ngram = stream_driver(client)

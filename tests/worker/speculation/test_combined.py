@@ -38,8 +38,10 @@ def test_seeded_combined_equals_plain_seeded_alone_and_batched(tiny_pair, head_d
     plain = Driver(make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 20, sampling)
     worker = make_worker(tiny_pair, head_dir, proposer="eagle3,suffix,ngram")
     batched = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 20, sampling, 4, prefix="b")
-    alone = [Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate([p], 20, [s], 3, prefix=f"a{i}-")[0]
-             for i, (p, s) in enumerate(zip(PROMPTS, sampling))]
+    alone = [
+        Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate([p], 20, [s], 3, prefix=f"a{i}-")[0]
+        for i, (p, s) in enumerate(zip(PROMPTS, sampling))
+    ]
     assert batched == alone == plain
 
 
@@ -62,21 +64,26 @@ def test_the_head_drafts_only_where_copying_is_expected_to_do_worse(tiny_pair, h
     head = worker.proposer.proposers["eagle3"]
     asked = []
     propose = head.propose
-    head.propose = lambda states, num_drafts: asked.append(sum(1 for k in num_drafts if k)) or propose(
-        states, num_drafts)
+    head.propose = lambda states, num_drafts: (
+        asked.append(sum(1 for k in num_drafts if k)) or propose(states, num_drafts)
+    )
     driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
     prompt = [7, 8] * 10
     assert driver.generate([prompt], 14, num_speculative_tokens=4) == Driver(
-        make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS).generate([prompt], 14)
+        make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS
+    ).generate([prompt], 14)
     num_steps = len(driver.results) - 2  # decode steps: not the prefill, not the finish
     assert "suffix" in sources(driver) and 0 < len(asked) <= 2 < num_steps, (asked, num_steps)
 
 
-@pytest.mark.parametrize("proposer, message", [
-    ("eagle3,draft", "proposer 'draft' runs alone"),
-    ("suffix,suffix", "names one proposer twice"),
-    ("suffix,medusa", "invalid proposer 'medusa'"),
-])
+@pytest.mark.parametrize(
+    "proposer, message",
+    [
+        ("eagle3,draft", "proposer 'draft' runs alone"),
+        ("suffix,suffix", "names one proposer twice"),
+        ("suffix,medusa", "invalid proposer 'medusa'"),
+    ],
+)
 def test_bad_proposer_lists_are_refused(tiny_pair, proposer, message):
     with pytest.raises(ValueError, match=message):
         WorkerConfig(model=str(tiny_pair.target_path), proposer=proposer, draft_model="x")

@@ -8,15 +8,21 @@ import pytest
 
 from specdec import step
 from tests.worker.driver import Driver
-from tests.worker.speculation.test_seeded_sampling import PROMPT, SAMPLINGS, SAMPLING_IDS, alone, sharp_pair  # noqa: F401
-from tests.worker.speculation.test_speculative import BLOCK_SIZE, NUM_BLOCKS, PROMPTS, MAX_TOKENS, make_worker
-from worker_service.speculation.config import WorkerConfig
+from tests.worker.speculation.test_seeded_sampling import PROMPT, SAMPLING_IDS, SAMPLINGS, alone, sharp_pair  # noqa: F401
+from tests.worker.speculation.test_speculative import BLOCK_SIZE, MAX_TOKENS, NUM_BLOCKS, PROMPTS, make_worker
 from worker_service.serving.flags import add_flags, config_from_args, forwarded_argv
+from worker_service.speculation.config import WorkerConfig
 from worker_service.speculation.proposers import Proposal, Proposer, num_matching
 from worker_service.speculation.proposers.ngram import propose_ngram, propose_ngram_tree
 from worker_service.speculation.proposers.suffix import SuffixProposer, TokenIndex, walk, walk_tree
-from worker_service.speculation.proposers.trees import (best_nodes, chain_length, first_ranks, grow_tree, tree_depth,
-                                            tree_matching)
+from worker_service.speculation.proposers.trees import (
+    best_nodes,
+    chain_length,
+    first_ranks,
+    grow_tree,
+    tree_depth,
+    tree_matching,
+)
 from worker_service.speculation.request_state import InvalidStepError, RequestState
 
 K = 8
@@ -93,8 +99,15 @@ def test_suffix_tree_keeps_the_continuations_the_walk_drops():
     """After 34 x [60] + [1, 2] (all matches equally long) came 3 (four times, then four different tokens), 4
     (twice, then 20 both times) and 5 (once). The walk drafts 3 and its most recent follower at confidence
     4/7 x 1/4; the tree drafts 3, then the 4 branch (2/7 all along) before 3's uncertain followers."""
-    history = [t for f, g in ((3, 10), (4, 20), (3, 11), (5, 30), (3, 12), (4, 20), (3, 13))
-               for t in [60] * 34 + [1, 2, f, g]] + [60] * 34 + [1, 2]
+    history = (
+        [
+            t
+            for f, g in ((3, 10), (4, 20), (3, 11), (5, 30), (3, 12), (4, 20), (3, 13))
+            for t in [60] * 34 + [1, 2, f, g]
+        ]
+        + [60] * 34
+        + [1, 2]
+    )
     state = RequestState("a", history, len(history), step.RequestSampling(temperature=0.0), [], K)
     chain = SuffixProposer(cache_tokens=0).propose([state], [K]).draft_token_ids[0]
     assert chain == [3, 13, 60, 60, 60, 60, 60, 60]
@@ -131,7 +144,7 @@ class OracleTrees(Proposer):
         drafts, parents = [], []
         for state, k in zip(states, num_drafts):
             done = state.num_tokens - self.prompt_lens[state.request_id]
-            right = self.outputs[state.request_id][done:done + k]
+            right = self.outputs[state.request_id][done : done + k]
             tokens, tree, parent = [], [], 0
             for token in right:
                 if len(tokens) + 2 > k:
@@ -149,16 +162,18 @@ class RankedOracleTrees(OracleTrees):
 
     def propose(self, states, num_drafts):
         proposal = super().propose(states, num_drafts)
-        proposal.ranks = [[r + 1 + (1 if r % 2 == 0 else -1) for r in range(len(d))] if d else None
-                          for d in proposal.draft_token_ids]
+        proposal.ranks = [
+            [r + 1 + (1 if r % 2 == 0 else -1) for r in range(len(d))] if d else None for d in proposal.draft_token_ids
+        ]
         return proposal
 
 
 def test_the_accepted_path_is_reported_by_its_nodes_ranks(tiny_pair):
     want = Driver(make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, MAX_TOKENS)
     worker = make_worker(tiny_pair, "ngram", K, draft_previews=False)
-    worker.proposer = RankedOracleTrees({f"r{i}": out + [0] * K for i, out in enumerate(want)},
-                                        {f"r{i}": len(p) for i, p in enumerate(PROMPTS)})
+    worker.proposer = RankedOracleTrees(
+        {f"r{i}": out + [0] * K for i, out in enumerate(want)}, {f"r{i}": len(p) for i, p in enumerate(PROMPTS)}
+    )
     driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
     assert driver.generate(PROMPTS, MAX_TOKENS, num_speculative_tokens=K) == want
     trees = [o for r in driver.results for o in r.outputs if o.draft_tree_depth]
@@ -188,8 +203,9 @@ def test_each_sequence_drafts_the_width_the_scheduler_sends(tiny_pair, proposer)
             assert all(1 <= r <= o.num_draft_tokens for r in ranks)
     with pytest.raises(InvalidStepError, match=r"draft_tree_width 4 is outside \[0, 3\]"):
         driver.generate(PROMPTS[:1], 4, num_speculative_tokens=K, tree_widths=[4], prefix="wide")
-    assert driver.generate(PROMPTS[:1], MAX_TOKENS, num_speculative_tokens=K, tree_widths=[2],
-                           prefix="after") == want[:1]
+    assert (
+        driver.generate(PROMPTS[:1], MAX_TOKENS, num_speculative_tokens=K, tree_widths=[2], prefix="after") == want[:1]
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -197,8 +213,9 @@ def test_trees_off_the_first_branch_change_no_token(tiny_pair, dtype):
     plain = Driver(make_worker(tiny_pair, dtype=dtype).execute, BLOCK_SIZE, NUM_BLOCKS)
     want = plain.generate(PROMPTS, MAX_TOKENS)
     worker = make_worker(tiny_pair, "ngram", K, dtype=dtype, draft_previews=False)
-    worker.proposer = OracleTrees({f"r{i}": out + [0] * K for i, out in enumerate(want)},
-                                  {f"r{i}": len(p) for i, p in enumerate(PROMPTS)})
+    worker.proposer = OracleTrees(
+        {f"r{i}": out + [0] * K for i, out in enumerate(want)}, {f"r{i}": len(p) for i, p in enumerate(PROMPTS)}
+    )
     moved = []
     keep_path = worker.target.keep_path
     worker.target.keep_path = lambda table, start, path: (moved.append(path), keep_path(table, start, path))
@@ -249,5 +266,6 @@ def test_the_flag_reaches_the_config_and_bad_values_are_refused():
     with pytest.raises(ValueError, match="need a proposer that drafts them"):
         WorkerConfig(model="model", proposer="draft", draft_model="d", num_speculative_tokens=8, draft_tree_width=2)
     with pytest.raises(ValueError, match="need the multi_query scorer"):
-        WorkerConfig(model="model", proposer="suffix", num_speculative_tokens=8, draft_tree_width=2,
-                     scorer="batch_expansion")
+        WorkerConfig(
+            model="model", proposer="suffix", num_speculative_tokens=8, draft_tree_width=2, scorer="batch_expansion"
+        )

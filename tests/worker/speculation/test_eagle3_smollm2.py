@@ -5,16 +5,19 @@ import pytest
 
 from specdec import step
 from tests.worker.driver import Driver
-from worker_service.speculation.config import WorkerConfig
+from worker_service.runtime.default_model import DEFAULT_EAGLE3_HEAD
 from worker_service.runtime.eagle3_head import TargetFacts, load_head
 from worker_service.runtime.loader import load_model, load_tokenizer
 from worker_service.runtime.runner import ModelRunner
-from worker_service.runtime.default_model import DEFAULT_EAGLE3_HEAD
+from worker_service.speculation.config import WorkerConfig
 from worker_service.speculation.worker import Worker
 
 pytestmark = pytest.mark.slow
-QUESTIONS = ["Write a short poem about autumn leaves.", "Explain how a bicycle works.",
-             "What are three tips for staying focused while studying?"]
+QUESTIONS = [
+    "Write a short poem about autumn leaves.",
+    "Explain how a bicycle works.",
+    "What are three tips for staying focused while studying?",
+]
 BLOCK_SIZE, NUM_BLOCKS = 16, 64
 
 
@@ -23,11 +26,20 @@ def make_worker(path, dtype: str, proposer: str) -> Worker:
     head = None
     if proposer != "none":
         config = target.model.config
-        head = load_head(DEFAULT_EAGLE3_HEAD, TargetFacts(config.hidden_size, config.vocab_size,
-                                                          config.num_hidden_layers),
-                         target.model.model.embed_tokens, target.device)
-    worker = Worker(WorkerConfig(model=str(path), dtype=dtype, proposer=proposer,
-                                 draft_model=str(DEFAULT_EAGLE3_HEAD) if head else None), target, None, head)
+        head = load_head(
+            DEFAULT_EAGLE3_HEAD,
+            TargetFacts(config.hidden_size, config.vocab_size, config.num_hidden_layers),
+            target.model.model.embed_tokens,
+            target.device,
+        )
+    worker = Worker(
+        WorkerConfig(
+            model=str(path), dtype=dtype, proposer=proposer, draft_model=str(DEFAULT_EAGLE3_HEAD) if head else None
+        ),
+        target,
+        None,
+        head,
+    )
     worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
     return worker
 
@@ -35,8 +47,14 @@ def make_worker(path, dtype: str, proposer: str) -> Worker:
 @pytest.fixture(scope="module")
 def prompts(smollm2_path):
     tokenizer = load_tokenizer(smollm2_path)
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)) for q in QUESTIONS]
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for q in QUESTIONS
+    ]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

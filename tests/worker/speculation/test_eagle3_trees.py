@@ -5,8 +5,14 @@ output equal to plain decoding's: tests/worker/speculation/test_eagle3.py, greed
 import torch
 
 from tests.worker.driver import Driver
-from tests.worker.speculation.test_eagle3 import (BLOCK_SIZE, NUM_BLOCKS, PROMPTS, head_dir, make_worker,  # noqa: F401
-                                      repeating_head_dir)
+from tests.worker.speculation.test_eagle3 import (  # the fixtures head_dir and repeating_head_dir too
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    PROMPTS,
+    head_dir,
+    make_worker,
+    repeating_head_dir,
+)
 from worker_service.speculation.proposers import trees as trees_module
 
 WIDTH = 3
@@ -66,8 +72,9 @@ def test_after_tree_steps_the_next_proposal_equals_a_fresh_runs(tiny_pair, repea
     """After steps whose accepted paths were moved into place (the target's K/V and the head's features), the
     head's state and next tree equal a fresh prefill's over the same tokens. Siblings are numbered least likely
     first here, so that the paths the target accepts (the head's likeliest tokens) leave the first branch."""
-    monkeypatch.setattr(trees_module, "_by_confidence", lambda indices, chosen: sorted(
-        indices, key=lambda i: chosen[i][2]))
+    monkeypatch.setattr(
+        trees_module, "_by_confidence", lambda indices, chosen: sorted(indices, key=lambda i: chosen[i][2])
+    )
     prompts = [[9] * 5, PROMPTS[0], PROMPTS[3]]
     worker = tree_worker(tiny_pair, repeating_head_dir, k=4)
     worker.proposer.min_confidence = 0.0
@@ -78,7 +85,8 @@ def test_after_tree_steps_the_next_proposal_equals_a_fresh_runs(tiny_pair, repea
     fresh = tree_worker(tiny_pair, repeating_head_dir, k=4)
     fresh.proposer.min_confidence = 0.0
     Driver(fresh.execute, BLOCK_SIZE, NUM_BLOCKS).generate(
-        [worker.requests[f"r{i}"].token_ids[:-1] for i in range(len(prompts))], 1, keep=True, prefix="f")
+        [worker.requests[f"r{i}"].token_ids[:-1] for i in range(len(prompts))], 1, keep=True, prefix="f"
+    )
     for i in range(len(prompts)):
         stepped, fresh_state = worker.requests[f"r{i}"], fresh.requests[f"f{i}"]
         assert fresh_state.token_ids == stepped.token_ids

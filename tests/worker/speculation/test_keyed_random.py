@@ -6,8 +6,16 @@ import math
 import pytest
 import torch
 
-from worker_service.speculation.keyed_random import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_TOKEN, keyed_bits, keyed_exponential,
-                                         keyed_uniform, row_keys, uniform_from_bits)
+from worker_service.speculation.keyed_random import (
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_TOKEN,
+    keyed_bits,
+    keyed_exponential,
+    keyed_uniform,
+    row_keys,
+    uniform_from_bits,
+)
 
 MASK = 0xFFFFFFFF
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

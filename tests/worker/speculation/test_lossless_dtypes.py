@@ -25,17 +25,23 @@ from kernels import linear_cpu
 from tests.e2e.client import chat_prompts
 from tests.worker.driver import Driver
 from worker_service.runtime.backends import cpu_llama
-from worker_service.speculation.config import WorkerConfig
 from worker_service.runtime.dtypes import QUANTIZED_DTYPES
 from worker_service.runtime.loader import load_model
 from worker_service.runtime.runner import ModelRunner
+from worker_service.speculation.config import WorkerConfig
 from worker_service.speculation.worker import Worker
 
 DTYPES = ["float32", "bfloat16", "q8_0", "q4_1"]  # q8_0 / q4_1: llama.cpp's weight blocks, fp32 activations
-QUESTIONS = ["Repeat after me: the cat sat on the mat, the cat sat on the mat.", "List three prime numbers.",
-             "What is the capital of France?", "Write the numbers from 1 to 12, separated by commas.",
-             "Explain why the sky is blue in one sentence.", "Spell the word banana letter by letter.",
-             "Name the days of the week.", "Translate 'good morning' into French and Spanish."]
+QUESTIONS = [
+    "Repeat after me: the cat sat on the mat, the cat sat on the mat.",
+    "List three prime numbers.",
+    "What is the capital of France?",
+    "Write the numbers from 1 to 12, separated by commas.",
+    "Explain why the sky is blue in one sentence.",
+    "Spell the word banana letter by letter.",
+    "Name the days of the week.",
+    "Translate 'good morning' into French and Spanish.",
+]
 
 
 @dataclass
@@ -61,8 +67,16 @@ def workload(request) -> Workload:
     if request.param.startswith("tiny"):
         pair = request.getfixturevalue("tiny_pair")
         # Repetitive prompts give n-gram matches; the last two have no repeated token at first.
-        prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [40] * 20, [10, 11, 12, 10, 11, 12, 10], list(range(3, 33)),
-                   [100, 101, 102], [7, 8, 7, 8, 7, 8], [200, 201, 202, 200, 201], [50, 60, 70, 80]]
+        prompts = [
+            [5, 6, 7, 8, 9, 5, 6, 7],
+            [40] * 20,
+            [10, 11, 12, 10, 11, 12, 10],
+            list(range(3, 33)),
+            [100, 101, 102],
+            [7, 8, 7, 8, 7, 8],
+            [200, 201, 202, 200, 201],
+            [50, 60, 70, 80],
+        ]
         device = "cuda" if request.param == "tiny-cuda" else "cpu"
         return Workload(pair.target_path, pair.draft_path, prompts, 40, 4, 600, device)
     path = request.getfixturevalue("smollm2_path")
@@ -70,8 +84,14 @@ def workload(request) -> Workload:
 
 
 def make_worker(work: Workload, dtype: str, proposer: str = "none", k: int = 0) -> Worker:
-    config = WorkerConfig(model=str(work.target_path), dtype=dtype, proposer=proposer, num_speculative_tokens=k,
-                          draft_model=str(work.draft_path) if proposer == "draft" else None, device=work.device)
+    config = WorkerConfig(
+        model=str(work.target_path),
+        dtype=dtype,
+        proposer=proposer,
+        num_speculative_tokens=k,
+        draft_model=str(work.draft_path) if proposer == "draft" else None,
+        device=work.device,
+    )
     draft = ModelRunner(load_model(work.draft_path, dtype, work.device)) if proposer == "draft" else None
     worker = Worker(config, ModelRunner(load_model(work.target_path, dtype, work.device)), draft)
     worker.init_cache(work.num_blocks, work.block_size)
@@ -95,14 +115,21 @@ def runs_on(dtype: str, device: str) -> bool:
 
 @pytest.fixture(scope="module")
 def plain(workload):
-    return {dtype: generate(workload, make_worker(workload, dtype), [0] * len(workload.prompts))[0]
-            for dtype in DTYPES if runs_on(dtype, workload.device)}
+    return {
+        dtype: generate(workload, make_worker(workload, dtype), [0] * len(workload.prompts))[0]
+        for dtype in DTYPES
+        if runs_on(dtype, workload.device)
+    }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
-@pytest.mark.parametrize("workload, k", [pytest.param(name, k, marks=MARKS[name], id=f"{name}-{k}")
-                                         for name in MARKS for k in KS[name]], indirect=["workload"], scope="module")
+@pytest.mark.parametrize(
+    "workload, k",
+    [pytest.param(name, k, marks=MARKS[name], id=f"{name}-{k}") for name in MARKS for k in KS[name]],
+    indirect=["workload"],
+    scope="module",
+)
 def test_greedy_speculation_is_token_identical_to_plain_decoding(workload, plain, proposer, k, dtype):
     if not runs_on(dtype, workload.device):
         pytest.skip(f"{dtype} runs on the CPU only")
@@ -129,11 +156,11 @@ def test_speculation_differs_with_a_batch_dependent_linear(workload, plain, monk
 
     def batch_dependent(x, packed_weight, out_features, bias, **kwargs):
         if x.reshape(-1, x.shape[-1]).shape[0] > 1:
-            x = x * (1 + 2 ** -7)  # another rounding, as another kernel would give
+            x = x * (1 + 2**-7)  # another rounding, as another kernel would give
         return exact(x, packed_weight, out_features, bias, **kwargs)
 
     def batch_dependent_project(layer, source, target):  # the fast forward's direct kernel calls
-        exact_project(layer, source * (1 + 2 ** -7) if source.shape[0] > 1 else source, target)
+        exact_project(layer, source * (1 + 2**-7) if source.shape[0] > 1 else source, target)
 
     monkeypatch.setattr(linear_cpu, "linear_cpu", batch_dependent)
     monkeypatch.setattr(cpu_llama, "project", batch_dependent_project)

@@ -69,8 +69,13 @@ def test_lossless_with_draft_probs(num_spec):
     target = Q[: num_spec + 1].expand(NUM_TRIALS, -1, -1)  # [N, K+1, V]
     draft_probs = P[:num_spec].expand(NUM_TRIALS, -1, -1)  # [N, K, V]
     output, num_emitted = RejectionSampler(strict=True)(
-        target, drafts, num_draft, draft_probs, torch.zeros(NUM_TRIALS, dtype=torch.bool),
-        many_seeds(NUM_TRIALS, 100 + num_spec), [POSITION] * NUM_TRIALS,
+        target,
+        drafts,
+        num_draft,
+        draft_probs,
+        torch.zeros(NUM_TRIALS, dtype=torch.bool),
+        many_seeds(NUM_TRIALS, 100 + num_spec),
+        [POSITION] * NUM_TRIALS,
     )
     assert bool(((num_emitted >= 1) & (num_emitted <= num_draft + 1)).all())
     assert int((num_emitted < num_draft + 1).sum()) > NUM_TRIALS // 10  # the recovery path ran
@@ -88,8 +93,13 @@ def test_lossless_with_ngram_drafts(num_spec):
     drafts = torch.where(torch.arange(num_spec) < num_draft.unsqueeze(1), drafts, -1)  # [N, K]
     target = Q[: num_spec + 1].expand(NUM_TRIALS, -1, -1)  # [N, K+1, V]
     output, num_emitted = RejectionSampler(strict=True)(
-        target, drafts, num_draft, None, torch.zeros(NUM_TRIALS, dtype=torch.bool),
-        many_seeds(NUM_TRIALS, 200 + num_spec), [POSITION] * NUM_TRIALS,
+        target,
+        drafts,
+        num_draft,
+        None,
+        torch.zeros(NUM_TRIALS, dtype=torch.bool),
+        many_seeds(NUM_TRIALS, 200 + num_spec),
+        [POSITION] * NUM_TRIALS,
     )
     assert bool((num_emitted[is_zero_guess] == 1).all())
     assert not bool((output[is_zero_guess & (num_draft > 0), 0] == 5).any())
@@ -104,15 +114,24 @@ def test_ngram_drafts_emit_the_plain_steps_samples():
     num_seqs, num_spec, num_vocab = 64, 3, 5
     target = torch.softmax(torch.randn(num_seqs, num_spec + 1, num_vocab, generator=gen), dim=-1)  # [B, K+1, V]
     seeds, positions = many_seeds(num_seqs, 9), [17 + b for b in range(num_seqs)]
-    plain = torch.stack([  # [B, K+1]: what plain steps would sample at positions n..n+K
-        sample_from_probs(target[:, i], seeds, [p + i for p in positions], STREAM_TOKEN) for i in range(num_spec + 1)
-    ], dim=1)
+    plain = torch.stack(
+        [  # [B, K+1]: what plain steps would sample at positions n..n+K
+            sample_from_probs(target[:, i], seeds, [p + i for p in positions], STREAM_TOKEN)
+            for i in range(num_spec + 1)
+        ],
+        dim=1,
+    )
     # Drafts that are right about half the time, so accepted prefixes of every length occur.
     guesses = torch.randint(0, num_vocab, (num_seqs, num_spec), generator=gen)  # [B, K]
     drafts = torch.where(torch.rand(num_seqs, num_spec, generator=gen) < 0.5, plain[:, :num_spec], guesses)
     output, num_emitted = RejectionSampler(strict=True)(
-        target, drafts, torch.full((num_seqs,), num_spec), None, torch.zeros(num_seqs, dtype=torch.bool),
-        seeds, positions,
+        target,
+        drafts,
+        torch.full((num_seqs,), num_spec),
+        None,
+        torch.zeros(num_seqs, dtype=torch.bool),
+        seeds,
+        positions,
     )
     for b in range(num_seqs):
         n = int(num_emitted[b])
@@ -130,8 +149,12 @@ def test_bonus_token_follows_q_at_position_k(one_hot_draft_probs):
     draft_probs = torch.eye(V)[drafts] if one_hot_draft_probs else None  # [N, K, V]
     torch.manual_seed(7)
     output, num_emitted = rejection_sample(
-        concentrated.expand(NUM_TRIALS, -1, -1), drafts, torch.full((NUM_TRIALS,), num_spec), draft_probs,
-        torch.zeros(NUM_TRIALS, dtype=torch.bool), torch.rand(NUM_TRIALS, num_spec),
+        concentrated.expand(NUM_TRIALS, -1, -1),
+        drafts,
+        torch.full((NUM_TRIALS,), num_spec),
+        draft_probs,
+        torch.zeros(NUM_TRIALS, dtype=torch.bool),
+        torch.rand(NUM_TRIALS, num_spec),
         torch.empty(NUM_TRIALS, num_spec + 1, V).exponential_(),
     )
     is_all_accepted = num_emitted == num_spec + 1  # [N]
@@ -150,8 +173,13 @@ def test_zero_draft_or_target_probability():
     noise = torch.tensor([[1.0, 0.1, 1.0]]).expand(4, 2, 3)  # [B, K+1, V], makes token 1 win a race over q
     for u in [1e-7, 0.5, 0.999]:
         output, num_emitted = rejection_sample_ref(
-            target, drafts, torch.ones(4, dtype=torch.int64), draft_probs,
-            torch.zeros(4, dtype=torch.bool), torch.full((4, 1), u), noise,
+            target,
+            drafts,
+            torch.ones(4, dtype=torch.int64),
+            draft_probs,
+            torch.zeros(4, dtype=torch.bool),
+            torch.full((4, 1), u),
+            noise,
         )
         assert num_emitted.tolist() == [2, 1, 1, 1]
         assert output[:, 0].tolist() == [0, 1, 1, 1]
@@ -163,8 +191,9 @@ def test_the_last_token_reads_the_noise_of_its_own_position():
     noise[0, 0, 1], noise[0, 1, 2], noise[0, 2, 3] = 0.1, 0.1, 0.1  # each position's race has its own winner
     drafts = torch.tensor([[1, 2]])  # [B, K=2], drafts equal to the race winners: all accepted
     for draft_probs in (None, torch.full((1, 2, 4), 0.25)):
-        output, _ = rejection_sample_ref(target, drafts, torch.tensor([2]), draft_probs, torch.tensor([False]),
-                                         torch.full((1, 2), 0.5), noise)
+        output, _ = rejection_sample_ref(
+            target, drafts, torch.tensor([2]), draft_probs, torch.tensor([False]), torch.full((1, 2), 0.5), noise
+        )
         assert output.tolist() == [[1, 2, 3]]  # the bonus token from position 2's noise
 
 
@@ -192,8 +221,13 @@ def test_random_row_without_drafts_emits_one_token_from_q0():
     target = Q[:3].expand(NUM_TRIALS, -1, -1)  # [N, K+1=3, V]
     drafts = torch.full((NUM_TRIALS, 2), -1)  # [N, K]
     output, num_emitted = RejectionSampler(strict=True)(
-        target, drafts, torch.zeros(NUM_TRIALS, dtype=torch.int64), P[:2].expand(NUM_TRIALS, -1, -1),
-        torch.zeros(NUM_TRIALS, dtype=torch.bool), many_seeds(NUM_TRIALS, 3), [POSITION] * NUM_TRIALS,
+        target,
+        drafts,
+        torch.zeros(NUM_TRIALS, dtype=torch.int64),
+        P[:2].expand(NUM_TRIALS, -1, -1),
+        torch.zeros(NUM_TRIALS, dtype=torch.bool),
+        many_seeds(NUM_TRIALS, 3),
+        [POSITION] * NUM_TRIALS,
     )
     assert bool((num_emitted == 1).all()) and bool((output[:, 1:] == -1).all())
     assert total_variation(output[:, 0], Q[0]) < tolerance(NUM_TRIALS)
@@ -208,17 +242,36 @@ def test_seeded_rows_do_not_depend_on_the_batch(has_draft_probs):
     sampler = RejectionSampler(strict=True)
     outputs = []
     for position in range(40, 60):
-        alone = sampler(target[2:, :3], drafts[2:, :2], torch.tensor([2]),
-                        draft_probs[2:, :2] if has_draft_probs else None,
-                        torch.tensor([False]), [11], [position])
+        alone = sampler(
+            target[2:, :3],
+            drafts[2:, :2],
+            torch.tensor([2]),
+            draft_probs[2:, :2] if has_draft_probs else None,
+            torch.tensor([False]),
+            [11],
+            [position],
+        )
         # The same row in a bigger batch, padded to K = 4 by its neighbours.
-        batch = sampler(target, drafts, torch.tensor([4, 0, 2]), draft_probs if has_draft_probs else None,
-                        torch.tensor([False, True, False]), [7, 5, 11], [3, 99, position])
+        batch = sampler(
+            target,
+            drafts,
+            torch.tensor([4, 0, 2]),
+            draft_probs if has_draft_probs else None,
+            torch.tensor([False, True, False]),
+            [7, 5, 11],
+            [3, 99, position],
+        )
         assert int(alone[1][0]) == int(batch[1][2])
         assert torch.equal(alone[0][0, :3], batch[0][2, :3])
-        again = sampler(target[2:, :3], drafts[2:, :2], torch.tensor([2]),
-                        draft_probs[2:, :2] if has_draft_probs else None,
-                        torch.tensor([False]), [11], [position])
+        again = sampler(
+            target[2:, :3],
+            drafts[2:, :2],
+            torch.tensor([2]),
+            draft_probs[2:, :2] if has_draft_probs else None,
+            torch.tensor([False]),
+            [11],
+            [position],
+        )
         assert torch.equal(again[0], alone[0])  # a pure function of (seed, position)
         outputs.append(tuple(alone[0][0].tolist()))
     assert len(set(outputs)) > 1  # the position is part of the key
@@ -226,8 +279,15 @@ def test_seeded_rows_do_not_depend_on_the_batch(has_draft_probs):
 
 def test_dispatcher_uses_the_reference_on_cpu():
     drafts, num_draft = sample_drafts(2, 1000, seed=4)
-    args = (Q[:3].expand(1000, -1, -1), drafts, num_draft, P[:2].expand(1000, -1, -1),
-            torch.rand(1000) < 0.5, torch.rand(1000, 2), torch.empty(1000, 3, V).exponential_())
+    args = (
+        Q[:3].expand(1000, -1, -1),
+        drafts,
+        num_draft,
+        P[:2].expand(1000, -1, -1),
+        torch.rand(1000) < 0.5,
+        torch.rand(1000, 2),
+        torch.empty(1000, 3, V).exponential_(),
+    )
     for got, want in zip(rejection_sample(*args), rejection_sample_ref(*args)):
         assert torch.equal(got, want)
 

@@ -111,8 +111,9 @@ def test_greedy_one_hot_rows_sample_their_argmax():
     probs = torch.eye(5)[[3, 0, 4]]  # [N=3, V=5]
     for position in range(20):
         assert sample_from_probs(probs, [1, 2, 3], [position] * 3, STREAM_TOKEN).tolist() == [3, 0, 4]
-        assert sample_from_probs(probs, [1, 2, 3], [position] * 3, STREAM_TOKEN,
-                                 is_greedy=[True, False, True]).tolist() == [3, 0, 4]
+        assert sample_from_probs(
+            probs, [1, 2, 3], [position] * 3, STREAM_TOKEN, is_greedy=[True, False, True]
+        ).tolist() == [3, 0, 4]
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():

@@ -118,9 +118,12 @@ def test_draft_model_proposals_are_reproducible(sharp_pair, tiny_pair):
     first, results = alone(pair, sampling, "draft", 3)
     assert alone(pair, sampling, "draft", 3)[0] == first
     driver = Driver(make_worker(pair, "draft", 3).execute, BLOCK_SIZE, NUM_BLOCKS)
-    batch = driver.generate([[5, 6, 7], PROMPT, [40] * 20], MAX_TOKENS, num_speculative_tokens=3,
-                            sampling=[step.RequestSampling(temperature=0.8, seed=1), sampling,
-                                      step.RequestSampling(temperature=0.0)])
+    batch = driver.generate(
+        [[5, 6, 7], PROMPT, [40] * 20],
+        MAX_TOKENS,
+        num_speculative_tokens=3,
+        sampling=[step.RequestSampling(temperature=0.8, seed=1), sampling, step.RequestSampling(temperature=0.0)],
+    )
     assert batch[1] == first
     drafted, accepted = draft_counts(results)["r0"]
     assert 0 < accepted < drafted

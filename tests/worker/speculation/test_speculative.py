@@ -6,9 +6,9 @@ import torch
 from specdec import step
 from specdec.step import DraftPreview
 from tests.worker.driver import Driver
-from worker_service.speculation.config import WorkerConfig
 from worker_service.runtime.loader import load_model
 from worker_service.runtime.runner import ModelRunner, SequenceChunk
+from worker_service.speculation.config import WorkerConfig
 from worker_service.speculation.proposers.ngram import propose_ngram
 from worker_service.speculation.request_state import InvalidStepError
 from worker_service.speculation.scorers import expand
@@ -21,12 +21,29 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [40] * 20, [10, 11, 12, 10, 11, 12, 10], li
 MAX_TOKENS = 24
 
 
-def make_worker(pair, proposer="none", k=0, scorer="multi_query", draft_path=None, device="cpu",
-                dtype="float32", draft_previews=True, draft_tree_width=1) -> Worker:
+def make_worker(
+    pair,
+    proposer="none",
+    k=0,
+    scorer="multi_query",
+    draft_path=None,
+    device="cpu",
+    dtype="float32",
+    draft_previews=True,
+    draft_tree_width=1,
+) -> Worker:
     draft_path = draft_path or pair.draft_path
-    config = WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k, scorer=scorer,
-                          draft_model=str(draft_path) if proposer == "draft" else None, device=device, dtype=dtype,
-                          draft_previews=draft_previews, draft_tree_width=draft_tree_width)
+    config = WorkerConfig(
+        model=str(pair.target_path),
+        proposer=proposer,
+        num_speculative_tokens=k,
+        scorer=scorer,
+        draft_model=str(draft_path) if proposer == "draft" else None,
+        device=device,
+        dtype=dtype,
+        draft_previews=draft_previews,
+        draft_tree_width=draft_tree_width,
+    )
     draft = ModelRunner(load_model(draft_path, dtype, device)) if proposer == "draft" else None
     worker = Worker(config, ModelRunner(load_model(pair.target_path, dtype, device)), draft)
     worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
@@ -43,7 +60,7 @@ def baseline(tiny_pair):
         with torch.inference_mode():
             for _ in range(MAX_TOKENS):
                 seq.append(int(reference(torch.tensor([seq])).logits[0, -1].argmax()))
-        assert output == seq[len(prompt):]
+        assert output == seq[len(prompt) :]
     return got
 
 
@@ -119,7 +136,7 @@ def test_bonus_token_draft_kv_is_written(tiny_pair):
     with torch.inference_mode():
         for _ in range(3):
             seq.append(int(fresh(torch.tensor([seq])).logits[0, -1].argmax()))
-    assert proposal == seq[len(state.token_ids):]
+    assert proposal == seq[len(state.token_ids) :]
 
 
 def test_batch_expansion_and_multi_query_scores_agree(tiny_pair):
@@ -128,9 +145,11 @@ def test_batch_expansion_and_multi_query_scores_agree(tiny_pair):
     prefixes = [list(range(3, 20)), [9, 9, 9], list(range(50, 60))]
     tables = [[i * 8 + j for j in range(8)] for i in range(3)]
     runner.forward([SequenceChunk(p, 0, t, 0) for p, t in zip(prefixes, tables)])
-    chunks = [SequenceChunk([1, 2, 3, 4], len(prefixes[0]), tables[0], 4),   # pending + 3 drafts
-              SequenceChunk([5], len(prefixes[1]), tables[1], 1),            # no drafts
-              SequenceChunk([6, 7, 8, 9, 10, 11], len(prefixes[2]), tables[2], 6)]
+    chunks = [
+        SequenceChunk([1, 2, 3, 4], len(prefixes[0]), tables[0], 4),  # pending + 3 drafts
+        SequenceChunk([5], len(prefixes[1]), tables[1], 1),  # no drafts
+        SequenceChunk([6, 7, 8, 9, 10, 11], len(prefixes[2]), tables[2], 6),
+    ]
     multi = runner.forward(chunks)
     expanded = runner.forward(expand(chunks))
     assert len(expand(chunks)) == 4 + 1 + 6
@@ -169,8 +188,10 @@ def per_sequence_k_run(worker, ks: list[int]) -> list[step.StepResult]:
     """Prefills PROMPTS, then decodes 16 steps with sequence i at k = ks[i] (the scheduler's per-step k)."""
     greedy = step.RequestSampling(temperature=0.0)
     tables = [[i * 30 + j for j in range(30)] for i in range(len(PROMPTS))]
-    new = [step.NewRequest(f"r{i}", p, len(p), greedy, t, len(p), k)
-           for i, (p, t, k) in enumerate(zip(PROMPTS, tables, ks))]
+    new = [
+        step.NewRequest(f"r{i}", p, len(p), greedy, t, len(p), k)
+        for i, (p, t, k) in enumerate(zip(PROMPTS, tables, ks))
+    ]
     results = [worker.execute(step.StepRequest(0, new_requests=new))]
     for step_id in range(1, 17):
         cached = [step.CachedRequest(f"r{i}", [], 30, 1, k) for i, k in enumerate(ks)]

@@ -14,8 +14,8 @@ from specdec import step, structured
 from tests.tiny_models import BYTE_VOCAB_SIZE, make_tiny_byte_pair
 from tests.worker.driver import Driver
 from worker_service.speculation import structured as worker_structured
-from worker_service.speculation.config import WorkerConfig
 from worker_service.speculation.build import build_worker
+from worker_service.speculation.config import WorkerConfig
 from worker_service.speculation.request_state import InvalidStepError
 from worker_service.speculation.worker import Worker
 
@@ -23,12 +23,17 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 600
 MAX_TOKENS = 96
 EOS = 2
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 6},
-    "age": {"type": "integer", "minimum": 0, "maximum": 999},
-    "ok": {"type": "boolean"},
-    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
-    "required": ["name", "age", "ok", "tags"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 999},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "ok", "tags"],
+    "additionalProperties": False,
+}
 GRAMMAR = structured.to_grammar("json", json.dumps(SCHEMA))
 PROMPTS = [[40, 41, 42, 43], [70] * 12, [100, 101, 100, 101, 100], list(range(50, 80)), [90, 91]]
 SEEDED = [step.RequestSampling(temperature=1.0, seed=s) for s in range(len(PROMPTS))]
@@ -41,9 +46,16 @@ def byte_pair(tmp_path_factory):
 
 def make_worker(pair, proposer="none", k=0, forced_drafts=True) -> Worker:
     draft_model = {"draft": pair.draft_path, "eagle3": pair.eagle3_head_path}.get(proposer)
-    worker = build_worker(WorkerConfig(model=str(pair.target_path), proposer=proposer, num_speculative_tokens=k,
-                                       draft_model=str(draft_model) if draft_model else None,
-                                       forced_drafts=forced_drafts, dtype="float32"))
+    worker = build_worker(
+        WorkerConfig(
+            model=str(pair.target_path),
+            proposer=proposer,
+            num_speculative_tokens=k,
+            draft_model=str(draft_model) if draft_model else None,
+            forced_drafts=forced_drafts,
+            dtype="float32",
+        )
+    )
     worker.init_cache(NUM_BLOCKS, BLOCK_SIZE)
     return worker
 
@@ -52,7 +64,7 @@ def run(pair, proposer="none", k=0, sampling=None, grammar=GRAMMAR, forced_draft
     """Outputs cut at EOS, and the step results."""
     driver = Driver(make_worker(pair, proposer, k, forced_drafts).execute, BLOCK_SIZE, NUM_BLOCKS)
     outputs = driver.generate(PROMPTS, MAX_TOKENS, sampling=sampling, num_speculative_tokens=k, grammar=grammar)
-    return [o[:o.index(EOS)] if EOS in o else o for o in outputs], driver.results
+    return [o[: o.index(EOS)] if EOS in o else o for o in outputs], driver.results
 
 
 def steps_to_finish(results: list[step.StepResult]) -> int:
@@ -100,11 +112,17 @@ def test_the_unconstrained_model_writes_no_json(byte_pair):
             json.loads(decode(byte_pair, tokens))
 
 
-@pytest.mark.parametrize(("proposer", "mode"), [
-    (proposer, mode) for proposer in ("ngram", "suffix", "draft", "eagle3") for mode in ("greedy", "seeded")
-    # a draft model's sampled drafts change which keyed samples a seeded request consumes (rejection sampling
-    # with its p): seeded, it is checked against the schema above, not against plain decoding
-    if (proposer, mode) != ("draft", "seeded")])
+@pytest.mark.parametrize(
+    ("proposer", "mode"),
+    [
+        (proposer, mode)
+        for proposer in ("ngram", "suffix", "draft", "eagle3")
+        for mode in ("greedy", "seeded")
+        # a draft model's sampled drafts change which keyed samples a seeded request consumes (rejection sampling
+        # with its p): seeded, it is checked against the schema above, not against plain decoding
+        if (proposer, mode) != ("draft", "seeded")
+    ],
+)
 def test_speculation_changes_no_token(byte_pair, plain, proposer, mode):
     sampling = SEEDED if mode == "seeded" else None
     expected = plain["seeded"] if sampling else plain["greedy"]
@@ -133,6 +151,7 @@ def test_forced_drafts_change_speed_not_output(byte_pair, plain):
 
 def test_scoring_with_the_wrong_prefix_mask_is_caught(byte_pair, plain, monkeypatch):
     """Mutation check: every draft row masked as the first row (the committed prefix's mask) breaks losslessness."""
+
     def first_row_only(matcher, drafts, vocab_size):
         bitmask = original(matcher, [], vocab_size)
         return bitmask.expand(len(drafts) + 1, -1).contiguous()
@@ -151,8 +170,9 @@ def test_a_resumed_request_continues_in_the_same_grammar_state(byte_pair, plain)
     """Preemption or a move: the request comes back as a NewRequest with its tokens so far, on a fresh worker."""
     worker = make_worker(byte_pair, "ngram", 4)
     prompt = PROMPTS[0]
-    head = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate([prompt], 20, num_speculative_tokens=4,
-                                                                  grammar=GRAMMAR)[0]
+    head = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate(
+        [prompt], 20, num_speculative_tokens=4, grammar=GRAMMAR
+    )[0]
     fresh = make_worker(byte_pair, "ngram", 4)
 
     def resume(request: step.StepRequest) -> step.StepResult:  # the prompt, then 20 generated tokens
@@ -163,7 +183,7 @@ def test_a_resumed_request_continues_in_the_same_grammar_state(byte_pair, plain)
     driver = Driver(resume, BLOCK_SIZE, NUM_BLOCKS)
     rest = driver.generate([prompt + head], MAX_TOKENS - 20, num_speculative_tokens=4, grammar=GRAMMAR)[0]
     tokens = head + rest
-    assert tokens[:tokens.index(EOS)] == plain["greedy"][0]
+    assert tokens[: tokens.index(EOS)] == plain["greedy"][0]
 
 
 def test_forced_only_steps_draft_the_grammar_tokens_without_asking_the_proposer(byte_pair, plain):
@@ -174,15 +194,17 @@ def test_forced_only_steps_draft_the_grammar_tokens_without_asking_the_proposer(
     calls, propose = [], worker.proposer.propose
     worker.proposer.propose = lambda states, ks: calls.append(list(ks)) or propose(states, ks)
     prompt, table = PROMPTS[0], list(range(40))
-    request = step.NewRequest("r", prompt, len(prompt), step.RequestSampling(temperature=0.0), table, len(prompt),
-                              grammar=GRAMMAR)
+    request = step.NewRequest(
+        "r", prompt, len(prompt), step.RequestSampling(temperature=0.0), table, len(prompt), grammar=GRAMMAR
+    )
     emitted, forced_next, num_forced = [], 0, 0
     for step_id in range(MAX_TOKENS):
         if step_id:
             # k = 2 where nothing is forced (as an async scheduler's stale count could send): still no proposer
             request = step.CachedRequest("r", [], len(table), 1, forced_next or 2, forced_drafts_only=True)
-        out = worker.execute(step.StepRequest(step_id, **{
-            "new_requests" if step_id == 0 else "cached_requests": [request]})).outputs[0]
+        out = worker.execute(
+            step.StepRequest(step_id, **{"new_requests" if step_id == 0 else "cached_requests": [request]})
+        ).outputs[0]
         assert out.num_draft_tokens <= forced_next
         if out.num_draft_tokens:
             assert out.proposer == worker_structured.FORCED
@@ -193,7 +215,7 @@ def test_forced_only_steps_draft_the_grammar_tokens_without_asking_the_proposer(
         if EOS in emitted:
             break
     assert calls == [] and num_forced > 5
-    assert emitted[:emitted.index(EOS)] == plain["greedy"][0]
+    assert emitted[: emitted.index(EOS)] == plain["greedy"][0]
 
 
 def test_drafts_the_grammar_forbids_are_not_scored(byte_pair):
@@ -214,8 +236,10 @@ def test_drafts_the_grammar_forbids_are_not_scored(byte_pair):
     assert worker_structured.valid_drafts(matcher, tok.encode("ab").ids + closing) == tok.encode("ab").ids
     # Drafts sampled from a draft model's p: the forbidden one stays, to be rejected for certain (see the
     # function: cutting it would sample the target there instead of the residual).
-    assert worker_structured.valid_drafts(matcher, tok.encode("ab").ids + closing,
-                                          keep_first_forbidden=True) == tok.encode("ab").ids + closing
+    assert (
+        worker_structured.valid_drafts(matcher, tok.encode("ab").ids + closing, keep_first_forbidden=True)
+        == tok.encode("ab").ids + closing
+    )
     bitmask = worker_structured.masks(matcher, tok.encode("ab").ids + closing + [EOS], BYTE_VOCAB_SIZE)
     assert bitmask[2].any() and not bitmask[3:].any()  # the forbidden draft's row has its prefix's mask
     assert worker_structured.valid_drafts(matcher, tok.encode("ab").ids) == tok.encode("ab").ids
@@ -244,9 +268,12 @@ def test_a_mask_row_is_what_llguidance_writes_and_the_worker_does_not_import_its
         assert torch.equal(ours[1], theirs[1]) and ours[1].any() and not ours[1].all()
     with pytest.raises(ValueError, match="contiguous int32"):
         worker_structured.fill_mask(matcher, torch.zeros((4, 2), dtype=torch.int32)[:, 0])
-    imported = subprocess.run([sys.executable, "-c", "import sys, worker_service.serving.main; "
-                               "print('llguidance.torch' in sys.modules)"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys, worker_service.serving.main; print('llguidance.torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert imported == "False"
 
 

@@ -12,28 +12,42 @@ from tests.worker.speculation.test_eagle3_smollm2 import BLOCK_SIZE, NUM_BLOCKS,
 from worker_service.runtime.loader import load_tokenizer
 
 pytestmark = pytest.mark.slow
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 40},
-    "year": {"type": "integer", "minimum": 1000, "maximum": 2100},
-    "genres": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}},
-    "required": ["name", "year", "genres"], "additionalProperties": False}
-QUESTIONS = ["Give me a famous novel as JSON with its name, year and genres.",
-             "Describe the film Casablanca as JSON: name, year, genres."]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "year": {"type": "integer", "minimum": 1000, "maximum": 2100},
+        "genres": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+    },
+    "required": ["name", "year", "genres"],
+    "additionalProperties": False,
+}
+QUESTIONS = [
+    "Give me a famous novel as JSON with its name, year and genres.",
+    "Describe the film Casablanca as JSON: name, year, genres.",
+]
 MAX_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
 def setup(smollm2_path):
     tokenizer = load_tokenizer(smollm2_path)
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)) for q in QUESTIONS]
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for q in QUESTIONS
+    ]
     return tokenizer, prompts, structured.to_grammar("json", json.dumps(SCHEMA))
 
 
 def generate(worker, prompts, grammar, sampling=None, k=0):
-    outputs = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate(prompts, MAX_TOKENS, sampling=sampling,
-                                                                      num_speculative_tokens=k, grammar=grammar)
-    return [o[:o.index(2)] if 2 in o else o for o in outputs]
+    outputs = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate(
+        prompts, MAX_TOKENS, sampling=sampling, num_speculative_tokens=k, grammar=grammar
+    )
+    return [o[: o.index(2)] if 2 in o else o for o in outputs]
 
 
 @pytest.mark.parametrize("proposer", ["suffix", "eagle3"])

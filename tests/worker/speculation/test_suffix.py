@@ -7,10 +7,10 @@ import pytest
 
 from specdec import step
 from tests.worker.driver import Driver
-from tests.worker.speculation.test_seeded_sampling import PROMPT, SAMPLINGS, SAMPLING_IDS, alone, sharp_pair  # noqa: F401
+from tests.worker.speculation.test_seeded_sampling import PROMPT, SAMPLING_IDS, SAMPLINGS, alone, sharp_pair  # noqa: F401
 from tests.worker.speculation.test_speculative import BLOCK_SIZE, NUM_BLOCKS, PROMPTS, draft_counts, make_worker
-from worker_service.speculation.config import WorkerConfig
 from worker_service.serving.flags import add_flags, config_from_args, forwarded_argv
+from worker_service.speculation.config import WorkerConfig
 from worker_service.speculation.proposers.suffix import SuffixProposer
 from worker_service.speculation.request_state import RequestState
 
@@ -20,8 +20,14 @@ MAX_TOKENS = 24
 
 def state(request_id: str, token_ids: list[int], num_prompt_tokens: int | None = None) -> RequestState:
     num_prompt_tokens = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
-    return RequestState(request_id, list(token_ids), num_prompt_tokens, step.RequestSampling(temperature=0.0, seed=1),
-                        block_table=[], num_speculative_tokens=K)
+    return RequestState(
+        request_id,
+        list(token_ids),
+        num_prompt_tokens,
+        step.RequestSampling(temperature=0.0, seed=1),
+        block_table=[],
+        num_speculative_tokens=K,
+    )
 
 
 def propose(proposer: SuffixProposer, s: RequestState, k: int = K) -> list[int]:
@@ -138,7 +144,7 @@ def test_greedy_is_lossless_and_earlier_outputs_get_drafts_accepted(tiny_pair, b
     first_pass = driver.results[:]
     # The same prompts again as new requests: their outputs are in the global index now.
     assert driver.generate(PROMPTS, MAX_TOKENS, num_speculative_tokens=K, prefix="second") == baseline
-    second_pass = driver.results[len(first_pass):]
+    second_pass = driver.results[len(first_pass) :]
     assert all(o.num_draft_tokens <= K for r in driver.results for o in r.outputs)
     ngram = Driver(make_worker(tiny_pair, "ngram", K).execute, BLOCK_SIZE, NUM_BLOCKS)
     assert ngram.generate(PROMPTS, MAX_TOKENS, num_speculative_tokens=K) == baseline
@@ -150,10 +156,12 @@ def test_greedy_is_lossless_and_earlier_outputs_get_drafts_accepted(tiny_pair, b
 def test_seeded_sampling_equals_plain_sampling(sharp_pair, sampling):  # noqa: F811
     want, _ = alone(sharp_pair, sampling)
     driver = Driver(make_worker(sharp_pair, "suffix", K).execute, BLOCK_SIZE, NUM_BLOCKS)
-    assert driver.generate([PROMPT], MAX_TOKENS, sampling=sampling, num_speculative_tokens=K, prefix="a") == \
-        [want[:MAX_TOKENS]]
+    assert driver.generate([PROMPT], MAX_TOKENS, sampling=sampling, num_speculative_tokens=K, prefix="a") == [
+        want[:MAX_TOKENS]
+    ]
     num_first = len(driver.results)
     # Seeded again under a new id: the earlier output drafts, and the same tokens get accepted.
-    assert driver.generate([PROMPT], MAX_TOKENS, sampling=sampling, num_speculative_tokens=K, prefix="b") == \
-        [want[:MAX_TOKENS]]
+    assert driver.generate([PROMPT], MAX_TOKENS, sampling=sampling, num_speculative_tokens=K, prefix="b") == [
+        want[:MAX_TOKENS]
+    ]
     assert total_accepted(driver.results[num_first:]) > total_accepted(driver.results[:num_first])

@@ -7,23 +7,28 @@ import random
 import pytest
 
 from specdec import step
+from tests.kernels.test_tree_attention import random_tree
+from tests.worker.runtime.test_model_runner import random_tokens
 from worker_service.runtime.loader import load_model
 from worker_service.runtime.runner import ModelRunner, SequenceChunk
 from worker_service.speculation.request_state import new_state
 from worker_service.speculation.verify import verify
-from tests.kernels.test_tree_attention import random_tree
-from tests.worker.runtime.test_model_runner import random_tokens
 
 BLOCK_SIZE = 4
 NUM_TOKENS = 40
-SAMPLINGS = {"greedy": step.RequestSampling(temperature=0.0, logprobs=True),
-             "seeded": step.RequestSampling(temperature=1.0, top_k=8, seed=7, logprobs=True)}
+SAMPLINGS = {
+    "greedy": step.RequestSampling(temperature=0.0, logprobs=True),
+    "seeded": step.RequestSampling(temperature=1.0, top_k=8, seed=7, logprobs=True),
+}
 
 
 def start(runner: ModelRunner, prompt: list[int], sampling, table: list[int]):
     """A request's state after its prefill (the first token emitted)."""
-    state = new_state(step.NewRequest("r", prompt, len(prompt), sampling, table, len(prompt)),
-                      runner.vocab_size, runner.kv_cache.num_blocks)
+    state = new_state(
+        step.NewRequest("r", prompt, len(prompt), sampling, table, len(prompt)),
+        runner.vocab_size,
+        runner.kv_cache.num_blocks,
+    )
     result = verify([state], runner.forward([SequenceChunk(prompt, 0, table)]), [[]], None)
     state.token_ids += result.token_ids[0]
     return state, list(result.logprobs[0])
@@ -36,7 +41,7 @@ def plain(runner, prompt, sampling, table) -> tuple[list[int], list[float]]:
         result = verify([state], logits, [[]], None)
         state.token_ids += result.token_ids[0]
         logprobs += result.logprobs[0]
-    return state.token_ids[len(prompt):][:NUM_TOKENS], logprobs[:NUM_TOKENS]
+    return state.token_ids[len(prompt) :][:NUM_TOKENS], logprobs[:NUM_TOKENS]
 
 
 def with_trees(runner, prompt, sampling, table, oracle: list[int], rng: random.Random):
@@ -62,13 +67,14 @@ def with_trees(runner, prompt, sampling, table, oracle: list[int], rng: random.R
         logits = runner.forward([SequenceChunk(tokens, begin, table, num_logits=len(tokens), parents=parents)])
         result = verify([state], logits, [tokens[1:]], None, [[p for p in parents[1:]]])
         path = result.paths[0]
-        num_off_first_branch += any(row != min(c for c in range(1, len(parents)) if parents[c] == parents[row])
-                                    for row in path)
+        num_off_first_branch += any(
+            row != min(c for c in range(1, len(parents)) if parents[c] == parents[row]) for row in path
+        )
         runner.keep_path(table, begin, path)
         assert result.token_ids[0][:-1] == [tokens[row] for row in path]
         state.token_ids += result.token_ids[0]
         logprobs += result.logprobs[0]
-    return state.token_ids[len(prompt):][:NUM_TOKENS], logprobs[:NUM_TOKENS], num_off_first_branch
+    return state.token_ids[len(prompt) :][:NUM_TOKENS], logprobs[:NUM_TOKENS], num_off_first_branch
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
@@ -79,8 +85,9 @@ def test_tree_decoding_emits_plain_decodings_tokens(tiny_pair, dtype, sampling):
     prompt = random_tokens(9, 5, runner.vocab_size)
     want_tokens, want_logprobs = plain(runner, prompt, SAMPLINGS[sampling], list(range(0, 20)))
     for seed in range(3):
-        tokens, logprobs, num_off = with_trees(runner, prompt, SAMPLINGS[sampling], list(range(20, 40))[::-1],
-                                               want_tokens, random.Random(seed))
+        tokens, logprobs, num_off = with_trees(
+            runner, prompt, SAMPLINGS[sampling], list(range(20, 40))[::-1], want_tokens, random.Random(seed)
+        )
         assert tokens == want_tokens, seed
         assert logprobs == want_logprobs, seed
         assert num_off > 0, seed  # some accepted paths left the first branch: their K/V moved

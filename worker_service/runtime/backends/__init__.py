@@ -28,8 +28,14 @@ class ForwardBackend(Protocol):
 
     name: str
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata, rows: torch.Tensor,
-                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: PagedMetadata,
+        rows: torch.Tensor,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, positions: [T]; writes every row's K/V and returns the normed hidden states of `rows`
         ([N] int64), [N, hidden], and the residual stream entering each of `aux_layers` for every row,
         [T, len(aux_layers) x hidden] (None without aux_layers)."""

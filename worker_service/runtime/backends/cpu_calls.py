@@ -18,17 +18,23 @@ class KernelLinear:
     """A packed projection: its kernel arguments, ready for a direct call."""
 
     weight_dtype: int
-    weight: int            # packed weight's data pointer
+    weight: int  # packed weight's data pointer
     in_features: int
     out_features: int
-    bias: int | None       # fp32 bias's data pointer
-    tensors: tuple         # what the pointers point into, kept alive
+    bias: int | None  # fp32 bias's data pointer
+    tensors: tuple  # what the pointers point into, kept alive
 
     @classmethod
     def of(cls, module: PackedLinear) -> "KernelLinear":
         bias = module.bias
-        return cls(module.weight_code, module.packed_weight.data_ptr(), module.in_features,
-                   module.out_features, bias.data_ptr() if bias is not None else None, (module.packed_weight, bias))
+        return cls(
+            module.weight_code,
+            module.packed_weight.data_ptr(),
+            module.in_features,
+            module.out_features,
+            bias.data_ptr() if bias is not None else None,
+            (module.packed_weight, bias),
+        )
 
     @classmethod
     def outputs(cls, module: PackedLinear, start: int, end: int) -> "KernelLinear | None":
@@ -37,18 +43,34 @@ class KernelLinear:
         group = linear_cpu.group_out()
         if start % group:
             return None
-        packed, bias = module.packed_weight[start // group:-(-end // group)], module.bias
+        packed, bias = module.packed_weight[start // group : -(-end // group)], module.bias
         bias = bias[start:end] if bias is not None else None
-        return cls(module.weight_code, packed.data_ptr(), module.in_features, end - start,
-                   bias.data_ptr() if bias is not None else None, (packed, bias))
+        return cls(
+            module.weight_code,
+            packed.data_ptr(),
+            module.in_features,
+            end - start,
+            bias.data_ptr() if bias is not None else None,
+            (packed, bias),
+        )
 
 
 def project(layer: KernelLinear, source: torch.Tensor, target: torch.Tensor, target_stride: int | None = None) -> None:
     """target = source @ W.T + b, row by row: the packed linear kernel called directly (contiguous rows; the
     target's rows `target_stride` apart, default its width)."""
     status = linear_cpu.c_library().specdec_linear(
-        DTYPE_CODES[source.dtype], source.data_ptr(), layer.in_features, source.shape[0], layer.in_features,
-        layer.weight_dtype, layer.weight, layer.out_features, layer.bias, target.data_ptr(),
-        target_stride or layer.out_features, torch.get_num_threads())
+        DTYPE_CODES[source.dtype],
+        source.data_ptr(),
+        layer.in_features,
+        source.shape[0],
+        layer.in_features,
+        layer.weight_dtype,
+        layer.weight,
+        layer.out_features,
+        layer.bias,
+        target.data_ptr(),
+        target_stride or layer.out_features,
+        torch.get_num_threads(),
+    )
     if status != 0:
         raise MemoryError(f"linear_cpu failed (status {status}) for {source.shape[0]} rows")

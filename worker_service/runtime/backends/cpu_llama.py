@@ -68,10 +68,17 @@ class CpuLlamaForward:
         self.layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(
-                layer.input_layernorm.weight.detach().contiguous(), KernelLinear.of(attn.q_proj_k_proj_v_proj.fused),
-                KernelLinear.of(attn.o_proj), layer.post_attention_layernorm.weight.detach().contiguous(),
-                KernelLinear.of(mlp.gate_proj_up_proj.fused), KernelLinear.of(mlp.down_proj), attn.scaling))
+            self.layers.append(
+                _Layer(
+                    layer.input_layernorm.weight.detach().contiguous(),
+                    KernelLinear.of(attn.q_proj_k_proj_v_proj.fused),
+                    KernelLinear.of(attn.o_proj),
+                    layer.post_attention_layernorm.weight.detach().contiguous(),
+                    KernelLinear.of(mlp.gate_proj_up_proj.fused),
+                    KernelLinear.of(mlp.down_proj),
+                    attn.scaling,
+                )
+            )
         self.final_norm = model.model.norm.weight.detach().contiguous()
         self.intermediate = self.layers[0].gate_up.out_features // 2
 
@@ -94,14 +101,25 @@ class CpuLlamaForward:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, gate_up = getattr(attn, "q_proj_k_proj_v_proj", None), getattr(mlp, "gate_proj_up_proj", None)
-            if not (isinstance(qkv, SharedInputLinears) and qkv.sizes == qkv_sizes
-                    and isinstance(gate_up, SharedInputLinears) and gate_up.sizes[0] == gate_up.sizes[1]
-                    and isinstance(attn.o_proj, PackedLinear) and isinstance(mlp.down_proj, PackedLinear)):
+            if not (
+                isinstance(qkv, SharedInputLinears)
+                and qkv.sizes == qkv_sizes
+                and isinstance(gate_up, SharedInputLinears)
+                and gate_up.sizes[0] == gate_up.sizes[1]
+                and isinstance(attn.o_proj, PackedLinear)
+                and isinstance(mlp.down_proj, PackedLinear)
+            ):
                 return "its linears are not packed and fused (fast_linear.pack_linears)"
         return None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata,
-                 rows: torch.Tensor, aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: PagedMetadata,
+        rows: torch.Tensor,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, positions: [T]; returns the normed hidden states of `rows` ([N] int64), [N, hidden], and
         the residual stream entering each of `aux_layers` for every row, [T, len(aux_layers) x hidden] (None
         without aux_layers)."""
@@ -115,46 +133,114 @@ class CpuLlamaForward:
         cache = meta.kv_cache
         assert residual.is_contiguous() and residual.dtype == dtype == cache.spec.dtype and cos.dtype == dtype
         assert cache.block_size * kv_width == cache.key_caches[0][0].numel()  # [blocks, block size, KVH, D]
-        tables, starts, lens, slots = (t.contiguous() for t in (meta.block_tables, meta.query_start_loc,
-                                                                 meta.seq_lens, meta.slot_mapping))
+        tables, starts, lens, slots = (
+            t.contiguous() for t in (meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.slot_mapping)
+        )
         assert tables.dtype == starts.dtype == lens.dtype == torch.int32 and slots.dtype == torch.int64
         trees = paged_attention_cpu.contiguous_trees(meta.trees, tables.shape[0], num_tokens)
         # One buffer per intermediate, reused by every layer (each kernel writes its output whole).
         x, h, attn = (torch.empty((num_tokens, width), dtype=dtype) for width in (hidden, hidden, q_width))
         qkv = torch.empty((num_tokens, qkv_width), dtype=dtype)
-        gate_up, act = torch.empty((num_tokens, 2 * self.intermediate), dtype=dtype), \
-            torch.empty((num_tokens, self.intermediate), dtype=dtype)
+        gate_up, act = (
+            torch.empty((num_tokens, 2 * self.intermediate), dtype=dtype),
+            torch.empty((num_tokens, self.intermediate), dtype=dtype),
+        )
         code, size, threads = DTYPE_CODES[dtype], residual.element_size(), torch.get_num_threads()
         ops, attention = layer_ops_cpu.c_library(), paged_attention_cpu.kernel()
         linear = project  # looked up once per step (a test replaces it to give the check teeth)
         q_ptr = qkv.data_ptr()
         aux = torch.empty((num_tokens, len(aux_layers) * hidden), dtype=dtype) if aux_layers else None
         for index, layer in enumerate(self.layers):
-            ops.specdec_add_rms_norm(code, h.data_ptr() if index else None, hidden, residual.data_ptr(), hidden,
-                                     layer.input_norm.data_ptr(), x.data_ptr(), hidden, num_tokens, hidden,
-                                     self.eps, threads)
+            ops.specdec_add_rms_norm(
+                code,
+                h.data_ptr() if index else None,
+                hidden,
+                residual.data_ptr(),
+                hidden,
+                layer.input_norm.data_ptr(),
+                x.data_ptr(),
+                hidden,
+                num_tokens,
+                hidden,
+                self.eps,
+                threads,
+            )
             for slot in (j for j, i in enumerate(aux_layers) if i == index):  # the stream entering this layer
-                aux[:, slot * hidden:(slot + 1) * hidden] = residual
+                aux[:, slot * hidden : (slot + 1) * hidden] = residual
             linear(layer.qkv, x, qkv)
-            ops.specdec_rope(code, q_ptr, qkv_width, num_tokens, heads + kv_heads, head_dim, cos.data_ptr(),
-                             sin.data_ptr(), head_dim, threads)
+            ops.specdec_rope(
+                code,
+                q_ptr,
+                qkv_width,
+                num_tokens,
+                heads + kv_heads,
+                head_dim,
+                cos.data_ptr(),
+                sin.data_ptr(),
+                head_dim,
+                threads,
+            )
             key_cache, value_cache = cache.key_caches[index], cache.value_caches[index]
-            ops.specdec_write_kv(code, q_ptr + q_width * size, q_ptr + (q_width + kv_width) * size, qkv_width,
-                                 num_tokens, kv_width, slots.data_ptr(), key_cache.data_ptr(),
-                                 value_cache.data_ptr())
-            status = attention(code, q_ptr, qkv_width, head_dim, key_cache.data_ptr(), value_cache.data_ptr(),
-                               tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(),
-                               attn.data_ptr(), tables.shape[0], heads, kv_heads, head_dim, cache.block_size,
-                               float(layer.scaling), *paged_attention_cpu.tree_arguments(trees), threads)
+            ops.specdec_write_kv(
+                code,
+                q_ptr + q_width * size,
+                q_ptr + (q_width + kv_width) * size,
+                qkv_width,
+                num_tokens,
+                kv_width,
+                slots.data_ptr(),
+                key_cache.data_ptr(),
+                value_cache.data_ptr(),
+            )
+            status = attention(
+                code,
+                q_ptr,
+                qkv_width,
+                head_dim,
+                key_cache.data_ptr(),
+                value_cache.data_ptr(),
+                tables.data_ptr(),
+                tables.stride(0),
+                starts.data_ptr(),
+                lens.data_ptr(),
+                attn.data_ptr(),
+                tables.shape[0],
+                heads,
+                kv_heads,
+                head_dim,
+                cache.block_size,
+                float(layer.scaling),
+                *paged_attention_cpu.tree_arguments(trees),
+                threads,
+            )
             if status != 0:
                 raise ValueError(f"paged_attention_cpu failed (status {status})")
             linear(layer.o_proj, attn, h)
-            ops.specdec_add_rms_norm(code, h.data_ptr(), hidden, residual.data_ptr(), hidden,
-                                     layer.post_norm.data_ptr(), x.data_ptr(), hidden, num_tokens, hidden,
-                                     self.eps, threads)
+            ops.specdec_add_rms_norm(
+                code,
+                h.data_ptr(),
+                hidden,
+                residual.data_ptr(),
+                hidden,
+                layer.post_norm.data_ptr(),
+                x.data_ptr(),
+                hidden,
+                num_tokens,
+                hidden,
+                self.eps,
+                threads,
+            )
             linear(layer.gate_up, x, gate_up)
-            ops.specdec_silu_mul(code, gate_up.data_ptr(), 2 * self.intermediate, num_tokens, self.intermediate,
-                                 act.data_ptr(), self.intermediate, threads)
+            ops.specdec_silu_mul(
+                code,
+                gate_up.data_ptr(),
+                2 * self.intermediate,
+                num_tokens,
+                self.intermediate,
+                act.data_ptr(),
+                self.intermediate,
+                threads,
+            )
             linear(layer.down, act, h)
         # The last residual add and the final norm: only the rows whose logits are wanted.
         return layer_ops_cpu.add_rms_norm(h[rows], residual[rows], self.final_norm, self.eps), aux

@@ -19,11 +19,22 @@ class TransformersForward:
         """Every model: None."""
         return None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata, rows: torch.Tensor,
-                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: PagedMetadata,
+        rows: torch.Tensor,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As ForwardBackend.__call__."""
-        out = self.model.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                               paged_metadata=meta, output_hidden_states=bool(aux_layers))
+        out = self.model.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            paged_metadata=meta,
+            output_hidden_states=bool(aux_layers),
+        )
         hidden = out.last_hidden_state[0][rows]  # [N, hidden]
         # hidden_states[i]: the input of layer i ([0] the embeddings)
         aux = torch.cat([out.hidden_states[i][0] for i in aux_layers], dim=-1) if aux_layers else None

@@ -23,10 +23,10 @@ class Proposal:
     draft_token_ids: list[list[int]]
     draft_probs: torch.Tensor | None = None  # [B, K, V] for model drafts; None for token-copy (one-hot) drafts
     scores: list[float] | None = None  # per sequence, the proposer's own estimate of its accepted drafts
-    sources: list[str] | None = None   # per sequence, the proposer that drafted (several proposers at once)
+    sources: list[str] | None = None  # per sequence, the proposer that drafted (several proposers at once)
     match_lengths: list[int] | None = None  # per sequence, the context match behind a copied draft (0: none)
     parents: list[list[int] | None] | None = None  # per sequence, a tree's parent rows (proposers/trees.py)
-    ranks: list[list[int] | None] | None = None    # per sequence, a tree's rows' ranks (proposers/trees.py)
+    ranks: list[list[int] | None] | None = None  # per sequence, a tree's rows' ranks (proposers/trees.py)
 
     def parents_of(self, i: int) -> list[int] | None:
         """Sequence i's tree (its drafts' parent rows), or None for a chain."""
@@ -50,9 +50,9 @@ class Proposer:
     """Base class: the no-op hooks; subclasses implement `propose`."""
 
     runs_model = False  # drafting runs a model (a forward per draft), not a lookup: several proposers at once
-                        # ask it only where copying is expected to do worse (proposers/combined.py)
+    # ask it only where copying is expected to do worse (proposers/combined.py)
     reports_match = False  # copies drafts from a context match and gives its length (Proposal.match_lengths):
-                           # the worker previews its next draft for the scheduler (proposers/preview.py)
+    # the worker previews its next draft for the scheduler (proposers/preview.py)
 
     def propose(self, states: list, num_drafts: list[int]) -> Proposal:  # states: list[RequestState]
         raise NotImplementedError

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from worker_service.speculation.proposers import Proposal, Proposer, num_matching
 from worker_service.speculation.proposers.trees import tree_depth
 
-REQUEST_DECAY = 0.8     # a request's recent steps
-WORKER_DECAY = 0.99     # the worker-wide ratio: the prior of a request
-PRIOR_WEIGHT = 2.0      # score units of the worker-wide ratio in a request's estimate
+REQUEST_DECAY = 0.8  # a request's recent steps
+WORKER_DECAY = 0.99  # the worker-wide ratio: the prior of a request
+PRIOR_WEIGHT = 2.0  # score units of the worker-wide ratio in a request's estimate
 
 
 @dataclass
@@ -69,12 +69,14 @@ class CombinedProposer(Proposer):
         for request in requests:
             request.last_drafts = {}
         best = [([], "", 0.0, None, None) for _ in states]  # per sequence: (drafts, proposer, expected accepted,
-                                                            # parents, ranks)
+        # parents, ranks)
         for name, proposer in sorted(self.proposers.items(), key=lambda item: item[1].runs_model):
             caps = [min(k, self.max_drafts[name]) for k in num_drafts]
             if proposer.runs_model:  # only where no copy is expected to do better
-                caps = [k if not b[0] or b[2] < r.recent_matched.get(name, float("inf")) else 0
-                        for k, b, r in zip(caps, best, requests)]
+                caps = [
+                    k if not b[0] or b[2] < r.recent_matched.get(name, float("inf")) else 0
+                    for k, b, r in zip(caps, best, requests)
+                ]
                 if not any(caps):
                     continue
             proposal = proposer.propose(states, caps)
@@ -88,8 +90,14 @@ class CombinedProposer(Proposer):
                 value = min(score * self._ratio(request, name), len(tokens) if parents is None else tree_depth(parents))
                 if value > best[i][2]:
                     best[i] = (tokens, name, value, parents, proposal.ranks_of(i))
-        return Proposal([b[0] for b in best], None, scores=[b[2] for b in best], sources=[b[1] for b in best],
-                        parents=[b[3] for b in best], ranks=[b[4] for b in best])
+        return Proposal(
+            [b[0] for b in best],
+            None,
+            scores=[b[2] for b in best],
+            sources=[b[1] for b in best],
+            parents=[b[3] for b in best],
+            ranks=[b[4] for b in best],
+        )
 
     def _ratio(self, request: _Request, name: str) -> float:
         prior = self.worker_ratios[name].value(1.0, PRIOR_WEIGHT)
@@ -106,8 +114,9 @@ class CombinedProposer(Proposer):
                 self.worker_ratios[name].observe(matched, score)
                 if self.proposers[name].runs_model:
                     recent = request.recent_matched.get(name)
-                    request.recent_matched[name] = matched if recent is None else (
-                        REQUEST_DECAY * recent + (1 - REQUEST_DECAY) * matched)
+                    request.recent_matched[name] = (
+                        matched if recent is None else (REQUEST_DECAY * recent + (1 - REQUEST_DECAY) * matched)
+                    )
             request.last_drafts = {}
         for proposer in self.proposers.values():
             proposer.after_verify(state, num_tokens_before, num_drafts, num_accepted)

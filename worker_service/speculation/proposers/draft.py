@@ -15,8 +15,8 @@ sampling noise at the same positions.
 
 import torch
 
-from worker_service.speculation.keyed_random import STREAM_DRAFT
 from worker_service.runtime.runner import ModelRunner, SequenceChunk
+from worker_service.speculation.keyed_random import STREAM_DRAFT
 from worker_service.speculation.proposers import Proposal, Proposer
 from worker_service.speculation.request_state import RequestState
 from worker_service.speculation.sampling import logits_to_probs, sample_from_probs, sampling_tensors
@@ -34,8 +34,9 @@ class DraftProposer(Proposer):
         """Samples num_drafts[i] tokens for states[i] (greedy or from the draft distribution p)."""
         num_spec = max(num_drafts, default=0)
         vocab = self.runner.vocab_size
-        draft_probs = torch.zeros((len(states), num_spec, vocab), dtype=torch.float32,
-                                  device=self.runner.device)  # [B, K, V]
+        draft_probs = torch.zeros(
+            (len(states), num_spec, vocab), dtype=torch.float32, device=self.runner.device
+        )  # [B, K, V]
         drafts: list[list[int]] = [[] for _ in states]
         active = [i for i, k in enumerate(num_drafts) if k > 0]
         first = True
@@ -45,9 +46,13 @@ class DraftProposer(Proposer):
             logits = self.runner.forward(chunks)  # [len(active), V]
             params = [states[i].sampling for i in active]
             probs = logits_to_probs(logits, *sampling_tensors(params, logits.device))  # [len(active), V]
-            tokens = sample_from_probs(probs, [states[i].sampling.seed for i in active],
-                                       [states[i].num_tokens + pos for i in active], STREAM_DRAFT,
-                                       [states[i].sampling.is_greedy for i in active]).tolist()
+            tokens = sample_from_probs(
+                probs,
+                [states[i].sampling.seed for i in active],
+                [states[i].num_tokens + pos for i in active],
+                STREAM_DRAFT,
+                [states[i].sampling.is_greedy for i in active],
+            ).tolist()
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
             draft_probs[torch.tensor(active, device=probs.device), pos] = probs

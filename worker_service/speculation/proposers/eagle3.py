@@ -56,7 +56,6 @@ from worker_service.speculation.proposers import Proposal, Proposer
 from worker_service.speculation.proposers.trees import best_nodes, draft_width
 from worker_service.speculation.request_state import RequestState
 
-
 # A chain stops growing once the head's probability that all its drafts are accepted falls below this (EAGLE-2's
 # observation: a head's confidence tracks its acceptance): later drafts would cost a head step and a scored row
 # each for little gain. The goodput policy sees the shorter drafts as delivery below 1 at those positions.
@@ -72,7 +71,7 @@ class _Next:
     """What the head left for a sequence's next proposal."""
 
     first_draft: int
-    probability: float     # the head's probability of first_draft
+    probability: float  # the head's probability of first_draft
     feature: torch.Tensor  # [hidden]: the head's pre-norm output at the last committed position
     top_drafts: list[int]  # with trees: the head's tree_width likeliest tokens there, most likely first
     top_probabilities: list[float]
@@ -83,8 +82,9 @@ class Eagle3Proposer(Proposer):
 
     runs_model = True
 
-    def __init__(self, head: Eagle3Head, target: ModelRunner, min_confidence: float = MIN_CONFIDENCE,
-                 tree_width: int = 1):
+    def __init__(
+        self, head: Eagle3Head, target: ModelRunner, min_confidence: float = MIN_CONFIDENCE, tree_width: int = 1
+    ):
         self.head = head
         self.min_confidence = min_confidence
         self.tree_width = tree_width  # 1: chains
@@ -116,8 +116,9 @@ class Eagle3Proposer(Proposer):
                 break
             # Draft d (1-based) is the token at position num_tokens + d - 1; the head reads it one position
             # earlier (at p, the token at p + 1), with its own pre-norm output at the position before as feature.
-            chunks = [SequenceChunk([drafts[i][-1]], states[i].num_tokens + depth - 2, states[i].block_table)
-                      for i in rows]
+            chunks = [
+                SequenceChunk([drafts[i][-1]], states[i].num_tokens + depth - 2, states[i].block_table) for i in rows
+            ]
             normed, prenorm = self._run(chunks, torch.stack([features[i] for i in rows]))
             for row, (i, token, probability) in enumerate(zip(rows, *self.head.draft_tokens(normed))):
                 drafts[i].append(token)
@@ -131,16 +132,20 @@ class Eagle3Proposer(Proposer):
         active = [i for i, k in enumerate(num_drafts) if k > 0 and states[i].request_id in self._next]
         # Per sequence, the candidates: (parent candidate or -1, token, confidence, depth).
         nexts = {i: self._next[states[i].request_id] for i in active}
-        candidates = {i: [(-1, token, p, 1) for token, p in _distinct(nexts[i].top_drafts,
-                                                                      nexts[i].top_probabilities)[:widths[i]]]
-                      for i in active}
+        candidates = {
+            i: [
+                (-1, token, p, 1)
+                for token, p in _distinct(nexts[i].top_drafts, nexts[i].top_probabilities)[: widths[i]]
+            ]
+            for i in active
+        }
         expanded = {i: {} for i in active}  # candidate -> (its row's position in the cache, its path, pre-norm)
         for depth in range(1, max((num_drafts[i] for i in active), default=0)):
             level = {}
             for i in active:
                 room = num_drafts[i] - 1 - len(expanded[i])
                 newest = [n for n, (_, _, p, d) in enumerate(candidates[i]) if d == depth and p >= self.min_confidence]
-                level[i] = sorted(newest, key=lambda n: -candidates[i][n][2])[:min(widths[i], room)]
+                level[i] = sorted(newest, key=lambda n: -candidates[i][n][2])[: min(widths[i], room)]
             rows = [(i, n) for i in active for n in level[i]]
             if not rows:
                 break
@@ -149,16 +154,21 @@ class Eagle3Proposer(Proposer):
             for row, (i, n) in enumerate(rows):
                 expanded[i][n] = (*expanded[i][n][:2], prenorm[row])
                 confidence = candidates[i][n][2]
-                candidates[i] += [(n, token, confidence * p, depth + 1)
-                                  for token, p in _distinct(tops[row], probabilities[row])[:widths[i]]]
+                candidates[i] += [
+                    (n, token, confidence * p, depth + 1)
+                    for token, p in _distinct(tops[row], probabilities[row])[: widths[i]]
+                ]
         drafts, parents, scores = [[] for _ in states], [None] * len(states), [0.0] * len(states)
         ranks: list[list[int] | None] = [None] * len(states)
         for i in active:
             kept = [n for n, (_, _, p, _) in enumerate(candidates[i]) if n == 0 or p >= self.min_confidence]
             index = {n: j for j, n in enumerate(kept)}  # kept candidates' parents are kept (more confident)
-            tree = best_nodes([index.get(candidates[i][n][0], -1) for n in kept],
-                              [candidates[i][n][1] for n in kept], [candidates[i][n][2] for n in kept],
-                              num_drafts[i])
+            tree = best_nodes(
+                [index.get(candidates[i][n][0], -1) for n in kept],
+                [candidates[i][n][1] for n in kept],
+                [candidates[i][n][2] for n in kept],
+                num_drafts[i],
+            )
             drafts[i], scores[i] = tree.token_ids, tree.score
             if widths[i] > 1:  # width 1: the chain it is
                 parents[i], ranks[i] = tree.parents, tree.ranks
@@ -187,8 +197,9 @@ class Eagle3Proposer(Proposer):
         batch = pack(chunks, self.head.kv_cache, self.head.device)
         starts = batch.metadata.query_start_loc.tolist()[:-1]
         batch.metadata.trees = DraftTrees.from_paths(starts, prefix_lens, paths).to(self.head.device)
-        return self.head(batch.input_ids, torch.tensor(positions, device=self.head.device), torch.stack(features),
-                         batch.metadata)
+        return self.head(
+            batch.input_ids, torch.tensor(positions, device=self.head.device), torch.stack(features), batch.metadata
+        )
 
     def after_step(self, states: list[RequestState], chunks: list[SequenceChunk], num_committed: list[int]) -> None:
         """Keeps the features of the positions the target committed in this step, and catches the head up on
@@ -198,7 +209,7 @@ class Eagle3Proposer(Proposer):
         for state, chunk, num in zip(states, chunks, num_committed):
             if num > 0:
                 pending = self._pending.setdefault(state.request_id, [])
-                pending.append(aux[offset:offset + num].clone())  # positions chunk.start_pos .. + num - 1
+                pending.append(aux[offset : offset + num].clone())  # positions chunk.start_pos .. + num - 1
                 self._next.pop(state.request_id, None)
                 waiting = state.num_computed_tokens - state.num_draft_computed_tokens
                 if state.request_id in self._drafted or waiting >= CATCH_UP_EVERY:
@@ -220,23 +231,31 @@ class Eagle3Proposer(Proposer):
             # Position p reads the token at p + 1 (known for every committed position: the prompt's, or a sample).
             # One token past the committed ones (a decode's pending token): the next step may draft after it.
             drafts_next = state.num_tokens == end + 1
-            head_chunks.append(SequenceChunk(state.token_ids[start + 1:end + 1], start, state.block_table,
-                                             num_logits=1 if drafts_next else 0))
+            head_chunks.append(
+                SequenceChunk(
+                    state.token_ids[start + 1 : end + 1], start, state.block_table, num_logits=1 if drafts_next else 0
+                )
+            )
             features.append(rows)
             state.num_draft_computed_tokens = end
         normed, prenorm = self._run(head_chunks, self.head.features(torch.cat(features)), last_rows=True)
         if not len(normed):  # no sequence drafts after these positions yet (a prompt still prefilling)
             return
         tokens, probabilities = self.head.draft_tokens(normed)
-        tops, top_probabilities = ([[t] for t in tokens], [[p] for p in probabilities]) if self.tree_width == 1 \
+        tops, top_probabilities = (
+            ([[t] for t in tokens], [[p] for p in probabilities])
+            if self.tree_width == 1
             else self.head.top_draft_tokens(normed, self.tree_width)
+        )
         drafting = [state for state, chunk in zip(states, head_chunks) if chunk.num_logits]
         for row, state in enumerate(drafting):
-            self._next[state.request_id] = _Next(tokens[row], probabilities[row], prenorm[row], tops[row],
-                                                 top_probabilities[row])
+            self._next[state.request_id] = _Next(
+                tokens[row], probabilities[row], prenorm[row], tops[row], top_probabilities[row]
+            )
 
-    def _run(self, chunks: list[SequenceChunk], features: torch.Tensor,
-             last_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(
+        self, chunks: list[SequenceChunk], features: torch.Tensor, last_rows: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over packed chunks; returns (normed, pre-norm) of every row, or (`last_rows`) only of the
         last row of each chunk with num_logits, the others only writing their K/V."""
         batch = pack(chunks, self.head.kv_cache, features.device)

@@ -14,8 +14,9 @@ from worker_service.speculation.proposers.trees import DraftTree, draft_width, g
 MAX_TREE_MATCHES = 16  # the latest occurrences a tree's continuations come from
 
 
-def propose_ngram(token_ids: list[int] | np.ndarray, ngram_min: int, ngram_max: int,
-                  num_drafts: int) -> tuple[list[int], int]:
+def propose_ngram(
+    token_ids: list[int] | np.ndarray, ngram_min: int, ngram_max: int, num_drafts: int
+) -> tuple[list[int], int]:
     """Up to `num_drafts` tokens that followed the most recent earlier match of the sequence's suffix, and the
     match's length n (0: no drafts).
 
@@ -27,11 +28,12 @@ def propose_ngram(token_ids: list[int] | np.ndarray, ngram_min: int, ngram_max: 
     if num_drafts <= 0:
         return [], 0
     starts, n = _follower_starts(tokens, ngram_min, ngram_max)
-    return (tokens[starts[0]: starts[0] + num_drafts].tolist(), n) if len(starts) else ([], 0)
+    return (tokens[starts[0] : starts[0] + num_drafts].tolist(), n) if len(starts) else ([], 0)
 
 
-def propose_ngram_tree(token_ids: list[int], ngram_min: int, ngram_max: int, max_nodes: int,
-                       max_width: int) -> tuple[DraftTree, int]:
+def propose_ngram_tree(
+    token_ids: list[int], ngram_min: int, ngram_max: int, max_nodes: int, max_width: int
+) -> tuple[DraftTree, int]:
     """A tree of the continuations of the latest matches of the longest matching suffix (module docstring),
     and the match's length n (0: no drafts)."""
     tokens = token_ids
@@ -56,7 +58,7 @@ def _follower_starts(tokens: np.ndarray, ngram_min: int, ngram_max: int) -> tupl
     num_tokens = len(tokens)
     for n in range(min(ngram_max, num_tokens - 1), ngram_min - 1, -1):
         windows = sliding_window_view(tokens[: num_tokens - 1], n)  # [num_tokens-n, n]: starts 0.. with a follower
-        matches = np.flatnonzero((windows == tokens[num_tokens - n:]).all(axis=1))
+        matches = np.flatnonzero((windows == tokens[num_tokens - n :]).all(axis=1))
         if len(matches):
             return matches[::-1] + n, n
     return np.zeros(0, dtype=np.int64), 0
@@ -74,10 +76,13 @@ class NgramProposer(Proposer):
 
     def propose(self, states, num_drafts: list[int]) -> Proposal:
         found = [self._propose_one(s, k) for s, k in zip(states, num_drafts)]
-        return Proposal([tree.token_ids for tree, _ in found], scores=[tree.score for tree, _ in found],
-                        match_lengths=[n for _, n in found],
-                        parents=[tree.parents if tree.parents and tree.token_ids else None for tree, _ in found],
-                        ranks=[tree.ranks for tree, _ in found])
+        return Proposal(
+            [tree.token_ids for tree, _ in found],
+            scores=[tree.score for tree, _ in found],
+            match_lengths=[n for _, n in found],
+            parents=[tree.parents if tree.parents and tree.token_ids else None for tree, _ in found],
+            ranks=[tree.ranks for tree, _ in found],
+        )
 
     def _propose_one(self, state, k: int) -> tuple[DraftTree, int]:
         """A tree where the sequence's width this step is > 1, else a chain (a DraftTree without parents)."""

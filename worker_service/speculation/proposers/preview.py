@@ -32,12 +32,12 @@ from worker_service.speculation.proposers.trees import first_ranks
 @dataclass
 class _Kept:
     num_tokens: int  # the sequence's token count when it was looked up
-    num_asked: int   # the most drafts it was looked up for
+    num_asked: int  # the most drafts it was looked up for
     drafts: list[int]
     match_length: int
     parents: list[int] | None  # a tree's (its first k rows, depth first, are a tree too)
     ranks: list[int] | None
-    width: int       # the sequence's draft_tree_width then: a step of another width looks up afresh
+    width: int  # the sequence's draft_tree_width then: a step of another width looks up afresh
 
 
 class PreviewingProposer(Proposer):
@@ -52,10 +52,18 @@ class PreviewingProposer(Proposer):
         """Looks up each state's next draft (up to max_drafts[i] tokens) and keeps it for the next step."""
         proposal = self.proposer.propose(states, max_drafts)
         previews = []
-        for i, (state, k, drafts, match_length) in enumerate(zip(states, max_drafts, proposal.draft_token_ids,
-                                                                 proposal.match_lengths)):
-            self._kept[state.request_id] = _Kept(state.num_tokens, k, drafts, match_length, proposal.parents_of(i),
-                                                 proposal.ranks_of(i), state.draft_tree_width)
+        for i, (state, k, drafts, match_length) in enumerate(
+            zip(states, max_drafts, proposal.draft_token_ids, proposal.match_lengths)
+        ):
+            self._kept[state.request_id] = _Kept(
+                state.num_tokens,
+                k,
+                drafts,
+                match_length,
+                proposal.parents_of(i),
+                proposal.ranks_of(i),
+                state.draft_tree_width,
+            )
             previews.append(DraftPreview(len(drafts), match_length))
         return previews
 
@@ -69,11 +77,15 @@ class PreviewingProposer(Proposer):
             kept = self._kept.pop(state.request_id, None)
             if k <= 0:
                 continue
-            if (kept is not None and kept.num_tokens == state.num_tokens and k <= kept.num_asked
-                    and kept.width == state.draft_tree_width):
+            if (
+                kept is not None
+                and kept.num_tokens == state.num_tokens
+                and k <= kept.num_asked
+                and kept.width == state.draft_tree_width
+            ):
                 drafts[i], match_lengths[i] = kept.drafts[:k], kept.match_length
                 if kept.parents is not None:
-                    parents[i] = kept.parents[:len(drafts[i])]
+                    parents[i] = kept.parents[: len(drafts[i])]
                     ranks[i] = first_ranks(kept.ranks, len(drafts[i])) if kept.ranks is not None else None
             else:
                 ask.append(i)

@@ -80,7 +80,7 @@ class Draft:
     seq_ids: set[int] = field(default_factory=set)
     match_len: int = 0  # the longest candidate match behind it (0: no draft)
     parents: list[int] | None = None  # a tree: each token's parent row (0: the root); None: a chain
-    ranks: list[int] | None = None    # a tree: the order its rows were chosen in (proposers/trees.py)
+    ranks: list[int] | None = None  # a tree: the order its rows were chosen in (proposers/trees.py)
 
 
 @dataclass(slots=True)
@@ -89,7 +89,7 @@ class Candidate:
 
     match_len: int
     seq: list[int]
-    end: int          # seq[end] is the first following token
+    end: int  # seq[end] is the first following token
     seq_id: int
 
 
@@ -114,9 +114,9 @@ class TokenIndex:
             for n in KEY_TOKENS:
                 if end < n:
                     break
-                key = tuple(seq[end - n: end])
+                key = tuple(seq[end - n : end])
                 positions = self._occurrences.get(key, ())
-                self._occurrences[key] = positions[1 - MAX_POSITIONS_PER_KEY:] + (base | end,)
+                self._occurrences[key] = positions[1 - MAX_POSITIONS_PER_KEY :] + (base | end,)
 
     def remove(self, seq_id: int) -> None:
         """Forgets a sequence and its occurrences."""
@@ -127,7 +127,7 @@ class TokenIndex:
             for n in KEY_TOKENS:
                 if end < n:
                     break
-                key = tuple(seq[end - n: end])
+                key = tuple(seq[end - n : end])
                 positions = self._occurrences.get(key)
                 if positions and base | end in positions:  # it may have been pushed out by newer occurrences
                     rest = tuple(p for p in positions if p != base | end)
@@ -155,7 +155,7 @@ class TokenIndex:
 def _match_len(seq: list[int], end: int, tail: list[int], num_known: int) -> int:
     """How many tokens before seq[end] equal the end of `tail` (its last `num_known` are known to)."""
     limit = min(end, len(tail))
-    if seq[end - limit: end] == tail[len(tail) - limit:]:
+    if seq[end - limit : end] == tail[len(tail) - limit :]:
         return limit
     m = num_known
     while seq[end - 1 - m] == tail[-1 - m]:  # stops before `limit`: the full comparison failed
@@ -206,8 +206,10 @@ def votes(live: list[Candidate], i: int) -> list[tuple[int, float, list[Candidat
         if c.match_len == longest:
             counts[c.seq[c.end + i]] = counts.get(c.seq[c.end + i], 0) + 1
     total = sum(counts.values())
-    return [(token, n / total, [c for c in live if c.seq[c.end + i] == token])
-            for token, n in sorted(counts.items(), key=lambda item: -item[1])]
+    return [
+        (token, n / total, [c for c in live if c.seq[c.end + i] == token])
+        for token, n in sorted(counts.items(), key=lambda item: -item[1])
+    ]
 
 
 def _voters(live: list[Candidate]) -> set[int]:
@@ -221,20 +223,20 @@ def walk_tree(candidates: list[Candidate], max_nodes: int, max_width: int) -> Dr
     if not candidates:
         return Draft()
     match_len = max(c.match_len for c in candidates)
-    tree = grow_tree(votes, candidates, max_nodes, math.ceil(MAX_SPEC_FACTOR * match_len), max_width,
-                     MIN_TOKEN_PROB)
+    tree = grow_tree(votes, candidates, max_nodes, math.ceil(MAX_SPEC_FACTOR * match_len), max_width, MIN_TOKEN_PROB)
     if not tree.token_ids:
         return Draft()
-    return Draft(tree.token_ids, tree.score, set().union(*map(_voters, tree.states)), match_len, tree.parents,
-                 tree.ranks)
+    return Draft(
+        tree.token_ids, tree.score, set().union(*map(_voters, tree.states)), match_len, tree.parents, tree.ranks
+    )
 
 
 def _unanimous(live: list[Candidate], i: int, max_tokens: int) -> list[int]:
     """The continuation from step i that every candidate shares, as far as the first one goes; [] if none."""
     first = live[0]
-    rest = first.seq[first.end + i: first.end + max_tokens]
+    rest = first.seq[first.end + i : first.end + max_tokens]
     for c in live[1:]:
-        if c.seq[c.end + i: c.end + i + len(rest)] != rest:
+        if c.seq[c.end + i : c.end + i + len(rest)] != rest:
             return []
     return rest
 
@@ -257,7 +259,7 @@ class OutputCache:
     def add(self, request_id: str, output: list[int]) -> None:
         """Holds this output (replacing the request's earlier one), evicting the least recently used."""
         self.discard(request_id)
-        output = output[max(len(output) - self.max_tokens, 0):]
+        output = output[max(len(output) - self.max_tokens, 0) :]
         if len(output) <= MIN_MATCH_TOKENS:  # no key with a following token
             return
         while self.index.num_tokens + len(output) > self.max_tokens:
@@ -292,9 +294,13 @@ class SuffixProposer(Proposer):
 
     def propose(self, states: list[RequestState], num_drafts: list[int]) -> Proposal:
         drafts = [self._propose_one(s, k) if k > 0 else Draft() for s, k in zip(states, num_drafts)]
-        return Proposal([d.token_ids for d in drafts], scores=[d.score for d in drafts],
-                        match_lengths=[d.match_len for d in drafts], parents=[d.parents for d in drafts],
-                        ranks=[d.ranks for d in drafts])
+        return Proposal(
+            [d.token_ids for d in drafts],
+            scores=[d.score for d in drafts],
+            match_lengths=[d.match_len for d in drafts],
+            parents=[d.parents for d in drafts],
+            ranks=[d.ranks for d in drafts],
+        )
 
     @staticmethod
     def _walk(candidates: list[Candidate], k: int, width: int) -> Draft:
@@ -302,7 +308,7 @@ class SuffixProposer(Proposer):
 
     def _propose_one(self, state: RequestState, k: int) -> Draft:
         own = self._own.setdefault(state.request_id, TokenIndex())
-        own.extend(0, state.token_ids[own.num_tokens:])
+        own.extend(0, state.token_ids[own.num_tokens :])
         tail = state.token_ids[-MAX_MATCH_TOKENS:]
         width = draft_width(state, self.tree_width)
         best = self._walk(own.candidates(tail), k, width)
@@ -318,4 +324,4 @@ class SuffixProposer(Proposer):
         for state in states:
             self._own.pop(state.request_id, None)
             if self.outputs is not None:
-                self.outputs.add(state.request_id, state.token_ids[state.num_prompt_tokens:])
+                self.outputs.add(state.request_id, state.token_ids[state.num_prompt_tokens :])

@@ -37,11 +37,11 @@ Expand = Callable[[Any, int], list[tuple[int, float, Any]]]
 
 @dataclass
 class DraftTree:
-    token_ids: list[int] = field(default_factory=list)    # rows 1..n, depth first, likeliest child first
-    parents: list[int] = field(default_factory=list)      # each row's parent row (0: the root)
+    token_ids: list[int] = field(default_factory=list)  # rows 1..n, depth first, likeliest child first
+    parents: list[int] = field(default_factory=list)  # each row's parent row (0: the root)
     confidences: list[float] = field(default_factory=list)
-    states: list[Any] = field(default_factory=list)       # each node's state (what expand made of it)
-    ranks: list[int] = field(default_factory=list)        # the order each row was chosen in (1: first)
+    states: list[Any] = field(default_factory=list)  # each node's state (what expand made of it)
+    ranks: list[int] = field(default_factory=list)  # the order each row was chosen in (1: first)
 
     @property
     def score(self) -> float:
@@ -49,8 +49,9 @@ class DraftTree:
         return sum(self.confidences)
 
 
-def grow_tree(expand: Expand, root: Any, max_nodes: int, max_depth: int, max_width: int,
-              min_confidence: float) -> DraftTree:
+def grow_tree(
+    expand: Expand, root: Any, max_nodes: int, max_depth: int, max_width: int, min_confidence: float
+) -> DraftTree:
     """The most confident nodes under `root` (see the module docstring)."""
     order = itertools.count()  # ties: the earlier pushed (a likelier sibling, or a shallower node) first
     heap: list = []
@@ -77,8 +78,9 @@ def best_nodes(parents: list[int], token_ids: list[int], confidences: list[float
     root, and no more confident than it), as a tree numbered depth first."""
     ranked = sorted(range(len(parents)), key=lambda n: (-confidences[n], n))[:max_nodes]
     index_of = {n: j for j, n in enumerate(sorted(ranked))}  # the chosen in candidate order: parents first
-    chosen = [(index_of[parents[n]] if parents[n] >= 0 else -1, token_ids[n], confidences[n], n)
-              for n in sorted(ranked)]
+    chosen = [
+        (index_of[parents[n]] if parents[n] >= 0 else -1, token_ids[n], confidences[n], n) for n in sorted(ranked)
+    ]
     assert all(parents[n] < 0 or parents[n] in index_of for n in ranked), "a chosen node's parent was not chosen"
     return _depth_first(chosen)
 
@@ -145,8 +147,9 @@ def tree_matching(token_ids: list[int], parents: list[int], emitted: list[int]) 
     them): the drafts the target accepted, or would have had the tree been scored."""
     node, depth = 0, 0
     while depth < len(emitted):
-        child = next((j + 1 for j, parent in enumerate(parents) if parent == node and token_ids[j] == emitted[depth]),
-                     None)
+        child = next(
+            (j + 1 for j, parent in enumerate(parents) if parent == node and token_ids[j] == emitted[depth]), None
+        )
         if child is None:
             break
         node, depth = child, depth + 1
