@@ -9,7 +9,6 @@ processes (tests/processes.py).
 
 import contextlib
 from dataclasses import replace
-import os
 import queue
 import threading
 from unittest import mock
@@ -19,6 +18,7 @@ import torch
 from scheduler_service.process import flags as scheduler_flags
 from scheduler_service.process import main as scheduler_main
 from specdec.cli import build_parser
+from specdec.cli.serve import worker_num_threads
 from specdec.metrics_server import start_metrics_server
 from tests.e2e.client import Server
 from worker_service.runtime import default_model as models
@@ -136,8 +136,7 @@ def serve_in_process(argv: list[str]):
     args = build_parser().parse_args(["serve", "--port", "0", *argv])
     model_dir = str(models.resolve_model(args.model))
     options = scheduler_flags.options_from_args(args, model_dir, ["127.0.0.1:0"], models.model_name(args.model))
-    num_threads = args.num_threads or max(1, (os.cpu_count() or 1) // args.num_workers)
-    config = worker_flags.config_from_args(args, model_dir, num_threads)
+    config = worker_flags.config_from_args(args, model_dir, worker_num_threads(args))
     threads_before = torch.get_num_threads()  # build_worker sets torch's (process-wide) thread count
     workers: list[InProcessWorker] = []
     try:

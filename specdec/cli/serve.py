@@ -105,8 +105,12 @@ class WorkerProcess:
         print(f"[worker {self.index}] {line}", end="", file=sys.stderr)
 
 
+def worker_num_threads(args: argparse.Namespace) -> int:
+    """Each worker's torch threads: --num-threads, else the cores shared evenly among --num-workers."""
+    return args.num_threads or max(1, (os.cpu_count() or 1) // args.num_workers)
+
+
 def _worker_argv(args: argparse.Namespace, model_dir: str) -> list[str]:
-    num_threads = args.num_threads or max(1, (os.cpu_count() or 1) // args.num_workers)
     return [
         "--log-level",
         args.log_level,
@@ -118,7 +122,7 @@ def _worker_argv(args: argparse.Namespace, model_dir: str) -> list[str]:
         "--model",
         model_dir,
         "--num-threads",
-        str(num_threads),
+        str(worker_num_threads(args)),
         *worker_flags.forwarded_argv(args),
     ]
 

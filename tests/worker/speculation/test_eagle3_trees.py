@@ -5,7 +5,7 @@ output equal to plain decoding's: tests/worker/speculation/test_eagle3.py, greed
 import torch
 
 from tests.worker.driver import Driver
-from tests.worker.speculation.test_eagle3 import (  # the fixtures head_dir and repeating_head_dir too
+from tests.worker.speculation.test_eagle3 import (  # noqa: F401 - the fixtures head_dir, repeating_head_dir
     BLOCK_SIZE,
     NUM_BLOCKS,
     PROMPTS,
