@@ -83,7 +83,24 @@ def workload(request) -> Workload:
     return Workload(path, path, chat_prompts(path, QUESTIONS), 32, 16, 100)
 
 
-def make_worker(work: Workload, dtype: str, proposer: str = "none", k: int = 0) -> Worker:
+@pytest.fixture(scope="module")
+def runners():
+    """The module's loaded models by (role, path, dtype, device): each is loaded once (SmolLM2 takes ~3 s a
+    dtype) and freed with the module. A target and a draft from one file stay two runners, two KV caches."""
+    loaded: dict[tuple, ModelRunner] = {}
+    yield loaded
+    loaded.clear()
+
+
+def runner(runners: dict, role: str, path: pathlib.Path, dtype: str, device: str) -> ModelRunner:
+    """A runner for a new Worker (the Worker allocates its KV cache afresh; the worker before it is done)."""
+    key = (role, str(path), dtype, device)
+    if key not in runners:
+        runners[key] = ModelRunner(load_model(path, dtype, device))
+    return runners[key]
+
+
+def make_worker(work: Workload, runners: dict, dtype: str, proposer: str = "none", k: int = 0) -> Worker:
     config = WorkerConfig(
         model=str(work.target_path),
         dtype=dtype,
@@ -92,8 +109,8 @@ def make_worker(work: Workload, dtype: str, proposer: str = "none", k: int = 0) 
         draft_model=str(work.draft_path) if proposer == "draft" else None,
         device=work.device,
     )
-    draft = ModelRunner(load_model(work.draft_path, dtype, work.device)) if proposer == "draft" else None
-    worker = Worker(config, ModelRunner(load_model(work.target_path, dtype, work.device)), draft)
+    draft = runner(runners, "draft", work.draft_path, dtype, work.device) if proposer == "draft" else None
+    worker = Worker(config, runner(runners, "target", work.target_path, dtype, work.device), draft)
     worker.init_cache(work.num_blocks, work.block_size)
     return worker
 
@@ -114,9 +131,9 @@ def runs_on(dtype: str, device: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def plain(workload):
+def plain(workload, runners):
     return {
-        dtype: generate(workload, make_worker(workload, dtype), [0] * len(workload.prompts))[0]
+        dtype: generate(workload, make_worker(workload, runners, dtype), [0] * len(workload.prompts))[0]
         for dtype in DTYPES
         if runs_on(dtype, workload.device)
     }
@@ -130,10 +147,10 @@ def plain(workload):
     indirect=["workload"],
     scope="module",
 )
-def test_greedy_speculation_is_token_identical_to_plain_decoding(workload, plain, proposer, k, dtype):
+def test_greedy_speculation_is_token_identical_to_plain_decoding(workload, runners, plain, proposer, k, dtype):
     if not runs_on(dtype, workload.device):
         pytest.skip(f"{dtype} runs on the CPU only")
-    got, results = generate(workload, make_worker(workload, dtype, proposer, k), mixed_ks(k))
+    got, results = generate(workload, make_worker(workload, runners, dtype, proposer, k), mixed_ks(k))
     assert got == plain[dtype]
     outputs = [o for r in results for o in r.outputs]
     assert sum(o.num_draft_tokens for o in outputs) > 0  # speculation really happened
@@ -146,7 +163,7 @@ def test_greedy_speculation_is_token_identical_to_plain_decoding(workload, plain
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "q4_1"])
 @pytest.mark.parametrize("workload", WORKLOADS, indirect=True, scope="module")
-def test_speculation_differs_with_a_batch_dependent_linear(workload, plain, monkeypatch, dtype):
+def test_speculation_differs_with_a_batch_dependent_linear(workload, runners, plain, monkeypatch, dtype):
     """The check above has teeth: when the linear layers' rows change with the number of rows in the call
     (as a library GEMM's blocking may make them), speculation changes some outputs of this very workload.
     The perturbation is built here, so the teeth do not depend on this machine's libraries."""
@@ -166,7 +183,7 @@ def test_speculation_differs_with_a_batch_dependent_linear(workload, plain, monk
     monkeypatch.setattr(cpu_llama, "project", batch_dependent_project)
     differ = 0
     for proposer, k in [("ngram", 3), ("ngram", 5), ("draft", 3), ("draft", 5)]:
-        got, _ = generate(workload, make_worker(workload, dtype, proposer, k), mixed_ks(k))
+        got, _ = generate(workload, make_worker(workload, runners, dtype, proposer, k), mixed_ks(k))
         differ += sum(a != b for a, b in zip(got, plain[dtype]))
         if differ:
             break
