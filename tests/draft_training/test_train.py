@@ -15,6 +15,7 @@ from draft_training import dataset
 from draft_training.recipe import TrainConfig
 from draft_training.train import run
 from draft_training.trainer import Trainer, autocast_dtype
+from specdec.cli import build_parser
 from tests.tiny_models import save_tiny_eagle3_head
 from tests.worker.driver import Driver
 from tests.worker.speculation.test_eagle3 import BLOCK_SIZE, NUM_BLOCKS, make_worker
@@ -158,8 +159,19 @@ def run_cli(*args) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("case", ["unreadable", "empty", "no-target"])
-def test_bad_input_fails_with_one_clear_line(tiny_pair, tmp_path, case):
+def run_in_process(capsys, *args) -> subprocess.CompletedProcess:
+    """`specdec train-draft ARGS`'s handler, in this process (the same parser and handler; `main`'s logging
+    setup and the interpreter's exit are the subprocess case's subject)."""
+    parsed = build_parser().parse_args(["train-draft", *args])
+    code = parsed.func(parsed)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+
+# One case as a real `python -m specdec` process: the exit status and stderr a user sees; the others run the
+# same handler in this process (a process start imports torch, ~6 s).
+@pytest.mark.parametrize("case, in_process", [("unreadable", True), ("empty", True), ("no-target", False)])
+def test_bad_input_fails_with_one_clear_line(tiny_pair, tmp_path, capsys, case, in_process):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     args = {
@@ -167,7 +179,8 @@ def test_bad_input_fails_with_one_clear_line(tiny_pair, tmp_path, case):
         "empty": ["--model", str(tiny_pair.target_path), "--sources", "none", "--prompts", str(empty)],
         "no-target": ["--model", str(tmp_path / "no-model")],
     }[case]
-    result = run_cli(*args, "--output", str(tmp_path / "out"), "--device", "cpu")
+    args += ["--output", str(tmp_path / "out"), "--device", "cpu"]
+    result = run_in_process(capsys, *args) if in_process else run_cli(*args)
     expected = {
         "unreadable": "cannot read prompts from",
         "empty": "no prompts in it",
