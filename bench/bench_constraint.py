@@ -5,7 +5,7 @@
 For each JSON schema of bench_structured.py, a valid record is tokenized with
 the default model's tokenizer and walked token by token as a constrained
 plain step walks it: the grammar's mask for the next position
-(worker_service/structured.masks), applying it to a row of logits
+(worker_service/speculation/structured.masks), applying it to a row of logits
 (apply_masks: the C kernel of kernels/token_bitmask.py; "apply_ref" its
 PyTorch reference, for comparison), the tokens the grammar forces next (forced_tokens) and
 advancing the matcher over the emitted token (advance). Prints ms per token

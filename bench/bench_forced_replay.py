@@ -5,7 +5,7 @@
 Generates the constrained greedy answers of bench_structured.py's JSON-extraction jobs once (one
 `specdec serve --proposer none`), then replays each answer step by step as a speculating worker would
 draft it, with n-gram prompt lookup (the worker's propose_ngram, its default n = 1..4) and the grammar's
-forced tokens (worker_service/structured.forced_tokens), at a fixed k per step. A draft is accepted while
+forced tokens (worker_service/speculation/structured.forced_tokens), at a fixed k per step. A draft is accepted while
 it equals the answer's next token (greedy: the answer *is* the target's choice), so the replay counts the
 steps each drafting scheme takes without running the target. Schemes, per step:
 

@@ -11,6 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from kernels import layer_ops_cpu
 from tests.tiny_models import tiny_llama
+from worker_service.runtime import backends
 from worker_service.runtime.backends.cpu_llama import CpuLlamaForward
 from worker_service.runtime.backends.transformers_layers import TransformersForward
 from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
@@ -144,9 +145,8 @@ def test_fast_forward_logits_equal_the_transformers_forward(request, model, dtyp
     fast = ModelRunner(load_model(path, name))
     reference = ModelRunner(load_model(path, name))
     assert fast.backend.name == "cpu_llama"
-    reference.backend = TransformersForward(
-        reference.model
-    )  # transformers' decoder layers, on the same kernels for linears and attention
+    # transformers' decoder layers, on the same kernels for linears and attention
+    reference.backend = TransformersForward(reference.model)
     for ours, theirs in zip(_run(fast, 0), _run(reference, 0)):
         # fp32: only sum orders differ (RMSNorm's mean); bf16/fp16: that, carried through the layers in the
         # dtype's rounding, so a tolerance of a few of its ulps at the logits' magnitude.
@@ -165,3 +165,18 @@ def test_other_models_keep_the_transformers_forward(tiny_pair):
     assert "hidden_act gelu" in CpuLlamaForward.supports(gelu)
     runner.model.config.model_type = "mistral"
     assert "mistral" in CpuLlamaForward.supports(runner.model)
+
+
+def test_the_runner_chooses_its_backend_in_one_place(tiny_pair):
+    """backends.choose: the first backend that covers the model; build: a named one, or why it cannot."""
+    model = load_model(tiny_pair.target_path, "float32")
+    assert ModelRunner(model).backend.name == "cpu_llama"
+    assert ModelRunner(load_model(tiny_pair.target_path, "float32"), backend="transformers").backend.name == (
+        "transformers"
+    )
+    model.config.model_type = "mistral"  # a model the CPU Llama forward does not cover
+    assert backends.choose(model).name == "transformers"
+    with pytest.raises(ValueError, match="the cpu_llama forward does not cover this model: a mistral model"):
+        backends.build("cpu_llama", model)
+    with pytest.raises(ValueError, match="unknown forward backend 'gpu'"):
+        backends.build("gpu", model)
