@@ -5,7 +5,21 @@ from specdec.v1 import worker_pb2 as pb
 
 
 def _sampling_to_proto(s: step.RequestSampling) -> pb.RequestSampling:
-    return pb.RequestSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, logprobs=s.logprobs)
+    return pb.RequestSampling(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        logprobs=s.logprobs,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=None if s.repetition_penalty == 1 else s.repetition_penalty,
+        logit_bias=dict(s.logit_bias),
+        min_tokens=s.min_tokens,
+        stop_token_ids=s.stop_token_ids,
+        top_logprobs=s.top_logprobs,
+    )
 
 
 def _sampling_from_proto(m: pb.RequestSampling, request_id: str) -> step.RequestSampling:
@@ -17,6 +31,14 @@ def _sampling_from_proto(m: pb.RequestSampling, request_id: str) -> step.Request
             top_k=m.top_k,
             seed=m.seed if m.HasField("seed") else None,
             logprobs=m.logprobs,
+            min_p=m.min_p,
+            presence_penalty=m.presence_penalty,
+            frequency_penalty=m.frequency_penalty,
+            repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+            logit_bias=tuple(sorted(m.logit_bias.items())),
+            min_tokens=m.min_tokens,
+            stop_token_ids=tuple(m.stop_token_ids),
+            top_logprobs=m.top_logprobs,
         )
     except ValueError as exc:
         raise ValueError(f"request {request_id!r}: {exc}") from exc
@@ -95,6 +117,7 @@ def step_result_to_proto(r: step.StepResult) -> pb.ExecuteModelResponse:
             request_id=o.request_id,
             token_ids=o.token_ids,
             logprobs=o.logprobs,
+            top_logprobs=[pb.TopTokenLogprobs(token_ids=t.token_ids, logprobs=t.logprobs) for t in o.top_logprobs],
             num_draft_tokens=o.num_draft_tokens,
             num_accepted_tokens=o.num_accepted_tokens,
             num_kv_written_tokens=o.num_kv_written_tokens,
@@ -125,6 +148,7 @@ def step_result_from_proto(m: pb.ExecuteModelResponse) -> step.StepResult:
             request_id=o.request_id,
             token_ids=list(o.token_ids),
             logprobs=list(o.logprobs),
+            top_logprobs=[step.TopLogprobs(list(t.token_ids), list(t.logprobs)) for t in o.top_logprobs],
             num_draft_tokens=o.num_draft_tokens,
             num_accepted_tokens=o.num_accepted_tokens,
             num_kv_written_tokens=o.num_kv_written_tokens,

@@ -10,14 +10,35 @@ import math
 MAX_SEED = 2**64 - 1  # seeds are uint64 on the wire
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_LOGIT_BIAS_ENTRIES = 1024
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence_penalty / frequency_penalty
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+
+
+def _is_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class RequestSampling:
     """How one request samples: the single validated type on both sides of the wire.
 
-    ``temperature == 0`` is greedy decoding; ``top_k == 0`` and ``top_p == 1``
-    switch those filters off; ``seed`` keys the request's randomness (``None``:
-    the scheduler or worker picks one); ``logprobs`` asks for the log-probability
-    of every emitted token. Raises ``ValueError`` with a message a user can act on.
+    ``temperature == 0`` is greedy decoding; ``top_k == 0``, ``top_p == 1`` and
+    ``min_p == 0`` switch those filters off; ``seed`` keys the request's
+    randomness (``None``: the scheduler or worker picks one); ``logprobs`` asks
+    for the log-probability of every emitted token, ``top_logprobs`` for that
+    many of the likeliest tokens at each emitted position too.
+
+    Logits processing (worker_service/speculation/logits_processing.py), per
+    sampled position and along each draft's own prefix: ``min_tokens`` forbids
+    ``stop_token_ids`` (the tokens that would end the request: EOS unless
+    ignored, and the request's stop tokens) until that many tokens are out;
+    ``logit_bias`` adds to given tokens' logits; ``repetition_penalty`` (> 1
+    discourages) scales the logits of tokens in the prompt or output;
+    ``frequency_penalty`` subtracts per occurrence in the output and
+    ``presence_penalty`` once for any occurrence. Raises ``ValueError`` with a
+    message a user can act on.
     """
 
     temperature: float = 1.0
@@ -25,16 +46,19 @@ class RequestSampling:
     top_k: int = 0
     seed: int | None = None
     logprobs: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ascending ids
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # what min_tokens holds back (the scheduler fills it in)
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.temperature, bool)
-            or not isinstance(self.temperature, (int, float))
-            or not math.isfinite(self.temperature)
-            or self.temperature < 0
-        ):
+        if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
@@ -44,11 +68,55 @@ class RequestSampling:
             raise ValueError(f"seed must be an integer in [0, 2**64 - 1] or unset, got {self.seed!r}")
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"logprobs must be true or false, got {self.logprobs!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        low, high = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not low <= value <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}] (0 = off), got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 and finite (1 = off), got {self.repetition_penalty!r}")
+        self._check_logit_bias()
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int):
+            raise ValueError(f"top_logprobs must be an integer, got {self.top_logprobs!r}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
+
+    def _check_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries: at most {MAX_LOGIT_BIAS_ENTRIES}")
+        low, high = LOGIT_BIAS_RANGE
+        for token_id, bias in self.logit_bias:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            if not _is_number(bias) or not low <= bias <= high:
+                raise ValueError(f"logit_bias values must be in [{low}, {high}], got {bias!r} for token {token_id}")
 
     @property
     def is_greedy(self) -> bool:
         """True when the request decodes greedily (temperature 0)."""
         return self.temperature == 0
+
+    @property
+    def is_processed(self) -> bool:
+        """True when the request's logits are processed before sampling (penalties, bias, min_tokens)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or (self.min_tokens and self.stop_token_ids)
+        )
+
+    @property
+    def token_ids_in_params(self) -> list[int]:
+        """Every token id the parameters name (to check against the vocabulary)."""
+        return [t for t, _ in self.logit_bias] + list(self.stop_token_ids)
 
 
 @dataclass
@@ -97,10 +165,19 @@ class DraftPreview:
 
 
 @dataclass
+class TopLogprobs:
+    """The likeliest tokens at one emitted position, likeliest first, and their log-probabilities."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass
 class SequenceOutput:
     request_id: str
     token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per emitted token (top_logprobs > 0)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_kv_written_tokens: int = 0  # positions [0, n) with every model's KV written: cacheable full blocks

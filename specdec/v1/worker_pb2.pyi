@@ -63,18 +63,49 @@ class InitCacheResponse(_message.Message):
     def __init__(self, kv_cache_bytes: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class RequestSampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "top_logprobs")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
     logprobs: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TopTokenLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_new_tokens", "num_speculative_tokens", "num_computed_tokens", "grammar", "draft_tree_width")
@@ -131,7 +162,7 @@ class ExecuteModelRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "num_draft_tokens", "num_accepted_tokens", "num_kv_written_tokens", "proposer", "num_forced_tokens_next", "next_draft", "draft_tree_depth", "accepted_draft_ranks")
+    __slots__ = ("request_id", "token_ids", "logprobs", "num_draft_tokens", "num_accepted_tokens", "num_kv_written_tokens", "proposer", "num_forced_tokens_next", "next_draft", "draft_tree_depth", "accepted_draft_ranks", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +174,7 @@ class SequenceOutput(_message.Message):
     NEXT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -154,7 +186,8 @@ class SequenceOutput(_message.Message):
     next_draft: DraftPreview
     draft_tree_depth: int
     accepted_draft_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_kv_written_tokens: _Optional[int] = ..., proposer: _Optional[str] = ..., num_forced_tokens_next: _Optional[int] = ..., next_draft: _Optional[_Union[DraftPreview, _Mapping]] = ..., draft_tree_depth: _Optional[int] = ..., accepted_draft_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopTokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_kv_written_tokens: _Optional[int] = ..., proposer: _Optional[str] = ..., num_forced_tokens_next: _Optional[int] = ..., next_draft: _Optional[_Union[DraftPreview, _Mapping]] = ..., draft_tree_depth: _Optional[int] = ..., accepted_draft_ranks: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopTokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DraftPreview(_message.Message):
     __slots__ = ("num_drafts", "match_length")

@@ -70,6 +70,11 @@ def new_state(r: step.NewRequest, vocab_size: int, num_blocks: int) -> RequestSt
             f"request {r.request_id!r}: num_prompt_tokens {r.num_prompt_tokens} must be in [1, {len(r.token_ids)}]"
         )
     _check_tokens(r.token_ids, vocab_size, r.request_id)
+    _check_tokens(r.sampling.token_ids_in_params, vocab_size, r.request_id)
+    if r.grammar and r.sampling.min_tokens:
+        raise InvalidStepError(
+            f"request {r.request_id!r}: min_tokens cannot be combined with a constraint (which ends the output)"
+        )
     _check_blocks(r.block_ids, num_blocks, r.request_id)
     if r.num_speculative_tokens < 0:
         raise InvalidStepError(f"request {r.request_id!r}: num_speculative_tokens must be >= 0")

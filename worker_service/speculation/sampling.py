@@ -21,13 +21,14 @@ from worker_service.speculation.keyed_random import keyed_exponential
 
 def sampling_tensors(
     params: Sequence[RequestSampling], device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stack per-request params into the ``(temperature, top_k, top_p)`` tensors
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stack per-request params into the ``(temperature, top_k, top_p, min_p)`` tensors
     that :func:`logits_to_probs` takes (top_k 0 = off)."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)  # [N]
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)  # [N]
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)  # [N]
-    return temperature, top_k, top_p
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)  # [N]
+    return temperature, top_k, top_p, min_p
 
 
 def logits_to_probs(
@@ -35,17 +36,21 @@ def logits_to_probs(
     temperature: torch.Tensor,  # [N] float, 0 = greedy
     top_k: torch.Tensor,  # [N] int, 0 = off
     top_p: torch.Tensor,  # [N] float in (0, 1], 1 = off
+    min_p: torch.Tensor | None = None,  # [N] float in [0, 1], 0 = off; None: off for every row
 ) -> torch.Tensor:  # [N, V] float32
-    """Per-row temperature, top-k then top-p, renormalised; greedy rows get a
-    one-hot on the argmax.
+    """Per-row temperature, min-p, top-k then top-p, renormalised; greedy rows
+    get a one-hot on the argmax.
 
-    top-p keeps the smallest set of most likely tokens whose mass is at least
-    ``top_p`` (always at least the top token).
+    min-p drops the tokens less likely than ``min_p`` times the likeliest
+    token (after temperature); top-p keeps the smallest set of most likely
+    tokens whose mass is at least ``top_p`` (always at least the top token).
     """
     logits = logits.float()  # [N, V]
     is_greedy = temperature == 0  # [N]
     safe_temperature = torch.where(is_greedy, torch.ones_like(temperature), temperature)  # [N]
     scaled = logits / safe_temperature.unsqueeze(1).float()  # [N, V]
+    if min_p is not None and bool((min_p > 0).any()):
+        scaled = _drop_below_min_p(scaled, min_p)  # [N, V]
     if bool(((top_k > 0) | (top_p < 1)).any()):
         probs = _top_k_top_p_probs(scaled, top_k, top_p)  # [N, V]
     else:
@@ -54,6 +59,14 @@ def logits_to_probs(
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # [N, V]
         probs = torch.where(is_greedy.unsqueeze(1), one_hot, probs)  # [N, V]
     return probs
+
+
+def _drop_below_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:  # [N, V]
+    """`scaled` (`[N, V]`) with the tokens whose probability is below min_p x the row's top one set to -inf:
+    p_v < min_p p_max  <=>  scaled_v < scaled_max + log(min_p), with no softmax needed."""
+    top = scaled.max(dim=-1, keepdim=True).values  # [N, 1]
+    threshold = top + torch.log(min_p).unsqueeze(1)  # [N, 1] (min_p 0: -inf, nothing dropped)
+    return scaled.masked_fill(scaled < threshold, float("-inf"))
 
 
 def _top_k_top_p_probs(

@@ -21,6 +21,7 @@ import torch
 
 from kernels.rejection_sampler import race
 from kernels.tree_acceptance import accept_tree
+from specdec.step import TopLogprobs
 from worker_service.speculation.keyed_random import STREAM_TOKEN, keyed_exponential
 from worker_service.speculation.proposers.trees import row_depths
 from worker_service.speculation.rejection_sampler import RejectionSampler
@@ -34,6 +35,7 @@ _sampler = RejectionSampler()
 class VerifyResult:
     token_ids: list[list[int]]  # emitted tokens per sequence: accepted drafts + one recovered/bonus token
     logprobs: list[list[float]]  # target log-probability of each emitted token (empty unless requested)
+    top_logprobs: list[list[TopLogprobs]]  # the likeliest tokens at each emitted position (top_logprobs > 0)
     paths: list[list[int]]  # accepted draft rows per sequence (1-based; a chain's 1..a, a tree's path)
 
 
@@ -58,10 +60,10 @@ def verify(
             probs = logits_to_probs(logits, *sampling_tensors(row_params, logits.device))  # [N, V]
             token_ids = _rejection_sample(states, probs, drafts, draft_probs)
         paths = [list(range(1, len(t))) for t in token_ids]
-    logprobs = [[] for _ in states]
+    logprobs, top_logprobs = [[] for _ in states], [[] for _ in states]
     if any(s.return_logprobs for s in states):
-        logprobs = _logprobs(logits, rows_per_seq, paths, token_ids)
-    return VerifyResult(token_ids, logprobs, paths)
+        logprobs, top_logprobs = _logprobs(logits, states, rows_per_seq, paths, token_ids)
+    return VerifyResult(token_ids, logprobs, top_logprobs, paths)
 
 
 def _accept_trees(
@@ -158,17 +160,30 @@ def _pad_rows(probs: torch.Tensor, drafts: list[list[int]], num_spec: int) -> to
 
 
 def _logprobs(
-    logits: torch.Tensor, rows_per_seq: list[int], paths: list[list[int]], token_ids: list[list[int]]
-) -> list[list[float]]:
-    """Each emitted token's log-probability in its row (the root's, then the accepted rows'): one gather on
-    the device, one copy to the host."""
+    logits: torch.Tensor,
+    states: list[RequestState],
+    rows_per_seq: list[int],
+    paths: list[list[int]],
+    token_ids: list[list[int]],
+) -> tuple[list[list[float]], list[list[TopLogprobs]]]:
+    """Each emitted token's log-probability in its row (the root's, then the accepted rows'), and where asked
+    the row's likeliest tokens: a gather and a top-k on the device, one copy each to the host."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
-    starts = itertools.accumulate(rows_per_seq[:-1], initial=0)
+    starts = list(itertools.accumulate(rows_per_seq[:-1], initial=0))
     rows = [start + row for start, path in zip(starts, paths) for row in [0, *path]]
     columns = [t for tokens in token_ids for t in tokens]
-    flat = log_probs[torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device)].tolist()
-    out, offset = [], 0
-    for tokens in token_ids:
+    device = logits.device
+    flat = log_probs[torch.tensor(rows, device=device), torch.tensor(columns, device=device)].tolist()
+    num_top = max(s.sampling.top_logprobs for s in states)
+    if num_top:
+        top_values, top_ids = log_probs[torch.tensor(rows, device=device)].topk(num_top, dim=-1)  # [E, T] each
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    out, top_out, offset = [], [], 0
+    for state, tokens in zip(states, token_ids):
         out.append(flat[offset : offset + len(tokens)])
+        n = state.sampling.top_logprobs
+        top_out.append(
+            [TopLogprobs(top_ids[e][:n], top_values[e][:n]) for e in range(offset, offset + len(tokens))] if n else []
+        )
         offset += len(tokens)
-    return out
+    return out, top_out

@@ -20,6 +20,7 @@ from worker_service.runtime.eagle3_head import Eagle3Head
 from worker_service.runtime.runner import ModelRunner, SequenceChunk
 from worker_service.speculation import structured
 from worker_service.speculation.config import DEFAULT_NUM_SPECULATIVE_TOKENS, WorkerConfig
+from worker_service.speculation.logits_processing import process_logits
 from worker_service.speculation.proposers import Proposal, Proposer, num_matching
 from worker_service.speculation.proposers.combined import CombinedProposer
 from worker_service.speculation.proposers.draft import DraftProposer
@@ -307,18 +308,15 @@ class Worker:
 
     def _verify(self, scheduled: list[RequestState], logits: torch.Tensor, drafts: Drafts, sampling_rows: list[int]):
         """The emitted tokens of the sequences that sample (`sampling_rows`): constrained rows' logits masked,
-        then each draft accepted or not by the accept rule in verify.py."""
+        each row processed along its own prefix (penalties, bias, min_tokens), then each draft accepted or not
+        by the accept rule in verify.py."""
         states = [scheduled[i] for i in sampling_rows]
         token_ids = [drafts.token_ids[i] for i in sampling_rows]
+        parents = [drafts.parents[i] for i in sampling_rows]
         if any(s.is_constrained for s in scheduled):
             logits = self._mask(logits, states, token_ids)
-        return verify(
-            states,
-            logits,
-            token_ids,
-            None if drafts.probs is None else drafts.probs[sampling_rows],
-            [drafts.parents[i] for i in sampling_rows],
-        )
+        logits = process_logits(logits, states, token_ids, parents)  # [N, V]
+        return verify(states, logits, token_ids, None if drafts.probs is None else drafts.probs[sampling_rows], parents)
 
     def _commit(
         self,
@@ -510,4 +508,5 @@ class Worker:
             self.proposer.after_verify(state, num_tokens_before, len(proposed), num_confirmed)
         out.token_ids = emitted
         out.logprobs = result.logprobs[row] if state.return_logprobs else []
+        out.top_logprobs = result.top_logprobs[row] if state.return_logprobs else []
         out.num_draft_tokens, out.num_accepted_tokens = len(drafts), num_accepted

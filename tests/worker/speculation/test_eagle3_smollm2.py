@@ -73,3 +73,27 @@ def test_greedy_and_seeded_outputs_equal_plain_decoding(smollm2_path, prompts, d
         accepted = sum(o.num_accepted_tokens for o in outputs if o.proposer == "eagle3")
         # The shipped head predicts its target (a random head: ~0); fixed k up to 5 drafts deep here.
         assert drafted > 0 and accepted / drafted > 0.1, (accepted, drafted)
+
+
+def test_logits_processing_is_exact_with_speculation(smollm2_path, prompts):
+    """Penalties, logit_bias, min_tokens and min_p, batched with an unprocessed request, in q4_1: the head and the
+    suffix's drafts give plain decoding's tokens, greedy and seeded, and the processing changes the outputs."""
+    eos = load_tokenizer(smollm2_path).eos_token_id
+    processing = [
+        dict(repetition_penalty=1.3, presence_penalty=0.5, min_tokens=24, stop_token_ids=(eos,)),
+        dict(frequency_penalty=0.8, logit_bias=((eos, -5.0), (28, 3.0))),
+        dict(),
+    ]
+    for base in (dict(temperature=0), dict(temperature=0.8, min_p=0.05)):
+        sampling = [step.RequestSampling(**base, **p, seed=5 + i) for i, p in enumerate(processing)]
+        plain = make_worker(smollm2_path, "q4_1", "none")
+        expected = Driver(plain.execute, BLOCK_SIZE, NUM_BLOCKS).generate(prompts, 32, sampling)
+        unprocessed = [step.RequestSampling(**base, seed=5 + i) for i in range(len(processing))]
+        assert (
+            Driver(plain.execute, BLOCK_SIZE, NUM_BLOCKS).generate(prompts, 32, unprocessed, prefix="u")[:2]
+            != (expected[:2])
+        )
+        worker = make_worker(smollm2_path, "q4_1", "eagle3,suffix")
+        driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
+        assert driver.generate(prompts, 32, sampling, num_speculative_tokens=[5, 3, 4]) == expected
+        assert sum(o.num_accepted_tokens for r in driver.results for o in r.outputs) > 0

@@ -88,10 +88,11 @@ def test_per_row_parameters_in_one_batch():
 
 def test_sampling_tensors():
     params = [RequestSampling(0.7, 0.9, 0), RequestSampling(0.0, 1.0, 5)]
-    temperature, top_k, top_p = sampling_tensors(params)
+    temperature, top_k, top_p, min_p = sampling_tensors(params)
     torch.testing.assert_close(temperature, torch.tensor([0.7, 0.0]))
     assert top_k.tolist() == [0, 5] and top_k.dtype == torch.int64
     torch.testing.assert_close(top_p, torch.tensor([0.9, 1.0]))
+    torch.testing.assert_close(min_p, torch.tensor([0.0, 0.0]))
 
 
 def test_sample_from_probs_follows_the_distribution():

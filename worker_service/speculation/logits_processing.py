@@ -1,0 +1,94 @@
+"""A request's logits processing (min_tokens, logit_bias, the penalties) at every row it samples.
+
+A verify step scores a sequence's rows for positions ``num_tokens + depth``:
+row 0 the position after the emitted tokens, a draft's row the position after
+that draft. Each row must see the logits plain decoding would see at its
+position, so its prefix is the emitted tokens *and the drafts on the row's
+own path* (a chain's row j: drafts 0..j-1; a tree's row: its ancestors and
+itself). Penalties count the tokens of that prefix and min_tokens counts its
+output tokens; a step's starting counts would be wrong from the second row
+on. Each row is processed on its own, so its result does not depend on the
+batch.
+
+Order (vLLM's): min_tokens holds back the stop tokens, logit_bias adds, then
+the repetition penalty (on prompt and output tokens: a positive logit is
+divided by it, a negative one multiplied), the frequency penalty (times each
+token's count in the output) and the presence penalty (once per token in the
+output). Temperature, min_p, top-k and top-p come after, in sampling.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker_service.speculation.request_state import RequestState
+
+
+def row_paths(drafts: list[int], parents: list[int] | None) -> list[list[int]]:
+    """The drafts on each of a sequence's 1 + len(drafts) rows' paths from the root, in order.
+
+    ``parents[i]``: the parent row of draft i (row i + 1; 0 is the root); None: a chain."""
+    if parents is None:
+        return [drafts[:row] for row in range(len(drafts) + 1)]
+    paths = [[]]
+    for i, parent in enumerate(parents):
+        paths.append(paths[parent] + [drafts[i]])  # a parent row comes before its children
+    return paths
+
+
+def process_logits(
+    logits: torch.Tensor,  # [N, V]: 1 + len(drafts[i]) rows per sequence, in order
+    states: list[RequestState],
+    drafts: list[list[int]],
+    parents: list[list[int] | None],
+) -> torch.Tensor:  # [N, V] float32 where any sequence is processed, else `logits` itself
+    """The logits with each processed sequence's rows processed along their own prefixes."""
+    if not any(s.sampling.is_processed for s in states):
+        return logits
+    logits = logits.float().clone()  # [N, V]
+    offset = 0
+    for state, seq_drafts, seq_parents in zip(states, drafts, parents):
+        num_rows = len(seq_drafts) + 1
+        if state.sampling.is_processed:
+            rows = logits[offset : offset + num_rows]  # [R, V] (a view: processed in place)
+            process_rows(rows, state, row_paths(seq_drafts, seq_parents))
+        offset += num_rows
+    return logits
+
+
+def process_rows(rows: torch.Tensor, state: RequestState, paths: list[list[int]]) -> None:
+    """Processes one sequence's rows in place (`rows` `[R, V]` float32; `paths[r]`: the drafts before row r)."""
+    sampling, device = state.sampling, rows.device
+    num_rows, num_vocab = rows.shape
+    output = state.token_ids[state.num_prompt_tokens :]
+    counts = _output_counts(output, paths, num_vocab, device)  # [R, V]
+    if sampling.min_tokens and sampling.stop_token_ids:
+        held = [r for r, path in enumerate(paths) if len(output) + len(path) < sampling.min_tokens]
+        if held:
+            stop_ids = torch.tensor(sampling.stop_token_ids, device=device)  # [S]
+            rows[torch.tensor(held, device=device).unsqueeze(1), stop_ids] = float("-inf")
+    if sampling.logit_bias:
+        ids = torch.tensor([t for t, _ in sampling.logit_bias], device=device)  # [B]
+        rows[:, ids] += torch.tensor([b for _, b in sampling.logit_bias], device=device)
+    if sampling.repetition_penalty != 1:
+        seen = counts > 0  # [R, V]
+        seen[:, torch.tensor(sorted(set(state.token_ids[: state.num_prompt_tokens])), device=device)] = True
+        penalty = sampling.repetition_penalty
+        rows.copy_(torch.where(seen, torch.where(rows > 0, rows / penalty, rows * penalty), rows))
+    if sampling.frequency_penalty:
+        rows -= sampling.frequency_penalty * counts
+    if sampling.presence_penalty:
+        rows -= sampling.presence_penalty * (counts > 0)
+
+
+def _output_counts(
+    output: list[int], paths: list[list[int]], num_vocab: int, device: torch.device
+) -> torch.Tensor:  # [R, V] float32
+    """How often each token occurs in each row's output so far: the emitted output, then the row's path."""
+    base = torch.bincount(torch.tensor(output, dtype=torch.int64, device=device), minlength=num_vocab)  # [V]
+    counts = base.float().expand(len(paths), num_vocab).clone()  # [R, V]
+    pairs = [(r, t) for r, path in enumerate(paths) for t in path]
+    if pairs:
+        index = torch.tensor(pairs, device=device)  # [P, 2]
+        counts.index_put_((index[:, 0], index[:, 1]), torch.ones(len(pairs), device=device), accumulate=True)
+    return counts
