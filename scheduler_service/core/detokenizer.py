@@ -89,13 +89,14 @@ class IncrementalDetokenizer:
         """The output text so far (up to, excluding, a completed stop string)."""
         return self._text
 
-    def add_token(self, token_id: int) -> bool:
-        """Appends one output token; returns True when it completes a stop string."""
+    def add_token(self, token_id: int, can_stop: bool = True) -> bool:
+        """Appends one output token; returns True when it completes a stop string (never while not `can_stop`:
+        text before min_tokens is out is not searched for stop strings)."""
         assert not self.is_stopped, "no tokens may follow a completed stop string"
         self._token_ids.append(token_id)
         prefix_text, new_text = self._decode_window()
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
-            self._advance(new_text[len(prefix_text) :])
+            self._advance(new_text[len(prefix_text) :], can_stop)
         return self.is_stopped
 
     def next_text_delta(self, is_finished: bool = False) -> str:
@@ -120,7 +121,7 @@ class IncrementalDetokenizer:
         new_text = decode(self._token_ids[self._prefix_offset :], skip_special_tokens=self._skip_special_tokens)
         return prefix_text, new_text
 
-    def _advance(self, delta: str) -> None:
+    def _advance(self, delta: str, can_stop: bool = True) -> None:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
         start = len(self._text)
         self._text += delta
@@ -131,7 +132,7 @@ class IncrementalDetokenizer:
             for m in self._matchers
             if m.feed(char)
         ]
-        if stop_starts:
+        if stop_starts and can_stop:
             self._text = self._text[: min(stop_starts)]
             self.is_stopped = True
 

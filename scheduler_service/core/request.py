@@ -1,12 +1,12 @@
 """Per-request state as the scheduler sees it, and what it reports per step."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import enum
 
 from scheduler_service.core.block_hash import BlockHashes
 from scheduler_service.core.detokenizer import IncrementalDetokenizer
 from scheduler_service.core.goodput import AcceptanceEstimate, TreeAcceptance
-from specdec.step import DraftPreview, RequestSampling, SequenceOutput
+from specdec.step import DraftPreview, RequestSampling, SequenceOutput, TopLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -84,6 +84,17 @@ class Request:
             )
         if any(not s for s in self.stop_strings):
             raise ValueError(f"request {self.request_id!r}: stop strings must not be empty")
+        if self.sampling.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens {self.sampling.min_tokens} is more than max_tokens {self.max_tokens}: lower min_tokens"
+            )
+        if self.sampling.min_tokens and self.grammar:
+            raise ValueError(
+                "min_tokens cannot be combined with structured_outputs: the output ends where its constraint does"
+            )
+        if self.sampling.min_tokens:  # the worker holds back whatever would end the request
+            ending = [*self.stop_token_ids, *([] if self.is_eos_ignored else self.eos_token_ids)]
+            self.sampling = replace(self.sampling, stop_token_ids=tuple(sorted(set(ending))))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -198,7 +209,8 @@ class Request:
         for num_kept, token_id in enumerate(token_ids, start=1):
             self.output_token_ids.append(token_id)
             status = self._finish_status_for_last_token(max_model_len)
-            if self.detokenizer is not None and self.detokenizer.add_token(token_id):
+            can_stop = self.num_output_tokens > self.sampling.min_tokens  # a stop string ends after min_tokens
+            if self.detokenizer is not None and self.detokenizer.add_token(token_id, can_stop):
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 return token_ids[:num_kept], status
@@ -212,7 +224,13 @@ class Request:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def make_output(self, new_token_ids: list[int], text: str, logprobs: list[float] | None = None) -> "RequestOutput":
+    def make_output(
+        self,
+        new_token_ids: list[int],
+        text: str,
+        logprobs: list[float] | None = None,
+        top_logprobs: list[TopLogprobs] | None = None,
+    ) -> "RequestOutput":
         """This step's output with the usage counts so far."""
         return RequestOutput(
             self.request_id,
@@ -226,6 +244,7 @@ class Request:
             logprobs or [],
             self.num_cached_tokens or 0,
             dict(self.drafts_by_proposer),
+            top_logprobs or [],
         )
 
     def reset_for_recompute(self) -> None:
@@ -286,3 +305,4 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)  # one per new token, when requested
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     drafts_by_proposer: dict[str, tuple[int, int]] = field(default_factory=dict)  # (drafted, accepted)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per new token, when requested

@@ -456,8 +456,10 @@ class Scheduler:
             self._finish(request, status)
         self.stats.num_emitted_tokens += len(new_token_ids)
         self.stats.num_sequence_steps += 1
-        logprobs = output.logprobs[: len(new_token_ids)] if output is not None else []
-        return request.make_output(new_token_ids, text, logprobs)
+        if output is None:
+            return request.make_output(new_token_ids, text)
+        num_new = len(new_token_ids)
+        return request.make_output(new_token_ids, text, output.logprobs[:num_new], output.top_logprobs[:num_new])
 
     def _cache_blocks(self, request: Request, num_kv_written_tokens: int) -> None:
         """Offers the request's full blocks of committed tokens with every model's KV written to the cache."""

@@ -84,8 +84,11 @@ def prompt_token_ids(
     return ids
 
 
-def sampling_params(s: pb.SamplingParams) -> RequestSampling:
+def sampling_params(s: pb.SamplingParams, vocab_size: int) -> RequestSampling:
     """The client's sampling parameters, validated by RequestSampling (unset fields take their defaults)."""
+    bad = [t for t in s.logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
     try:
         return RequestSampling(
             temperature=s.temperature if s.HasField("temperature") else 1.0,
@@ -93,6 +96,13 @@ def sampling_params(s: pb.SamplingParams) -> RequestSampling:
             top_k=s.top_k,
             seed=s.seed if s.HasField("seed") else None,
             logprobs=s.logprobs,
+            min_p=s.min_p,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
+            min_tokens=s.min_tokens,
+            top_logprobs=s.top_logprobs,
         )
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
@@ -137,7 +147,7 @@ def build_request(
         raise InvalidRequestError(
             f"request_id has {len(request.request_id)} characters: at most {MAX_REQUEST_ID_CHARS}"
         )
-    sampling = with_arrival_seed(sampling_params(request.sampling))
+    sampling = with_arrival_seed(sampling_params(request.sampling, vocab_size))
     s = request.sampling
     max_tokens = s.max_tokens if s.HasField("max_tokens") else None
     if max_tokens is not None and max_tokens <= 0:
@@ -160,10 +170,11 @@ def build_request(
             f"than max_model_len {max_model_len}; lower max_tokens"
         )
     is_constrained = s.HasField("structured_outputs") and s.structured_outputs.WhichOneof("constraint") is not None
-    if is_constrained and s.ignore_eos:
-        raise InvalidRequestError(
-            "ignore_eos cannot be combined with structured_outputs: the output ends where its constraint does"
-        )
+    for name, value in (("ignore_eos", s.ignore_eos), ("min_tokens", s.min_tokens)):
+        if is_constrained and value:
+            raise InvalidRequestError(
+                f"{name} cannot be combined with structured_outputs: the output ends where its constraint does"
+            )
     grammar = _grammar(s.structured_outputs, compile_constraint) if is_constrained else ""
     try:
         return Request(

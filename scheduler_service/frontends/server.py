@@ -15,6 +15,7 @@ from scheduler_service.core.request import RequestOutput
 from scheduler_service.core.stats import SchedulerStats
 from scheduler_service.frontends.frontend import Frontend
 from scheduler_service.frontends.tokenizer import ChatTokenizer
+from specdec.step import TopLogprobs
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 
@@ -27,6 +28,10 @@ _FINISH = {
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
+
+
+def _top_logprobs(top: list[TopLogprobs]) -> list[pb.TopLogprobs]:
+    return [pb.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs) for t in top]
 
 
 def _usage(o: RequestOutput) -> pb.Usage:
@@ -159,23 +164,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 text=o.text,
                 token_ids=o.new_token_ids,
                 logprobs=o.logprobs,
+                top_logprobs=_top_logprobs(o.top_logprobs),
                 finish_reason=_FINISH[o.finish_reason],
                 usage=_usage(o) if final else None,
             )
 
     def Complete(self, request, context):
         """Runs a request to completion and returns everything at once."""
-        text, ids, logprobs = [], [], []
+        text, ids, logprobs, top_logprobs = [], [], [], []
         for o in self._outputs(request, context):
             text.append(o.text)
             ids.extend(o.new_token_ids)
             logprobs.extend(o.logprobs)
+            top_logprobs.extend(o.top_logprobs)
             if o.finish_reason is not None:
                 return pb.CompleteResponse(
                     request_id=o.request_id,
                     text="".join(text),
                     token_ids=ids,
                     logprobs=logprobs,
+                    top_logprobs=_top_logprobs(top_logprobs),
                     finish_reason=_FINISH[o.finish_reason],
                     usage=_usage(o),
                 )

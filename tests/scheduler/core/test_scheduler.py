@@ -17,7 +17,7 @@ from scheduler_service.cluster.pipeline import StepPipeline
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request, RequestOutput
 from scheduler_service.core.scheduler import Scheduler
-from specdec.step import SequenceOutput, StepRequest, StepResult
+from specdec.step import RequestSampling, SequenceOutput, StepRequest, StepResult
 from tests.sim_worker import PIECES, VOCAB_SIZE, FakeWorker, PieceTokenizer, reference_output
 
 
@@ -154,6 +154,25 @@ def test_stop_string_across_tokens():
     assert streamed_text == text[: text.index(stop_string)]
     assert outputs[-1].finish_reason == "stop"
     assert streamed(outputs) == expected[: text.index(stop_string) + len(stop_string)]
+
+
+def test_a_stop_string_before_min_tokens_does_not_stop_and_the_eos_is_held_back_by_the_worker():
+    """Text within the first min_tokens tokens is not searched for stop strings (the worker holds the stop
+    tokens back: the request asks it to, EOS included unless ignored)."""
+    scheduler, worker = make(num_speculative_tokens=3)
+    expected = reference_output([7, 8], 20)
+    text = "".join(PIECES[t] for t in expected)
+    stop_string = text[5:7]  # the 6th and 7th tokens' text
+    first_end = text.index(stop_string) + len(stop_string)
+    later = text.find(stop_string, first_end)
+    sampling = RequestSampling(min_tokens=first_end + 1)
+    request = Request("a", [7, 8], max_tokens=20, stop_strings=[stop_string], sampling=sampling, eos_token_ids=[3])
+    assert request.sampling.stop_token_ids == (3,)
+    scheduler.add_request(request)
+    outputs = run(scheduler, worker)["a"]
+    streamed_text = "".join(o.text for o in outputs)
+    assert streamed_text == (text[:later] if later >= 0 else text)
+    assert len(streamed(outputs)) > first_end
 
 
 def test_k_cap_is_lowered_near_max_tokens():
