@@ -1,10 +1,11 @@
 """OpenAI's request bodies (/v1/chat/completions, /v1/completions) and their mapping onto a GenerateRequest.
 
-Only the shape is checked here (types, n = 1, fields this server does not
-implement); every value goes on to api.build_request, the one validation path
-of both client APIs. Unknown fields are ignored (clients send extras), except
-those in UNSUPPORTED_FIELDS, which would change what is generated: a request
-that sets one to anything but its neutral value gets 400.
+Only the shape is checked here (types, the range of n, fields this server
+does not implement); every value goes on to api.build_request, the one validation path
+of both client APIs. No field that would change what is generated is dropped:
+a field this server does not declare gets 400, unless it is one of
+IGNORED_FIELDS (they change nothing generated) or is sent at its neutral value
+(NEUTRAL_VALUES: e.g. `echo: false`, `tools: []`).
 """
 
 import json
@@ -15,16 +16,19 @@ from pydantic import BaseModel, ConfigDict, Field
 from specdec.v1 import generation_pb2 as pb
 
 INT32 = Annotated[int, Field(ge=-(2**31), lt=2**31)]
+MAX_CHOICES = 16  # OpenAI's n: each choice is a request of its own (and holds one of --max-open-streams)
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs (chat's top_logprobs: 20)
 
-# field: its neutral values (the field may be sent with one of them: it then changes nothing).
-UNSUPPORTED_FIELDS: dict[str, tuple] = {
+# Accepted and ignored: they change nothing this server generates (docs/serving.md lists them).
+IGNORED_FIELDS = frozenset(
+    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
+)
+# Not implemented: accepted only at a neutral value (one that changes nothing; OpenAI's and vLLM's defaults).
+NEUTRAL_VALUES: dict[str, tuple] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -32,6 +36,25 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "add_special_tokens": (None, False),
+    "prompt_logprobs": (None, 0),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "priority": (None, 0),
 }
 # The chat roles OpenAI clients send, mapped onto the roles the chat template knows (api.CHAT_ROLES).
 ROLE_ALIASES = {"developer": "system"}
@@ -77,7 +100,8 @@ class StructuredOutputsIn(BaseModel):
 
 
 class _Common(BaseModel):
-    """The sampling fields both endpoints share; `top_k` and `ignore_eos` are extensions (as in vLLM)."""
+    """The sampling fields both endpoints share; `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+    `stop_token_ids` and `ignore_eos` are extensions (as in vLLM)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -88,6 +112,13 @@ class _Common(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**64)
     max_tokens: INT32 | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[INT32] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: INT32 | None = None
     # OpenAI's booleans are nullable (clients send null for "unset"): None is False.
     ignore_eos: bool | None = False
     n: int | None = 1
@@ -104,28 +135,50 @@ class _Common(BaseModel):
     guided_grammar: str | None = None
 
     def check_supported(self) -> None:
-        """Raises InvalidParamError for n != 1 or an unsupported field set to a value that matters."""
-        if self.n not in (None, 1):
-            raise InvalidParamError("n", f"n must be 1 (one choice per request), got {self.n}")
+        """Raises InvalidParamError for n out of range or a field this server does not implement set to a value that
+        would change the output."""
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidParamError("n", f"n must be in [1, {MAX_CHOICES}] (choices per request), got {self.n}")
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
+            if name not in IGNORED_FIELDS and value not in NEUTRAL_VALUES.get(name, ()):
                 raise InvalidParamError(name, f"'{name}' is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise InvalidParamError("stream_options", "stream_options is only allowed with stream: true")
 
-    def sampling(self, max_tokens: int | None, logprobs: bool) -> pb.SamplingParams:
+    def sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int = 0) -> pb.SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         fields: dict[str, Any] = dict(
-            temperature=self.temperature, top_p=self.top_p, seed=self.seed, max_tokens=max_tokens
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            repetition_penalty=self.repetition_penalty,
         )
         return pb.SamplingParams(
             **{k: v for k, v in fields.items() if v is not None},
             top_k=self.top_k or 0,
             stop=stop,
+            stop_token_ids=self.stop_token_ids or [],
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=self._logit_bias(),
+            min_tokens=self.min_tokens or 0,
             structured_outputs=self._structured_outputs(),
         )
+
+    def _logit_bias(self) -> dict[int, float]:
+        """OpenAI's logit_bias: token ids as JSON object keys (strings)."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise InvalidParamError("logit_bias", f"logit_bias keys must be token ids, got {key[:32]!r}") from None
+        return bias
 
     def _structured_outputs(self) -> pb.StructuredOutputs | None:
         """The one constraint the body sets (its value is checked by api.build_request), or None."""
@@ -211,20 +264,14 @@ class ChatCompletionRequest(_Common):
     def to_proto(self) -> pb.GenerateRequest:
         """The GenerateRequest of this body; raises InvalidParamError for what this server does not support."""
         self.check_supported()
-        if self.top_logprobs:
-            raise InvalidParamError(
-                "top_logprobs",
-                "top_logprobs > 0 is not supported: only the chosen token's logprob is returned (logprobs: true)",
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParamError("top_logprobs", "top_logprobs needs logprobs: true")
         for i, m in enumerate(self.messages):
             if (m.model_extra or {}).get("tool_calls"):
                 raise InvalidParamError(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return pb.GenerateRequest(
-            messages=[m.to_proto() for m in self.messages], sampling=self.sampling(max_tokens, bool(self.logprobs))
-        )
+        sampling = self.sampling(max_tokens, bool(self.logprobs), self.top_logprobs or 0)
+        return pb.GenerateRequest(messages=[m.to_proto() for m in self.messages], sampling=sampling)
 
 
 class CompletionRequest(_Common):
@@ -236,17 +283,17 @@ class CompletionRequest(_Common):
     def to_proto(self) -> pb.GenerateRequest:
         """The GenerateRequest of this body; raises InvalidParamError for what this server does not support."""
         self.check_supported()
-        if self.logprobs not in (None, 0):
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise InvalidParamError(
                 "logprobs",
-                f"logprobs must be 0 (the chosen token's logprob; no alternatives are returned), got {self.logprobs}",
+                f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}] (alternatives per token), got {self.logprobs}",
             )
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise InvalidParamError("prompt", f"one prompt per request, got {len(prompt)}")
             prompt = prompt[0]
-        sampling = self.sampling(self.max_tokens, self.logprobs is not None)
+        sampling = self.sampling(self.max_tokens, self.logprobs is not None, self.logprobs or 0)
         if isinstance(prompt, str):
             return pb.GenerateRequest(prompt=prompt, sampling=sampling)
         return pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)

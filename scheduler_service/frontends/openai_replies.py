@@ -13,6 +13,7 @@ import grpc
 from scheduler_service.cluster.handle import EngineError
 from scheduler_service.core.request import RequestOutput
 from scheduler_service.frontends.tokenizer import ChatTokenizer
+from specdec.step import TopLogprobs
 
 USAGE_EXTENSION = "speculative_decoding"
 # gRPC status -> (HTTP status, OpenAI error type); any other status: 500, server_error.
@@ -41,26 +42,49 @@ def engine_error_body(exc: EngineError) -> dict:
     return error_body(str(exc), http_status(exc.code)[1], code=exc.code.name.lower())
 
 
-def usage(o: RequestOutput) -> dict:
-    """Token counts, with the speculative counters of this request as an extension field."""
+def usage(last_outputs: list[RequestOutput]) -> dict:
+    """Token counts over a request's choices (each one's last output; the prompt counted once, as OpenAI does),
+    with their speculative counters summed as an extension field."""
+    first = last_outputs[0]
+    num_completion_tokens = sum(o.num_completion_tokens for o in last_outputs)
+    by_proposer: dict[str, list[int]] = {}
+    for o in last_outputs:
+        for name, (drafted, accepted) in o.drafts_by_proposer.items():
+            counts = by_proposer.setdefault(name, [0, 0])
+            counts[0] += drafted
+            counts[1] += accepted
     return {
-        "prompt_tokens": o.num_prompt_tokens,
-        "completion_tokens": o.num_completion_tokens,
-        "total_tokens": o.num_prompt_tokens + o.num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": o.num_cached_tokens},
+        "prompt_tokens": first.num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": first.num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens},
         USAGE_EXTENSION: {
-            "draft_tokens": o.num_draft_tokens,
-            "accepted_tokens": o.num_accepted_tokens,
+            "draft_tokens": sum(o.num_draft_tokens for o in last_outputs),
+            "accepted_tokens": sum(o.num_accepted_tokens for o in last_outputs),
             "by_proposer": {
                 name: {"draft_tokens": drafted, "accepted_tokens": accepted}
-                for name, (drafted, accepted) in sorted(o.drafts_by_proposer.items())
+                for name, (drafted, accepted) in sorted(by_proposer.items())
             },
         },
     }
 
 
+def _token_logprob(text: str, logprob: float) -> dict:
+    """Chat's form of a token and its logprob (bytes: the UTF-8 of the token's text)."""
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+class _ChoiceText:
+    """Where one choice's token texts stand: the token before the next one, the characters so far."""
+
+    def __init__(self, last_prompt_token_id: int):
+        self.previous_token_id = last_prompt_token_id
+        self.num_token_chars = 0  # completions' text_offset: the token texts so far
+
+
 class Reply:
-    """One request's response objects, as a whole (`whole`) or as stream chunks (`chunks`).
+    """One request's response objects, as a whole (`whole`) or as stream chunks (`chunks`), for its
+    `num_choices` choices (OpenAI's `n`).
 
     is_chat: chat.completion(.chunk) objects, else text_completion; is_logprobs: each token's logprob
     (chat: `logprobs.content`; completions: tokens, token_logprobs, top_logprobs, text_offset).
@@ -74,6 +98,7 @@ class Reply:
         tokenizer: ChatTokenizer,
         is_logprobs: bool,
         last_prompt_token_id: int,
+        num_choices: int = 1,
     ):
         self.is_chat = is_chat
         self.is_logprobs = is_logprobs
@@ -83,97 +108,111 @@ class Reply:
             "created": int(time.time()),
             "model": model,
         }
-        self._previous_token_id = last_prompt_token_id
-        self._num_token_chars = 0  # completions' text_offset: the token texts so far
+        self._texts = [_ChoiceText(last_prompt_token_id) for _ in range(num_choices)]
 
-    def _token_text(self, token_id: int) -> str:
+    def _token_text(self, token_id: int, previous: int) -> str:
         """The token's text as it reads after the previous token (with its leading space, say)."""
-        decode, previous = self._tokenizer.decode, self._previous_token_id
-        self._previous_token_id = token_id
+        decode = self._tokenizer.decode
         before = decode([previous], skip_special_tokens=False)
         return decode([previous, token_id], skip_special_tokens=False)[len(before) :]
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict | None:
+    def _logprobs(self, index: int, token_ids: list[int], logprobs: list[float], top: list[TopLogprobs]) -> dict | None:
+        """Each token's logprob, and with top_logprobs its alternatives (each read after the same previous
+        token as the chosen one)."""
         if not self.is_logprobs:
             return None
-        texts = [self._token_text(t) for t in token_ids]
+        state, texts, alternatives = self._texts[index], [], []
+        for i, token_id in enumerate(token_ids):
+            previous, state.previous_token_id = state.previous_token_id, token_id
+            texts.append(self._token_text(token_id, previous))
+            pairs = zip(top[i].token_ids, top[i].logprobs) if i < len(top) else ()
+            alternatives.append([(self._token_text(t, previous), lp) for t, lp in pairs])
         if self.is_chat:
             return {
                 "content": [
-                    {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
-                    for text, lp in zip(texts, logprobs)
+                    {
+                        **_token_logprob(text, lp),
+                        "top_logprobs": [_token_logprob(alt, alt_lp) for alt, alt_lp in alts],
+                    }
+                    for text, lp, alts in zip(texts, logprobs, alternatives)
                 ]
             }
         offsets = []
         for text in texts:
-            offsets.append(self._num_token_chars)
-            self._num_token_chars += len(text)
+            offsets.append(state.num_token_chars)
+            state.num_token_chars += len(text)
         return {
             "tokens": texts,
             "token_logprobs": list(logprobs),
-            "top_logprobs": [{} for _ in texts],
+            "top_logprobs": [dict(alts) for alts in alternatives],
             "text_offset": offsets,
         }
 
-    def _choice(
-        self, text: str | None, token_ids: list[int], logprobs: list[float], finish_reason: str | None, is_delta: bool
-    ) -> dict:
-        choice: dict = {"index": 0}
+    def _choice(self, index: int, outputs: list[RequestOutput], finish_reason: str | None, is_delta: bool) -> dict:
+        """Choice `index` of these outputs (their text, tokens and logprobs together)."""
+        text = "".join(o.text for o in outputs) if outputs or not is_delta else None
+        choice: dict = {"index": index}
         if not self.is_chat:
             choice["text"] = text or ""
         elif is_delta:
             choice["delta"] = {} if text is None else {"content": text}
         else:
             choice["message"] = {"role": "assistant", "content": text}
-        choice["logprobs"] = self._logprobs(token_ids, logprobs)
+        choice["logprobs"] = self._logprobs(
+            index,
+            [t for o in outputs for t in o.new_token_ids],
+            [lp for o in outputs for lp in o.logprobs],
+            [t for o in outputs for t in o.top_logprobs],
+        )
         choice["finish_reason"] = finish_reason
         return choice
 
-    def whole(self, outputs: list[RequestOutput]) -> dict:
-        """The chat.completion or text_completion object of a finished request."""
-        last = outputs[-1]
-        choice = self._choice(
-            "".join(o.text for o in outputs),
-            [t for o in outputs for t in o.new_token_ids],
-            [lp for o in outputs for lp in o.logprobs],
-            last.finish_reason,
-            is_delta=False,
-        )
+    def whole(self, outputs_by_choice: list[list[RequestOutput]]) -> dict:
+        """The chat.completion or text_completion object of a finished request (each choice's outputs)."""
         return {
             **self._head,
             "object": "chat.completion" if self.is_chat else "text_completion",
-            "choices": [choice],
-            "usage": usage(last),
+            "choices": [
+                self._choice(i, outputs, outputs[-1].finish_reason, is_delta=False)
+                for i, outputs in enumerate(outputs_by_choice)
+            ],
+            "usage": usage([outputs[-1] for outputs in outputs_by_choice]),
         }
 
-    def _chunk(self, choices: list[dict], include_usage: bool, o: RequestOutput | None = None) -> dict:
+    def _chunk(self, choices: list[dict], include_usage: bool, last_outputs: list[RequestOutput] | None = None) -> dict:
         chunk = {
             **self._head,
             "object": "chat.completion.chunk" if self.is_chat else "text_completion",
             "choices": choices,
         }
         if include_usage:  # OpenAI: null on every chunk but the last, which has no choices
-            chunk["usage"] = usage(o) if o is not None else None
+            chunk["usage"] = usage(last_outputs) if last_outputs is not None else None
         return chunk
 
     def first_chunks(self, include_usage: bool) -> list[dict]:
-        """Chat streams begin with the assistant's role."""
+        """Chat streams begin with the assistant's role, for each choice."""
         if not self.is_chat:
             return []
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [self._chunk([choice], include_usage)]
+        return [
+            self._chunk(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                include_usage,
+            )
+            for i in range(len(self._texts))
+        ]
 
-    def chunks(self, o: RequestOutput, include_usage: bool) -> list[dict]:
-        """The stream chunks of one output: its text and tokens, then (the last output) the finish reason."""
+    def chunks(self, index: int, o: RequestOutput, include_usage: bool) -> list[dict]:
+        """The stream chunks of choice `index`'s output: its text and tokens, then (its last output) the finish
+        reason."""
         chunks = []
         if o.text or o.new_token_ids:
-            chunks.append(
-                self._chunk([self._choice(o.text, o.new_token_ids, o.logprobs, None, is_delta=True)], include_usage)
-            )
+            chunks.append(self._chunk([self._choice(index, [o], None, is_delta=True)], include_usage))
         if o.finish_reason is not None:
-            final = self._choice(None, [], [], o.finish_reason, is_delta=True)
+            final = self._choice(index, [], o.finish_reason, is_delta=True)
             final["logprobs"] = None
             chunks.append(self._chunk([final], include_usage))
-            if include_usage:
-                chunks.append(self._chunk([], include_usage, o))
         return chunks
+
+    def usage_chunk(self, last_outputs: list[RequestOutput]) -> dict:
+        """The stream's last chunk with include_usage: no choices, the usage of them all."""
+        return self._chunk([], True, last_outputs)

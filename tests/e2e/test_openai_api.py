@@ -166,12 +166,23 @@ def test_models_and_health(server):
 BAD = {  # name: (endpoint, body fields, HTTP status, fragment of the message)
     "temperature -1": ("chat", {"temperature": -1}, 400, "temperature must be >= 0"),
     "top_p 2": ("chat", {"top_p": 2}, 400, "top_p must be in (0, 1]"),
-    "n 2": ("chat", {"n": 2}, 400, "n must be 1"),
-    "top_logprobs": ("chat", {"logprobs": True, "top_logprobs": 2}, 400, "top_logprobs > 0 is not supported"),
+    "n 0": ("chat", {"n": 0}, 400, "n must be in [1, 16]"),
+    "n 17": ("text", {"n": 17}, 400, "n must be in [1, 16]"),
+    "top_logprobs 21": ("chat", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs must be in [0, 20]"),
+    "top_logprobs without logprobs": ("chat", {"top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),
+    "presence_penalty 3": ("chat", {"presence_penalty": 3}, 400, "presence_penalty must be in [-2.0, 2.0]"),
+    "repetition_penalty 0": ("text", {"repetition_penalty": 0}, 400, "repetition_penalty must be > 0"),
+    "min_p 2": ("chat", {"min_p": 2}, 400, "min_p must be in [0, 1]"),
+    "logit_bias key": ("chat", {"logit_bias": {"w5": 3}}, 400, "logit_bias keys must be token ids"),
+    "logit_bias token": ("chat", {"logit_bias": {"9999": 3}}, 400, "token id 9999, outside the vocabulary"),
+    "logit_bias 200": ("text", {"logit_bias": {"5": 200}}, 400, "logit_bias values must be in [-100.0, 100.0]"),
+    "min_tokens over max_tokens": ("text", {"min_tokens": 9, "max_tokens": 4}, 400, "min_tokens 9 is more than"),
+    "an unknown field": ("chat", {"frobnicate": 1}, 400, "'frobnicate' is not supported"),
+    "a vLLM field we lack": ("text", {"include_stop_str_in_output": True}, 400, "'include_stop_str_in_output' is"),
     "tools": ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not supported"),
     "max_tokens not a number": ("chat", {"max_tokens": "many"}, 400, "max_tokens"),
     "max_tokens 0": ("text", {"max_tokens": 0}, 400, "max_tokens must be > 0"),
-    "logprobs 2": ("text", {"logprobs": 2}, 400, "logprobs must be 0"),
+    "logprobs 6": ("text", {"logprobs": 6}, 400, "logprobs must be in [0, 5]"),
     "echo": ("text", {"echo": True}, 400, "'echo' is not supported"),
     "two prompts": ("text", {"prompt": ["w5", "w6"]}, 400, "one prompt per request"),
     "prompt too long": ("text", {"prompt": list(range(3, 70))}, 400, "max_model_len 64"),
@@ -215,3 +226,108 @@ def test_without_a_valid_key_401(server):
     wrong = openai.OpenAI(base_url=server.client.base_url, api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model=None, messages=MESSAGES)
+
+
+PROCESSING = dict(
+    presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={9: 2.0, 126: -100}, min_tokens=5
+)
+
+
+def test_processing_and_top_logprobs_are_the_same_with_and_without_speculation(server):
+    """Penalties, logit_bias, min_tokens and min_p: the server's n-gram speculation emits the tokens (and top
+    logprobs) of the same request without speculation; and they change the output."""
+
+    def complete(speculate: bool, **processing) -> pb.CompleteResponse:
+        sampling = pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=3, **processing)
+        request = pb.CompleteRequest(
+            prompt_token_ids=PROMPT_IDS, sampling=sampling, speculation=pb.SpeculationParams(enabled=speculate)
+        )
+        return server.stub.Complete(request, metadata=server.metadata)
+
+    num_drafts = 0
+    for processing in (PROCESSING, {"repetition_penalty": 0.8}, {"frequency_penalty": -0.5, "min_p": 0.5}):
+        spec, plain = complete(True, **processing), complete(False, **processing)
+        assert plain.usage.draft_tokens == 0
+        num_drafts += spec.usage.draft_tokens
+        assert list(spec.token_ids) == list(plain.token_ids)
+        assert [list(t.token_ids) for t in spec.top_logprobs] == [list(t.token_ids) for t in plain.top_logprobs]
+        assert len(spec.top_logprobs) == len(spec.token_ids) and all(len(t.token_ids) == 3 for t in spec.top_logprobs)
+        assert [t.token_ids[0] for t in spec.top_logprobs] == list(spec.token_ids)  # greedy: the top one
+        assert [t.logprobs[0] for t in spec.top_logprobs] == pytest.approx(list(spec.logprobs))
+    assert num_drafts > 0  # the encouraged repeats are drafted
+    assert list(complete(False).token_ids) != list(complete(False, **PROCESSING).token_ids)
+
+
+def test_top_logprobs_over_openai_whole_and_streamed(server):
+    """Chat: top_logprobs alternatives per token (the chosen one first, greedy), streamed alike; completions:
+    logprobs = 2 gives a {text: logprob} dict of two per token. The values are the gRPC API's."""
+    sampling = pb.SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=2, presence_penalty=0.5, ignore_eos=True
+    )
+    expected = server.stub.Complete(
+        pb.CompleteRequest(messages=[pb.ChatMessage(**m) for m in MESSAGES], sampling=sampling),
+        metadata=server.metadata,
+    )
+    kwargs = dict(
+        model=None,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        logprobs=True,
+        top_logprobs=2,
+        presence_penalty=0.5,
+        extra_body={"ignore_eos": True},
+    )
+    content = server.client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed = [
+        e
+        for c in server.client.chat.completions.create(**kwargs, stream=True)
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    for entries in (content, streamed):
+        assert len(entries) == len(expected.token_ids)
+        for entry, top in zip(entries, expected.top_logprobs):
+            assert [a.logprob for a in entry.top_logprobs] == pytest.approx(list(top.logprobs))
+            assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+    text = server.client.completions.create(
+        model=None, prompt=PROMPT_IDS, temperature=0, max_tokens=4, logprobs=2, extra_body={"ignore_eos": True}
+    ).choices[0]
+    assert [len(alts) for alts in text.logprobs.top_logprobs] == [2] * 4
+    assert [max(alts.values()) for alts in text.logprobs.top_logprobs] == pytest.approx(text.logprobs.token_logprobs)
+
+
+def test_n_choices_share_the_prompt_and_each_equals_its_seed_alone(server):
+    """n = 3 with seed s: choice i is the output of seed s + i alone; choices 1 and 2 find the prompt's full
+    blocks in the prefix cache (choice 0 computed them); usage counts the prompt once and every choice's tokens.
+    Streamed, the chunks of the three choices reassemble to the same texts."""
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19]  # no other test sends it: 2 full blocks to share
+    kwargs = dict(model=None, temperature=0.9, max_tokens=8, seed=100, extra_body={"ignore_eos": True})
+
+    def hits() -> float:
+        return server.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=server.metadata).counters.prefix_cache_hits
+
+    before = hits()
+    whole = server.client.completions.create(prompt=prompt, n=3, **kwargs)
+    assert hits() - before == 2 * 8  # choices 1 and 2: both full blocks from the cache; choice 0: none
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    alone = [server.client.completions.create(prompt=prompt, **{**kwargs, "seed": 100 + i}) for i in range(3)]
+    assert [c.text for c in whole.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in whole.choices}) > 1  # distinct seeds: distinct samples
+    assert whole.usage.prompt_tokens == len(prompt) and whole.usage.completion_tokens == 3 * 8
+    assert _speculative(whole.usage)["draft_tokens"] == sum(_speculative(a.usage)["draft_tokens"] for a in alone)
+
+    chunks = list(
+        server.client.chat.completions.create(
+            messages=MESSAGES, n=3, stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    streamed = [
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(3)
+    ]
+    chat = server.client.chat.completions.create(messages=MESSAGES, n=3, **kwargs)
+    assert streamed == [c.message.content for c in chat.choices]
+    finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1, 2]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3 * 8
