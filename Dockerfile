@@ -50,6 +50,8 @@ COPY worker_service worker_service
 COPY draft_training draft_training
 COPY kernels kernels
 COPY deploy/healthcheck.py deploy/healthcheck.py
+# For tool calling with ChatML models: --chat-template /app/deploy/chat_templates/chatml_tools.jinja
+COPY deploy/chat_templates deploy/chat_templates
 RUN pip install ".${EXTRAS:+[$EXTRAS]}"
 
 # Non-root, uid and gid 10001 (the manifests' runAsUser/runAsGroup/fsGroup);

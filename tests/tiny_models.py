@@ -12,7 +12,13 @@ VOCAB_SIZE = 256
 
 
 def tiny_llama(
-    seed: int, num_layers: int, hidden: int, heads: int, kv_heads: int, vocab_size: int = VOCAB_SIZE
+    seed: int,
+    num_layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    vocab_size: int = VOCAB_SIZE,
+    max_positions: int = 512,
 ) -> LlamaForCausalLM:
     """A randomly initialised Llama with fixed seed (fp32, eval mode)."""
     config = LlamaConfig(
@@ -22,7 +28,7 @@ def tiny_llama(
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
@@ -112,7 +118,7 @@ def save_tiny_byte_tokenizer(directory: pathlib.Path) -> int:
     return len(vocab)
 
 
-def make_tiny_byte_pair(directory: pathlib.Path) -> TinyPair:
+def make_tiny_byte_pair(directory: pathlib.Path, max_positions: int = 512) -> TinyPair:
     """A seeded target and draft over the byte-level vocabulary (for structured outputs), and a random EAGLE-3
     head for the target."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -120,12 +126,8 @@ def make_tiny_byte_pair(directory: pathlib.Path) -> TinyPair:
     for path in (pair.target_path, pair.draft_path):
         path.mkdir(parents=True, exist_ok=True)
     vocab_size = save_tiny_byte_tokenizer(pair.target_path)
-    tiny_llama(seed=0, num_layers=4, hidden=64, heads=4, kv_heads=2, vocab_size=vocab_size).save_pretrained(
-        pair.target_path
-    )
-    tiny_llama(seed=1, num_layers=2, hidden=32, heads=2, kv_heads=1, vocab_size=vocab_size).save_pretrained(
-        pair.draft_path
-    )
+    for path, seed, shape in ((pair.target_path, 0, (4, 64, 4, 2)), (pair.draft_path, 1, (2, 32, 2, 1))):
+        tiny_llama(seed, *shape, vocab_size=vocab_size, max_positions=max_positions).save_pretrained(path)
     save_tiny_eagle3_head(pair.eagle3_head_path, vocab_size=vocab_size)
     return pair
 

@@ -8,6 +8,7 @@ from specdec.metrics_server import check_metrics_port
 from specdec.security import TlsFiles
 
 MAX_DEFAULT_KV_BLOCKS = 4096
+TOOL_CALL_PARSERS = ("hermes", "json")  # frontends/tools.py's readers of tool_choice "auto"
 
 
 _CORE_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}
@@ -142,6 +143,19 @@ class SchedulerOptions:
         "(default: the model's name, its directory's or GGUF file's; a client may also name the workers' model id, "
         "its path)",
         metavar="NAME",
+    )
+    chat_template: str | None = setting(
+        None,
+        "render chats with this Jinja template file (default: the model's own; deploy/chat_templates/"
+        "chatml_tools.jinja is a ChatML template that renders tools and tool calls)",
+        metavar="FILE",
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "read tool calls out of the output for tool_choice 'auto': hermes (<tool_call>{...}</tool_call> blocks) "
+        "or json (the whole output is a call or a list of calls) (default: none: 'auto' is refused; 'required' and "
+        "a named function need no parser)",
+        choices=TOOL_CALL_PARSERS,
     )
     first_worker_timeout_s: float = 600.0  # the process exits when no worker answers in time
     # Security (README "Security"): TLS on the client port; TLS towards the workers (the scheduler's client

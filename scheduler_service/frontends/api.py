@@ -2,11 +2,13 @@
 
 from collections.abc import Callable
 from dataclasses import replace
+import json
 import secrets
 import uuid
 
 from scheduler_service.core.request import Request
 from scheduler_service.frontends.tokenizer import ChatTokenizer, TokenizerError
+from scheduler_service.frontends.tools import ToolPlan
 from specdec.step import RequestSampling
 from specdec.v1 import generation_pb2 as pb
 
@@ -37,15 +39,41 @@ def _check_text_size(num_chars: int, max_model_len: int, what: str) -> None:
 PROMPT_INPUTS = ("prompt", "prompt_token_ids", "messages")
 
 
-def _chat_messages(messages, max_model_len: int) -> list[dict[str, str]]:
-    """Validated chat messages: a known role each (a role is rendered into the template as it is)."""
+def _chat_messages(messages, max_model_len: int) -> list[dict]:
+    """Validated chat messages: a known role each (a role is rendered into the template as it is); an
+    assistant turn's tool calls and a tool turn's call id, as chat templates read them."""
     if len(messages) > MAX_CHAT_MESSAGES:
         raise InvalidRequestError(f"{len(messages)} chat messages: at most {MAX_CHAT_MESSAGES} are accepted")
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role[:32]!r}")
-    _check_text_size(sum(len(m.content) for m in messages), max_model_len, "the chat")
-    return [{"role": m.role, "content": m.content} for m in messages]
+        if m.tool_calls and m.role != "assistant":
+            raise InvalidRequestError(f"messages[{i}] has tool_calls: only an assistant turn makes calls")
+    num_chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in messages)
+    _check_text_size(num_chars, max_model_len, "the chat")
+    return [_chat_message(m) for m in messages]
+
+
+def _chat_message(m: pb.ChatMessage) -> dict:
+    message: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
+def _json_or_text(arguments: str):
+    """A call's arguments as templates expect them: the JSON object (as `transformers` passes it), else the text."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def _prompt_input(request: pb.GenerateRequest | pb.CompleteRequest) -> str:
@@ -62,9 +90,13 @@ def _prompt_input(request: pb.GenerateRequest | pb.CompleteRequest) -> str:
 
 
 def prompt_token_ids(
-    request: pb.GenerateRequest | pb.CompleteRequest, tokenizer: ChatTokenizer, vocab_size: int, max_model_len: int
+    request: pb.GenerateRequest | pb.CompleteRequest,
+    tokenizer: ChatTokenizer,
+    vocab_size: int,
+    max_model_len: int,
+    tools: ToolPlan | None = None,
 ) -> list[int]:
-    """The prompt as token ids, from text, ids or chat messages."""
+    """The prompt as token ids, from text, ids or chat messages (rendered with the tools to offer)."""
     kind = _prompt_input(request)
     try:
         if kind == "prompt":
@@ -76,7 +108,8 @@ def prompt_token_ids(
             if bad:
                 raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         else:
-            ids = tokenizer.apply_chat_template(_chat_messages(request.messages, max_model_len))
+            template_tools = list(tools.template_tools) if tools is not None and tools.template_tools else None
+            ids = tokenizer.apply_chat_template(_chat_messages(request.messages, max_model_len), template_tools)
     except TokenizerError as exc:
         raise InvalidRequestError(str(exc)) from exc
     if not ids:
@@ -140,9 +173,11 @@ def build_request(
     eos_token_ids: list[int],
     max_model_len: int,
     compile_constraint: Callable[[pb.StructuredOutputs], str] | None = None,
+    tools: ToolPlan | None = None,
 ) -> Request:
     """Validates a GenerateRequest or CompleteRequest (the same fields) and builds the scheduler's Request
-    (cheap checks first; the structured-output constraint, compiled by `compile_constraint`, last)."""
+    (cheap checks first; the structured-output constraint, compiled by `compile_constraint`, last). `tools`:
+    the request's validated tools (tools.plan_tools), rendered into the chat and maybe constraining the output."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError(
             f"request_id has {len(request.request_id)} characters: at most {MAX_REQUEST_ID_CHARS}"
@@ -161,7 +196,7 @@ def build_request(
     k = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else None
     if k is not None and k < 0:
         raise InvalidRequestError(f"num_speculative_tokens must be >= 0, got {k}")
-    ids = prompt_token_ids(request, tokenizer, vocab_size, max_model_len)
+    ids = prompt_token_ids(request, tokenizer, vocab_size, max_model_len, tools)
     if max_tokens is None:  # unset: the default, or what is left of max_model_len
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, max_model_len - len(ids)))
     if len(ids) + max_tokens > max_model_len:
@@ -169,13 +204,14 @@ def build_request(
             f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together more "
             f"than max_model_len {max_model_len}; lower max_tokens"
         )
-    is_constrained = s.HasField("structured_outputs") and s.structured_outputs.WhichOneof("constraint") is not None
+    constraint = tools.constraint() if tools is not None and tools.is_constrained else s.structured_outputs
+    is_constrained = constraint.WhichOneof("constraint") is not None
     for name, value in (("ignore_eos", s.ignore_eos), ("min_tokens", s.min_tokens)):
         if is_constrained and value:
             raise InvalidRequestError(
                 f"{name} cannot be combined with structured_outputs: the output ends where its constraint does"
             )
-    grammar = _grammar(s.structured_outputs, compile_constraint) if is_constrained else ""
+    grammar = _grammar(constraint, compile_constraint) if is_constrained else ""
     try:
         return Request(
             request_id=request.request_id or uuid.uuid4().hex,

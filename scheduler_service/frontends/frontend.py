@@ -18,6 +18,7 @@ from scheduler_service.core.request import RequestOutput
 from scheduler_service.frontends.api import InvalidRequestError, build_request
 from scheduler_service.frontends.structured import ConstraintCompiler
 from scheduler_service.frontends.tokenizer import ChatTokenizer
+from scheduler_service.frontends.tools import ToolPlan, ToolsError, plan_tools
 from specdec.v1 import generation_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -27,9 +28,12 @@ class Stream:
     """One admitted request's outputs, in order. close() (idempotent, any thread) aborts the request if it has
     not finished, which frees its KV blocks, and gives its open-stream slot back."""
 
-    def __init__(self, cluster: Cluster, handle: RequestHandle, release: Callable[[], None]):
+    def __init__(
+        self, cluster: Cluster, handle: RequestHandle, release: Callable[[], None], tools: ToolPlan | None = None
+    ):
         self.cluster = cluster
         self.handle = handle
+        self.tools = tools  # the request's tool calling (None: no tools), for reading calls out of its text
         self.request_id = handle.request_id
         self._release = release
         self._lock = threading.Lock()
@@ -150,13 +154,25 @@ class Frontend:
             )
         try:
             cluster = self.require_cluster()
-            return Stream(cluster, self._submit(cluster, request, deadline), self._open_streams.release)
+            tools = self._tools(cluster, request)
+            return Stream(cluster, self._submit(cluster, request, deadline, tools), self._open_streams.release, tools)
         except BaseException:
             self._open_streams.release()
             raise
 
+    @staticmethod
+    def _tools(cluster: Cluster, request: pb.GenerateRequest | pb.CompleteRequest) -> ToolPlan | None:
+        try:
+            return plan_tools(request, cluster.options.tool_call_parser)
+        except ToolsError as exc:
+            raise EngineError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+
     def _submit(
-        self, cluster: Cluster, request: pb.GenerateRequest | pb.CompleteRequest, deadline: float | None
+        self,
+        cluster: Cluster,
+        request: pb.GenerateRequest | pb.CompleteRequest,
+        deadline: float | None,
+        tools: ToolPlan | None,
     ) -> RequestHandle:
         facts = cluster.facts
         try:
@@ -167,6 +183,7 @@ class Frontend:
                 list(facts.eos_token_ids),
                 facts.config.max_model_len,
                 None if self.constraints is None else self.constraints.compile,
+                tools,
             )
             return cluster.submit(req, deadline)
         except KeyError as exc:

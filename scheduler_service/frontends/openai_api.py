@@ -253,6 +253,7 @@ class OpenAIApi:
             bool(body.logprobs) if is_chat else body.logprobs is not None,
             first.handle.request.prompt_token_ids[-1],
             body.n or 1,
+            first.tools,
         )
         if body.stream:
             return EventStream(self._events(choices, reply, body.include_usage), choices)

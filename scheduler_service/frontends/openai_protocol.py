@@ -242,15 +242,66 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """A call in an assistant message (sent back with the tool's result)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def to_proto(self) -> pb.ChatMessage:
         content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
-        return pb.ChatMessage(role=ROLE_ALIASES.get(self.role, self.role), content=content or "")
+        return pb.ChatMessage(
+            role=ROLE_ALIASES.get(self.role, self.role),
+            content=content or "",
+            tool_calls=[
+                pb.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                for c in self.tool_calls or []
+            ],
+            tool_call_id=self.tool_call_id or "",
+            name=self.name or "",
+        )
+
+
+class FunctionIn(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None  # arguments always follow the schema with "required" and a named function
+
+
+class ToolIn(BaseModel):
+    type: Literal["function"]
+    function: FunctionIn
+
+    def to_proto(self) -> pb.Tool:
+        f = self.function
+        parameters = json.dumps(f.parameters) if f.parameters is not None else ""
+        return pb.Tool(name=f.name, description=f.description or "", parameters=parameters)
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common):
@@ -260,18 +311,29 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: INT32 | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def to_proto(self) -> pb.GenerateRequest:
         """The GenerateRequest of this body; raises InvalidParamError for what this server does not support."""
         self.check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParamError("top_logprobs", "top_logprobs needs logprobs: true")
-        for i, m in enumerate(self.messages):
-            if (m.model_extra or {}).get("tool_calls"):
-                raise InvalidParamError(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         sampling = self.sampling(max_tokens, bool(self.logprobs), self.top_logprobs or 0)
-        return pb.GenerateRequest(messages=[m.to_proto() for m in self.messages], sampling=sampling)
+        request = pb.GenerateRequest(
+            messages=[m.to_proto() for m in self.messages],
+            sampling=sampling,
+            tools=[t.to_proto() for t in self.tools or []],
+        )
+        if isinstance(self.tool_choice, str):
+            request.tool_choice.mode = self.tool_choice
+        elif self.tool_choice is not None:
+            request.tool_choice.function = self.tool_choice.function.name
+        if self.parallel_tool_calls is not None:
+            request.parallel_tool_calls = self.parallel_tool_calls
+        return request
 
 
 class CompletionRequest(_Common):

@@ -13,6 +13,7 @@ import grpc
 from scheduler_service.cluster.handle import EngineError
 from scheduler_service.core.request import RequestOutput
 from scheduler_service.frontends.tokenizer import ChatTokenizer
+from scheduler_service.frontends.tools import CallDelta, ToolOutputs, ToolPlan
 from specdec.step import TopLogprobs
 
 USAGE_EXTENSION = "speculative_decoding"
@@ -69,6 +70,13 @@ def usage(last_outputs: list[RequestOutput]) -> dict:
     }
 
 
+def _call_delta(d: CallDelta) -> dict:
+    """OpenAI's streamed tool call piece: the id, type and name with a call's first piece."""
+    function = {"arguments": d.arguments} if d.id is None else {"name": d.name, "arguments": d.arguments}
+    head = {} if d.id is None else {"id": d.id, "type": "function"}
+    return {"index": d.index, **head, "function": function}
+
+
 def _token_logprob(text: str, logprob: float) -> dict:
     """Chat's form of a token and its logprob (bytes: the UTF-8 of the token's text)."""
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -99,6 +107,7 @@ class Reply:
         is_logprobs: bool,
         last_prompt_token_id: int,
         num_choices: int = 1,
+        tools: ToolPlan | None = None,
     ):
         self.is_chat = is_chat
         self.is_logprobs = is_logprobs
@@ -109,6 +118,7 @@ class Reply:
             "model": model,
         }
         self._texts = [_ChoiceText(last_prompt_token_id) for _ in range(num_choices)]
+        self._tools = [ToolOutputs(tools) for _ in range(num_choices)]  # each choice's calls, read from its text
 
     def _token_text(self, token_id: int, previous: int) -> str:
         """The token's text as it reads after the previous token (with its leading space, say)."""
@@ -149,22 +159,32 @@ class Reply:
         }
 
     def _choice(self, index: int, outputs: list[RequestOutput], finish_reason: str | None, is_delta: bool) -> dict:
-        """Choice `index` of these outputs (their text, tokens and logprobs together)."""
-        text = "".join(o.text for o in outputs) if outputs or not is_delta else None
+        """Choice `index` of these outputs (their text, tokens and logprobs together): content and tool calls as
+        the request's tools read the text."""
+        tools = self._tools[index]
+        is_last = finish_reason is not None
+        content, deltas = tools.read("".join(o.text for o in outputs), is_last)
         choice: dict = {"index": index}
         if not self.is_chat:
-            choice["text"] = text or ""
+            choice["text"] = content
         elif is_delta:
-            choice["delta"] = {} if text is None else {"content": text}
+            choice["delta"] = {"content": content} if content else {}
+            if deltas:
+                choice["delta"]["tool_calls"] = [_call_delta(d) for d in deltas]
         else:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": content or (None if tools.calls else content)}
+            if tools.calls:
+                choice["message"]["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in tools.calls
+                ]
         choice["logprobs"] = self._logprobs(
             index,
             [t for o in outputs for t in o.new_token_ids],
             [lp for o in outputs for lp in o.logprobs],
             [t for o in outputs for t in o.top_logprobs],
         )
-        choice["finish_reason"] = finish_reason
+        choice["finish_reason"] = tools.finish_reason(finish_reason)
         return choice
 
     def whole(self, outputs_by_choice: list[list[RequestOutput]]) -> dict:
@@ -202,15 +222,17 @@ class Reply:
         ]
 
     def chunks(self, index: int, o: RequestOutput, include_usage: bool) -> list[dict]:
-        """The stream chunks of choice `index`'s output: its text and tokens, then (its last output) the finish
-        reason."""
+        """The stream chunks of choice `index`'s output: its content, tool call pieces and tokens, then (its last
+        output) the finish reason."""
         chunks = []
-        if o.text or o.new_token_ids:
-            chunks.append(self._chunk([self._choice(index, [o], None, is_delta=True)], include_usage))
-        if o.finish_reason is not None:
-            final = self._choice(index, [], o.finish_reason, is_delta=True)
-            final["logprobs"] = None
-            chunks.append(self._chunk([final], include_usage))
+        part = self._choice(index, [o], o.finish_reason, is_delta=True)
+        finish_reason = part.pop("finish_reason")
+        has_delta = part.get("delta") or (not self.is_chat and part["text"])
+        if has_delta or o.new_token_ids:
+            chunks.append(self._chunk([{**part, "finish_reason": None}], include_usage))
+        if finish_reason is not None:
+            final = {"index": index, **({"delta": {}} if self.is_chat else {"text": ""})}
+            chunks.append(self._chunk([{**final, "logprobs": None, "finish_reason": finish_reason}], include_usage))
         return chunks
 
     def usage_chunk(self, last_outputs: list[RequestOutput]) -> dict:

@@ -15,6 +15,7 @@ from scheduler_service.core.request import RequestOutput
 from scheduler_service.core.stats import SchedulerStats
 from scheduler_service.frontends.frontend import Frontend
 from scheduler_service.frontends.tokenizer import ChatTokenizer
+from scheduler_service.frontends.tools import ToolCall, ToolOutputs
 from specdec.step import TopLogprobs
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
@@ -27,7 +28,12 @@ _FINISH = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
+
+
+def _tool_calls(calls: list[ToolCall]) -> list[pb.ToolCall]:
+    return [pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
 
 
 def _top_logprobs(top: list[TopLogprobs]) -> list[pb.TopLogprobs]:
@@ -138,7 +144,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             context.abort(exc.code, str(exc))
 
     def _outputs(self, request, context):
-        """Submits the request and yields its RequestOutputs; aborts the call with the right status."""
+        """Submits the request and yields its RequestOutputs, each with what its tools read of its text (the
+        content, and the calls with the last output); aborts the call with the right status."""
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         try:
@@ -148,32 +155,37 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # A client that cancels or disconnects aborts the request, which frees its blocks.
         if not context.add_callback(stream.close):  # the call already ended
             stream.close()
+        tools = ToolOutputs(stream.tools)
         try:
-            yield from stream
+            for o in stream:
+                is_last = o.finish_reason is not None
+                content, _ = tools.read(o.text, is_last)
+                yield o, content, tools.finish_reason(o.finish_reason), _tool_calls(tools.calls) if is_last else []
         except EngineError as exc:
             context.abort(exc.code, str(exc))
 
     def Generate(self, request, context):
-        """Streams a completion: a message per step with new text, then finish reason and usage."""
-        for o in self._outputs(request, context):
+        """Streams a completion: a message per step with new text, then finish reason, usage and tool calls."""
+        for o, content, finish_reason, tool_calls in self._outputs(request, context):
             final = o.finish_reason is not None
-            if not (o.new_token_ids or o.text or final):
+            if not (o.new_token_ids or content or final):
                 continue
             yield pb.GenerateResponse(
                 request_id=o.request_id,
-                text=o.text,
+                text=content,
                 token_ids=o.new_token_ids,
                 logprobs=o.logprobs,
                 top_logprobs=_top_logprobs(o.top_logprobs),
-                finish_reason=_FINISH[o.finish_reason],
+                finish_reason=_FINISH[finish_reason],
                 usage=_usage(o) if final else None,
+                tool_calls=tool_calls,
             )
 
     def Complete(self, request, context):
         """Runs a request to completion and returns everything at once."""
         text, ids, logprobs, top_logprobs = [], [], [], []
-        for o in self._outputs(request, context):
-            text.append(o.text)
+        for o, content, finish_reason, tool_calls in self._outputs(request, context):
+            text.append(content)
             ids.extend(o.new_token_ids)
             logprobs.extend(o.logprobs)
             top_logprobs.extend(o.top_logprobs)
@@ -184,8 +196,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     token_ids=ids,
                     logprobs=logprobs,
                     top_logprobs=_top_logprobs(top_logprobs),
-                    finish_reason=_FINISH[o.finish_reason],
+                    finish_reason=_FINISH[finish_reason],
                     usage=_usage(o),
+                    tool_calls=tool_calls,
                 )
 
     def Abort(self, request, context):

@@ -37,7 +37,7 @@ def run_scheduler(opts: SchedulerOptions, stop: threading.Event | None = None) -
     """
     stop = stop or threading.Event()
     membership = Membership([parse_worker_spec(a) for a in opts.worker_addresses])
-    tokenizer = ChatTokenizer(opts.model_dir)
+    tokenizer = ChatTokenizer(opts.model_dir, opts.chat_template)
     server, servicer, port = create_server(opts.host, opts.port, opts.max_open_streams, **security_hooks(opts))
     announce(f"scheduler listening on {opts.host}:{port}")
     signals = StopSignals()  # only on the main thread (tests run the scheduler on others, with `stop`)

@@ -1,0 +1,349 @@
+"""Tool calling: a request's tools validated, what its tool_choice does to the generation, and its calls read
+back out of the output text, whole or as it streams.
+
+- "none": the tools are not rendered; the output is plain text.
+- "auto": the chat template renders the tools; the output is free, and the server's tool-call parser
+  (--tool-call-parser) reads calls out of it: `hermes` (Hermes / Qwen: `<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>` blocks, text around them is content) or `json` (the whole output is one such object, or a
+  list of them).
+- "required": the output is constrained (structured outputs) to a JSON list of one or more calls
+  `[{"name": ..., "arguments": {...}}]` valid against the tools' schemas (one call without
+  parallel_tool_calls).
+- a named function: the output is constrained to that function's arguments, a JSON object valid against its
+  schema; it is the one call's arguments, streamed as they come.
+
+A constrained call's tokens are often forced by its schema (names, keys, punctuation): the worker drafts them
+for free, so tool calls speculate well whatever the proposer.
+"""
+
+from dataclasses import dataclass, field
+import json
+import re
+import secrets
+
+from scheduler_service.cluster.options import TOOL_CALL_PARSERS
+from specdec.v1 import generation_pb2 as pb
+
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+NO_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}}
+
+
+class ToolsError(ValueError):
+    """A request's tools or tool_choice that cannot be served; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """A streamed piece of call `index`: its id and name come with its first piece, its arguments in pieces."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools do: the mode ("none", "auto", "required" or "function"), the tools for the chat
+    template (OpenAI's shape), their schemas, the named function, whether several calls may be made and the
+    parser of "auto"."""
+
+    mode: str
+    template_tools: tuple[dict, ...]
+    schemas: dict[str, dict]
+    function: str | None = None
+    is_parallel: bool = True
+    parser: str | None = None
+
+    @property
+    def is_constrained(self) -> bool:
+        return self.mode in ("required", "function")
+
+    def constraint(self) -> pb.StructuredOutputs | None:
+        """The structured-output constraint of "required" and a named function (None otherwise)."""
+        if self.mode == "function":
+            return pb.StructuredOutputs(json=json.dumps(self.schemas[self.function]))
+        if self.mode != "required":
+            return None
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": schema},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name, schema in self.schemas.items()
+        ]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.is_parallel:
+            schema["maxItems"] = 1
+        return pb.StructuredOutputs(json=json.dumps(schema))
+
+    def reader(self) -> "ToolCallReader | None":
+        """A reader of one output's calls (None for "none": the output is all content)."""
+        if self.mode == "function":
+            return NamedCallReader(self.function)
+        if self.mode == "required":
+            return JsonCallReader(self.is_parallel, content_allowed=False)
+        if self.mode == "auto":
+            assert self.parser in TOOL_CALL_PARSERS
+            return HermesCallReader(self.is_parallel) if self.parser == "hermes" else JsonCallReader(self.is_parallel)
+        return None
+
+    def finish_reason(self, finish_reason: str | None, calls: list[ToolCall]) -> str | None:
+        """OpenAI's: "tool_calls" when "auto" or "required" ended with calls (a named function's call: "stop")."""
+        if finish_reason == "stop" and calls and self.mode in ("auto", "required"):
+            return "tool_calls"
+        return finish_reason
+
+
+def plan_tools(request: pb.GenerateRequest | pb.CompleteRequest, parser: str | None) -> ToolPlan | None:
+    """The request's ToolPlan (None without tools and tool_choice); raises ToolsError naming the field."""
+    tools, choice = list(request.tools), request.tool_choice
+    kind = choice.WhichOneof("choice")
+    if not tools and kind is None:
+        return None
+    if tools and not len(request.messages):
+        raise ToolsError("tools need a chat (messages): a text prompt or token ids cannot render them")
+    if len(tools) > MAX_TOOLS:
+        raise ToolsError(f"{len(tools)} tools: at most {MAX_TOOLS}")
+    schemas = {}
+    for i, tool in enumerate(tools):
+        if not TOOL_NAME.fullmatch(tool.name):
+            raise ToolsError(f"tools[{i}].name must be 1-64 letters, digits, '_' or '-', got {tool.name[:80]!r}")
+        if tool.name in schemas:
+            raise ToolsError(f"tools[{i}].name {tool.name!r} is given twice")
+        schemas[tool.name] = _parameters(i, tool.parameters)
+    mode = choice.mode if kind == "mode" else "function" if kind == "function" else ("auto" if tools else "none")
+    if mode not in (*TOOL_CHOICE_MODES, "function"):
+        raise ToolsError(f"tool_choice must be one of {', '.join(TOOL_CHOICE_MODES)} or a function, got {mode!r}")
+    if mode == "function" and choice.function not in schemas:
+        names = ", ".join(schemas) or "none"
+        raise ToolsError(
+            f"tool_choice names the function {choice.function[:80]!r}, which is not a tool (tools: {names})"
+        )
+    if mode in ("auto", "required") and not tools:
+        raise ToolsError(f"tool_choice {mode!r} needs tools")
+    if mode == "auto" and parser is None:
+        raise ToolsError(
+            "tool_choice 'auto' needs the server's tool-call parser (--tool-call-parser hermes or json); "
+            "'required' and a named function need none"
+        )
+    is_constrained_elsewhere = request.sampling.structured_outputs.WhichOneof("constraint") is not None
+    if mode in ("required", "function") and is_constrained_elsewhere:
+        raise ToolsError(f"tool_choice {_describe(mode, choice)} constrains the output: drop structured_outputs")
+    template_tools = tuple(
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description, "parameters": schemas[t.name]},
+        }
+        for t in tools
+    )
+    is_parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+    return ToolPlan(
+        mode,
+        template_tools if mode != "none" else (),
+        schemas,
+        choice.function if mode == "function" else None,
+        is_parallel,
+        parser if mode == "auto" else None,
+    )
+
+
+def _describe(mode: str, choice: pb.ToolChoice) -> str:
+    return f"function {choice.function!r}" if mode == "function" else repr(mode)
+
+
+def _parameters(index: int, text: str) -> dict:
+    if not text:
+        return dict(NO_ARGUMENTS_SCHEMA)
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise ToolsError(f"tools[{index}].parameters is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        raise ToolsError(f"tools[{index}].parameters must be a JSON schema of an object (the arguments)")
+    return schema
+
+
+# ------------------------------------------------------------------ reading calls out of the output
+
+
+@dataclass
+class ToolCallReader:
+    """Reads one output's text as it streams: `feed` each text delta, then `finish`; each returns the content
+    to stream on and the call pieces completed. `calls` holds the whole calls read so far."""
+
+    is_parallel: bool = True
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        raise NotImplementedError
+
+    def _add(self, name: str, arguments) -> list[CallDelta]:
+        """A whole call read (its arguments as JSON text, or a value to serialise); past the first without
+        parallel calls, dropped."""
+        if self.calls and not self.is_parallel:
+            return []
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        call = ToolCall(new_call_id(), name, text)
+        self.calls.append(call)
+        return [CallDelta(len(self.calls) - 1, call.arguments, call.id, call.name)]
+
+
+class NamedCallReader(ToolCallReader):
+    """A named function's output: all of it is the call's arguments, streamed as they come."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self._name, self._id, self._arguments = name, new_call_id(), []
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        is_first = not self._arguments
+        self._arguments.append(text)
+        if not text and not is_first:
+            return "", []
+        return "", [CallDelta(0, text, self._id, self._name) if is_first else CallDelta(0, text)]
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        deltas = [] if self._arguments else [CallDelta(0, "", self._id, self._name)]
+        self.calls = [ToolCall(self._id, self._name, "".join(self._arguments))]
+        return "", deltas
+
+
+class JsonCallReader(ToolCallReader):
+    """The whole output is one call `{"name": ..., "arguments": {...}}` ("parameters" is read too) or a list
+    of them. Output that does not start like JSON is content, streamed as it comes; otherwise it is read at
+    the end, and is content if it is not calls (`content_allowed` False: always read at the end)."""
+
+    def __init__(self, is_parallel: bool = True, content_allowed: bool = True):
+        super().__init__(is_parallel)
+        self._content_allowed = content_allowed
+        self._text: list[str] = []
+        self._is_content: bool | None = None if content_allowed else False
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        if self._is_content:
+            return text, []
+        self._text.append(text)
+        start = "".join(self._text).lstrip()
+        if self._is_content is None and start:
+            self._is_content = start[0] not in "[{"
+            if self._is_content:
+                return "".join(self._text), []
+        return "", []
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        if self._is_content:
+            return "", []
+        text = "".join(self._text)
+        calls = _calls_of(text)
+        if calls is None:
+            return text, []
+        return "", [delta for name, arguments in calls for delta in self._add(name, arguments)]
+
+
+class HermesCallReader(ToolCallReader):
+    """`<tool_call>{json}</tool_call>` blocks (Hermes, Qwen); the text around them is content. Text that may
+    be the start of a block is held back until it is not; a block that is not a call stays content."""
+
+    def __init__(self, is_parallel: bool = True):
+        super().__init__(is_parallel)
+        self._pending = ""  # held back: maybe the start of a block, or inside one
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self._pending += text
+        content, deltas = [], []
+        while True:
+            start = self._pending.find(HERMES_OPEN)
+            if start < 0:
+                keep = _held_back(self._pending, HERMES_OPEN)
+                content.append(self._pending[: len(self._pending) - keep])
+                self._pending = self._pending[len(self._pending) - keep :]
+                break
+            content.append(self._pending[:start])
+            end = self._pending.find(HERMES_CLOSE, start)
+            if end < 0:
+                self._pending = self._pending[start:]
+                break
+            block = self._pending[start : end + len(HERMES_CLOSE)]
+            self._pending = self._pending[end + len(HERMES_CLOSE) :]
+            calls = _calls_of(block[len(HERMES_OPEN) : -len(HERMES_CLOSE)])
+            if calls is None or len(calls) != 1:
+                content.append(block)
+            else:
+                deltas += self._add(*calls[0])
+        return "".join(content), deltas
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        content, self._pending = self._pending, ""  # an unclosed block (the output was cut) is content
+        return content, []
+
+
+def _held_back(text: str, marker: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _calls_of(text: str) -> list[tuple[str, object]] | None:
+    """The calls a JSON text holds (an object with a string "name" and object "arguments" or "parameters", or a
+    non-empty list of them), else None."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if not isinstance(arguments, (dict, str)):
+            return None
+        calls.append((item["name"], arguments))
+    return calls or None
+
+
+class ToolOutputs:
+    """One request's outputs as its tools read them: each output's text becomes the content to stream on and
+    the call pieces completed (without tools: the text as it is); the last output also finishes the reader."""
+
+    def __init__(self, plan: ToolPlan | None):
+        self.plan = plan
+        self.reader = plan.reader() if plan is not None else None
+
+    def read(self, text: str, is_last: bool) -> tuple[str, list[CallDelta]]:
+        if self.reader is None:
+            return text, []
+        content, deltas = self.reader.feed(text)
+        if is_last:
+            more, last_deltas = self.reader.finish()
+            content, deltas = content + more, deltas + last_deltas
+        return content, deltas
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.reader.calls if self.reader is not None else []
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return self.plan.finish_reason(finish_reason, self.calls) if self.plan is not None else finish_reason
