@@ -57,11 +57,12 @@ def process_logits(
 
 
 def process_rows(rows: torch.Tensor, state: RequestState, paths: list[list[int]]) -> None:
-    """Processes one sequence's rows in place (`rows` `[R, V]` float32; `paths[r]`: the drafts before row r)."""
+    """Processes one sequence's rows in place (`rows` `[R, V]` float32; `paths[r]`: the drafts before row r).
+
+    The penalties touch only the tokens of the prompt, the output and the drafts: they are applied on those
+    columns alone (`[R, C]`, C far below V), so a row costs what its context holds, not the vocabulary."""
     sampling, device = state.sampling, rows.device
-    num_rows, num_vocab = rows.shape
     output = state.token_ids[state.num_prompt_tokens :]
-    counts = _output_counts(output, paths, num_vocab, device)  # [R, V]
     if sampling.min_tokens and sampling.stop_token_ids:
         held = [r for r, path in enumerate(paths) if len(output) + len(path) < sampling.min_tokens]
         if held:
@@ -70,25 +71,35 @@ def process_rows(rows: torch.Tensor, state: RequestState, paths: list[list[int]]
     if sampling.logit_bias:
         ids = torch.tensor([t for t, _ in sampling.logit_bias], device=device)  # [B]
         rows[:, ids] += torch.tensor([b for _, b in sampling.logit_bias], device=device)
-    if sampling.repetition_penalty != 1:
-        seen = counts > 0  # [R, V]
-        seen[:, torch.tensor(sorted(set(state.token_ids[: state.num_prompt_tokens])), device=device)] = True
-        penalty = sampling.repetition_penalty
-        rows.copy_(torch.where(seen, torch.where(rows > 0, rows / penalty, rows * penalty), rows))
-    if sampling.frequency_penalty:
-        rows -= sampling.frequency_penalty * counts
-    if sampling.presence_penalty:
-        rows -= sampling.presence_penalty * (counts > 0)
+    if sampling.repetition_penalty != 1 or sampling.frequency_penalty or sampling.presence_penalty:
+        _penalise(rows, state, output, paths)
 
 
-def _output_counts(
-    output: list[int], paths: list[list[int]], num_vocab: int, device: torch.device
-) -> torch.Tensor:  # [R, V] float32
-    """How often each token occurs in each row's output so far: the emitted output, then the row's path."""
-    base = torch.bincount(torch.tensor(output, dtype=torch.int64, device=device), minlength=num_vocab)  # [V]
-    counts = base.float().expand(len(paths), num_vocab).clone()  # [R, V]
-    pairs = [(r, t) for r, path in enumerate(paths) for t in path]
+def _penalise(rows: torch.Tensor, state: RequestState, output: list[int], paths: list[list[int]]) -> None:
+    """The repetition, frequency and presence penalties, on the columns of the tokens the rows have seen."""
+    sampling, device = state.sampling, rows.device
+    prompt = set(state.token_ids[: state.num_prompt_tokens]) if sampling.repetition_penalty != 1 else set()
+    columns = sorted(prompt | set(output) | {t for path in paths for t in path})
+    if not columns:
+        return  # nothing seen yet: nothing to penalise
+    column_of = {t: j for j, t in enumerate(columns)}
+    counts = [0.0] * len(columns)  # the emitted output's, then each row's path added
+    for t in output:
+        counts[column_of[t]] += 1
+    row_counts = torch.tensor(counts, device=device).expand(len(paths), len(columns)).clone()  # [R, C]
+    pairs = [(r, column_of[t]) for r, path in enumerate(paths) for t in path]
     if pairs:
         index = torch.tensor(pairs, device=device)  # [P, 2]
-        counts.index_put_((index[:, 0], index[:, 1]), torch.ones(len(pairs), device=device), accumulate=True)
-    return counts
+        row_counts.index_put_((index[:, 0], index[:, 1]), torch.ones(len(pairs), device=device), accumulate=True)
+    column_ids = torch.tensor(columns, device=device)  # [C]
+    sub = rows[:, column_ids]  # [R, C]
+    if sampling.repetition_penalty != 1:
+        in_prompt = torch.tensor([t in prompt for t in columns], device=device)  # [C]
+        seen = (row_counts > 0) | in_prompt  # [R, C]
+        penalty = sampling.repetition_penalty
+        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    if sampling.frequency_penalty:
+        sub = sub - sampling.frequency_penalty * row_counts
+    if sampling.presence_penalty:
+        sub = sub - sampling.presence_penalty * (row_counts > 0)
+    rows[:, column_ids] = sub
