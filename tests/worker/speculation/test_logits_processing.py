@@ -182,13 +182,21 @@ def base_of(s: step.RequestSampling) -> dict:
     return dict(temperature=s.temperature, seed=s.seed)
 
 
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "q4_1"])
-def test_processing_is_exact_with_speculation_in_other_dtypes(tiny_pair, dtype):
-    sampling = samplings(seeded=False)
-    plain, _ = run(make_worker(tiny_pair, dtype=dtype), sampling, 0)
-    got, _ = run(make_worker(tiny_pair, "suffix", k=4, dtype=dtype), sampling, [1, 2, 3, 4, 4])
-    tree, _ = run(make_worker(tiny_pair, "suffix", k=5, dtype=dtype, draft_tree_width=3), sampling, 5)
-    assert got == tree == plain
+def test_processing_is_exact_with_speculation_in_other_dtypes(tiny_pair, sharp_pair, dtype, seeded):
+    """Chains and trees, batched and each request alone: plain decoding's tokens in bf16 and q4_1 too."""
+    pair = sharp_pair if seeded else tiny_pair
+    sampling = samplings(seeded)
+    plain, _ = run(make_worker(pair, dtype=dtype), sampling, 0)
+    got, _ = run(make_worker(pair, "suffix", k=4, dtype=dtype), sampling, [1, 2, 3, 4, 4])
+    tree, _ = run(make_worker(pair, "suffix", k=5, dtype=dtype, draft_tree_width=3), sampling, 5)
+    worker = make_worker(pair, "suffix", k=4, dtype=dtype)
+    alone = [
+        Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS).generate([p], MAX_TOKENS, [s], 4, prefix=f"a{i}-")[0]
+        for i, (p, s) in enumerate(zip(PROMPTS, sampling))
+    ]
+    assert got == tree == alone == plain
 
 
 def test_starting_counts_instead_of_each_rows_prefix_would_change_the_tokens(tiny_pair, monkeypatch):
