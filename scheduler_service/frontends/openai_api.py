@@ -28,10 +28,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from scheduler_service.cluster.handle import EngineError
 from scheduler_service.core.request import RequestOutput
 from scheduler_service.frontends.auth import ApiKeys, bearer_token
-from scheduler_service.frontends.frontend import Frontend, Stream
+from scheduler_service.frontends.choices import ChoicesError, ChoiceStreams, choice_requests
+from scheduler_service.frontends.frontend import Frontend
 from scheduler_service.frontends.openai_protocol import ChatCompletionRequest, CompletionRequest, InvalidParamError
 from scheduler_service.frontends.openai_replies import Reply, engine_error_body, error_body, http_status
-from specdec.v1 import generation_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], choices: "Choices"):
+    def __init__(self, events: AsyncIterator[str], choices: ChoiceStreams):
         super().__init__(events, headers={"Cache-Control": "no-cache"})
         self._choices = choices
 
@@ -140,73 +140,6 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._choices.close()
-
-
-def choice_requests(request: pb.GenerateRequest, num_choices: int) -> list[pb.GenerateRequest]:
-    """One request per choice of OpenAI's `n`: with a seed s, choice i samples with seed s + i (mod 2**64), so
-    it equals that seed's request alone; without one, each gets its own seed when it arrives."""
-    requests = [request]
-    for i in range(1, num_choices):
-        choice = pb.GenerateRequest()
-        choice.CopyFrom(request)
-        if request.sampling.HasField("seed"):
-            choice.sampling.seed = (request.sampling.seed + i) % 2**64
-        requests.append(choice)
-    return requests
-
-
-class Choices:
-    """The streams of one OpenAI request's choices. Choice 0 opens first; the others open once its first output
-    is out (its prompt computed), so they find the prompt's full blocks in the prefix cache and share them
-    instead of computing them again. close() aborts whatever is still running."""
-
-    def __init__(self, api: "OpenAIApi", requests: list[pb.GenerateRequest]):
-        self._api = api
-        self._requests = requests
-        self.streams: list[Stream] = []
-
-    async def open_first(self) -> Stream:
-        self.streams.append(await run_in_threadpool(self._api.frontend.open, self._requests[0]))  # tokenises
-        return self.streams[0]
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Every choice's outputs, each choice's in order, as they come; raises EngineError if one fails."""
-        first = await self._api.next_output(self.streams[0])
-        yield 0, first
-        for request in self._requests[1:]:
-            self.streams.append(await run_in_threadpool(self._api.frontend.open, request))
-        queue: asyncio.Queue = asyncio.Queue()
-        readers = [
-            asyncio.ensure_future(self._read(i, stream, queue))
-            for i, stream in enumerate(self.streams)
-            if i > 0 or first.finish_reason is None
-        ]
-        try:
-            for _ in range(len(readers)):
-                while True:
-                    index, output = await queue.get()
-                    if isinstance(output, BaseException):
-                        raise output
-                    yield index, output
-                    if output.finish_reason is not None:
-                        break
-        finally:
-            for reader in readers:
-                reader.cancel()
-
-    async def _read(self, index: int, stream: Stream, queue: asyncio.Queue) -> None:
-        try:
-            while True:
-                output = await self._api.next_output(stream)
-                queue.put_nowait((index, output))
-                if output.finish_reason is not None:
-                    return
-        except EngineError as exc:
-            queue.put_nowait((index, exc))
-
-    def close(self) -> None:
-        for stream in self.streams:
-            stream.close()
 
 
 async def _until_disconnected(receive) -> None:
@@ -223,8 +156,11 @@ class OpenAIApi:
         self.pool = ThreadPoolExecutor(frontend.max_open_streams, thread_name_prefix="http-stream")
         self.created = int(time.time())
 
-    async def next_output(self, stream: Stream) -> RequestOutput:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, stream.get)
+    async def outputs(self, choices: ChoiceStreams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The choices' outputs, each wait on this API's own thread pool."""
+        iterator = choices.outputs()
+        while (item := await asyncio.get_running_loop().run_in_executor(self.pool, next, iterator, None)) is not None:
+            yield item
 
     async def complete(self, body: ChatCompletionRequest | CompletionRequest, request: Request) -> Response:
         """Both completion endpoints: map, open a stream, then stream events or return the whole reply."""
@@ -242,8 +178,12 @@ class OpenAIApi:
             pb_request = body.to_proto()
         except InvalidParamError as exc:
             return _error(400, str(exc), "invalid_request_error", exc.param, INVALID_ARGUMENT)
-        choices = Choices(self, choice_requests(pb_request, body.n or 1))
-        first = await choices.open_first()
+        try:
+            requests = choice_requests(pb_request)
+        except ChoicesError as exc:
+            return _error(400, str(exc), "invalid_request_error", "n", INVALID_ARGUMENT)
+        choices = ChoiceStreams(self.frontend.open, requests)
+        first = await run_in_threadpool(choices.open_first)  # tokenises: off the event loop
         is_chat = isinstance(body, ChatCompletionRequest)
         reply = Reply(
             is_chat,
@@ -252,7 +192,7 @@ class OpenAIApi:
             self.frontend.tokenizer,
             bool(body.logprobs) if is_chat else body.logprobs is not None,
             first.handle.request.prompt_token_ids[-1],
-            body.n or 1,
+            len(requests),
             first.tools,
         )
         if body.stream:
@@ -262,12 +202,12 @@ class OpenAIApi:
         finally:
             choices.close()
 
-    async def _events(self, choices: Choices, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, choices: ChoiceStreams, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
         try:
             for chunk in reply.first_chunks(include_usage):
                 yield _sse(chunk)
             last: dict[int, RequestOutput] = {}
-            async for index, output in choices.outputs():
+            async for index, output in self.outputs(choices):
                 for chunk in reply.chunks(index, output, include_usage):
                     yield _sse(chunk)
                 if output.finish_reason is not None:
@@ -278,12 +218,12 @@ class OpenAIApi:
             yield _sse(engine_error_body(exc))
         yield _sse("[DONE]")
 
-    async def _whole(self, choices: Choices, reply: Reply, request: Request) -> Response:
+    async def _whole(self, choices: ChoiceStreams, reply: Reply, request: Request) -> Response:
         """Waits for the whole reply; a client that disconnects meanwhile aborts the requests."""
 
         async def collect() -> list[list[RequestOutput]]:
             outputs: dict[int, list[RequestOutput]] = {}
-            async for index, output in choices.outputs():
+            async for index, output in self.outputs(choices):
                 outputs.setdefault(index, []).append(output)
             return [outputs[i] for i in sorted(outputs)]
 

@@ -1,7 +1,7 @@
 """OpenAI's request bodies (/v1/chat/completions, /v1/completions) and their mapping onto a GenerateRequest.
 
-Only the shape is checked here (types, the range of n, fields this server
-does not implement); every value goes on to api.build_request, the one validation path
+Only the shape is checked here (types, fields this server does not
+implement); every value goes on to api.build_request, the one validation path
 of both client APIs. No field that would change what is generated is dropped:
 a field this server does not declare gets 400, unless it is one of
 IGNORED_FIELDS (they change nothing generated) or is sent at its neutral value
@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from specdec.v1 import generation_pb2 as pb
 
 INT32 = Annotated[int, Field(ge=-(2**31), lt=2**31)]
-MAX_CHOICES = 16  # OpenAI's n: each choice is a request of its own (and holds one of --max-open-streams)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs (chat's top_logprobs: 20)
 
 # Accepted and ignored: they change nothing this server generates (docs/serving.md lists them).
@@ -135,10 +134,8 @@ class _Common(BaseModel):
     guided_grammar: str | None = None
 
     def check_supported(self) -> None:
-        """Raises InvalidParamError for n out of range or a field this server does not implement set to a value that
-        would change the output."""
-        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
-            raise InvalidParamError("n", f"n must be in [1, {MAX_CHOICES}] (choices per request), got {self.n}")
+        """Raises InvalidParamError for a field this server does not implement set to a value that would change
+        the output."""
         for name, value in (self.model_extra or {}).items():
             if name not in IGNORED_FIELDS and value not in NEUTRAL_VALUES.get(name, ()):
                 raise InvalidParamError(name, f"'{name}' is not supported by this server")
@@ -168,6 +165,7 @@ class _Common(BaseModel):
             logit_bias=self._logit_bias(),
             min_tokens=self.min_tokens or 0,
             structured_outputs=self._structured_outputs(),
+            n=self.n,
         )
 
     def _logit_bias(self) -> dict[int, float]:

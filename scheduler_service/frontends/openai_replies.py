@@ -12,6 +12,7 @@ import grpc
 
 from scheduler_service.cluster.handle import EngineError
 from scheduler_service.core.request import RequestOutput
+from scheduler_service.frontends.choices import drafts_by_proposer
 from scheduler_service.frontends.tokenizer import ChatTokenizer
 from scheduler_service.frontends.tools import CallDelta, ToolOutputs, ToolPlan
 from specdec.step import TopLogprobs
@@ -48,12 +49,6 @@ def usage(last_outputs: list[RequestOutput]) -> dict:
     with their speculative counters summed as an extension field."""
     first = last_outputs[0]
     num_completion_tokens = sum(o.num_completion_tokens for o in last_outputs)
-    by_proposer: dict[str, list[int]] = {}
-    for o in last_outputs:
-        for name, (drafted, accepted) in o.drafts_by_proposer.items():
-            counts = by_proposer.setdefault(name, [0, 0])
-            counts[0] += drafted
-            counts[1] += accepted
     return {
         "prompt_tokens": first.num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
@@ -64,7 +59,7 @@ def usage(last_outputs: list[RequestOutput]) -> dict:
             "accepted_tokens": sum(o.num_accepted_tokens for o in last_outputs),
             "by_proposer": {
                 name: {"draft_tokens": drafted, "accepted_tokens": accepted}
-                for name, (drafted, accepted) in sorted(by_proposer.items())
+                for name, (drafted, accepted) in drafts_by_proposer(last_outputs).items()
             },
         },
     }

@@ -13,6 +13,13 @@ from scheduler_service.cluster.handle import EngineError
 from scheduler_service.cluster.pipeline import BusyStats
 from scheduler_service.core.request import RequestOutput
 from scheduler_service.core.stats import SchedulerStats
+from scheduler_service.frontends.choices import (
+    ChoicesError,
+    ChoiceStreams,
+    choice_requests,
+    drafts_by_proposer,
+    num_choices,
+)
 from scheduler_service.frontends.frontend import Frontend
 from scheduler_service.frontends.tokenizer import ChatTokenizer
 from scheduler_service.frontends.tools import ToolCall, ToolOutputs
@@ -40,16 +47,18 @@ def _top_logprobs(top: list[TopLogprobs]) -> list[pb.TopLogprobs]:
     return [pb.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs) for t in top]
 
 
-def _usage(o: RequestOutput) -> pb.Usage:
+def _usage(last_outputs: list[RequestOutput]) -> pb.Usage:
+    """The usage of a request's choices (each one's last output; the prompt counted once)."""
+    first = last_outputs[0]
     return pb.Usage(
-        prompt_tokens=o.num_prompt_tokens,
-        completion_tokens=o.num_completion_tokens,
-        draft_tokens=o.num_draft_tokens,
-        accepted_tokens=o.num_accepted_tokens,
-        cached_prompt_tokens=o.num_cached_tokens,
+        prompt_tokens=first.num_prompt_tokens,
+        completion_tokens=sum(o.num_completion_tokens for o in last_outputs),
+        draft_tokens=sum(o.num_draft_tokens for o in last_outputs),
+        accepted_tokens=sum(o.num_accepted_tokens for o in last_outputs),
+        cached_prompt_tokens=first.num_cached_tokens,
         proposers=[
             pb.ProposerUsage(proposer=name, draft_tokens=drafted, accepted_tokens=accepted)
-            for name, (drafted, accepted) in sorted(o.drafts_by_proposer.items())
+            for name, (drafted, accepted) in drafts_by_proposer(last_outputs).items()
         ],
     )
 
@@ -144,29 +153,37 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             context.abort(exc.code, str(exc))
 
     def _outputs(self, request, context):
-        """Submits the request and yields its RequestOutputs, each with what its tools read of its text (the
-        content, and the calls with the last output); aborts the call with the right status."""
+        """Submits the request (one per choice with n > 1) and yields (choice, output, content, finish reason,
+        tool calls): each output with what its tools read of its text (the content, and the calls with the last
+        output); aborts the call with the right status."""
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         try:
-            stream = self.frontend.open(request, deadline)
+            choices = ChoiceStreams(lambda r: self.frontend.open(r, deadline), choice_requests(request))
+            first = choices.open_first()
+        except ChoicesError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineError as exc:
             context.abort(exc.code, str(exc))
-        # A client that cancels or disconnects aborts the request, which frees its blocks.
-        if not context.add_callback(stream.close):  # the call already ended
-            stream.close()
-        tools = ToolOutputs(stream.tools)
+        # A client that cancels or disconnects aborts the requests, which frees their blocks.
+        if not context.add_callback(choices.close):  # the call already ended
+            choices.close()
+        tools = [ToolOutputs(first.tools) for _ in range(num_choices(request))]
         try:
-            for o in stream:
+            for index, o in choices.outputs():
                 is_last = o.finish_reason is not None
-                content, _ = tools.read(o.text, is_last)
-                yield o, content, tools.finish_reason(o.finish_reason), _tool_calls(tools.calls) if is_last else []
+                content, _ = tools[index].read(o.text, is_last)
+                calls = _tool_calls(tools[index].calls) if is_last else []
+                yield index, o, content, tools[index].finish_reason(o.finish_reason), calls
         except EngineError as exc:
             context.abort(exc.code, str(exc))
+        finally:
+            choices.close()
 
     def Generate(self, request, context):
-        """Streams a completion: a message per step with new text, then finish reason, usage and tool calls."""
-        for o, content, finish_reason, tool_calls in self._outputs(request, context):
+        """Streams a completion: a message per step with new text, then finish reason, usage and tool calls
+        (with n > 1, each choice's messages carry its index)."""
+        for index, o, content, finish_reason, tool_calls in self._outputs(request, context):
             final = o.finish_reason is not None
             if not (o.new_token_ids or content or final):
                 continue
@@ -177,29 +194,38 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 logprobs=o.logprobs,
                 top_logprobs=_top_logprobs(o.top_logprobs),
                 finish_reason=_FINISH[finish_reason],
-                usage=_usage(o) if final else None,
+                usage=_usage([o]) if final else None,
                 tool_calls=tool_calls,
+                index=index,
             )
 
     def Complete(self, request, context):
-        """Runs a request to completion and returns everything at once."""
-        text, ids, logprobs, top_logprobs = [], [], [], []
-        for o, content, finish_reason, tool_calls in self._outputs(request, context):
-            text.append(content)
-            ids.extend(o.new_token_ids)
-            logprobs.extend(o.logprobs)
-            top_logprobs.extend(o.top_logprobs)
+        """Runs a request to completion and returns everything at once (with n > 1, every choice)."""
+        choices: dict[int, pb.CompleteChoice] = {}
+        last: dict[int, RequestOutput] = {}
+        for index, o, content, finish_reason, tool_calls in self._outputs(request, context):
+            choice = choices.setdefault(index, pb.CompleteChoice(index=index))
+            choice.text += content
+            choice.token_ids.extend(o.new_token_ids)
+            choice.logprobs.extend(o.logprobs)
+            choice.top_logprobs.extend(_top_logprobs(o.top_logprobs))
             if o.finish_reason is not None:
-                return pb.CompleteResponse(
-                    request_id=o.request_id,
-                    text="".join(text),
-                    token_ids=ids,
-                    logprobs=logprobs,
-                    top_logprobs=_top_logprobs(top_logprobs),
-                    finish_reason=_FINISH[finish_reason],
-                    usage=_usage(o),
-                    tool_calls=tool_calls,
-                )
+                choice.finish_reason = _FINISH[finish_reason]
+                choice.tool_calls.extend(tool_calls)
+                last[index] = o
+        ordered = [choices[i] for i in sorted(choices)]
+        first = ordered[0]
+        return pb.CompleteResponse(
+            request_id=last[0].request_id,
+            text=first.text,
+            token_ids=first.token_ids,
+            logprobs=first.logprobs,
+            top_logprobs=first.top_logprobs,
+            finish_reason=first.finish_reason,
+            usage=_usage([last[i] for i in sorted(last)]),
+            tool_calls=first.tool_calls,
+            choices=ordered if len(ordered) > 1 else [],
+        )
 
     def Abort(self, request, context):
         """Aborts a running request by id."""

@@ -6,6 +6,7 @@ import http.client
 import json
 import socket
 
+import grpc
 import openai
 import pytest
 
@@ -332,3 +333,35 @@ def test_n_choices_share_the_prompt_and_each_equals_its_seed_alone(server):
     finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(finished) == [0, 1, 2]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3 * 8
+
+
+def test_n_choices_over_grpc(server):
+    """Complete with n = 3: every choice in `choices` (choice 0's also at the top), each the seed s + i request
+    alone, usage over all; Generate streams every choice's messages with its index; n out of range is refused."""
+    prompt = [21, 22, 23, 24, 25, 26, 27, 28, 29]
+
+    def request(**sampling) -> pb.CompleteRequest:
+        params = pb.SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True, **sampling)
+        return pb.CompleteRequest(prompt_token_ids=prompt, sampling=params)
+
+    whole = server.stub.Complete(request(n=3, seed=40), metadata=server.metadata)
+    alone = [server.stub.Complete(request(seed=40 + i), metadata=server.metadata) for i in range(3)]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [list(c.token_ids) for c in whole.choices] == [list(a.token_ids) for a in alone]
+    assert list(whole.token_ids) == list(whole.choices[0].token_ids) and whole.text == whole.choices[0].text
+    assert whole.usage.completion_tokens == 3 * 6 and whole.usage.prompt_tokens == len(prompt)
+    streamed: dict[int, list[int]] = {}
+    finished = []
+    generate = pb.GenerateRequest(prompt_token_ids=prompt, sampling=request(n=3, seed=40).sampling)
+    for response in server.stub.Generate(generate, metadata=server.metadata):
+        streamed.setdefault(response.index, []).extend(response.token_ids)
+        if response.finish_reason:
+            finished.append(response.index)
+            assert response.usage.completion_tokens == 6  # each choice's last message: its own usage
+    assert sorted(finished) == [0, 1, 2]
+    assert [streamed[i] for i in range(3)] == [list(c.token_ids) for c in whole.choices]
+    assert not server.stub.Complete(request(seed=40), metadata=server.metadata).choices  # n = 1: no list
+    for n in (0, 17):
+        with pytest.raises(grpc.RpcError) as info:
+            server.stub.Complete(request(n=n), metadata=server.metadata)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n must be in [1, 16]" in info.value.details()
