@@ -84,16 +84,14 @@ def test_logits_processing_is_exact_with_speculation(smollm2_path, prompts):
         dict(frequency_penalty=0.8, logit_bias=((eos, -5.0), (28, 3.0))),
         dict(),
     ]
-    for base in (dict(temperature=0), dict(temperature=0.8, min_p=0.05)):
+    plain = make_worker(smollm2_path, "q4_1", "none")
+    worker = make_worker(smollm2_path, "q4_1", "eagle3,suffix")
+    for run, base in enumerate((dict(temperature=0), dict(temperature=0.8, min_p=0.05))):
         sampling = [step.RequestSampling(**base, **p, seed=5 + i) for i, p in enumerate(processing)]
-        plain = make_worker(smollm2_path, "q4_1", "none")
-        expected = Driver(plain.execute, BLOCK_SIZE, NUM_BLOCKS).generate(prompts, 32, sampling)
+        expected = Driver(plain.execute, BLOCK_SIZE, NUM_BLOCKS).generate(prompts, 32, sampling, prefix=f"p{run}-")
         unprocessed = [step.RequestSampling(**base, seed=5 + i) for i in range(len(processing))]
-        assert (
-            Driver(plain.execute, BLOCK_SIZE, NUM_BLOCKS).generate(prompts, 32, unprocessed, prefix="u")[:2]
-            != (expected[:2])
-        )
-        worker = make_worker(smollm2_path, "q4_1", "eagle3,suffix")
+        got = Driver(plain.execute, BLOCK_SIZE, NUM_BLOCKS).generate(prompts, 32, unprocessed, prefix=f"u{run}-")
+        assert got[:2] != expected[:2]
         driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
-        assert driver.generate(prompts, 32, sampling, num_speculative_tokens=[5, 3, 4]) == expected
+        assert driver.generate(prompts, 32, sampling, [5, 3, 4], prefix=f"s{run}-") == expected
         assert sum(o.num_accepted_tokens for r in driver.results for o in r.outputs) > 0
