@@ -22,23 +22,31 @@ def _sampling_to_proto(s: step.RequestSampling) -> pb.RequestSampling:
     )
 
 
+def shared_sampling_fields(m) -> dict:
+    """The RequestSampling fields that the client's SamplingParams and the worker's RequestSampling messages
+    both carry, under the same names and meaning (unset: their defaults)."""
+    return dict(
+        top_k=m.top_k,
+        seed=m.seed if m.HasField("seed") else None,
+        logprobs=m.logprobs,
+        min_p=m.min_p,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(m.logit_bias.items())),
+        min_tokens=m.min_tokens,
+        top_logprobs=m.top_logprobs,
+    )
+
+
 def _sampling_from_proto(m: pb.RequestSampling, request_id: str) -> step.RequestSampling:
     """Raises ValueError naming the request when the parameters are invalid."""
     try:
         return step.RequestSampling(
             temperature=m.temperature,
             top_p=m.top_p,
-            top_k=m.top_k,
-            seed=m.seed if m.HasField("seed") else None,
-            logprobs=m.logprobs,
-            min_p=m.min_p,
-            presence_penalty=m.presence_penalty,
-            frequency_penalty=m.frequency_penalty,
-            repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
-            logit_bias=tuple(sorted(m.logit_bias.items())),
-            min_tokens=m.min_tokens,
             stop_token_ids=tuple(m.stop_token_ids),
-            top_logprobs=m.top_logprobs,
+            **shared_sampling_fields(m),
         )
     except ValueError as exc:
         raise ValueError(f"request {request_id!r}: {exc}") from exc

@@ -9,6 +9,7 @@ import uuid
 from scheduler_service.core.request import Request
 from scheduler_service.frontends.tokenizer import ChatTokenizer, TokenizerError
 from scheduler_service.frontends.tools import ToolPlan
+from specdec.convert import shared_sampling_fields
 from specdec.step import RequestSampling
 from specdec.v1 import generation_pb2 as pb
 
@@ -126,16 +127,7 @@ def sampling_params(s: pb.SamplingParams, vocab_size: int) -> RequestSampling:
         return RequestSampling(
             temperature=s.temperature if s.HasField("temperature") else 1.0,
             top_p=s.top_p if s.HasField("top_p") else 1.0,
-            top_k=s.top_k,
-            seed=s.seed if s.HasField("seed") else None,
-            logprobs=s.logprobs,
-            min_p=s.min_p,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-            logit_bias=tuple(sorted(s.logit_bias.items())),
-            min_tokens=s.min_tokens,
-            top_logprobs=s.top_logprobs,
+            **shared_sampling_fields(s),
         )
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc

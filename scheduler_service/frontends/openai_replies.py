@@ -167,7 +167,7 @@ class Reply:
             if deltas:
                 choice["delta"]["tool_calls"] = [_call_delta(d) for d in deltas]
         else:
-            choice["message"] = {"role": "assistant", "content": content or (None if tools.calls else content)}
+            choice["message"] = {"role": "assistant", "content": None if tools.calls and not content else content}
             if tools.calls:
                 choice["message"]["tool_calls"] = [
                     {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
