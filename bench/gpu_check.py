@@ -1,0 +1,624 @@
+"""The GPU check: every measurement the GPU work is judged by, in phases that fit a lent GPU's calls.
+
+`scripts/gpu_check.sh` runs it on the device machine (it installs the carried wheels and joins the carried
+model first); each phase writes `gpu_check-<phase>.json` into --out as it goes, so a phase cut short still
+returns what it measured. `merge` (run here) joins them into `bench/results/gpu_check.json`.
+
+    python3 bench/gpu_check.py probe --out $OUT        # versions, the device, copy bandwidth, bf16 matmul rate
+    python3 bench/gpu_check.py tier --out $OUT         # pytest -m gpu tests/kernels tests/worker
+    python3 bench/gpu_check.py invariance --out $OUT   # a row's logits alone vs in batches of up to 256 rows
+    python3 bench/gpu_check.py shapes --out $OUT       # 1B / 8B-shaped Llama: plain step vs bound, verify, HF
+    python3 bench/gpu_check.py smollm2 --out $OUT      # SmolLM2: vs transformers, speculation, lossless checks
+    python3 bench/gpu_check.py merge DIR               # here: DIR's phase files -> bench/results/gpu_check.json
+
+On a CPU every phase runs too (`--device cpu --shape tiny`), to check the script without a GPU.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+BLOCK_SIZE = 16
+# Llama-3.2-1B's and Llama-3.1-8B's shapes (random weights: nothing is carried), and a tiny one for the CPU.
+SHAPES = {
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        tie_word_embeddings=True,
+    ),
+}
+# Spec-Bench categories whose answers copy from the prompt (bench/bench_spec.py's): where n-gram drafts land.
+GROUNDED = ("summarization", "rag", "qa", "translation", "math_reasoning")
+
+
+class Phase:
+    """One phase's results, written to `<out>/gpu_check-<name>.json` after every measure."""
+
+    def __init__(self, name: str, out: pathlib.Path):
+        self.path = out / f"gpu_check-{name}.json"
+        self.data = {"phase": name, "measures": {}, "details": {}, "errors": {}}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def measure(self, name: str, value) -> None:
+        self.data["measures"][name] = value
+        self.save()
+
+    def detail(self, name: str, value) -> None:
+        self.data["details"][name] = value
+        self.save()
+
+    def attempt(self, name: str, fn) -> None:
+        """Runs fn(); an exception is recorded (not raised), so the next measure still runs."""
+        started = time.perf_counter()
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded, none stops the phase
+            self.data["errors"][name] = f"{type(exc).__name__}: {exc}"[:800]
+            traceback.print_exc()
+        self.data["details"].setdefault("seconds", {})[name] = round(time.perf_counter() - started, 1)
+        self.save()
+        print(f"[gpu_check] {name}: {time.perf_counter() - started:.1f} s", flush=True)
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(device: torch.device, fn, repeats: int, warmup: int = 2) -> float:
+    """The median wall time of fn() (host work included, as a serving step pays it), device synchronized."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int = 2 << 30) -> float:
+    """Bytes/s of a device-to-device copy, bytes read plus bytes written (the HBM ceiling a step is held to)."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    seconds = median_seconds(device, lambda: dst.copy_(src), repeats=10)
+    return 2 * num_bytes / seconds
+
+
+def random_llama(shape: str, dtype: torch.dtype, device: torch.device, num_layers: int | None = None):
+    """A Llama-architecture model of `shape` with seeded random weights, built on `device`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = dict(SHAPES[shape])
+    if num_layers:
+        fields["num_hidden_layers"] = num_layers
+    config = LlamaConfig(max_position_embeddings=4096, rope_theta=500000.0, **fields)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def weight_read_bytes(model) -> int:
+    """Bytes a decode step must read: every weight once; the input embedding only when it is also the output
+    layer (a step reads one row of it otherwise)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        embed = model.get_input_embeddings().weight
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def random_prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (count, length), generator=generator).tolist()
+
+
+# --- probe -----------------------------------------------------------------------------------------------------
+
+
+def probe(args) -> None:
+    phase = Phase("probe", args.out)
+    device = torch.device(args.device)
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "triton", "gguf", "llguidance", "grpc", "google.protobuf"):
+        try:
+            versions[name] = __import__(name, fromlist=["__version__"]).__version__
+        except Exception as exc:  # noqa: BLE001 - a missing package is what the probe reports
+            versions[name] = f"missing ({type(exc).__name__})"
+    phase.detail("versions", versions)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        phase.detail(
+            "device",
+            {
+                "name": props.name,
+                "capability": f"{props.major}.{props.minor}",
+                "multiprocessors": props.multi_processor_count,
+                "memory_gib": round(props.total_memory / 2**30, 1),
+                "l2_mib": round(getattr(props, "L2_cache_size", 0) / 2**20, 1),
+            },
+        )
+    phase.detail("features", features())
+
+    def bandwidth():
+        phase.measure("copy_bandwidth_tb_s", round(copy_bandwidth(device, args.copy_bytes) / 1e12, 3))
+
+    def matmul():
+        n = args.matmul_size
+        a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+        seconds = median_seconds(device, lambda: a @ b, repeats=10)
+        phase.measure("bf16_matmul_tflops", round(2 * n**3 / seconds / 1e12, 1))
+
+    phase.attempt("bandwidth", bandwidth)
+    phase.attempt("matmul", matmul)
+
+
+def features() -> dict:
+    """What the GPU work may build on, as this torch has it."""
+    found = {}
+    try:
+        from torch.nn.attention import varlen  # noqa: F401
+
+        found["varlen_attn"] = hasattr(varlen, "varlen_attn")
+    except ImportError:
+        found["varlen_attn"] = False
+    found["flash_sdp"] = bool(torch.backends.cuda.flash_sdp_enabled())
+    found["cuda_graphs"] = hasattr(torch.cuda, "CUDAGraph")
+    found["cuda"] = torch.cuda.is_available()
+    return found
+
+
+# --- tier ------------------------------------------------------------------------------------------------------
+
+
+def tier(args) -> None:
+    phase = Phase("tier", args.out)
+    junit = args.out / "gpu_tier.xml"
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    command += ["--continue-on-collection-errors"]
+    command += args.tier_paths
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    (args.out / "gpu_tier.log").write_text(done.stdout + done.stderr)
+    print(done.stdout[-4000:] + done.stderr[-2000:], flush=True)
+    counts = junit_counts(junit) if junit.exists() else {}
+    phase.detail("pytest", {"returncode": done.returncode, "seconds": round(time.perf_counter() - started, 1)})
+    for name, value in counts.items():
+        phase.measure(f"gpu_tier_{name}", value)
+    phase.measure("gpu_tier_returncode", done.returncode)
+
+
+def junit_counts(path: pathlib.Path) -> dict:
+    import xml.etree.ElementTree as ElementTree
+
+    suite = ElementTree.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    total, failures, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+    return {"passed": total - failures - errors - skipped, "failed": failures + errors, "skipped": skipped}
+
+
+# --- invariance ------------------------------------------------------------------------------------------------
+
+
+def invariance(args) -> None:
+    """Each mode in its own process (cuBLAS reads its workspace settings once, at its first matmul)."""
+    phase = Phase("invariance", args.out)
+    differing = 0
+    for mode in args.modes:
+        for dtype in args.dtypes:
+            name = f"{mode} {dtype}"
+            path = args.out / f"invariance-{mode}-{dtype}.tmp.json"
+            command = [sys.executable, __file__, "invariance-one", "--mode", mode, "--dtype", dtype]
+            command += ["--device", args.device, "--shape", args.shape, "--layers", str(args.layers)]
+            command += ["--json", str(path), "--others", ",".join(map(str, args.others))]
+
+            def one(command=command, path=path, name=name):
+                nonlocal differing
+                subprocess.run(command, check=True)
+                result = json.loads(path.read_text())
+                path.unlink()
+                phase.detail(name, result)
+                rows = [row for kind in ("decode", "verify6") for row in result[kind].values()]
+                phase.measure(f"invariance_rows_differing {name}", sum(not row["bitwise"] for row in rows))
+                if mode == "worker":
+                    differing += sum(not row["bitwise"] for row in rows)
+
+            phase.attempt(name, one)
+    phase.measure("invariance_differing_worker_mode", differing)
+
+
+def invariance_one(args) -> None:
+    """A reference sequence's logits (a decode row; a verify of 6 rows) alone, then beside 1..N other sequences:
+    bitwise equal or not, and the largest difference; and the forward's time at batch 1, 8 and 64."""
+    from worker_service.runtime import device as devices
+    from worker_service.runtime.runner import ModelRunner, SequenceChunk
+
+    device = torch.device(args.device)
+    if args.mode == "worker":  # what the worker does on CUDA by default (--batch-invariant)
+        devices.batch_invariant_matmuls(True)
+    dtype = getattr(torch, args.dtype)
+    model = random_llama(args.shape, dtype, device, args.layers)
+    runner = ModelRunner(model)
+    context, most = 96, max(args.others) + 1
+    per_seq = -(-(context + 8) // BLOCK_SIZE)
+    runner.init_cache(most * per_seq + 1, BLOCK_SIZE)
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(most)]
+    prompts = random_prompts(model.config.vocab_size, most, context + 6)
+    for start in range(0, most, 32):  # every sequence's prefix cached once
+        runner.forward([SequenceChunk(prompts[i][:context], 0, tables[i]) for i in range(start, min(most, start + 32))])
+    result = {"mode": args.mode, "dtype": args.dtype, "shape": args.shape, "layers": model.config.num_hidden_layers}
+    for kind, rows in (("decode", 1), ("verify6", 6)):
+        reference, result[kind] = None, {}
+        for others in [0, *args.others]:
+            chunks = [
+                SequenceChunk(prompts[i][context : context + rows], context, tables[i], rows) for i in range(others + 1)
+            ]
+            logits = runner.forward(chunks)[:rows]
+            reference = logits.clone() if reference is None else reference
+            result[kind][f"+{others}"] = {
+                "bitwise": bool(torch.equal(logits, reference)),
+                "max_abs_diff": float((logits - reference).abs().max()),
+            }
+    result["forward_ms"] = {}
+    for batch in (1, 8, 64):
+        if batch <= most:
+            chunks = [SequenceChunk(prompts[i][context : context + 1], context, tables[i]) for i in range(batch)]
+            result["forward_ms"][f"decode batch {batch}"] = 1e3 * median_seconds(
+                device, lambda: runner.forward(chunks), 10
+            )
+    pathlib.Path(args.json).write_text(json.dumps(result))
+
+
+# --- shapes ----------------------------------------------------------------------------------------------------
+
+
+def shapes(args) -> None:
+    from worker_service.runtime.runner import ModelRunner, SequenceChunk
+    from worker_service.speculation.config import WorkerConfig
+    from worker_service.speculation.worker import Worker
+
+    phase = Phase("shapes", args.out)
+    device = torch.device(args.device)
+    bandwidth = copy_bandwidth(device, args.copy_bytes) if device.type == "cuda" else None
+    phase.detail("copy_bandwidth_tb_s", bandwidth and round(bandwidth / 1e12, 3))
+    for shape in args.shapes:
+        model = random_llama(shape, torch.bfloat16, device)
+        runner = ModelRunner(model)
+        worker = Worker(WorkerConfig(model=f"random-{shape}", device=str(device), dtype="bfloat16"), runner)
+        context = args.context
+        num_blocks = 8 * -(-(context + args.new_tokens + 16) // BLOCK_SIZE) + 1
+        worker.init_cache(num_blocks, BLOCK_SIZE)
+        prompts = random_prompts(model.config.vocab_size, 8, context)
+        details = {"weight_gb": round(weight_read_bytes(model) / 1e9, 3)}
+        phase.detail(shape, details)
+
+        def plain(batch, shape=shape, details=details, worker=worker, prompts=prompts, model=model):
+            ms = 1e3 * decode_seconds(worker, num_blocks, prompts[:batch], args.new_tokens, device)
+            details[f"plain_step_ms_bs{batch}"] = round(ms, 3)
+            if batch == 1 and bandwidth:
+                bound_ms = 1e3 * weight_read_bytes(model) / bandwidth
+                details["bound_ms"] = round(bound_ms, 3)
+                phase.measure(f"plain_{shape}_bs1_bound_share", round(bound_ms / ms, 3))
+            phase.detail(shape, details)
+
+        for batch in args.batches:
+            phase.attempt(f"{shape} plain bs{batch}", lambda batch=batch: plain(batch))
+
+        def verify(batch, runner=runner, details=details, shape=shape):
+            kv = runner.kv_cache  # the worker's cache: its blocks are free between runs
+            tables = [list(range(1 + i * (num_blocks // 8), 1 + (i + 1) * (num_blocks // 8))) for i in range(batch)]
+            runner.forward([SequenceChunk(prompts[i], 0, tables[i]) for i in range(batch)])
+            times = {}
+            for rows in (1, 2, 4, 6):
+                chunks = [SequenceChunk(prompts[i][:rows], context, tables[i], rows) for i in range(batch)]
+                times[rows] = median_seconds(device, lambda chunks=chunks: runner.forward(chunks), args.repeats)
+            details[f"forward_ms_bs{batch}"] = {rows: round(1e3 * t, 3) for rows, t in times.items()}
+            phase.detail(shape, details)
+            if batch == 1:
+                phase.measure(f"verify5_vs_decode_{shape}_bs1", round(times[6] / times[1], 3))
+            assert kv is runner.kv_cache
+
+        for batch in (1, 8):
+            phase.attempt(f"{shape} verify bs{batch}", lambda batch=batch: verify(batch))
+
+        model.set_attn_implementation("sdpa")  # transformers' own attention from here on
+        for compiled in (False, True) if shape in args.hf_compiled_shapes else (False,):
+            name = "hf_compiled" if compiled else "hf_eager"
+
+            def hf(model=model, compiled=compiled, name=name, details=details, shape=shape):
+                ms = 1e3 * hf_decode_seconds(model, prompts[:1], args.new_tokens, device, compiled)
+                details[f"{name}_step_ms_bs1"] = round(ms, 3)
+                phase.detail(shape, details)
+                ours = details.get("plain_step_ms_bs1")
+                if ours:
+                    phase.measure(f"plain_{shape}_bs1_vs_{name}", round(ms / ours, 3))
+
+            phase.attempt(f"{shape} {name}", hf)
+        del worker, runner, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def decode_seconds(worker, num_blocks, prompts, new_tokens, device) -> float:
+    """Seconds per decode step: a run of new_tokens + 1 tokens less a run of 1 (the prefill), over new_tokens."""
+    from tests.worker.driver import Driver
+
+    def run(tokens):
+        return lambda: Driver(worker.execute, BLOCK_SIZE, num_blocks).generate(prompts, tokens)
+
+    whole = median_seconds(device, run(new_tokens + 1), repeats=2, warmup=1)
+    prefill = median_seconds(device, run(1), repeats=3, warmup=1)
+    return (whole - prefill) / new_tokens
+
+
+def hf_decode_seconds(model, prompts, new_tokens, device, compiled: bool) -> float:
+    """transformers `generate`'s seconds per decode step, measured as decode_seconds does; compiled: its static
+    cache with the forward compiled (mode reduce-overhead: CUDA graphs), its fastest plain path."""
+    ids = torch.tensor(prompts, device=device)
+    if compiled:  # generate compiles the forward itself for a static cache (its compile_config: CUDA graphs)
+        model.generation_config.cache_implementation = "static"
+
+    def run(tokens):
+        def generate():
+            with torch.inference_mode():
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=tokens,
+                    min_new_tokens=tokens,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+
+        return generate
+
+    whole = median_seconds(device, run(new_tokens + 1), repeats=2, warmup=2 if compiled else 1)
+    prefill = median_seconds(device, run(1), repeats=3, warmup=1)
+    return (whole - prefill) / new_tokens
+
+
+# --- smollm2 ---------------------------------------------------------------------------------------------------
+
+
+def smollm2(args) -> None:
+    from bench.common import chat_ids, load_questions
+    from tests.worker.driver import Driver
+    from worker_service.runtime.default_model import DEFAULT_EAGLE3_HEAD, fetch_default_model
+    from worker_service.runtime.loader import load_model, load_tokenizer
+    from worker_service.speculation.build import build_worker
+    from worker_service.speculation.config import WorkerConfig
+
+    phase = Phase("smollm2", args.out)
+    device = torch.device(args.device)
+    path = str(fetch_default_model())
+    tokenizer = load_tokenizer(path)
+    questions = load_questions(args.data, categories=list(GROUNDED), per_category=args.per_category)
+    prompts = [chat_ids(tokenizer, q["turns"][0]) for q in questions]
+    phase.detail("prompts", {"count": len(prompts), "categories": list(GROUNDED), "new_tokens": args.new_tokens})
+    configs = {
+        "plain": dict(proposer="none", num_speculative_tokens=0),
+        "ngram": dict(proposer="ngram", num_speculative_tokens=5),
+        "suffix": dict(proposer="suffix", num_speculative_tokens=5),
+        "eagle3": dict(proposer="eagle3", num_speculative_tokens=5),
+        "eagle3,suffix": dict(proposer="eagle3,suffix", num_speculative_tokens=5),
+        "eagle3,suffix tree 2": dict(proposer="eagle3,suffix", num_speculative_tokens=5, draft_tree_width=2),
+    }
+    workers = {}
+    for name, fields in configs.items():
+        head = str(DEFAULT_EAGLE3_HEAD) if "eagle3" in fields["proposer"] else None
+        config = WorkerConfig(model=path, dtype=args.dtype, device=args.device, draft_model=head, **fields)
+        workers[name] = build_worker(config)
+    most = max([1, *args.batches])
+    num_blocks = most * -(-(max(map(len, prompts)) + args.new_tokens + 16) // BLOCK_SIZE) + 1
+    for worker in workers.values():
+        worker.init_cache(num_blocks, BLOCK_SIZE)
+
+    def generate(name, group):
+        k = configs[name]["num_speculative_tokens"]
+        driver = Driver(workers[name].execute, BLOCK_SIZE, num_blocks)
+        return driver.generate(group, args.new_tokens, num_speculative_tokens=k)
+
+    for name in workers:  # warm-up: kernel builds, autotuning
+        generate(name, prompts[:1])
+    outputs: dict[tuple[str, int], list] = {}
+
+    def batch_one():
+        seconds = {name: 0.0 for name in workers}
+        for prompt in prompts:
+            for name in workers:
+                synchronize(device)
+                start = time.perf_counter()
+                outputs.setdefault((name, 1), []).extend(generate(name, [prompt]))
+                synchronize(device)
+                seconds[name] += time.perf_counter() - start
+        tok_s = {name: len(prompts) * args.new_tokens / s for name, s in seconds.items()}
+        phase.detail("bs1_tok_s", {name: round(v, 1) for name, v in tok_s.items()})
+        phase.detail("bs1_speedup", {name: round(seconds["plain"] / s, 3) for name, s in seconds.items()})
+        phase.measure("ngram_smollm2_bs1_speedup_grounded", round(seconds["plain"] / seconds["ngram"], 3))
+        phase.measure(
+            "eagle3_suffix_smollm2_bs1_speedup_grounded", round(seconds["plain"] / seconds["eagle3,suffix"], 3)
+        )
+
+    phase.attempt("batch 1", batch_one)
+
+    def versus_hf():
+        model = load_model(path, workers["plain"].config.dtype, device)
+        group = prompts[: args.hf_prompts]
+        hf = sum(hf_decode_seconds(model, [p], args.new_tokens, device, compiled=False) for p in group)
+        ours = sum(decode_seconds(workers["plain"], num_blocks, [p], args.new_tokens, device) for p in group)
+        phase.detail(
+            "decode_step_ms_bs1",
+            {"ours": round(1e3 * ours / len(group), 3), "hf_eager": round(1e3 * hf / len(group), 3)},
+        )
+        phase.measure("plain_smollm2_bs1_vs_hf_eager", round(hf / ours, 3))
+
+    phase.attempt("versus transformers", versus_hf)
+
+    def lossless(batch):
+        group = [prompts[i % len(prompts)] for i in range(batch)]
+        tok_s = {}
+        for name in workers:
+            start = time.perf_counter()
+            outputs[name, batch] = generate(name, group)
+            synchronize(device)
+            tok_s[name] = round(batch * args.new_tokens / (time.perf_counter() - start), 1)
+        alone = {tuple(p): out for p, out in zip(prompts, outputs["plain", 1])}
+        differing = {
+            name: {
+                "vs_plain_same_batch": sum(a != b for a, b in zip(outputs[name, batch], outputs["plain", batch])),
+                "vs_plain_batch_1": sum(out != alone[tuple(p)] for p, out in zip(group, outputs[name, batch])),
+            }
+            for name in workers
+        }
+        phase.detail(f"batch {batch}", {"tok_s": tok_s, "differing": differing})
+
+    for batch in args.batches:
+        phase.attempt(f"batch {batch}", lambda batch=batch: lossless(batch))
+    total = 0
+    for batch in [1, *args.batches]:
+        if (row := phase.data["details"].get(f"batch {batch}")) is not None:
+            total += sum(d["vs_plain_batch_1"] for d in row["differing"].values())
+    plain_alone = outputs.get(("plain", 1), [])
+    total += sum(out != plain for name in workers for out, plain in zip(outputs.get((name, 1), []), plain_alone))
+    phase.measure("outputs_differing_smollm2", total)
+
+
+# --- merge -----------------------------------------------------------------------------------------------------
+
+
+def merge(args) -> None:
+    """Joins the phases' files into one results file: device, commit, date, torch, measures, details."""
+    phases = {}
+    for path in sorted(pathlib.Path(args.dir).glob("gpu_check-*.json")):
+        data = json.loads(path.read_text())
+        phases[data["phase"]] = data
+    probe_details = phases.get("probe", {}).get("details", {})
+    measures = {name: value for data in phases.values() for name, value in data["measures"].items()}
+    measures["outputs_differing"] = sum(
+        v for k, v in measures.items() if k.startswith("outputs_differing_") or k == "invariance_differing_worker_mode"
+    )
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    result = {
+        "device": probe_details.get("device", {}).get("name", "unknown"),
+        "commit": args.commit or commit.stdout.strip(),
+        "date": args.date or datetime.date.today().isoformat(),
+        "torch": probe_details.get("versions", {}).get("torch"),
+        "measures": measures,
+        "details": {name: data["details"] for name, data in phases.items()},
+        "errors": {name: data["errors"] for name, data in phases.items() if data["errors"]},
+    }
+    target = pathlib.Path(args.target)
+    target.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["measures"], indent=2))
+    print(f"wrote {target}")
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def words(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="phase", required=True)
+
+    def phase(name, fn, **kwargs):
+        p = sub.add_parser(name, **kwargs)
+        p.set_defaults(fn=fn)
+        if name != "merge":
+            p.add_argument("--device", default="cuda")
+            p.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", "gpu_check_out")))
+        return p
+
+    p = phase("probe", probe)
+    p.add_argument("--copy-bytes", type=int, default=2 << 30)
+    p.add_argument("--matmul-size", type=int, default=8192)
+    p = phase("tier", tier)
+    p.add_argument("--tier-paths", type=words, default=["tests/kernels", "tests/worker", "tests/draft_training"])
+    p = phase("invariance", invariance)
+    p.add_argument("--modes", type=words, default=["torch", "worker"])
+    p.add_argument("--dtypes", type=words, default=["bfloat16", "float32"])
+    p.add_argument("--shape", default="1b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--others", type=ints, default=[1, 3, 7, 15, 31, 63, 127, 255])
+    p = phase("invariance-one", invariance_one)
+    p.add_argument("--mode", choices=("torch", "worker"), required=True)
+    p.add_argument("--dtype", required=True)
+    p.add_argument("--shape", default="1b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--others", type=ints, required=True)
+    p.add_argument("--json", required=True)
+    p = phase("shapes", shapes)
+    p.add_argument("--shapes", type=words, default=["1b", "8b"])
+    p.add_argument("--hf-compiled-shapes", type=words, default=["1b"])
+    p.add_argument("--batches", type=ints, default=[1, 8])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--copy-bytes", type=int, default=2 << 30)
+    p = phase("smollm2", smollm2)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--data", type=pathlib.Path, default=ROOT.parent / "shared" / "data" / "spec_bench_dev.jsonl")
+    p.add_argument("--per-category", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--batches", type=ints, default=[8, 32, 64])
+    p.add_argument("--hf-prompts", type=int, default=2)
+    p = phase("merge", merge)
+    p.add_argument("dir")
+    p.add_argument("--target", default=str(ROOT / "bench" / "results" / "gpu_check.json"))
+    p.add_argument("--commit", default="")
+    p.add_argument("--date", default="")
+    return top
+
+
+if __name__ == "__main__":
+    ARGS = parser().parse_args()
+    ARGS.fn(ARGS)
