@@ -539,9 +539,8 @@ def merge(args) -> None:
         phases[data["phase"]] = data
     probe_details = phases.get("probe", {}).get("details", {})
     measures = {name: value for data in phases.values() for name, value in data["measures"].items()}
-    measures["outputs_differing"] = sum(
-        v for k, v in measures.items() if k.startswith("outputs_differing_") or k == "invariance_differing_worker_mode"
-    )
+    # Outputs (speculative or plain, at any batch) that differ from plain decoding of the prompt alone.
+    measures["outputs_differing"] = sum(v for k, v in measures.items() if k.startswith("outputs_differing_"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     result = {
         "device": probe_details.get("device", {}).get("name", "unknown"),
