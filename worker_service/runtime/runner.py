@@ -21,11 +21,13 @@ import torch
 from transformers import PreTrainedModel
 
 from kernels import paged_attention_cpu
+from kernels._triton import HAS_TRITON
 from kernels.draft_tree import DraftTrees
 from kernels.slot_mapping import compute_slot_mapping
 from worker_service.runtime import backends
 from worker_service.runtime.attention import ATTENTION_NAME, PagedMetadata
 from worker_service.runtime.fast_linear import pack_linears
+from worker_service.runtime.invariant_layers import make_batch_invariant
 from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
 
 logger = logging.getLogger(__name__)
@@ -110,13 +112,20 @@ def _block_tables(chunks: list[SequenceChunk], device: torch.device) -> torch.Te
 class ModelRunner:
     """Owns one model and its paged KV cache."""
 
-    def __init__(self, model: PreTrainedModel, backend: str | None = None):
-        """backend: a name of backends.BACKENDS; None: the first that covers the model (backends.choose)."""
+    def __init__(self, model: PreTrainedModel, backend: str | None = None, batch_invariant: bool = True):
+        """backend: a name of backends.BACKENDS; None: the first that covers the model (backends.choose).
+        batch_invariant: on a GPU, the linear layers and RMSNorms run our batch-invariant Triton kernels
+        (invariant_layers.py); the CPU's kernels are batch invariant either way."""
         self.model = model
         model.set_attn_implementation(ATTENTION_NAME)
         if model.device.type == "cpu":
             paged_attention_cpu.available()  # builds the CPU attention kernel (or warns) now, not in a step
         pack_linears(model)  # CPU only; other devices keep nn.Linear
+        if batch_invariant and model.device.type != "cpu":
+            if HAS_TRITON:
+                make_batch_invariant(model)
+            else:
+                logger.warning("triton is not importable: this %s model is not batch invariant", model.device.type)
         self.backend = backends.choose(model) if backend is None else backends.build(backend, model)
         self.device = model.device
         self.dtype = model.dtype

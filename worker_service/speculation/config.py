@@ -131,6 +131,12 @@ class WorkerConfig:
         "cache gets what the weights leave",
         metavar="FRACTION",
     )
+    batch_invariant: bool = setting(
+        True,
+        "on a GPU: the linear layers and RMSNorms run batch-invariant Triton kernels, so a row's logits do not "
+        "depend on the batch and speculation emits plain decoding's tokens at any batch; --no-batch-invariant "
+        "keeps cuBLAS and torch's kernels (faster, not lossless at batch > 1). The CPU is invariant either way",
+    )
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
 
     def __post_init__(self) -> None:

@@ -13,8 +13,10 @@ import random
 import pytest
 import torch
 
+from worker_service.runtime import invariant_layers
 from worker_service.runtime.backends import cpu_llama
 from worker_service.runtime.backends.transformers_layers import TransformersForward
+from worker_service.runtime.invariant_layers import InvariantLinear, InvariantRMSNorm, make_batch_invariant
 from worker_service.runtime.loader import load_model
 from worker_service.runtime.runner import ModelRunner, SequenceChunk
 
@@ -37,36 +39,36 @@ def one_row_at_a_time(runner: ModelRunner, tokens: list[int], blocks: list[int])
     return torch.cat([runner.forward([SequenceChunk([t], pos, blocks)]) for pos, t in enumerate(tokens)])
 
 
-def rows_that_differ(runner: ModelRunner) -> list[int]:
-    """The rows of one mixed step of LAYOUT whose logits differ from the same rows decoded alone."""
-    assert sum(rows for _, rows in LAYOUT) == 64
+def rows_that_differ(runner: ModelRunner, layout: list[tuple[int, int]] = LAYOUT) -> list[int]:
+    """The rows of one mixed step of `layout` whose logits differ from the same rows decoded alone."""
+    total = sum(rows for _, rows in layout)
     runner.init_cache(num_blocks=256, block_size=BLOCK_SIZE)
     rng = random.Random(0)
     free = list(range(256))
     rng.shuffle(free)
-    sequences = [[rng.randrange(3, runner.vocab_size) for _ in range(cached + rows)] for cached, rows in LAYOUT]
+    sequences = [[rng.randrange(3, runner.vocab_size) for _ in range(cached + rows)] for cached, rows in layout]
     tables = [[free.pop() for _ in range(-(-len(s) // BLOCK_SIZE))] for s in sequences]
 
     # The cached prefixes, prefilled in one step; then the mixed step, with every row's logits.
     runner.forward(
         [
             SequenceChunk(s[:cached], 0, t, num_logits=0)
-            for s, t, (cached, _) in zip(sequences, tables, LAYOUT)
+            for s, t, (cached, _) in zip(sequences, tables, layout)
             if cached
         ]
     )
     mixed = runner.forward(
         [
             SequenceChunk(s[cached:], cached, t, num_logits=rows)
-            for s, t, (cached, rows) in zip(sequences, tables, LAYOUT)
+            for s, t, (cached, rows) in zip(sequences, tables, layout)
         ]
-    )  # [64, V]
+    )  # [total, V]
 
     alone_tables = [[free.pop() for _ in range(-(-len(s) // BLOCK_SIZE))] for s in sequences]
     alone = torch.cat(
-        [one_row_at_a_time(runner, s, t)[cached:] for s, t, (cached, _) in zip(sequences, alone_tables, LAYOUT)]
-    )  # [64, V]
-    return [i for i in range(64) if not torch.equal(mixed[i], alone[i])]
+        [one_row_at_a_time(runner, s, t)[cached:] for s, t, (cached, _) in zip(sequences, alone_tables, layout)]
+    )  # [total, V]
+    return [i for i in range(total) if not torch.equal(mixed[i], alone[i])]
 
 
 @pytest.mark.parametrize("model, dtype, forward", CASES)
@@ -93,3 +95,39 @@ def test_the_check_catches_a_batch_dependent_linear_in_the_fast_forward(tiny_pai
     monkeypatch.setattr(cpu_llama, "project", batch_dependent)
     runner = ModelRunner(load_model(tiny_pair.target_path, "float32"))
     assert rows_that_differ(runner) != []
+
+
+def invariant_runner(model_path, dtype: str, device: str) -> ModelRunner:
+    """The GPU's forward: transformers' layers, their linears and RMSNorms our Triton kernels
+    (invariant_layers.py); on the CPU in Triton's interpreter (the runner makes them for GPU models only)."""
+    model = load_model(model_path, dtype, torch.device(device))
+    if device == "cpu":
+        make_batch_invariant(model)
+    runner = ModelRunner(model, backend="transformers")
+    assert runner.backend.name == "transformers"
+    assert sum(isinstance(m, (InvariantLinear, InvariantRMSNorm)) for m in model.modules()) == 4 * 9 + 2
+    return runner
+
+
+# Triton's interpreter runs a launch in ~10 ms: on the CPU, a mixed step of 8 rows (a prefill, a decode, a verify).
+SHORT_LAYOUT = [(0, 4), (3, 1), (2, 3)]
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.gpu)]
+)  # the interpreter multiplies bf16 in fp32
+def test_the_gpu_forward_keeps_a_row_alone_equal_to_the_row_in_a_mixed_batch(tiny_pair, triton_device, dtype):
+    layout = LAYOUT if triton_device == "cuda" else SHORT_LAYOUT
+    differ = rows_that_differ(invariant_runner(tiny_pair.target_path, dtype, triton_device), layout)
+    assert differ == [], f"rows {differ} of the mixed step differ from the same rows decoded alone"
+
+
+@pytest.mark.gpu
+def test_the_check_catches_a_batch_dependent_linear_in_the_gpu_forward(tiny_pair, monkeypatch):
+    exact = invariant_layers.linear_triton
+
+    def batch_dependent(x, weight, bias=None):
+        return exact(x * (1 + 2**-7) if x.reshape(-1, x.shape[-1]).shape[0] > 1 else x, weight, bias)
+
+    monkeypatch.setattr(invariant_layers, "linear_triton", batch_dependent)
+    assert rows_that_differ(invariant_runner(tiny_pair.target_path, "float32", "cuda")) != []

@@ -24,6 +24,7 @@ import pytest
 from kernels import linear_cpu
 from tests.e2e.client import chat_prompts
 from tests.worker.driver import Driver
+from worker_service.runtime import invariant_layers
 from worker_service.runtime.backends import cpu_llama
 from worker_service.runtime.dtypes import QUANTIZED_DTYPES
 from worker_service.runtime.loader import load_model
@@ -167,9 +168,9 @@ def test_speculation_differs_with_a_batch_dependent_linear(workload, runners, pl
     """The check above has teeth: when the linear layers' rows change with the number of rows in the call
     (as a library GEMM's blocking may make them), speculation changes some outputs of this very workload.
     The perturbation is built here, so the teeth do not depend on this machine's libraries."""
-    if workload.device != "cpu":
-        pytest.skip("the batch-invariant C kernels are the CPU's")
-    exact, exact_project = linear_cpu.linear_cpu, cpu_llama.project
+    if workload.device != "cpu" and dtype in QUANTIZED_DTYPES:
+        pytest.skip(f"{dtype} runs on the CPU only")
+    exact, exact_project, exact_triton = linear_cpu.linear_cpu, cpu_llama.project, invariant_layers.linear_triton
 
     def batch_dependent(x, packed_weight, out_features, bias, **kwargs):
         if x.reshape(-1, x.shape[-1]).shape[0] > 1:
@@ -179,8 +180,12 @@ def test_speculation_differs_with_a_batch_dependent_linear(workload, runners, pl
     def batch_dependent_project(layer, source, target):  # the fast forward's direct kernel calls
         exact_project(layer, source * (1 + 2**-7) if source.shape[0] > 1 else source, target)
 
+    def batch_dependent_triton(x, weight, bias=None):  # the GPU's invariant layers (invariant_layers.py)
+        return exact_triton(x * (1 + 2**-7) if x.reshape(-1, x.shape[-1]).shape[0] > 1 else x, weight, bias)
+
     monkeypatch.setattr(linear_cpu, "linear_cpu", batch_dependent)
     monkeypatch.setattr(cpu_llama, "project", batch_dependent_project)
+    monkeypatch.setattr(invariant_layers, "linear_triton", batch_dependent_triton)
     differ = 0
     for proposer, k in [("ngram", 3), ("ngram", 5), ("draft", 3), ("draft", 5)]:
         got, _ = generate(workload, make_worker(workload, runners, dtype, proposer, k), mixed_ks(k))
