@@ -264,25 +264,27 @@ def invariance(args) -> None:
                 phase.detail(name, result)
                 rows = [row for kind in ("decode", "verify6") for row in result[kind].values()]
                 phase.measure(f"invariance_rows_differing {name}", sum(not row["bitwise"] for row in rows))
-                if mode == "worker":
+                if mode == "invariant":
                     differing += sum(not row["bitwise"] for row in rows)
 
             phase.attempt(name, one)
-    phase.measure("invariance_differing_worker_mode", differing)
+    phase.measure("invariance_rows_differing_invariant", differing)
 
 
 def invariance_one(args) -> None:
     """A reference sequence's logits (a decode row; a verify of 6 rows) alone, then beside 1..N other sequences:
     bitwise equal or not, and the largest difference; and the forward's time at batch 1, 8 and 64."""
-    from worker_service.runtime import device as devices
+    if args.device == "cpu":  # the Triton kernels in the interpreter (set before they are defined)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from worker_service.runtime.invariant_layers import make_batch_invariant
     from worker_service.runtime.runner import ModelRunner, SequenceChunk
 
     device = torch.device(args.device)
-    if args.mode == "worker":  # what the worker does on CUDA by default (--batch-invariant)
-        devices.batch_invariant_matmuls(True)
     dtype = getattr(torch, args.dtype)
     model = random_llama(args.shape, dtype, device, args.layers)
-    runner = ModelRunner(model)
+    if args.mode == "invariant":  # what the worker runs by default (--batch-invariant); on the CPU in the
+        make_batch_invariant(model)  # interpreter
+    runner = ModelRunner(model, batch_invariant=False)
     context, most = 96, max(args.others) + 1
     per_seq = -(-(context + 8) // BLOCK_SIZE)
     runner.init_cache(most * per_seq + 1, BLOCK_SIZE)
@@ -317,9 +319,9 @@ def invariance_one(args) -> None:
 
 
 def shapes(args) -> None:
-    from worker_service.runtime.runner import ModelRunner, SequenceChunk
-    from worker_service.speculation.config import WorkerConfig
-    from worker_service.speculation.worker import Worker
+    """Per shape: transformers `generate` first (our runner replaces the model's layers in place), then our
+    worker with cuBLAS (--no-batch-invariant), then with the batch-invariant layers (the default)."""
+    from worker_service.runtime.invariant_layers import make_batch_invariant
 
     phase = Phase("shapes", args.out)
     device = torch.device(args.device)
@@ -327,60 +329,77 @@ def shapes(args) -> None:
     phase.detail("copy_bandwidth_tb_s", bandwidth and round(bandwidth / 1e12, 3))
     for shape in args.shapes:
         model = random_llama(shape, torch.bfloat16, device)
-        runner = ModelRunner(model)
-        worker = Worker(WorkerConfig(model=f"random-{shape}", device=str(device), dtype="bfloat16"), runner)
-        context = args.context
-        num_blocks = 8 * -(-(context + args.new_tokens + 16) // BLOCK_SIZE) + 1
-        worker.init_cache(num_blocks, BLOCK_SIZE)
-        prompts = random_prompts(model.config.vocab_size, 8, context)
+        prompts = random_prompts(model.config.vocab_size, 8, args.context)
         details = {"weight_gb": round(weight_read_bytes(model) / 1e9, 3)}
+        if bandwidth:
+            details["bound_ms"] = round(1e3 * weight_read_bytes(model) / bandwidth, 3)
         phase.detail(shape, details)
-
-        def plain(batch, shape=shape, details=details, worker=worker, prompts=prompts, model=model):
-            ms = 1e3 * decode_seconds(worker, num_blocks, prompts[:batch], args.new_tokens, device)
-            details[f"plain_step_ms_bs{batch}"] = round(ms, 3)
-            if batch == 1 and bandwidth:
-                bound_ms = 1e3 * weight_read_bytes(model) / bandwidth
-                details["bound_ms"] = round(bound_ms, 3)
-                phase.measure(f"plain_{shape}_bs1_bound_share", round(bound_ms / ms, 3))
-            phase.detail(shape, details)
-
-        for batch in args.batches:
-            phase.attempt(f"{shape} plain bs{batch}", lambda batch=batch: plain(batch))
-
-        def verify(batch, runner=runner, details=details, shape=shape):
-            kv = runner.kv_cache  # the worker's cache: its blocks are free between runs
-            tables = [list(range(1 + i * (num_blocks // 8), 1 + (i + 1) * (num_blocks // 8))) for i in range(batch)]
-            runner.forward([SequenceChunk(prompts[i], 0, tables[i]) for i in range(batch)])
-            times = {}
-            for rows in (1, 2, 4, 6):
-                chunks = [SequenceChunk(prompts[i][:rows], context, tables[i], rows) for i in range(batch)]
-                times[rows] = median_seconds(device, lambda chunks=chunks: runner.forward(chunks), args.repeats)
-            details[f"forward_ms_bs{batch}"] = {rows: round(1e3 * t, 3) for rows, t in times.items()}
-            phase.detail(shape, details)
-            if batch == 1:
-                phase.measure(f"verify5_vs_decode_{shape}_bs1", round(times[6] / times[1], 3))
-            assert kv is runner.kv_cache
-
-        for batch in (1, 8):
-            phase.attempt(f"{shape} verify bs{batch}", lambda batch=batch: verify(batch))
-
-        model.set_attn_implementation("sdpa")  # transformers' own attention from here on
         for compiled in (False, True) if shape in args.hf_compiled_shapes else (False,):
             name = "hf_compiled" if compiled else "hf_eager"
 
-            def hf(model=model, compiled=compiled, name=name, details=details, shape=shape):
+            def hf(model=model, compiled=compiled, name=name, details=details):
                 ms = 1e3 * hf_decode_seconds(model, prompts[:1], args.new_tokens, device, compiled)
                 details[f"{name}_step_ms_bs1"] = round(ms, 3)
-                phase.detail(shape, details)
-                ours = details.get("plain_step_ms_bs1")
-                if ours:
-                    phase.measure(f"plain_{shape}_bs1_vs_{name}", round(ms / ours, 3))
 
             phase.attempt(f"{shape} {name}", hf)
-        del worker, runner, model
+        for invariant in (False, True):
+            if invariant and device.type != "cpu":
+                make_batch_invariant(model)
+            ours_shape(args, phase, shape, model, prompts, details, "invariant" if invariant else "cublas")
+        ours, cublas = details.get("invariant", {}), details.get("cublas", {})
+        if "step_ms_bs1" in ours:
+            if bandwidth:
+                phase.measure(f"plain_{shape}_bs1_bound_share", round(details["bound_ms"] / ours["step_ms_bs1"], 3))
+            for name in ("hf_eager", "hf_compiled"):
+                if f"{name}_step_ms_bs1" in details:
+                    ratio = details[f"{name}_step_ms_bs1"] / ours["step_ms_bs1"]
+                    phase.measure(f"plain_{shape}_bs1_vs_{name}", round(ratio, 3))
+            if "step_ms_bs1" in cublas:
+                phase.measure(f"invariance_cost_{shape}_bs1", round(ours["step_ms_bs1"] / cublas["step_ms_bs1"], 3))
+        if "verify5_vs_decode" in ours:
+            phase.measure(f"verify5_vs_decode_{shape}_bs1", ours["verify5_vs_decode"])
+        phase.detail(shape, details)
+        del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def ours_shape(args, phase, shape, model, prompts, details, mode) -> None:
+    """Our worker's plain decode step at --batches, and a forward of 1, 2, 4, 6 rows per sequence (decode, and
+    verifies of 1, 3, 5 drafts) at batch 1 and 8, into details[mode]."""
+    from worker_service.runtime.runner import ModelRunner, SequenceChunk
+    from worker_service.speculation.config import WorkerConfig
+    from worker_service.speculation.worker import Worker
+
+    device = torch.device(args.device)
+    model.set_attn_implementation("sdpa")  # ModelRunner registers its paged attention again
+    runner = ModelRunner(model, batch_invariant=False)  # the caller made the layers invariant or not
+    worker = Worker(WorkerConfig(model=f"random-{shape}", device=str(device), dtype="bfloat16"), runner)
+    per_seq = -(-(args.context + args.new_tokens + 16) // BLOCK_SIZE)
+    num_blocks = 8 * per_seq + 1
+    worker.init_cache(num_blocks, BLOCK_SIZE)
+    results = details.setdefault(mode, {})
+
+    def plain(batch):
+        ms = 1e3 * decode_seconds(worker, num_blocks, prompts[:batch], args.new_tokens, device)
+        results[f"step_ms_bs{batch}"] = round(ms, 3)
+
+    def verify(batch):
+        tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
+        runner.forward([SequenceChunk(prompts[i], 0, tables[i]) for i in range(batch)])
+        times = {}
+        for rows in (1, 2, 4, 6):
+            chunks = [SequenceChunk(prompts[i][:rows], args.context, tables[i], rows) for i in range(batch)]
+            times[rows] = median_seconds(device, lambda chunks=chunks: runner.forward(chunks), args.repeats)
+        results[f"forward_ms_bs{batch}"] = {rows: round(1e3 * t, 3) for rows, t in times.items()}
+        if batch == 1:
+            results["verify5_vs_decode"] = round(times[6] / times[1], 3)
+
+    for batch in args.batches:
+        phase.attempt(f"{shape} {mode} plain bs{batch}", lambda batch=batch: plain(batch))
+    for batch in (1, 8):
+        phase.attempt(f"{shape} {mode} verify bs{batch}", lambda batch=batch: verify(batch))
+    phase.detail(shape, details)
 
 
 def decode_seconds(worker, num_blocks, prompts, new_tokens, device) -> float:
@@ -442,6 +461,7 @@ def smollm2(args) -> None:
     phase.detail("prompts", {"count": len(prompts), "categories": list(GROUNDED), "new_tokens": args.new_tokens})
     configs = {
         "plain": dict(proposer="none", num_speculative_tokens=0),
+        "plain --no-batch-invariant": dict(proposer="none", num_speculative_tokens=0, batch_invariant=False),
         "ngram": dict(proposer="ngram", num_speculative_tokens=5),
         "suffix": dict(proposer="suffix", num_speculative_tokens=5),
         "eagle3": dict(proposer="eagle3", num_speculative_tokens=5),
@@ -519,13 +539,18 @@ def smollm2(args) -> None:
 
     for batch in args.batches:
         phase.attempt(f"batch {batch}", lambda batch=batch: lossless(batch))
-    total = 0
-    for batch in [1, *args.batches]:
-        if (row := phase.data["details"].get(f"batch {batch}")) is not None:
-            total += sum(d["vs_plain_batch_1"] for d in row["differing"].values())
+    # Outputs that differ from plain decoding of the prompt alone (batch 1): each worker's at every batch.
+    cublas = "plain --no-batch-invariant"
+    totals = {False: 0, True: 0}
     plain_alone = outputs.get(("plain", 1), [])
-    total += sum(out != plain for name in workers for out, plain in zip(outputs.get((name, 1), []), plain_alone))
-    phase.measure("outputs_differing_smollm2", total)
+    for name in workers:
+        count = sum(out != plain for out, plain in zip(outputs.get((name, 1), []), plain_alone))
+        for batch in args.batches:
+            if (row := phase.data["details"].get(f"batch {batch}")) is not None:
+                count += row["differing"][name]["vs_plain_batch_1"]
+        totals[name == cublas] += count
+    phase.measure("outputs_differing_smollm2", totals[False])
+    phase.measure("cublas_plain_differing_smollm2", totals[True])  # the cost of --no-batch-invariant
 
 
 # --- merge -----------------------------------------------------------------------------------------------------
@@ -583,13 +608,13 @@ def parser() -> argparse.ArgumentParser:
     p = phase("tier", tier)
     p.add_argument("--tier-paths", type=words, default=["tests/kernels", "tests/worker", "tests/draft_training"])
     p = phase("invariance", invariance)
-    p.add_argument("--modes", type=words, default=["torch", "worker"])
+    p.add_argument("--modes", type=words, default=["cublas", "invariant"])
     p.add_argument("--dtypes", type=words, default=["bfloat16", "float32"])
     p.add_argument("--shape", default="1b")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--others", type=ints, default=[1, 3, 7, 15, 31, 63, 127, 255])
     p = phase("invariance-one", invariance_one)
-    p.add_argument("--mode", choices=("torch", "worker"), required=True)
+    p.add_argument("--mode", choices=("cublas", "invariant"), required=True)
     p.add_argument("--dtype", required=True)
     p.add_argument("--shape", default="1b")
     p.add_argument("--layers", type=int, default=4)
