@@ -60,15 +60,15 @@ def _strategic_merge(base, patch):
     return patch
 
 
-def overlay_objects() -> dict[tuple[str, str], dict]:
-    """The base manifests with the TLS overlay's patches applied, by (kind, name)."""
-    kustomization = yaml.safe_load((TLS_OVERLAY / "kustomization.yaml").read_text())
+def overlay_objects(overlay=TLS_OVERLAY) -> dict[tuple[str, str], dict]:
+    """The base manifests with an overlay's patches applied (the TLS one by default), by (kind, name)."""
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
     assert kustomization["resources"] == [".."]
     base = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert sorted(base["resources"]) == sorted(p.name for p in K8S_MANIFESTS)
     docs = {(d["kind"], d["metadata"]["name"]): d for name in base["resources"] for d in _k8s_docs(name).values()}
     for entry in kustomization["patches"]:
-        patch = yaml.safe_load((TLS_OVERLAY / entry["path"]).read_text())
+        patch = yaml.safe_load((overlay / entry["path"]).read_text())
         key = (patch["kind"], patch["metadata"]["name"])
         docs[key] = _strategic_merge(docs[key], patch)
     return docs
