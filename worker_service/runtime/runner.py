@@ -57,7 +57,8 @@ class PackedBatch:
 def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -> PackedBatch:
     """Builds the packed inputs and cache metadata for `chunks` (see SequenceChunk).
 
-    The index lists are built on the host and each becomes one tensor on `device`: no per-sequence device work.
+    The index lists are built on the host and reach `device` in two copies (to_device): no per-sequence
+    device work, and on CUDA no copy that waits for the GPU.
     """
     input_ids, rows, logits_indices, starts, seq_lens = [], [], [], [0], []
     for chunk in chunks:
@@ -80,33 +81,37 @@ def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -
             for start, depth, tree, row in zip(chunk_starts, trees.depths.tolist(), is_tree, rows)
         ]
         trees = trees.to(device)
-    block_tables = _block_tables(chunks, device)  # [B, M] int32
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)  # [T]
-    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)  # [B+1]
+    max_blocks = max(len(c.block_table) for c in chunks)
+    # The block tables padded with block 0 (never read: seq_lens bound every access).
+    tables = [b for c in chunks for b in c.block_table + [0] * (max_blocks - len(c.block_table))]
+    rows_t, positions_t, input_ids_t, logits_t = to_device(
+        [rows, positions if trees is not None else [], input_ids, logits_indices], torch.int64, device
+    )
+    block_tables, query_start_loc, seq_lens_t = to_device([tables, starts, seq_lens], torch.int32, device)
+    block_tables = block_tables.view(len(chunks), max_blocks)  # [B, M]
     slot_mapping = compute_slot_mapping(block_tables, query_start_loc, rows_t, kv_cache.block_size)  # [T]
     metadata = PagedMetadata(
         kv_cache=kv_cache,
         slot_mapping=slot_mapping,
         block_tables=block_tables,
         query_start_loc=query_start_loc,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        seq_lens=seq_lens_t,
         trees=trees,
     )
     return PackedBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=rows_t if trees is None else torch.tensor(positions, dtype=torch.int64, device=device),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        input_ids=input_ids_t,
+        positions=rows_t if trees is None else positions_t,
+        logits_indices=logits_t,
         metadata=metadata,
     )
 
 
-def _block_tables(chunks: list[SequenceChunk], device: torch.device) -> torch.Tensor:  # [B, M] int32
-    """The chunks' block tables padded with block 0 (never read: seq_lens bound every access) into one host
-    tensor, copied to `device` at once; pinned on CUDA, so the copy does not wait for the host."""
-    max_blocks = max(len(c.block_table) for c in chunks)
-    rows = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks]
-    host = torch.tensor(rows, dtype=torch.int32, pin_memory=device.type == "cuda")  # [B, M]
-    return host.to(device, non_blocking=True)
+def to_device(lists: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """One tensor on `device` per list, through one host tensor and one copy. On CUDA the host tensor is pinned
+    and the copy non-blocking: a copy from pageable memory would wait for the GPU's queued work first."""
+    host = torch.tensor([x for values in lists for x in values], dtype=dtype, pin_memory=device.type == "cuda")
+    moved = host.to(device, non_blocking=True) if device.type != "cpu" else host
+    return list(moved.split([len(values) for values in lists]))
 
 
 class ModelRunner:
