@@ -27,6 +27,7 @@ from kernels.slot_mapping import compute_slot_mapping
 from worker_service.runtime import backends
 from worker_service.runtime.attention import ATTENTION_NAME, PagedMetadata
 from worker_service.runtime.fast_linear import pack_linears
+from worker_service.runtime.graphs import CudaGraphReplay, StepGraphs, graph_key, scratch_blocks_needed
 from worker_service.runtime.invariant_layers import make_batch_invariant
 from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
 
@@ -117,10 +118,13 @@ def to_device(lists: list[list[int]], dtype: torch.dtype, device: torch.device) 
 class ModelRunner:
     """Owns one model and its paged KV cache."""
 
-    def __init__(self, model: PreTrainedModel, backend: str | None = None, batch_invariant: bool = True):
+    def __init__(
+        self, model: PreTrainedModel, backend: str | None = None, batch_invariant: bool = True, graphs: bool = True
+    ):
         """backend: a name of backends.BACKENDS; None: the first that covers the model (backends.choose).
         batch_invariant: on a GPU, the linear layers and RMSNorms run our batch-invariant Triton kernels
-        (invariant_layers.py); the CPU's kernels are batch invariant either way."""
+        (invariant_layers.py); the CPU's kernels are batch invariant either way.
+        graphs: on CUDA, decode and verify steps replay CUDA graphs (graphs.py; False: --enforce-eager)."""
         self.model = model
         model.set_attn_implementation(ATTENTION_NAME)
         if model.device.type == "cpu":
@@ -141,11 +145,20 @@ class ModelRunner:
         # the last forward kept: [T, len(aux_layers) x hidden], every packed row (proposers/eagle3.py).
         self.aux_layers: tuple[int, ...] = ()
         self.last_aux_hidden: torch.Tensor | None = None
+        self.replay_type = CudaGraphReplay if graphs and model.device.type == "cuda" else None
+        self.graphs: StepGraphs | None = None  # made by init_cache when replay_type is set
+
+    def use_graphs(self, replay_type: type | None) -> None:
+        """Graphs eligible steps with `replay_type` (graphs.py) from the next init_cache on; None: never."""
+        self.replay_type = replay_type
 
     def init_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """(Re)allocates the KV cache; every cached K/V is dropped."""
-        self.kv_cache = None  # freed first: the old and the new cache may not both fit in the budget
-        self.kv_cache = KVCache(self.kv_spec, num_blocks, block_size, self.device)
+        self.kv_cache = self.graphs = None  # freed first: the old and the new cache may not both fit in the budget
+        scratch = list(range(num_blocks, num_blocks + scratch_blocks_needed(block_size))) if self.replay_type else []
+        self.kv_cache = KVCache(self.kv_spec, num_blocks + len(scratch), block_size, self.device)
+        if self.replay_type is not None:  # the scratch blocks past the scheduler's take graphs' padding rows
+            self.graphs = StepGraphs(self._forward_rows, self.kv_cache, scratch, self.replay_type)
         logger.info(
             "allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, block_size, self.kv_cache.num_bytes / 2**20
         )
@@ -166,9 +179,22 @@ class ModelRunner:
         """Computes every chunk; returns fp32 logits `[sum(num_logits), V]` in chunk order."""
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not initialised")
+        if self.graphs is not None:
+            key = graph_key(chunks, self.aux_layers, self.kv_cache.block_size)
+            out = self.graphs.run(chunks, key) if key is not None else None
+            if out is not None:
+                logits, self.last_aux_hidden = out
+                return logits
         batch = pack(chunks, self.kv_cache, self.device)
-        # the hidden states of the logits rows only: [N, hidden]
-        hidden, self.last_aux_hidden = self.backend(
-            batch.input_ids, batch.positions, batch.metadata, batch.logits_indices, self.aux_layers
+        logits, self.last_aux_hidden = self._forward_rows(
+            batch.input_ids, batch.positions, batch.metadata, batch.logits_indices
         )
-        return self.model.lm_head(hidden).float()  # [N, V]
+        return logits
+
+    def _forward_rows(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedMetadata, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The backend and the output layer: fp32 logits of `rows` ([N, V]; the output layer is the costliest
+        matmul of a small model, so only these rows get it), and the aux hidden states of every row."""
+        hidden, aux = self.backend(input_ids, positions, metadata, rows, self.aux_layers)  # [N, hidden]
+        return self.model.lm_head(hidden).float(), aux

@@ -33,10 +33,11 @@ def build_worker(config: WorkerConfig) -> Worker:
         device.type,
         gguf_format(config.model) if device.type == "cpu" else None,
     )
-    target = ModelRunner(load_model(config.model, dtype, device), batch_invariant=config.batch_invariant)
+    runner_options = dict(batch_invariant=config.batch_invariant, graphs=not config.enforce_eager)
+    target = ModelRunner(load_model(config.model, dtype, device), **runner_options)
     draft = head = None
     if "draft" in config.proposer_names:
-        draft = ModelRunner(load_model(config.draft_model, dtype, device), batch_invariant=config.batch_invariant)
+        draft = ModelRunner(load_model(config.draft_model, dtype, device), **runner_options)
     if "eagle3" in config.proposer_names:
         model = target.model
         facts = TargetFacts(model.config.hidden_size, model.config.vocab_size, model.config.num_hidden_layers)

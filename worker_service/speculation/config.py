@@ -137,6 +137,12 @@ class WorkerConfig:
         "depend on the batch and speculation emits plain decoding's tokens at any batch; --no-batch-invariant "
         "keeps cuBLAS and torch's kernels (faster, not lossless at batch > 1). The CPU is invariant either way",
     )
+    enforce_eager: bool = setting(
+        False,
+        "on a GPU: run every step eagerly; by default decode and verify steps replay CUDA graphs, captured per "
+        "padded batch size at first use",
+        action="store_true",
+    )
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
 
     def __post_init__(self) -> None:

@@ -1,0 +1,181 @@
+"""Decode and verify steps replayed as CUDA graphs (`--enforce-eager` turns them off).
+
+On a GPU an eager step is ~1,200 kernel launches and the host work around them: 23 ms for an 8B-shaped model
+whose weights take 3.6 ms to read (bench/results/gpu_check.json). A CUDA graph replays a step's launches from
+one call. What a graph replays is fixed, its tensors' addresses and shapes, so a step must fit a captured one.
+
+A step is graphed when each of its chunks is a chain whose rows all want logits (a decode: 1 row; a verify:
+k + 1 rows; no prefill chunk, no draft tree) and it has at most BUCKETS[-1] of them. It is padded to a
+GraphKey:
+- the number of sequences up to the next of BUCKETS: a padding sequence has q rows at positions 0..q-1 on the
+  scratch blocks;
+- every sequence's rows up to the step's most, q: a padding row comes after its sequence's real rows, so the
+  causal bound keeps it out of theirs;
+- the block tables to a power-of-two width.
+Padding rows write their K/V into the runner's scratch blocks, past the scheduler's (never a request's), and
+their logits are dropped. Each key's graph is captured at its first step, after one eager run on the same
+buffers (it builds the Triton kernels), and replayed after; all share one memory pool, so a step's outputs
+are copied out before the next replay.
+
+The capture hides behind a replay class: CudaGraphReplay on CUDA, EagerReplay elsewhere (it calls the
+function on the same static buffers), so the bookkeeping runs, and is tested, on the CPU.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+import logging
+
+import torch
+
+from worker_service.runtime.attention import PagedMetadata
+from worker_service.runtime.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # sequences per graph
+MAX_ROWS = 32  # rows per sequence a graph covers: a verify of up to 31 drafts
+# (input_ids [n], positions [n], metadata, rows [n]) -> (logits [n, V] fp32, aux hidden [n, A] or None)
+StepForward = Callable[[torch.Tensor, torch.Tensor, PagedMetadata, torch.Tensor], tuple]
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """The padded shape of a graphed step."""
+
+    num_seqs: int
+    rows: int  # per sequence
+    table_width: int
+    aux_layers: tuple[int, ...]  # what the forward keeps for an EAGLE-3 head: part of what it computes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_seqs * self.rows
+
+
+def scratch_blocks_needed(block_size: int) -> int:
+    """Blocks that hold MAX_ROWS padding rows."""
+    return -(-MAX_ROWS // block_size)
+
+
+def graph_key(chunks: list, aux_layers: tuple[int, ...], block_size: int) -> GraphKey | None:
+    """The GraphKey a step of `chunks` (runner.SequenceChunk) is padded to, or None when it runs eagerly."""
+    if not chunks or len(chunks) > BUCKETS[-1]:
+        return None
+    if any(c.parents is not None or c.num_logits != len(c.token_ids) or not c.token_ids for c in chunks):
+        return None
+    rows = max(len(c.token_ids) for c in chunks)
+    if rows > MAX_ROWS:
+        return None
+    widest = max(scratch_blocks_needed(block_size), *(len(c.block_table) for c in chunks))
+    width = max(8, 1 << (widest - 1).bit_length())
+    return GraphKey(next(b for b in BUCKETS if b >= len(chunks)), rows, width, aux_layers)
+
+
+class EagerReplay:
+    """Runs the function each time, on the buffers it was given: the bookkeeping without a GPU."""
+
+    def __init__(self, fn: Callable[[], tuple], pool=None):
+        self.fn = fn
+
+    def __call__(self) -> tuple:
+        return self.fn()
+
+
+class CudaGraphReplay:
+    """Captures the function once (after a warm-up run on a side stream) and replays it."""
+
+    def __init__(self, fn: Callable[[], tuple], pool=None):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # builds the Triton kernels and cuBLAS's handles, which a capture may not do
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            self.outputs = fn()
+
+    def __call__(self) -> tuple:
+        self.graph.replay()
+        return self.outputs
+
+
+class Graph:
+    """One GraphKey's static inputs (one int64 and one int32 buffer, viewed as the forward's tensors) and
+    its replay."""
+
+    def __init__(self, key: GraphKey, kv_cache: KVCache, forward: StepForward, replay_type: type, pool):
+        n, b, w = key.num_tokens, key.num_seqs, key.table_width
+        device = kv_cache.key_caches[0].device
+        self.key = key
+        self.int64 = torch.zeros(3 * n, dtype=torch.int64, device=device)  # input ids, positions, slots
+        self.int32 = torch.zeros(b * w + b + b + 1, dtype=torch.int32, device=device)  # tables, lens, starts
+        input_ids, positions, slots = self.int64.split([n, n, n])
+        tables, seq_lens, starts = self.int32.split([b * w, b, b + 1])
+        metadata = PagedMetadata(kv_cache, slots, tables.view(b, w), starts, seq_lens)
+        every_row = torch.arange(n, device=device)
+        self.replay = replay_type(lambda: forward(input_ids, positions, metadata, every_row), pool)
+
+
+class StepGraphs:
+    """The graphs of one ModelRunner's KV cache: pads a step to its key, replays that key's graph (capturing
+    it first), and returns the real rows' logits and aux hidden states, in the chunks' packed order."""
+
+    def __init__(self, forward: StepForward, kv_cache: KVCache, scratch: list[int], replay_type: type):
+        self.forward = forward
+        self.kv_cache = kv_cache
+        self.scratch = scratch  # block ids past the scheduler's: where padding rows write
+        self.replay_type = replay_type
+        self.pool = torch.cuda.graph_pool_handle() if replay_type is CudaGraphReplay else None
+        self.graphs: dict[GraphKey, Graph] = {}
+        self.failed = False  # a capture failed: every step runs eagerly from then on
+
+    def run(self, chunks: list, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The step's (logits [N, V], aux hidden [N, A] or None) for the real rows; None when it must run
+        eagerly (a capture failed)."""
+        if self.failed:
+            return None
+        int64, int32, real = self.host_inputs(chunks, key)
+        graph = self.graphs.get(key)
+        new = graph is None
+        if new:
+            graph = Graph(key, self.kv_cache, self.forward, EagerReplay, None)  # buffers first, capture below
+        pinned = graph.int64.device.type == "cuda"
+        graph.int64.copy_(torch.tensor(int64, dtype=torch.int64, pin_memory=pinned), non_blocking=True)
+        graph.int32.copy_(torch.tensor(int32, dtype=torch.int32, pin_memory=pinned), non_blocking=True)
+        if new:
+            try:
+                graph.replay = self.replay_type(graph.replay.fn, self.pool)
+            except Exception:  # noqa: BLE001 - any capture failure: log it and run eagerly, never fail the step
+                logger.exception("capturing a step graph (%s) failed: steps run eagerly from now on", key)
+                self.failed = True
+                return None
+            self.graphs[key] = graph
+            logger.info("captured a step graph: %s", key)
+        logits, aux = graph.replay()
+        rows = torch.tensor(real, dtype=torch.int64, pin_memory=pinned).to(logits.device, non_blocking=True)
+        return logits[rows], (aux[rows] if aux is not None else None)
+
+    def host_inputs(self, chunks: list, key: GraphKey) -> tuple[list[int], list[int], list[int]]:
+        """The step padded to `key`, as the two buffers' host values, and the packed rows of the real tokens."""
+        q, width, size = key.rows, key.table_width, self.kv_cache.block_size
+        scratch_slots = [self.scratch[j // size] * size + j % size for j in range(q)]
+        scratch_table = self.scratch + [self.scratch[0]] * (width - len(self.scratch))
+        ids, positions, slots, tables, seq_lens, real = [], [], [], [], [], []
+        for b in range(key.num_seqs):
+            if b < len(chunks):
+                chunk = chunks[b]
+                length, start, table = len(chunk.token_ids), chunk.start_pos, chunk.block_table
+                ids += chunk.token_ids + [0] * (q - length)
+                slots += [table[p // size] * size + p % size for p in range(start, start + length)]
+                slots += scratch_slots[length:]
+                tables += table + [self.scratch[0]] * (width - len(table))
+                real += range(b * q, b * q + length)
+            else:  # a padding sequence, alone on the scratch blocks
+                start = 0
+                ids += [0] * q
+                slots += scratch_slots
+                tables += scratch_table
+            positions += range(start, start + q)
+            seq_lens.append(start + q)
+        starts = [b * q for b in range(key.num_seqs + 1)]
+        return ids + positions + slots, tables + seq_lens + starts, real
