@@ -342,11 +342,13 @@ def shapes(args) -> None:
                 details[f"{name}_step_ms_bs1"] = round(ms, 3)
 
             phase.attempt(f"{shape} {name}", hf)
-        for invariant in (False, True):
-            if invariant and device.type != "cpu":
+        # cuBLAS eagerly (the worker before its GPU work), then the invariant layers eagerly and with graphs.
+        for mode in ("cublas eager", "invariant eager", "invariant graphs"):
+            if mode == "invariant eager" and device.type != "cpu":
                 make_batch_invariant(model)
-            ours_shape(args, phase, shape, model, prompts, details, "invariant" if invariant else "cublas")
-        ours, cublas = details.get("invariant", {}), details.get("cublas", {})
+            ours_shape(args, phase, shape, model, prompts, details, mode)
+        ours, cublas = details.get("invariant graphs", {}), details.get("cublas eager", {})
+        eager = details.get("invariant eager", {})
         if "step_ms_bs1" in ours:
             if bandwidth:
                 phase.measure(f"plain_{shape}_bs1_bound_share", round(details["bound_ms"] / ours["step_ms_bs1"], 3))
@@ -354,8 +356,10 @@ def shapes(args) -> None:
                 if f"{name}_step_ms_bs1" in details:
                     ratio = details[f"{name}_step_ms_bs1"] / ours["step_ms_bs1"]
                     phase.measure(f"plain_{shape}_bs1_vs_{name}", round(ratio, 3))
-            if "step_ms_bs1" in cublas:
-                phase.measure(f"invariance_cost_{shape}_bs1", round(ours["step_ms_bs1"] / cublas["step_ms_bs1"], 3))
+            if "step_ms_bs1" in eager:
+                phase.measure(f"graphs_speedup_{shape}_bs1", round(eager["step_ms_bs1"] / ours["step_ms_bs1"], 3))
+        if "step_ms_bs1" in eager and "step_ms_bs1" in cublas:
+            phase.measure(f"invariance_cost_{shape}_bs1", round(eager["step_ms_bs1"] / cublas["step_ms_bs1"], 3))
         if "verify5_vs_decode" in ours:
             phase.measure(f"verify5_vs_decode_{shape}_bs1", ours["verify5_vs_decode"])
         phase.detail(shape, details)
@@ -366,14 +370,15 @@ def shapes(args) -> None:
 
 def ours_shape(args, phase, shape, model, prompts, details, mode) -> None:
     """Our worker's plain decode step at --batches, and a forward of 1, 2, 4, 6 rows per sequence (decode, and
-    verifies of 1, 3, 5 drafts) at batch 1 and 8, into details[mode]."""
+    verifies of 1, 3, 5 drafts) at batch 1 and 8, into details[mode] ("... graphs": CUDA graphs on)."""
     from worker_service.runtime.runner import ModelRunner, SequenceChunk
     from worker_service.speculation.config import WorkerConfig
     from worker_service.speculation.worker import Worker
 
     device = torch.device(args.device)
     model.set_attn_implementation("sdpa")  # ModelRunner registers its paged attention again
-    runner = ModelRunner(model, batch_invariant=False)  # the caller made the layers invariant or not
+    # the caller made the layers invariant or not; graphs only where the replay is CUDA's
+    runner = ModelRunner(model, batch_invariant=False, graphs=mode.endswith("graphs"))
     worker = Worker(WorkerConfig(model=f"random-{shape}", device=str(device), dtype="bfloat16"), runner)
     per_seq = -(-(args.context + args.new_tokens + 16) // BLOCK_SIZE)
     num_blocks = 8 * per_seq + 1
@@ -462,6 +467,7 @@ def smollm2(args) -> None:
     configs = {
         "plain": dict(proposer="none", num_speculative_tokens=0),
         "plain --no-batch-invariant": dict(proposer="none", num_speculative_tokens=0, batch_invariant=False),
+        "plain --enforce-eager": dict(proposer="none", num_speculative_tokens=0, enforce_eager=True),
         "ngram": dict(proposer="ngram", num_speculative_tokens=5),
         "suffix": dict(proposer="suffix", num_speculative_tokens=5),
         "eagle3": dict(proposer="eagle3", num_speculative_tokens=5),
@@ -500,6 +506,7 @@ def smollm2(args) -> None:
         phase.detail("bs1_tok_s", {name: round(v, 1) for name, v in tok_s.items()})
         phase.detail("bs1_speedup", {name: round(seconds["plain"] / s, 3) for name, s in seconds.items()})
         phase.measure("ngram_smollm2_bs1_speedup_grounded", round(seconds["plain"] / seconds["ngram"], 3))
+        phase.measure("graphs_speedup_smollm2_bs1", round(seconds["plain --enforce-eager"] / seconds["plain"], 3))
         phase.measure(
             "eagle3_suffix_smollm2_bs1_speedup_grounded", round(seconds["plain"] / seconds["eagle3,suffix"], 3)
         )
