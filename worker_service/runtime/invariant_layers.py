@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from kernels.invariant_ops import linear_triton, rms_norm_triton
+from kernels import invariant_ops
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class InvariantLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_triton(x, self.weight, self.bias)
+        return invariant_ops.linear_triton(x, self.weight, self.bias)
 
 
 class InvariantRMSNorm(torch.nn.Module):
@@ -43,12 +43,40 @@ class InvariantRMSNorm(torch.nn.Module):
         self.variance_epsilon = norm.variance_epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_triton(x, self.weight, self.variance_epsilon)
+        return invariant_ops.rms_norm_triton(x, self.weight, self.variance_epsilon)
+
+
+def kernels_fail(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when both kernels run on `device` in `dtype` and match their references on a small random case;
+    else why not (a Triton build or a driver that cannot run them)."""
+    try:
+        generator = torch.Generator().manual_seed(0)
+        x, w = (torch.randn(shape, generator=generator).to(device, dtype) for shape in ((3, 96), (40, 96)))
+        for got, want in (
+            (invariant_ops.linear_triton(x, w), invariant_ops.linear_ref(x, w)),
+            (invariant_ops.rms_norm_triton(x, w[0], 1e-6), invariant_ops.rms_norm_ref(x, w[0], 1e-6)),
+        ):
+            error = float((got.double() - want.double()).norm() / want.double().norm())
+            if not error < 2e-2:
+                return f"a result {error:.2g} away from its reference"
+    except Exception as exc:  # noqa: BLE001 - whatever stops the kernels is reported, and the model keeps its own
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def make_batch_invariant(model: torch.nn.Module) -> int:
     """Replaces every nn.Linear and LLAMA_RMS_NORMS module of `model` in place (any device where Triton runs;
-    the worker calls it for CUDA models); returns how many it replaced."""
+    the worker calls it for GPU models); returns how many it replaced. When the kernels fail a check on the
+    model's device (kernels_fail), it replaces none and logs why: the model runs, not batch invariant."""
+    reason = kernels_fail(model.device, model.dtype)
+    if reason is not None:
+        logger.error(
+            "the batch-invariant kernels do not run on %s (%s): the model keeps its own layers, and speculation "
+            "may change outputs at batch > 1",
+            model.device,
+            reason,
+        )
+        return 0
     targets = [
         (name, module)
         for name, module in model.named_modules()

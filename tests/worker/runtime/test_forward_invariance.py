@@ -13,10 +13,15 @@ import random
 import pytest
 import torch
 
-from worker_service.runtime import invariant_layers
+from kernels import invariant_ops
 from worker_service.runtime.backends import cpu_llama
 from worker_service.runtime.backends.transformers_layers import TransformersForward
-from worker_service.runtime.invariant_layers import InvariantLinear, InvariantRMSNorm, make_batch_invariant
+from worker_service.runtime.invariant_layers import (
+    InvariantLinear,
+    InvariantRMSNorm,
+    kernels_fail,
+    make_batch_invariant,
+)
 from worker_service.runtime.loader import load_model
 from worker_service.runtime.runner import ModelRunner, SequenceChunk
 
@@ -124,10 +129,26 @@ def test_the_gpu_forward_keeps_a_row_alone_equal_to_the_row_in_a_mixed_batch(tin
 
 @pytest.mark.gpu
 def test_the_check_catches_a_batch_dependent_linear_in_the_gpu_forward(tiny_pair, monkeypatch):
-    exact = invariant_layers.linear_triton
+    exact = invariant_ops.linear_triton
 
     def batch_dependent(x, weight, bias=None):
         return exact(x * (1 + 2**-7) if x.reshape(-1, x.shape[-1]).shape[0] > 1 else x, weight, bias)
 
-    monkeypatch.setattr(invariant_layers, "linear_triton", batch_dependent)
+    monkeypatch.setattr(invariant_ops, "linear_triton", batch_dependent)
     assert rows_that_differ(invariant_runner(tiny_pair.target_path, "float32", "cuda")) != []
+
+
+def test_kernels_that_fail_their_check_leave_the_model_its_own_layers(tiny_pair, monkeypatch, caplog):
+    """A Triton or a driver that cannot run the kernels must not stop the worker: the model keeps its layers
+    (not batch invariant), and the log says so."""
+    model = load_model(tiny_pair.target_path, "float32")
+    assert kernels_fail(model.device, model.dtype) is None
+
+    def broken(x, weight, bias=None):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(invariant_ops, "linear_triton", broken)
+    assert "no kernel image" in kernels_fail(model.device, model.dtype)
+    assert make_batch_invariant(model) == 0
+    assert not any(isinstance(m, (InvariantLinear, InvariantRMSNorm)) for m in model.modules())
+    assert "do not run" in caplog.text

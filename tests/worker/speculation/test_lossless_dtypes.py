@@ -21,10 +21,9 @@ import pathlib
 
 import pytest
 
-from kernels import linear_cpu
+from kernels import invariant_ops, linear_cpu
 from tests.e2e.client import chat_prompts
 from tests.worker.driver import Driver
-from worker_service.runtime import invariant_layers
 from worker_service.runtime.backends import cpu_llama
 from worker_service.runtime.dtypes import QUANTIZED_DTYPES
 from worker_service.runtime.loader import load_model
@@ -170,7 +169,7 @@ def test_speculation_differs_with_a_batch_dependent_linear(workload, runners, pl
     The perturbation is built here, so the teeth do not depend on this machine's libraries."""
     if workload.device != "cpu" and dtype in QUANTIZED_DTYPES:
         pytest.skip(f"{dtype} runs on the CPU only")
-    exact, exact_project, exact_triton = linear_cpu.linear_cpu, cpu_llama.project, invariant_layers.linear_triton
+    exact, exact_project, exact_triton = linear_cpu.linear_cpu, cpu_llama.project, invariant_ops.linear_triton
 
     def batch_dependent(x, packed_weight, out_features, bias, **kwargs):
         if x.reshape(-1, x.shape[-1]).shape[0] > 1:
@@ -185,7 +184,7 @@ def test_speculation_differs_with_a_batch_dependent_linear(workload, runners, pl
 
     monkeypatch.setattr(linear_cpu, "linear_cpu", batch_dependent)
     monkeypatch.setattr(cpu_llama, "project", batch_dependent_project)
-    monkeypatch.setattr(invariant_layers, "linear_triton", batch_dependent_triton)
+    monkeypatch.setattr(invariant_ops, "linear_triton", batch_dependent_triton)
     differ = 0
     for proposer, k in [("ngram", 3), ("ngram", 5), ("draft", 3), ("draft", 5)]:
         got, _ = generate(workload, make_worker(workload, runners, dtype, proposer, k), mixed_ks(k))
