@@ -167,17 +167,22 @@ def _logprobs(
     token_ids: list[list[int]],
 ) -> tuple[list[list[float]], list[list[TopLogprobs]]]:
     """Each emitted token's log-probability in its row (the root's, then the accepted rows'), and where asked
-    the row's likeliest tokens: a gather and a top-k on the device, one copy each to the host."""
+    the row's likeliest tokens: a gather and a top-k on the device, and one copy of both to the host (on a GPU
+    each copy waits for the GPU; token ids are exact in float64)."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     starts = list(itertools.accumulate(rows_per_seq[:-1], initial=0))
     rows = [start + row for start, path in zip(starts, paths) for row in [0, *path]]
     columns = [t for tokens in token_ids for t in tokens]
     device = logits.device
-    flat = log_probs[torch.tensor(rows, device=device), torch.tensor(columns, device=device)].tolist()
+    row_index = torch.tensor(rows, device=device)
+    parts = [log_probs[row_index, torch.tensor(columns, device=device)][:, None]]  # [E, 1]
     num_top = max(s.sampling.top_logprobs for s in states)
     if num_top:
-        top_values, top_ids = log_probs[torch.tensor(rows, device=device)].topk(num_top, dim=-1)  # [E, T] each
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        parts += log_probs[row_index].topk(num_top, dim=-1)  # values, ids: [E, num_top] each
+    table = torch.cat([part.double() for part in parts], dim=1).tolist()  # [E, 1 + 2 num_top]
+    flat = [row[0] for row in table]
+    top_values = [row[1 : 1 + num_top] for row in table]
+    top_ids = [[int(i) for i in row[1 + num_top :]] for row in table]
     out, top_out, offset = [], [], 0
     for state, tokens in zip(states, token_ids):
         out.append(flat[offset : offset + len(tokens)])
