@@ -264,6 +264,7 @@ def invariance(args) -> None:
                 phase.detail(name, result)
                 rows = [row for kind in ("decode", "verify6") for row in result[kind].values()]
                 phase.measure(f"invariance_rows_differing {name}", sum(not row["bitwise"] for row in rows))
+                phase.measure(f"graphs_steps_differing {name}", result["graphs_vs_eager"]["steps_differing"])
                 if mode == "invariant":
                     differing += sum(not row["bitwise"] for row in rows)
 
@@ -284,12 +285,12 @@ def invariance_one(args) -> None:
     model = random_llama(args.shape, dtype, device, args.layers)
     if args.mode == "invariant":  # what the worker runs by default (--batch-invariant); on the CPU in the
         make_batch_invariant(model)  # interpreter
-    runner = ModelRunner(model, batch_invariant=False)
+    runner = ModelRunner(model, batch_invariant=False, graphs=False)  # the layers alone; graphs below
     context, most = 96, max(args.others) + 1
     per_seq = -(-(context + 8) // BLOCK_SIZE)
     runner.init_cache(most * per_seq + 1, BLOCK_SIZE)
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(most)]
-    prompts = random_prompts(model.config.vocab_size, most, context + 6)
+    prompts = random_prompts(model.config.vocab_size, most, context + 12)  # verify rows, graphs_vs_eager's
     for start in range(0, most, 32):  # every sequence's prefix cached once
         runner.forward([SequenceChunk(prompts[i][:context], 0, tables[i]) for i in range(start, min(most, start + 32))])
     result = {"mode": args.mode, "dtype": args.dtype, "shape": args.shape, "layers": model.config.num_hidden_layers}
@@ -312,7 +313,31 @@ def invariance_one(args) -> None:
             result["forward_ms"][f"decode batch {batch}"] = 1e3 * median_seconds(
                 device, lambda: runner.forward(chunks), 10
             )
+    result["graphs_vs_eager"] = graphs_vs_eager(model, runner, prompts, tables, context)
     pathlib.Path(args.json).write_text(json.dumps(result))
+
+
+def graphs_vs_eager(model, eager, prompts, tables, context) -> dict:
+    """Steps replayed from CUDA graphs (EagerReplay off CUDA) against the same steps run eagerly, on the same
+    cached prefixes: decodes of 3 sequences (bucket 4, one padding sequence), verifies of mixed rows (padding
+    rows), each shape replayed three times. With invariant layers every logit must match bitwise."""
+    from worker_service.runtime.graphs import EagerReplay
+    from worker_service.runtime.runner import ModelRunner, SequenceChunk
+
+    graphed = ModelRunner(model, batch_invariant=False)
+    if graphed.replay_type is None:
+        graphed.use_graphs(EagerReplay)
+    graphed.init_cache(eager.kv_cache.num_blocks, BLOCK_SIZE)
+    graphed.forward([SequenceChunk(prompts[i][:context], 0, tables[i]) for i in range(3)])
+    differing, steps = 0, 0
+    for rows in ([1, 1, 1], [4, 1, 2], [6, 6, 3]):
+        for position in range(context, context + 3):  # the same shape three times: replays, not captures
+            chunks = [
+                SequenceChunk(prompts[i][position : position + n], position, tables[i], n) for i, n in enumerate(rows)
+            ]
+            differing += int(not torch.equal(graphed.forward(chunks), eager.forward(chunks)))
+            steps += 1
+    return {"steps": steps, "steps_differing": differing, "graphs": len(graphed.graphs.graphs)}
 
 
 # --- shapes ----------------------------------------------------------------------------------------------------

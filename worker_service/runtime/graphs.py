@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # sequences per graph
 MAX_ROWS = 32  # rows per sequence a graph covers: a verify of up to 31 drafts
+MAX_GRAPH_LOGITS_BYTES = 256 << 20  # a graph's fp32 logits at most (8B's 128k vocabulary: 512 rows)
 # (input_ids [n], positions [n], metadata, rows [n]) -> (logits [n, V] fp32, aux hidden [n, A] or None)
 StepForward = Callable[[torch.Tensor, torch.Tensor, PagedMetadata, torch.Tensor], tuple]
 
@@ -66,7 +67,9 @@ def graph_key(chunks: list, aux_layers: tuple[int, ...], block_size: int) -> Gra
     rows = max(len(c.token_ids) for c in chunks)
     if rows > MAX_ROWS:
         return None
-    widest = max(scratch_blocks_needed(block_size), *(len(c.block_table) for c in chunks))
+    # a padding row of a sequence reads its table up to position start + rows - 1
+    reach = (max(len(c.block_table), -(-(c.start_pos + rows) // block_size)) for c in chunks)
+    widest = max(scratch_blocks_needed(block_size), *reach)
     width = max(8, 1 << (widest - 1).bit_length())
     return GraphKey(next(b for b in BUCKETS if b >= len(chunks)), rows, width, aux_layers)
 
@@ -85,11 +88,14 @@ class CudaGraphReplay:
     """Captures the function once (after a warm-up run on a side stream) and replays it."""
 
     def __init__(self, fn: Callable[[], tuple], pool=None):
+        self.fn = fn  # the graph reads what fn holds (its row index): kept alive with it
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()  # builds the Triton kernels and cuBLAS's handles, which a capture may not do
-        torch.cuda.current_stream().wait_stream(stream)
+        try:
+            with torch.cuda.stream(stream):
+                fn()  # builds the Triton kernels and cuBLAS's handles, which a capture may not do
+        finally:
+            torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = fn()
@@ -111,28 +117,32 @@ class Graph:
         self.int32 = torch.zeros(b * w + b + b + 1, dtype=torch.int32, device=device)  # tables, lens, starts
         input_ids, positions, slots = self.int64.split([n, n, n])
         tables, seq_lens, starts = self.int32.split([b * w, b, b + 1])
-        metadata = PagedMetadata(kv_cache, slots, tables.view(b, w), starts, seq_lens)
-        every_row = torch.arange(n, device=device)
-        self.replay = replay_type(lambda: forward(input_ids, positions, metadata, every_row), pool)
+        # Held here: a captured graph reads these addresses at every replay.
+        self.metadata = PagedMetadata(kv_cache, slots, tables.view(b, w), starts, seq_lens)
+        self.every_row = torch.arange(n, device=device)
+        self.inputs = (input_ids, positions, self.metadata, self.every_row)
+        self.replay = replay_type(lambda: forward(*self.inputs), pool)
 
 
 class StepGraphs:
     """The graphs of one ModelRunner's KV cache: pads a step to its key, replays that key's graph (capturing
     it first), and returns the real rows' logits and aux hidden states, in the chunks' packed order."""
 
-    def __init__(self, forward: StepForward, kv_cache: KVCache, scratch: list[int], replay_type: type):
+    def __init__(self, forward: StepForward, kv_cache: KVCache, scratch: list[int], replay_type: type, vocab_size: int):
         self.forward = forward
+        self.vocab_size = vocab_size
         self.kv_cache = kv_cache
         self.scratch = scratch  # block ids past the scheduler's: where padding rows write
         self.replay_type = replay_type
         self.pool = torch.cuda.graph_pool_handle() if replay_type is CudaGraphReplay else None
         self.graphs: dict[GraphKey, Graph] = {}
-        self.failed = False  # a capture failed: every step runs eagerly from then on
+        self.failed: set[GraphKey] = set()  # keys whose capture failed: their steps run eagerly
 
     def run(self, chunks: list, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The step's (logits [N, V], aux hidden [N, A] or None) for the real rows; None when it must run
-        eagerly (a capture failed)."""
-        if self.failed:
+        eagerly: its key's capture failed, or its logits would pass MAX_GRAPH_LOGITS_BYTES (each graph keeps
+        its outputs in the pool)."""
+        if key in self.failed or 4 * key.num_tokens * self.vocab_size > MAX_GRAPH_LOGITS_BYTES:
             return None
         int64, int32, real = self.host_inputs(chunks, key)
         graph = self.graphs.get(key)
@@ -146,8 +156,8 @@ class StepGraphs:
             try:
                 graph.replay = self.replay_type(graph.replay.fn, self.pool)
             except Exception:  # noqa: BLE001 - any capture failure: log it and run eagerly, never fail the step
-                logger.exception("capturing a step graph (%s) failed: steps run eagerly from now on", key)
-                self.failed = True
+                logger.exception("capturing a step graph (%s) failed: its steps run eagerly", key)
+                self.failed.add(key)
                 return None
             self.graphs[key] = graph
             logger.info("captured a step graph: %s", key)

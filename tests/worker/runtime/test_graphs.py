@@ -130,3 +130,39 @@ def test_greedy_eagle3_with_graphs_is_plain_decoding(tiny_pair, tiny_eagle3_head
     driver = Driver(worker.execute, test_eagle3.BLOCK_SIZE, test_eagle3.NUM_BLOCKS)
     assert driver.generate(test_speculative.PROMPTS, 16, num_speculative_tokens=[1, 2, 3, 4, 4]) == plain
     assert (len(worker.target.graphs.graphs) > 0) == (tree_width == 1)  # a full tree step runs eagerly
+
+
+def test_the_table_width_covers_where_padding_rows_read():
+    """A sequence whose table is full up to its real rows still has padding rows after them: they read the
+    table at their positions, which the width must cover (else they read the next sequence's row)."""
+    full = chunk(1, 31, list(range(8)))  # 8 blocks of 4: positions 0..31, all its table holds
+    assert graph_key([full], (), BLOCK_SIZE).table_width == 8
+    assert graph_key([full, chunk(3, 2, [9])], (), BLOCK_SIZE).table_width == 16  # rows 32, 33 need block 9
+
+
+class FailingReplay(EagerReplay):
+    """A capture that fails for shapes of more than 2 rows, as an out-of-memory or an illegal op would."""
+
+    def __init__(self, fn, pool=None):
+        if fn()[0].shape[0] > 2:
+            raise RuntimeError("capture failed")
+        super().__init__(fn, pool)
+
+
+def test_a_failed_capture_runs_that_shape_eagerly_and_keeps_the_others(tiny_pair, monkeypatch):
+    eager, graphed = runners(tiny_pair)
+    monkeypatch.setattr(graphed.graphs, "replay_type", FailingReplay)
+    decodes = [chunk(1, 9, [1, 2, 3]), chunk(1, 6, [4, 5])]
+    verifies = [chunk(3, 10, [1, 2, 3, 9]), chunk(2, 6, [4, 5])]
+    for chunks in (decodes, verifies, [chunk(1, 13, [1, 2, 3, 9]), chunk(1, 9, [4, 5, 10])]):
+        assert torch.equal(graphed.forward(chunks), eager.forward(chunks))
+    assert len(graphed.graphs.failed) == 1 and len(graphed.graphs.graphs) == 1  # the decode key still replays
+
+
+def test_a_shape_whose_logits_pass_the_cap_runs_eagerly(tiny_pair, monkeypatch):
+    eager, graphed = runners(tiny_pair)
+    monkeypatch.setattr("worker_service.runtime.graphs.MAX_GRAPH_LOGITS_BYTES", 4 * graphed.vocab_size * 4)
+    small, large = [chunk(1, 9, [1, 2, 3])], [chunk(3, 10, [1, 2, 3, 9]), chunk(2, 6, [4, 5])]
+    for chunks in (small, large):
+        assert torch.equal(graphed.forward(chunks), eager.forward(chunks))
+    assert [key.num_tokens for key in graphed.graphs.graphs] == [1]  # 2 sequences x 3 rows: past the cap
