@@ -69,3 +69,16 @@ def describe(device: torch.device) -> str:
         return str(device)
     props = torch.cuda.get_device_properties(device)
     return f"{device} ({props.name}, {props.total_memory / GIB:.1f} GiB)"
+
+
+def host_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host tensor of `values` on its way to `device`: pinned for CUDA, so that a non-blocking copy from it
+    does not wait for the GPU (a copy from pageable memory waits for the GPU's queued work first)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def to_device(lists: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """One tensor on `device` per list, through one host tensor and one non-blocking copy."""
+    host = host_tensor([x for values in lists for x in values], dtype, device)
+    moved = host.to(device, non_blocking=True) if device.type != "cpu" else host
+    return list(moved.split([len(values) for values in lists]))

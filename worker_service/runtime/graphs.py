@@ -28,7 +28,8 @@ import logging
 import torch
 
 from worker_service.runtime.attention import PagedMetadata
-from worker_service.runtime.kv_cache import KVCache
+from worker_service.runtime.device import host_tensor, to_device
+from worker_service.runtime.kv_cache import KVCache, slot
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class Graph:
     """One GraphKey's static inputs (one int64 and one int32 buffer, viewed as the forward's tensors) and
     its replay."""
 
-    def __init__(self, key: GraphKey, kv_cache: KVCache, forward: StepForward, replay_type: type, pool):
+    def __init__(self, key: GraphKey, kv_cache: KVCache, forward: StepForward):
         n, b, w = key.num_tokens, key.num_seqs, key.table_width
         device = kv_cache.key_caches[0].device
         self.key = key
@@ -121,7 +122,12 @@ class Graph:
         self.metadata = PagedMetadata(kv_cache, slots, tables.view(b, w), starts, seq_lens)
         self.every_row = torch.arange(n, device=device)
         self.inputs = (input_ids, positions, self.metadata, self.every_row)
-        self.replay = replay_type(lambda: forward(*self.inputs), pool)
+        self.forward = forward
+        self.replay: Callable[[], tuple] | None = None  # set once the buffers hold a step (StepGraphs.run)
+
+    def compute(self) -> tuple:
+        """The forward over the buffers: what the replay captures (or, eager, calls)."""
+        return self.forward(*self.inputs)
 
 
 class StepGraphs:
@@ -148,13 +154,13 @@ class StepGraphs:
         graph = self.graphs.get(key)
         new = graph is None
         if new:
-            graph = Graph(key, self.kv_cache, self.forward, EagerReplay, None)  # buffers first, capture below
-        pinned = graph.int64.device.type == "cuda"
-        graph.int64.copy_(torch.tensor(int64, dtype=torch.int64, pin_memory=pinned), non_blocking=True)
-        graph.int32.copy_(torch.tensor(int32, dtype=torch.int32, pin_memory=pinned), non_blocking=True)
-        if new:
+            graph = Graph(key, self.kv_cache, self.forward)
+        device = graph.int64.device
+        graph.int64.copy_(host_tensor(int64, torch.int64, device), non_blocking=True)
+        graph.int32.copy_(host_tensor(int32, torch.int32, device), non_blocking=True)
+        if new:  # captured over this step's inputs (the warm-up runs it)
             try:
-                graph.replay = self.replay_type(graph.replay.fn, self.pool)
+                graph.replay = self.replay_type(graph.compute, self.pool)
             except Exception:  # noqa: BLE001 - any capture failure: log it and run eagerly, never fail the step
                 logger.exception("capturing a step graph (%s) failed: its steps run eagerly", key)
                 self.failed.add(key)
@@ -162,13 +168,13 @@ class StepGraphs:
             self.graphs[key] = graph
             logger.info("captured a step graph: %s", key)
         logits, aux = graph.replay()
-        rows = torch.tensor(real, dtype=torch.int64, pin_memory=pinned).to(logits.device, non_blocking=True)
+        (rows,) = to_device([real], torch.int64, device)
         return logits[rows], (aux[rows] if aux is not None else None)
 
     def host_inputs(self, chunks: list, key: GraphKey) -> tuple[list[int], list[int], list[int]]:
         """The step padded to `key`, as the two buffers' host values, and the packed rows of the real tokens."""
         q, width, size = key.rows, key.table_width, self.kv_cache.block_size
-        scratch_slots = [self.scratch[j // size] * size + j % size for j in range(q)]
+        scratch_slots = [slot(self.scratch, j, size) for j in range(q)]
         scratch_table = self.scratch + [self.scratch[0]] * (width - len(self.scratch))
         ids, positions, slots, tables, seq_lens, real = [], [], [], [], [], []
         for b in range(key.num_seqs):
@@ -176,7 +182,7 @@ class StepGraphs:
                 chunk = chunks[b]
                 length, start, table = len(chunk.token_ids), chunk.start_pos, chunk.block_table
                 ids += chunk.token_ids + [0] * (q - length)
-                slots += [table[p // size] * size + p % size for p in range(start, start + length)]
+                slots += [slot(table, p, size) for p in range(start, start + length)]
                 slots += scratch_slots[length:]
                 tables += table + [self.scratch[0]] * (width - len(table))
                 real += range(b * q, b * q + length)

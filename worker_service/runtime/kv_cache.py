@@ -27,6 +27,11 @@ class KVCacheSpec:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
 
 
+def slot(block_table: list[int], position: int, block_size: int) -> int:
+    """The cache slot of a sequence's `position`, on the host (kernels/slot_mapping.py does it on the device)."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 class KVCache:
     """K/V block tensors for every layer of one model. Slot s = block_id * block_size + offset."""
 

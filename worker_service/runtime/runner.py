@@ -26,10 +26,11 @@ from kernels.draft_tree import DraftTrees
 from kernels.slot_mapping import compute_slot_mapping
 from worker_service.runtime import backends
 from worker_service.runtime.attention import ATTENTION_NAME, PagedMetadata
+from worker_service.runtime.device import to_device
 from worker_service.runtime.fast_linear import pack_linears
 from worker_service.runtime.graphs import CudaGraphReplay, StepGraphs, graph_key, scratch_blocks_needed
 from worker_service.runtime.invariant_layers import make_batch_invariant
-from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
+from worker_service.runtime.kv_cache import KVCache, KVCacheSpec, slot
 
 logger = logging.getLogger(__name__)
 
@@ -107,14 +108,6 @@ def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -
     )
 
 
-def to_device(lists: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """One tensor on `device` per list, through one host tensor and one copy. On CUDA the host tensor is pinned
-    and the copy non-blocking: a copy from pageable memory would wait for the GPU's queued work first."""
-    host = torch.tensor([x for values in lists for x in values], dtype=dtype, pin_memory=device.type == "cuda")
-    moved = host.to(device, non_blocking=True) if device.type != "cpu" else host
-    return list(moved.split([len(values) for values in lists]))
-
-
 class ModelRunner:
     """Owns one model and its paged KV cache."""
 
@@ -171,7 +164,7 @@ class ModelRunner:
         moves = [(start_pos + row, start_pos + depth) for depth, row in enumerate(path_rows, start=1) if row != depth]
         if moves:
             size = self.kv_cache.block_size
-            slots = [[block_table[p // size] * size + p % size for p in ends] for ends in zip(*moves)]
+            slots = [[slot(block_table, p, size) for p in ends] for ends in zip(*moves)]
             self.kv_cache.move(*(torch.tensor(s, dtype=torch.int64, device=self.device) for s in slots))
 
     @torch.inference_mode()

@@ -1,10 +1,11 @@
 """pack(): a step's chunks become the forward's inputs and cache metadata, each list reaching the device in
-one of two copies (runner.to_device). Checked against the inputs written out from the chunks by hand."""
+one of two copies (device.to_device). Checked against the inputs written out from the chunks by hand."""
 
 import torch
 
+from worker_service.runtime.device import to_device
 from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
-from worker_service.runtime.runner import SequenceChunk, pack, to_device
+from worker_service.runtime.runner import SequenceChunk, pack
 
 BLOCK_SIZE = 4
 # A fresh prefill of 5 tokens, a decode after 6 cached tokens, a verify of 3 rows after 9 (its table one block
