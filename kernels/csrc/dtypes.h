@@ -9,6 +9,8 @@
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 /* Block-quantized weight formats (llama.cpp's, kernels/quantized.py): linear_cpu.c's weights only. */
 enum { DTYPE_Q8_0 = 3, DTYPE_Q4_1 = 4 };
+/* The same formats packed for integer dot products with 8-bit activations (linear_int8.h). */
+enum { DTYPE_Q8_0_INT8 = 5, DTYPE_Q4_1_INT8 = 6 };
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

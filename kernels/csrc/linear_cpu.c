@@ -199,7 +199,7 @@ static inline __attribute__((always_inline)) void tile_bf16(int num_rows, const 
 
 /* Bytes of one packed record: a block of QBLOCK inputs times a group's outputs (see the header). */
 static inline int64_t record_bytes(int w_dtype) {
-    return w_dtype == DTYPE_Q8_0 ? GROUP_OUT * 2 + QBLOCK * GROUP_OUT : GROUP_OUT * 4 + QBLOCK * GROUP_OUT / 2;
+    return w_dtype == DTYPE_Q8_0 || w_dtype == DTYPE_Q8_0_INT8 ? GROUP_OUT * 2 + QBLOCK * GROUP_OUT : GROUP_OUT * 4 + QBLOCK * GROUP_OUT / 2;
 }
 
 /* The conversions below in vector instructions: GCC turns __builtin_convertvector into scalar ones here. */
@@ -451,6 +451,8 @@ static void run_unit(const void *x, int64_t x_stride, int64_t in, int64_t row0, 
     }
 }
 
+#include "linear_int8.h"
+
 /* out[num_rows, out_features] (row stride out_stride) = x[num_rows, in] (row stride x_stride) @ w^T + bias.
  * w: packed as the header says, of w_dtype; bias: fp32 [out_features] or NULL. x and out have dtype
  * x_dtype, which must be bf16 when w_dtype is. Returns 0, 1 when scratch memory cannot be had, 2 for
@@ -460,6 +462,9 @@ int specdec_linear(int x_dtype, const void *x, int64_t x_stride, int64_t num_row
                    int num_threads) {
     const void *xs = x;
     float *scratch = NULL;
+    if (w_dtype == DTYPE_Q8_0_INT8 || w_dtype == DTYPE_Q4_1_INT8)
+        return linear_int8(x_dtype, x, x_stride, num_rows, in, w_dtype, w, out_features, bias, out, out_stride,
+                           num_threads);
     if (w_dtype == DTYPE_BF16 && x_dtype != DTYPE_BF16) return 2;
     if ((w_dtype == DTYPE_Q8_0 || w_dtype == DTYPE_Q4_1) && in % QBLOCK) return 3;
     if (w_dtype != DTYPE_BF16 && (x_dtype != DTYPE_F32 || x_stride != in)) { /* a packed fp32 copy (exact) */

@@ -206,9 +206,14 @@ def _norm(weight: torch.Tensor, config: LlamaConfig) -> LlamaRMSNorm:
 
 
 def load_head(
-    directory: str | pathlib.Path, target: TargetFacts, target_embedding: torch.nn.Embedding, device: torch.device
+    directory: str | pathlib.Path,
+    target: TargetFacts,
+    target_embedding: torch.nn.Embedding,
+    device: torch.device,
+    quantized_activations: str = "int8",
 ) -> Eagle3Head:
-    """Loads and checks a head against its target; HeadError names what does not fit (both values)."""
+    """Loads and checks a head against its target; HeadError names what does not fit (both values).
+    `quantized_activations`: how its q8_0 linears take their inputs on the CPU (runtime/fast_linear.py)."""
     directory = pathlib.Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -244,7 +249,9 @@ def load_head(
         for module in head.modules():
             if type(module) is torch.nn.Linear and module.in_features % QBLOCK == 0:
                 quantize_linear(module, HEAD_WEIGHT_FORMAT)
-    pack_linears(head)  # on the CPU: the batch-invariant kernel, so a catch-up equals a fresh run's prefill
+    pack_linears(
+        head, quantized_activations
+    )  # on the CPU: the batch-invariant kernel, so a catch-up equals a fresh run's prefill
     reason = CpuHeadForward.supports(head)
     head.fast = CpuHeadForward(head) if reason is None else None
     if reason is not None and device.type == "cpu":

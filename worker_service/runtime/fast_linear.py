@@ -16,8 +16,12 @@ calls per layer instead of 7, each with its own dispatch and thread fork/join.
 
 A linear given llama.cpp's weight blocks (--dtype q8_0 / q4_1,
 worker_service/runtime/quantization.py) is packed from those blocks instead
-(kernels/quantized.py), and computes bitwise what the fp32 kernel computes on
-their dequantised weights.
+(kernels/quantized.py). With int8 activations (the default,
+QUANTIZED_ACTIVATIONS) each row's inputs are quantized to 8 bits per block of
+32 and multiplied in integers (kernels/csrc/linear_int8.h): a fixed chain per
+element still, so still batch invariant, and an extra row costs a fraction of
+the fp32 chain's; with fp32 activations it computes bitwise what the fp32
+kernel computes on the blocks' dequantised weights.
 
 Other devices keep `torch.nn.Linear` (cuBLAS on a GPU), and so does a CPU
 without a C compiler (kernels/linear_cpu.py warns then).
@@ -31,6 +35,7 @@ import torch
 from kernels import linear_cpu, quantized
 from kernels.cpu_build import DTYPE_CODES
 from kernels.quantized import BlockWeight
+from worker_service.runtime.dtypes import QUANTIZED_ACTIVATIONS
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +64,22 @@ class PackedLinear(torch.nn.Module):
     """`torch.nn.Linear` with its weight packed for kernels/linear_cpu.py; rows are computed independently.
 
     A linear that carries a BlockWeight (block_weight()) is packed from its blocks: its `weight` then holds
-    their dequantised values, which the kernel reproduces exactly."""
+    their dequantised values, which the kernel reproduces exactly with fp32 activations, and to within the
+    activations' 8-bit rounding with int8 ones (QUANTIZED_ACTIVATIONS)."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, activations: str = "int8"):
         super().__init__()
+        assert activations in QUANTIZED_ACTIVATIONS
         self.in_features, self.out_features = linear.in_features, linear.out_features
         blocks = block_weight(linear)
         if blocks is not None:
-            packed = quantized.pack(blocks, linear_cpu.group_out())  # [G, in / QBLOCK, record bytes]
-            self.weight_format, self.weight_code = blocks.format, quantized.FORMATS[blocks.format].code
+            fmt, group = quantized.FORMATS[blocks.format], linear_cpu.group_out()
+            if activations == "int8":
+                packed = quantized.pack_int8(blocks, group)  # [G, in / QBLOCK, record bytes]
+                self.weight_format, self.weight_code = f"{blocks.format} x int8", fmt.int8_code
+            else:
+                packed = quantized.pack(blocks, group)  # [G, in / QBLOCK, record bytes]
+                self.weight_format, self.weight_code = blocks.format, fmt.code
         else:
             packed = linear_cpu.pack_weight(linear.weight.detach())  # [G, in, GROUP_OUT]
             self.weight_format, self.weight_code = (
@@ -102,7 +114,7 @@ class SharedInputLinears(torch.nn.Module):
     large, and the next step may be far off).
     """
 
-    def __init__(self, linears: list[torch.nn.Linear]):
+    def __init__(self, linears: list[torch.nn.Linear], activations: str = "int8"):
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum(out), in]
         fused = torch.nn.Linear(
@@ -115,7 +127,7 @@ class SharedInputLinears(torch.nn.Module):
             fused.bias = torch.nn.Parameter(
                 torch.cat([linear.bias.detach() for linear in linears]), requires_grad=False
             )
-        self.fused = PackedLinear(fused)
+        self.fused = PackedLinear(fused, activations)
         self.sizes = [linear.out_features for linear in linears]
         self._input: torch.Tensor | None = None
         self._outputs: list[torch.Tensor | None] = []
@@ -142,7 +154,7 @@ class SharedInputSlice(torch.nn.Module):
         return self._group[0].output(x, self.index)
 
 
-def fuse_shared_inputs(model: torch.nn.Module) -> int:
+def fuse_shared_inputs(model: torch.nn.Module, activations: str = "int8") -> int:
     """Fuses every SHARED_INPUT_GROUPS group of plain, same-shaped linears in place; returns how many."""
     count = 0
     for parent in list(model.modules()):
@@ -156,7 +168,7 @@ def fuse_shared_inputs(model: torch.nn.Module) -> int:
             }
             if len(formats) != 1:
                 continue
-            group = SharedInputLinears(linears)
+            group = SharedInputLinears(linears, activations)
             setattr(parent, "_".join(names), group)
             for index, name in enumerate(names):
                 setattr(parent, name, SharedInputSlice(group, index))
@@ -169,17 +181,18 @@ def can_pack(model: torch.nn.Module) -> bool:
     return model.device.type == "cpu" and model.dtype in linear_cpu.DTYPE_CODES and linear_cpu.available()
 
 
-def pack_linears(model: torch.nn.Module) -> int:
+def pack_linears(model: torch.nn.Module, activations: str = "int8") -> int:
     """Replaces every `torch.nn.Linear` of a CPU model by a PackedLinear in place, fusing the groups of
-    SHARED_INPUT_GROUPS first; returns how many linears it replaced."""
+    SHARED_INPUT_GROUPS first; returns how many linears it replaced. `activations`: how block-quantized ones
+    take their inputs (QUANTIZED_ACTIVATIONS)."""
     if not can_pack(model):
         return 0
-    num_fused = fuse_shared_inputs(model)
+    num_fused = fuse_shared_inputs(model, activations)
     targets = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(module))
+        setattr(parent, child, PackedLinear(module, activations))
     num_grouped = sum(len(m.sizes) for m in model.modules() if isinstance(m, SharedInputLinears))
     formats = collections.Counter(m.weight_format for m in model.modules() if isinstance(m, PackedLinear))
     logger.info(

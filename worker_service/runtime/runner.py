@@ -112,17 +112,23 @@ class ModelRunner:
     """Owns one model and its paged KV cache."""
 
     def __init__(
-        self, model: PreTrainedModel, backend: str | None = None, batch_invariant: bool = True, graphs: bool = True
+        self,
+        model: PreTrainedModel,
+        backend: str | None = None,
+        batch_invariant: bool = True,
+        graphs: bool = True,
+        quantized_activations: str = "int8",
     ):
         """backend: a name of backends.BACKENDS; None: the first that covers the model (backends.choose).
         batch_invariant: on a GPU, the linear layers and RMSNorms run our batch-invariant Triton kernels
         (invariant_layers.py); the CPU's kernels are batch invariant either way.
-        graphs: on CUDA, decode and verify steps replay CUDA graphs (graphs.py; False: --enforce-eager)."""
+        graphs: on CUDA, decode and verify steps replay CUDA graphs (graphs.py; False: --enforce-eager).
+        quantized_activations: how a CPU model's block-quantized linears take their inputs (fast_linear.py)."""
         self.model = model
         model.set_attn_implementation(ATTENTION_NAME)
         if model.device.type == "cpu":
             paged_attention_cpu.available()  # builds the CPU attention kernel (or warns) now, not in a step
-        pack_linears(model)  # CPU only; other devices keep nn.Linear
+        pack_linears(model, quantized_activations)  # CPU only; other devices keep nn.Linear
         if batch_invariant and model.device.type != "cpu":
             if HAS_TRITON:
                 make_batch_invariant(model)

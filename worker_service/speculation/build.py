@@ -33,7 +33,11 @@ def build_worker(config: WorkerConfig) -> Worker:
         device.type,
         gguf_format(config.model) if device.type == "cpu" else None,
     )
-    runner_options = dict(batch_invariant=config.batch_invariant, graphs=not config.enforce_eager)
+    runner_options = dict(
+        batch_invariant=config.batch_invariant,
+        graphs=not config.enforce_eager,
+        quantized_activations=config.quantized_activations,
+    )
     target = ModelRunner(load_model(config.model, dtype, device), **runner_options)
     draft = head = None
     if "draft" in config.proposer_names:
@@ -41,7 +45,7 @@ def build_worker(config: WorkerConfig) -> Worker:
     if "eagle3" in config.proposer_names:
         model = target.model
         facts = TargetFacts(model.config.hidden_size, model.config.vocab_size, model.config.num_hidden_layers)
-        head = load_head(config.draft_model, facts, model.model.embed_tokens, device)
+        head = load_head(config.draft_model, facts, model.model.embed_tokens, device, config.quantized_activations)
     budget = devices.kv_cache_budget_bytes(device, config.kv_cache_memory_bytes, config.gpu_memory_utilization)
     logger.info(
         "running on %s in %s (--dtype %s); KV cache budget %.2f GiB",

@@ -3,7 +3,14 @@
 from dataclasses import dataclass
 
 from specdec.config_flags import setting
-from worker_service.runtime.dtypes import DEVICE_SPELLINGS, DTYPE_ALIASES, DTYPE_CHOICES, check_device, normalize_dtype
+from worker_service.runtime.dtypes import (
+    DEVICE_SPELLINGS,
+    DTYPE_ALIASES,
+    DTYPE_CHOICES,
+    QUANTIZED_ACTIVATIONS,
+    check_device,
+    normalize_dtype,
+)
 
 PROPOSERS = ("none", "ngram", "draft", "suffix", "eagle3")
 # k when --num-speculative-tokens is not given, per proposer: suffix and ngram as measured for the default model
@@ -116,6 +123,13 @@ class WorkerConfig:
         choices=DTYPE_CHOICES,
         parse=normalize_dtype,
     )
+    quantized_activations: str = setting(
+        "int8",
+        "q8_0 and q4_1 (and the EAGLE-3 head's q8_0 on the CPU): how the linear layers take their inputs; int8: "
+        "quantized per row in blocks of 32 and multiplied in integers (several times faster per row, batch "
+        "invariant); fp32: exact, bitwise the fp32 model on the dequantised weights",
+        choices=QUANTIZED_ACTIVATIONS,
+    )
     device: str = setting(  # build_worker resolves it (resolve_device)
         "auto",
         f"{DEVICE_SPELLINGS}: where the models run; auto: cuda:0 when there is a CUDA device",
@@ -150,6 +164,10 @@ class WorkerConfig:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))  # frozen: set once, here
         object.__setattr__(self, "proposer", normalize_proposer(self.proposer))  # one spelling
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(
+                f"quantized_activations must be one of {QUANTIZED_ACTIVATIONS}, got {self.quantized_activations!r}"
+            )
         if self.scorer not in SCORERS:
             raise ValueError(f"scorer must be one of {SCORERS}, got {self.scorer!r}")
         needs_model = [n for n in self.proposer_names if n in ("draft", "eagle3")]

@@ -9,6 +9,7 @@ import torch
 
 from kernels import cpu_build, linear_cpu, quantized
 from kernels.quantized import BlockWeight
+from worker_service.runtime.dtypes import QUANTIZED_ACTIVATIONS
 from worker_service.runtime.fast_linear import (
     BLOCK_WEIGHT,
     PackedLinear,
@@ -28,10 +29,10 @@ QUANTIZED_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (64, 1000)
 
 
 def quantized_linear(
-    in_features: int, out_features: int, format: str, bias: bool = True, seed: int = 0
+    in_features: int, out_features: int, format: str, bias: bool = True, seed: int = 0, activations: str = "fp32"
 ) -> tuple[PackedLinear, PackedLinear, torch.nn.Linear]:
-    """(the linear served from `format` blocks, the fp32 linear of the blocks' dequantised weights, the
-    torch.nn.Linear of those weights)."""
+    """(the linear served from `format` blocks with `activations`, the fp32 linear of the blocks' dequantised
+    weights, the torch.nn.Linear of those weights)."""
     torch.manual_seed(seed)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     blocks = BlockWeight.quantize(linear.weight, format)
@@ -39,7 +40,7 @@ def quantized_linear(
         linear.weight.copy_(blocks.dequantize())
     fp32 = PackedLinear(linear)
     setattr(linear, BLOCK_WEIGHT, blocks)
-    return PackedLinear(linear), fp32, linear
+    return PackedLinear(linear, activations), fp32, linear
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -118,16 +119,19 @@ def test_quantized_linear_is_the_fp32_kernel_on_the_dequantised_weights(format, 
         assert blocks < fp32.packed_weight.numel() * 4 * 0.3  # q8_0: 8.5 bits a weight, q4_1: 5 (padding aside)
 
 
+@pytest.mark.parametrize("activations", QUANTIZED_ACTIVATIONS)
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("in_features,out_features", QUANTIZED_SHAPES[:4])
-def test_quantized_linear_rows_do_not_depend_on_batch(format, in_features, out_features):
-    """1..512 rows, with 1 and 2 threads: every row bitwise as in the 512-row call."""
-    served, _, _ = quantized_linear(in_features, out_features, format, seed=1)
+def test_quantized_linear_rows_do_not_depend_on_batch(format, in_features, out_features, activations):
+    """1..512 rows, with 1 and 2 threads: every row bitwise as in the 512-row call, with fp32 activations and
+    with int8 ones (each row's quantized on its own)."""
+    served, _, _ = quantized_linear(in_features, out_features, format, seed=1, activations=activations)
     assert_rows_do_not_depend_on_batch(served, torch.randn(512, in_features))
 
 
-def test_a_bf16_input_to_quantized_weights_is_widened_exactly():
-    served, _, _ = quantized_linear(64, 80, "q4_1", seed=4)
+@pytest.mark.parametrize("activations", QUANTIZED_ACTIVATIONS)
+def test_a_bf16_input_to_quantized_weights_is_widened_exactly(activations):
+    served, _, _ = quantized_linear(64, 80, "q4_1", seed=4, activations=activations)
     x = torch.randn(5, 64).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(served(x), served(x.float()).to(torch.bfloat16))
@@ -194,9 +198,15 @@ def test_groups_of_different_inputs_are_not_fused():
     assert fuse_shared_inputs(parent) == 0 and type(parent.gate_proj) is torch.nn.Linear
 
 
-# Instruction sets the kernel's code paths take: AVX-512 without AVX-512 BF16, AVX2 + FMA, and plain x86-64
-# (scalar fmaf). Where this CPU has more (-march=native), the default build takes the widest.
-NARROWER_BUILDS = {"avx512": ("-mno-avx512bf16",), "avx2": ("-march=x86-64-v3",), "scalar": ("-march=x86-64",)}
+# Instruction sets the kernel's code paths take: AVX-512 without AVX-512 BF16, AVX-512 without VNNI (the
+# integer path's AVX2 code), AVX2 + FMA, and plain x86-64 (scalar fmaf). Where this CPU has more
+# (-march=native), the default build takes the widest; flags this CPU lacks build a narrower path anyway.
+NARROWER_BUILDS = {
+    "avx512": ("-mno-avx512bf16",),
+    "avx512-no-vnni": ("-mno-avx512bf16", "-mno-avx512vnni"),
+    "avx2": ("-march=x86-64-v3",),
+    "scalar": ("-march=x86-64",),
+}
 
 
 @pytest.mark.parametrize("build", list(NARROWER_BUILDS))
@@ -214,13 +224,15 @@ def test_every_instruction_set_gives_the_same_bits(build, dtype):
         assert torch.equal(linear_cpu.linear_cpu(x, packed, out_features, bias, library=narrow), want)
 
 
+@pytest.mark.parametrize("activations", QUANTIZED_ACTIVATIONS)
 @pytest.mark.parametrize("build", list(NARROWER_BUILDS))
 @pytest.mark.parametrize("format", FORMATS)
-def test_every_instruction_set_gives_the_same_bits_for_block_weights(build, format):
+def test_every_instruction_set_gives_the_same_bits_for_block_weights(build, format, activations):
     narrow = linear_cpu.bind(cpu_build.load_library("linear_cpu", NARROWER_BUILDS[build]))
-    served, _, _ = quantized_linear(576, 200, format, seed=5)
+    served, _, _ = quantized_linear(576, 200, format, seed=5, activations=activations)
     x = torch.randn(37, 576)
-    code = quantized.FORMATS[format].code
+    x[3, 64:96] = 0  # a block of zeros: no scale to take (int8 activations)
+    code = served.weight_code
     want = linear_cpu.linear_cpu(x, served.packed_weight, 200, served.bias, weight_code=code)
     got = linear_cpu.linear_cpu(x, served.packed_weight, 200, served.bias, library=narrow, weight_code=code)
     assert torch.equal(got, want)

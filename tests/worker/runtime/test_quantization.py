@@ -1,7 +1,8 @@
 """--dtype q8_0 / q4_1: llama.cpp's weight blocks served by the CPU kernel (worker_service/runtime/quantization.py).
 
-A quantized model computes bitwise what the fp32 model computes on the
-blocks' dequantised weights; a GGUF's own blocks are served as shipped (the
+With fp32 activations a quantized model computes bitwise what the fp32
+model computes on the blocks' dequantised weights, with int8 ones (the
+default) close to it; a GGUF's own blocks are served as shipped (the
 default model's Q4_1 file), and `auto` keeps a GGUF's quantization on the CPU.
 """
 
@@ -40,8 +41,9 @@ def test_blocks_round_trip_through_gguf_bytes():
 
 @pytest.mark.parametrize("dtype", QUANTIZED_DTYPES)
 def test_a_quantized_model_computes_what_fp32_computes_on_its_dequantised_weights(tiny_pair, dtype):
-    """Prefills, decodes and verify queries: the quantized model's logits are bitwise those of the fp32 model
-    whose weights are the blocks' dequantised values, and every linear is served from blocks."""
+    """Prefills, decodes and verify queries: with fp32 activations the quantized model's logits are bitwise
+    those of the fp32 model whose weights are the blocks' dequantised values, and every linear is served from
+    blocks; with int8 activations they are close to them, not bitwise."""
     model = load_model(tiny_pair.target_path, dtype)
     assert model.dtype == torch.float32
     output_layer = model.get_output_embeddings()
@@ -51,7 +53,8 @@ def test_a_quantized_model_computes_what_fp32_computes_on_its_dequantised_weight
             assert block_weight(module).format == wanted
     fp32 = load_model(tiny_pair.target_path, "float32")
     fp32.load_state_dict(model.state_dict())  # the dequantised values
-    served, reference = ModelRunner(model), ModelRunner(fp32)
+    int8 = load_model(tiny_pair.target_path, dtype)
+    served, reference = ModelRunner(model, quantized_activations="fp32"), ModelRunner(fp32)
     assert {m.weight_format for m in served.model.modules() if isinstance(m, PackedLinear)} == {
         dtype,
         quantization.OUTPUT_FORMAT,
@@ -59,6 +62,14 @@ def test_a_quantized_model_computes_what_fp32_computes_on_its_dequantised_weight
     assert served.backend.name == "cpu_llama"
     for ours, theirs in zip(_run(served, 0), _run(reference, 0)):
         assert torch.equal(ours, theirs)
+    int8_served = ModelRunner(int8)  # the default: int8 activations
+    assert {m.weight_format for m in int8_served.model.modules() if isinstance(m, PackedLinear)} == {
+        f"{dtype} x int8",
+        f"{quantization.OUTPUT_FORMAT} x int8",
+    }
+    for ours, theirs in zip(_run(int8_served, 0), _run(reference, 0)):
+        assert not torch.equal(ours, theirs)
+        assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
 
 
 def test_inputs_not_a_multiple_of_the_block_stay_fp32(tmp_path):
@@ -98,7 +109,8 @@ def test_a_quantized_dtype_on_a_gpu_is_refused_with_the_choices():
 @pytest.mark.slow
 def test_the_default_model_is_served_from_its_gguf_blocks(smollm2_path):
     """auto is q4_1 for the shipped GGUF; each decoder linear gets the file's bytes (q and k in the row order
-    transformers loads), the output layer the file's q8_0 embedding; the logits are bitwise fp32's."""
+    transformers loads), the output layer the file's q8_0 embedding; with fp32 activations the logits are
+    bitwise fp32's."""
     assert quantization.gguf_format(smollm2_path) == "q4_1"
     gguf_path = quantization.source_gguf(smollm2_path)
     model = load_model(smollm2_path, "q4_1")
@@ -111,7 +123,8 @@ def test_the_default_model_is_served_from_its_gguf_blocks(smollm2_path):
     stored = tensors["blk.0.attn_q.weight"].data
     assert sorted(map(bytes, q.blocks.numpy())) == sorted(map(bytes, stored))  # the same rows, reordered
 
-    served, fp32 = ModelRunner(model), ModelRunner(load_model(smollm2_path, "float32"))
+    served = ModelRunner(model, quantized_activations="fp32")
+    fp32 = ModelRunner(load_model(smollm2_path, "float32"))
     for ours, theirs in zip(_run(served, 1), _run(fp32, 1)):
         assert torch.equal(ours, theirs)
 

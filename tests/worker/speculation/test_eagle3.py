@@ -111,7 +111,7 @@ def test_the_heads_fast_cpu_step_is_its_modules_step(tiny_pair, head_dir):
     head's KV, its outputs and K/V equal transformers' modules on the same weights, and its drafts too."""
     model = load_model(tiny_pair.target_path)
     heads = [load_head(head_dir, facts(model), model.model.embed_tokens, model.device) for _ in range(2)]
-    assert heads[0].fast is not None and heads[0].lm_head.weight_format == "q8_0"
+    assert heads[0].fast is not None and heads[0].lm_head.weight_format == "q8_0 x int8"
     heads[1].fast = None  # transformers' LlamaAttention / LlamaMLP / LlamaRMSNorm over the paged KV
     features = torch.randn(16, heads[0].norm.weight.shape[0], generator=torch.Generator().manual_seed(0))
     outputs = []

@@ -1,0 +1,332 @@
+/* Integer dot products for block-quantized weights: linear_cpu.c's DTYPE_Q8_0_INT8 and DTYPE_Q4_1_INT8.
+ *
+ *   out[r, o] = bias[o] + sum_b (d[o, b] * dx[r, b] * isum[r, o, b] + m[o, b] * dx[r, b] * sx[r, b])
+ *
+ * Each row's activations are quantized on their own, a block of QBLOCK inputs at a time, as llama.cpp's
+ * activation blocks are: dx = amax / 127, qx[j] = x[j] * (127 / amax) rounded to nearest-even (-127..127),
+ * sx = sum_j qx[j], mx = dx * sx; scalar fp32 arithmetic that every build does alike. Then per output o
+ * and block b, isum = sum_j qx[j] * q[o, j] in int32: an exact integer, whatever computes it (AVX-512
+ * VNNI's VPDPBUSD, AVX2's VPMADDUBSW + VPMADDWD, scalar C). The fp32 part is one chain per element over
+ * the blocks in order, from 0:
+ *
+ *     acc = fma(d[o] * dx, (float)isum, acc)      q8_0 and q4_1 (d * q is the weight, q8_0: q int8)
+ *     acc = fma(m[o], mx, acc)                    q4_1 only (w = d * q + m, q 0..15: m times sum x)
+ *
+ * so a row's result depends on that row's input and the weights only, never on the rows beside it, the
+ * tiling, the thread or the CPU's vector width: every build gives the same bits. The result differs from
+ * the exact fp32-activation kernel (DTYPE_Q8_0, DTYPE_Q4_1) by the activations' 8-bit rounding.
+ *
+ * Packed per group of GROUP_OUT outputs and block of QBLOCK inputs, one record (kernels/quantized.py,
+ * pack): d[GROUP_OUT] (fp16), for q4_1 m[GROUP_OUT] (fp16), then the values as QUADS quads of inputs,
+ * each [GROUP_OUT outputs][4 bytes]: a 32-bit lane holds 4 consecutive inputs of one output, the shape
+ * VPDPBUSD multiplies. q8_0 stores q + 128 (unsigned: VPDPBUSD's unsigned operand; the 128 * sx it adds
+ * is taken off again); q4_1 stores quads k and k + 4 in one [GROUP_OUT][4] of bytes, low and high nibble.
+ */
+#ifndef SPECDEC_LINEAR_INT8_H
+#define SPECDEC_LINEAR_INT8_H
+
+#define QUADS (QBLOCK / 4) /* 4-input lanes of a block */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define INT_LANES 16 /* outputs per integer vector: 16 int32 of a 512-bit register */
+#define INT_PASS 4   /* output vectors a pass accumulates: the whole group, 4 rows x 4 = 16 registers */
+typedef __m512i ivec;
+#elif defined(__AVX2__)
+#define INT_LANES 8
+#define INT_PASS 2   /* 4 rows x 2 int32 accumulators, and the weights, in AVX2's 16 registers */
+typedef __m256i ivec;
+#else
+#define INT_LANES 8
+#define INT_PASS 2
+typedef int32_t ivec __attribute__((vector_size(INT_LANES * 4)));
+#endif
+#define INT_VECTORS (GROUP_OUT / INT_LANES)
+typedef float fvec __attribute__((vector_size(INT_LANES * sizeof(float))));
+
+/* A row's activations as the integer kernel reads them: qx [in] int8, and per block dx, mx and the
+ * correction -128 * sx that q8_0's stored offset needs. */
+typedef struct {
+    int8_t *qx;     /* [num_rows, in] */
+    float *dx;      /* [num_rows, in / QBLOCK] */
+    float *mx;      /* [num_rows, in / QBLOCK]: dx * sx */
+    int32_t *bias8; /* [num_rows, in / QBLOCK]: -128 * sx */
+} int8_rows;
+
+/* Row r of x (fp32 values of x_dtype, row stride x_stride) quantized into rows (see the header). */
+static void quantize_row(int x_dtype, const void *x, int64_t x_stride, int64_t in, int64_t r, int8_rows rows) {
+    int64_t num_blocks = in / QBLOCK;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        float values[QBLOCK], amax = 0.0f;
+        for (int j = 0; j < QBLOCK; j++) {
+            values[j] = load_scalar(x_dtype, x, r * x_stride + b * QBLOCK + j);
+            amax = fmaxf(amax, fabsf(values[j]));
+        }
+        float scale = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int8_t *q = rows.qx + r * in + b * QBLOCK;
+        int32_t sum = 0;
+        for (int j = 0; j < QBLOCK; j++) {
+            q[j] = (int8_t)lrintf(values[j] * scale); /* nearest-even: the default rounding mode */
+            sum += q[j];
+        }
+        float dx = amax / 127.0f;
+        rows.dx[r * num_blocks + b] = dx;
+        rows.mx[r * num_blocks + b] = dx * (float)sum;
+        rows.bias8[r * num_blocks + b] = -128 * sum;
+    }
+}
+
+static inline fvec fma_fvec(fvec a, fvec b, fvec c) {
+#if INT_LANES == 16
+    return (fvec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (fvec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    for (int lane = 0; lane < INT_LANES; lane++) c[lane] = fmaf(a[lane], b[lane], c[lane]);
+    return c;
+#endif
+}
+
+/* INT_LANES fp16 values at p as fp32 (exact). */
+static inline fvec load_f16_int(const uint8_t *p) {
+#if INT_LANES == 16
+    return (fvec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    return (fvec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    _Float16 h[INT_LANES];
+    fvec v;
+    memcpy(h, p, sizeof h);
+    for (int lane = 0; lane < INT_LANES; lane++) v[lane] = (float)h[lane];
+    return v;
+#endif
+}
+
+static inline fvec int_to_float(ivec v) {
+#if INT_LANES == 16
+    return (fvec)_mm512_cvtepi32_ps(v);
+#elif defined(__AVX2__)
+    return (fvec)_mm256_cvtepi32_ps(v);
+#else
+    return __builtin_convertvector(v, fvec);
+#endif
+}
+
+static inline ivec broadcast_i32(int32_t value) {
+#if INT_LANES == 16
+    return _mm512_set1_epi32(value);
+#elif defined(__AVX2__)
+    return _mm256_set1_epi32(value);
+#else
+    return (ivec){0} + value;
+#endif
+}
+
+static inline ivec load_ivec(const uint8_t *p) {
+    ivec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* acc + per 32-bit lane sum_i u[4 lane + i] * s[4 lane + i], u unsigned bytes, s signed ones (VPDPBUSD;
+ * AVX2 multiplies byte pairs into int16, 2 * 255 * 127 at most, then sums pairs of those into int32). */
+static inline ivec dot_unsigned(ivec acc, ivec u, ivec s) {
+#if INT_LANES == 16
+    return _mm512_dpbusd_epi32(acc, u, s);
+#elif defined(__AVX2__)
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#else
+    uint8_t ub[INT_LANES * 4];
+    int8_t sb[INT_LANES * 4];
+    memcpy(ub, &u, sizeof ub);
+    memcpy(sb, &s, sizeof sb);
+    for (int lane = 0; lane < INT_LANES; lane++)
+        for (int i = 0; i < 4; i++) acc[lane] += (int32_t)ub[4 * lane + i] * sb[4 * lane + i];
+    return acc;
+#endif
+}
+
+/* q8_0's stored bytes u = q + 128 against activations s: acc + sum_i u * s on AVX-512 VNNI (its start,
+ * q8_start, then holds -128 * sx, so the block's sum comes out as sum_i q * s), acc + sum_i q * s elsewhere
+ * (AVX2's VPMADDUBSW would overflow int16 on u * s: it takes |q| and s with q's sign, llama.cpp's trick). */
+static inline ivec dot_q8(ivec acc, ivec u, ivec s) {
+#if INT_LANES == 16
+    return _mm512_dpbusd_epi32(acc, u, s);
+#elif defined(__AVX2__)
+    __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)); /* u - 128 as int8 */
+    __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(s, q));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#else
+    uint8_t ub[INT_LANES * 4];
+    int8_t sb[INT_LANES * 4];
+    memcpy(ub, &u, sizeof ub);
+    memcpy(sb, &s, sizeof sb);
+    for (int lane = 0; lane < INT_LANES; lane++)
+        for (int i = 0; i < 4; i++) acc[lane] += ((int32_t)ub[4 * lane + i] - 128) * sb[4 * lane + i];
+    return acc;
+#endif
+}
+
+/* Where dot_q8 starts a block's sums for a row whose block holds -128 * sx in bias8. */
+static inline ivec q8_start(int32_t bias8) {
+#if INT_LANES == 16
+    return broadcast_i32(bias8);
+#else
+    (void)bias8;
+    return broadcast_i32(0);
+#endif
+}
+
+/* The low (high == 0) or high nibbles of the bytes of v, as bytes 0..15. */
+static inline ivec nibbles(ivec v, int high) {
+#if INT_LANES == 16
+    return _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(15));
+#elif defined(__AVX2__)
+    return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+#else
+    uint8_t b[INT_LANES * 4];
+    memcpy(b, &v, sizeof b);
+    for (int i = 0; i < INT_LANES * 4; i++) b[i] = high ? b[i] >> 4 : b[i] & 15;
+    memcpy(&v, b, sizeof v);
+    return v;
+#endif
+}
+
+/* Rows r0 .. r0 + num_rows - 1 of one block b of inputs times a record rec of the integer layout, output
+ * vectors v0 .. v0 + INT_PASS - 1: each element's int32 sum over the block, then its step of the fp32 chain
+ * (the header) on acc[r] (that row's group outputs). num_rows and w_dtype are constants where this is
+ * inlined, so the loops unroll and the sums stay in registers. */
+static inline __attribute__((always_inline)) void tile_int8(int num_rows, int w_dtype, const uint8_t *rec,
+                                                            int8_rows rows, int64_t r0, int64_t b, int64_t in,
+                                                            float (*acc)[GROUP_OUT], int v0) {
+    int64_t num_blocks = in / QBLOCK;
+    int32_t xq[ROW_TILE][QUADS]; /* each row's block of activations, 4 to a lane */
+    ivec sums[ROW_TILE][INT_PASS];
+    #pragma GCC unroll 8
+    for (int r = 0; r < num_rows; r++) {
+        memcpy(xq[r], rows.qx + (r0 + r) * in + b * QBLOCK, QBLOCK);
+        #pragma GCC unroll 8
+        for (int v = 0; v < INT_PASS; v++)
+            sums[r][v] = w_dtype == DTYPE_Q8_0_INT8 ? q8_start(rows.bias8[(r0 + r) * num_blocks + b]) : broadcast_i32(0);
+    }
+    if (w_dtype == DTYPE_Q8_0_INT8) {
+        const uint8_t *q = rec + GROUP_OUT * 2;
+        #pragma GCC unroll 8
+        for (int k = 0; k < QUADS; k++) {
+            ivec wv[INT_PASS];
+            #pragma GCC unroll 8
+            for (int v = 0; v < INT_PASS; v++) wv[v] = load_ivec(q + (k * GROUP_OUT + (v0 + v) * INT_LANES) * 4);
+            #pragma GCC unroll 8
+            for (int r = 0; r < num_rows; r++) {
+                ivec xs = broadcast_i32(xq[r][k]);
+                #pragma GCC unroll 8
+                for (int v = 0; v < INT_PASS; v++) sums[r][v] = dot_q8(sums[r][v], wv[v], xs);
+            }
+        }
+    } else {
+        const uint8_t *q = rec + GROUP_OUT * 4;
+        #pragma GCC unroll 8
+        for (int k = 0; k < QUADS / 2; k++) {
+            ivec low[INT_PASS], high[INT_PASS];
+            #pragma GCC unroll 8
+            for (int v = 0; v < INT_PASS; v++) {
+                ivec bytes = load_ivec(q + (k * GROUP_OUT + (v0 + v) * INT_LANES) * 4);
+                low[v] = nibbles(bytes, 0);
+                high[v] = nibbles(bytes, 1);
+            }
+            #pragma GCC unroll 8
+            for (int r = 0; r < num_rows; r++) {
+                ivec xs_low = broadcast_i32(xq[r][k]), xs_high = broadcast_i32(xq[r][k + QUADS / 2]);
+                #pragma GCC unroll 8
+                for (int v = 0; v < INT_PASS; v++) {
+                    sums[r][v] = dot_unsigned(sums[r][v], low[v], xs_low);
+                    sums[r][v] = dot_unsigned(sums[r][v], high[v], xs_high);
+                }
+            }
+        }
+    }
+    fvec d[INT_PASS], m[INT_PASS];
+    #pragma GCC unroll 8
+    for (int v = 0; v < INT_PASS; v++) {
+        d[v] = load_f16_int(rec + (v0 + v) * INT_LANES * 2);
+        m[v] = w_dtype == DTYPE_Q4_1_INT8 ? load_f16_int(rec + GROUP_OUT * 2 + (v0 + v) * INT_LANES * 2) : (fvec){0};
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < num_rows; r++) {
+        fvec dx = (fvec){0} + rows.dx[(r0 + r) * num_blocks + b];
+        fvec mx = (fvec){0} + rows.mx[(r0 + r) * num_blocks + b];
+        #pragma GCC unroll 8
+        for (int v = 0; v < INT_PASS; v++) {
+            fvec a;
+            float *slot = acc[r] + (v0 + v) * INT_LANES;
+            memcpy(&a, slot, sizeof a);
+            a = fma_fvec(d[v] * dx, int_to_float(sums[r][v]), a);
+            if (w_dtype == DTYPE_Q4_1_INT8) a = fma_fvec(m[v], mx, a);
+            memcpy(slot, &a, sizeof a);
+        }
+    }
+}
+
+/* Rows [row0, row_end) (at most ROW_BLOCK) of one group's records w, out0 its first output: block by block,
+ * each record read from memory once and run by every tile of rows while it is in L1. */
+static inline __attribute__((always_inline)) void run_int8_unit(int w_dtype, int8_rows rows, int64_t in,
+                                                                int64_t row0, int64_t row_end, const uint8_t *w,
+                                                                int64_t out0, int64_t out_features,
+                                                                const float *bias, int out_dtype, void *out,
+                                                                int64_t out_stride) {
+    float acc[ROW_BLOCK][GROUP_OUT];
+    int num_rows = (int)(row_end - row0);
+    memset(acc, 0, (size_t)num_rows * sizeof acc[0]);
+    for (int64_t b = 0; b < in / QBLOCK; b++) {
+        const uint8_t *rec = open_record(w_dtype, w, b);
+        for (int r = 0; r < num_rows; r += ROW_TILE)
+            for (int v0 = 0; v0 < INT_VECTORS; v0 += INT_PASS)
+                switch (num_rows - r < ROW_TILE ? num_rows - r : ROW_TILE) {
+                    case 4: tile_int8(4, w_dtype, rec, rows, row0 + r, b, in, acc + r, v0); break;
+                    case 3: tile_int8(3, w_dtype, rec, rows, row0 + r, b, in, acc + r, v0); break;
+                    case 2: tile_int8(2, w_dtype, rec, rows, row0 + r, b, in, acc + r, v0); break;
+                    default: tile_int8(1, w_dtype, rec, rows, row0 + r, b, in, acc + r, v0); break;
+                }
+    }
+    int64_t num_out = out_features - out0 < GROUP_OUT ? out_features - out0 : GROUP_OUT;
+    for (int r = 0; r < num_rows; r++)
+        for (int64_t o = 0; o < num_out; o++) {
+            float value = bias ? acc[r][o] + bias[out0 + o] : acc[r][o];
+            store_scalar(out_dtype, out, (row0 + r) * out_stride + out0 + o, value);
+        }
+}
+
+/* specdec_linear for the integer layouts: quantizes each row's activations (in parallel by rows), then runs
+ * the units (group, block of rows) in parallel. Returns specdec_linear's statuses. */
+static int linear_int8(int x_dtype, const void *x, int64_t x_stride, int64_t num_rows, int64_t in, int w_dtype,
+                       const uint8_t *w, int64_t out_features, const float *bias, void *out, int64_t out_stride,
+                       int num_threads) {
+    if (in % QBLOCK) return 3;
+    int64_t num_blocks = in / QBLOCK;
+    char *scratch = malloc((size_t)(num_rows * in) + (size_t)(num_rows * num_blocks) * 12);
+    if (!scratch) return 1;
+    int8_rows rows = {(int8_t *)scratch, (float *)(scratch + num_rows * in), NULL, NULL};
+    /* in is a multiple of QBLOCK, so the float arrays after qx start 4-byte aligned */
+    rows.mx = rows.dx + num_rows * num_blocks;
+    rows.bias8 = (int32_t *)(rows.mx + num_rows * num_blocks);
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < num_rows; r++) quantize_row(x_dtype, x, x_stride, in, r, rows);
+    int64_t num_groups = (out_features + GROUP_OUT - 1) / GROUP_OUT;
+    int64_t num_row_blocks = (num_rows + ROW_BLOCK - 1) / ROW_BLOCK;
+    int64_t group_bytes = num_blocks * record_bytes(w_dtype);
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < num_groups; g++) {
+        for (int64_t rb = 0; rb < num_row_blocks; rb++) {
+            int64_t row0 = rb * ROW_BLOCK, row_end = row0 + ROW_BLOCK < num_rows ? row0 + ROW_BLOCK : num_rows;
+            if (w_dtype == DTYPE_Q8_0_INT8)
+                run_int8_unit(DTYPE_Q8_0_INT8, rows, in, row0, row_end, w + g * group_bytes, g * GROUP_OUT,
+                              out_features, bias, x_dtype, out, out_stride);
+            else
+                run_int8_unit(DTYPE_Q4_1_INT8, rows, in, row0, row_end, w + g * group_bytes, g * GROUP_OUT,
+                              out_features, bias, x_dtype, out, out_stride);
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+#endif
