@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from bench.common import save  # noqa: E402
 from kernels import linear_cpu  # noqa: E402
 from kernels.cpu_build import load_library  # noqa: E402
-from worker_service import model_runner as model_runner_module  # noqa: E402
+from worker_service.runtime import runner as model_runner_module  # noqa: E402
 from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 from worker_service.runtime.loader import load_model  # noqa: E402
 from worker_service.runtime.runner import ModelRunner, SequenceChunk  # noqa: E402
@@ -67,7 +67,7 @@ def make_runner(path, dtype: str, invariant: bool) -> ModelRunner:
     if invariant:
         return ModelRunner(load_model(path, dtype))
     original = model_runner_module.pack_linears
-    model_runner_module.pack_linears = lambda model: 0  # keeps torch.nn.Linear
+    model_runner_module.pack_linears = lambda model, *args: 0  # keeps torch.nn.Linear
     try:
         return ModelRunner(load_model(path, dtype))
     finally:

@@ -47,6 +47,7 @@
  * GROUP_OUT / 2 bytes each, in two halves of 16 bytes whose byte t holds
  * output 32h + t in its low nibble and output 32h + 16 + t in its high one.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -57,15 +57,19 @@ static void quantize_row(int x_dtype, const void *x, int64_t x_stride, int64_t i
     int64_t num_blocks = in / QBLOCK;
     for (int64_t b = 0; b < num_blocks; b++) {
         float values[QBLOCK], amax = 0.0f;
+        int finite = 1;
         for (int j = 0; j < QBLOCK; j++) {
             values[j] = load_scalar(x_dtype, x, r * x_stride + b * QBLOCK + j);
-            amax = fmaxf(amax, fabsf(values[j]));
+            float magnitude = fabsf(values[j]);
+            amax = magnitude > amax ? magnitude : amax;
+            finite &= magnitude <= FLT_MAX; /* false for inf and NaN */
         }
+        if (!finite) amax = NAN; /* the block's outputs become NaN, as the exact kernel's would */
         float scale = amax > 0.0f ? 127.0f / amax : 0.0f;
         int8_t *q = rows.qx + r * in + b * QBLOCK;
         int32_t sum = 0;
         for (int j = 0; j < QBLOCK; j++) {
-            q[j] = (int8_t)lrintf(values[j] * scale); /* nearest-even: the default rounding mode */
+            q[j] = finite ? (int8_t)lrintf(values[j] * scale) : 0; /* nearest-even: the default rounding mode */
             sum += q[j];
         }
         float dx = amax / 127.0f;
@@ -141,6 +145,25 @@ static inline ivec dot_unsigned(ivec acc, ivec u, ivec s) {
     memcpy(sb, &s, sizeof sb);
     for (int lane = 0; lane < INT_LANES; lane++)
         for (int i = 0; i < 4; i++) acc[lane] += (int32_t)ub[4 * lane + i] * sb[4 * lane + i];
+    return acc;
+#endif
+}
+
+/* q4_1's nibbles u (0..15) against activations s: like dot_unsigned, except that AVX2 keeps the sums in
+ * int16, two per output (2 * 15 * 127 per quad, so a block's 8 quads stay within int16) and one widen_q4
+ * at the block's end makes them int32: two instructions a quad instead of three. */
+static inline ivec dot_q4(ivec acc, ivec u, ivec s) {
+#if INT_LANES == 8 && defined(__AVX2__)
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+#else
+    return dot_unsigned(acc, u, s);
+#endif
+}
+
+static inline ivec widen_q4(ivec acc) {
+#if INT_LANES == 8 && defined(__AVX2__)
+    return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+#else
     return acc;
 #endif
 }
@@ -238,11 +261,15 @@ static inline __attribute__((always_inline)) void tile_int8(int num_rows, int w_
                 ivec xs_low = broadcast_i32(xq[r][k]), xs_high = broadcast_i32(xq[r][k + QUADS / 2]);
                 #pragma GCC unroll 8
                 for (int v = 0; v < INT_PASS; v++) {
-                    sums[r][v] = dot_unsigned(sums[r][v], low[v], xs_low);
-                    sums[r][v] = dot_unsigned(sums[r][v], high[v], xs_high);
+                    sums[r][v] = dot_q4(sums[r][v], low[v], xs_low);
+                    sums[r][v] = dot_q4(sums[r][v], high[v], xs_high);
                 }
             }
         }
+#pragma GCC unroll 8
+        for (int r = 0; r < num_rows; r++)
+#pragma GCC unroll 8
+            for (int v = 0; v < INT_PASS; v++) sums[r][v] = widen_q4(sums[r][v]);
     }
     fvec d[INT_PASS], m[INT_PASS];
     #pragma GCC unroll 8

@@ -68,3 +68,16 @@ def test_a_scale_shared_across_rows_fails_the_invariance_check():
     with torch.inference_mode():
         assert rows_that_differ(shared_scale, x, (1, 16, 64))
         assert rows_that_differ(served, x, (1, 16, 64)) == []
+
+
+def test_a_non_finite_input_gives_non_finite_outputs_in_its_row_only():
+    """An inf or NaN among a row's activations makes that row's outputs NaN (as the exact kernel's are not
+    finite), never a finite number from a wrapped-around 8-bit value; the other rows keep their values."""
+    served, _, _ = quantized_linear(64, 80, "q8_0", seed=10, activations="int8")
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        clean = served(x)
+        x[1, 5], x[2, 40] = float("inf"), float("nan")
+        got = served(x)
+    assert torch.equal(got[0], clean[0])
+    assert torch.isnan(got[1:]).all()
