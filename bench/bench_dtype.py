@@ -1,5 +1,5 @@
-"""fp32, bf16, q8_0 and q4_1, plain vs n-gram speculation, side by side, and plain decoding against the memory
-bound.
+"""fp32, bf16, q8_0 and q4_1 (int8 and fp32 activations), plain vs n-gram speculation, side by side, and
+plain decoding against the memory bound.
 
     .venv/bin/python bench/bench_dtype.py [--prompts-per-category 5] [--new-tokens 128] [--k 5] [--repeats 1]
 
@@ -46,7 +46,14 @@ from worker_service.runtime.runner import ModelRunner  # noqa: E402
 from worker_service.speculation.config import WorkerConfig  # noqa: E402
 from worker_service.speculation.worker import Worker  # noqa: E402
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "q8_0": "q8_0", "q4_1": "q4_1"}  # label: --dtype
+# label: (--dtype, --quantized-activations); q8_0 and q4_1 take int8 activations by default, q4_1/fp32 exact ones
+DTYPES = {
+    "fp32": ("float32", "int8"),
+    "bf16": ("bfloat16", "int8"),
+    "q8_0": ("q8_0", "int8"),
+    "q4_1": ("q4_1", "int8"),
+    "q4_1/fp32": ("q4_1", "fp32"),
+}
 logger = logging.getLogger("bench.dtype")
 
 
@@ -77,11 +84,17 @@ def weight_bytes(model) -> int:
 def build(path: str, k: int) -> tuple[dict, dict, dict]:
     """({config name: fn(prompt, new_tokens) -> Run}, {dtype label: weight bytes}, {config name: Worker})."""
     configs, weights, workers = {}, {}, {}
-    for label, dtype in DTYPES.items():
-        runner = ModelRunner(load_model(path, dtype))
+    for label, (dtype, activations) in DTYPES.items():
+        runner = ModelRunner(load_model(path, dtype), quantized_activations=activations)
         weights[label] = weight_bytes(runner.model)
         for name, proposer, num_spec in ((f"{label} plain", "none", 0), (f"{label} k={k}", "ngram", k)):
-            config = WorkerConfig(model=path, dtype=dtype, proposer=proposer, num_speculative_tokens=num_spec)
+            config = WorkerConfig(
+                model=path,
+                dtype=dtype,
+                proposer=proposer,
+                num_speculative_tokens=num_spec,
+                quantized_activations=activations,
+            )
             worker = Worker(config, runner)
             worker.init_cache(bench_spec.NUM_BLOCKS, bench_spec.BLOCK_SIZE)
             workers[name] = worker

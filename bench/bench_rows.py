@@ -6,8 +6,9 @@ Speculation's gain on the CPU is bounded by what a verify row costs beside a
 decode row: a step of k drafts is a forward of k + 1 rows of one sequence. Per
 configuration (q4_1 is the shipped GGUF's blocks, its output layer q8_0; `int8`
 and `fp32` are --quantized-activations), the median forward time of R rows over
---context cached tokens, R = 1..8, and each R's time over R = 1's. The
-configurations take turns --rounds times (a noisy neighbour slows them alike).
+--context cached tokens, R = 1..8, and each R's time over R = 1's; the same for
+the fastest forward (on a shared machine a neighbour's bursts inflate medians,
+rarely minimums). The configurations take turns --rounds times.
 Saves JSON under bench/results/ and prints the CPU's model name.
 """
 
@@ -53,6 +54,7 @@ def main() -> None:
         dtype, activations = CONFIGS[name]
         runners[name] = ModelRunner(load_model(path, dtype), quantized_activations=activations)
     times = {name: {} for name in runners}
+    fastest = {name: {} for name in runners}
     for rows in ROWS:
         kind = "decode" if rows == 1 else "verify"
         chunks = {name: workload_chunks(runner, kind, 1, rows, args.context) for name, runner in runners.items()}
@@ -62,12 +64,14 @@ def main() -> None:
                 samples[name] += forward_ms(runner, chunks[name], args.repeats)
         for name in runners:
             times[name][rows] = statistics.median(samples[name])
+            fastest[name][rows] = min(samples[name])
         print(f"  {rows} rows: " + ", ".join(f"{n} {times[n][rows]:.2f} ms" for n in runners), flush=True)
-    print(f"\n{'config':12}" + "".join(f" {f'{r} rows':>9}" for r in ROWS) + "   (ms; x: over 1 row)")
-    for name in runners:
-        one = times[name][1]
-        print(f"{name:12}" + "".join(f" {times[name][r]:>9.2f}" for r in ROWS))
-        print(f"{'':12}" + "".join(f" {times[name][r] / one:>8.2f}x" for r in ROWS))
+    for title, table in (("median", times), ("fastest", fastest)):
+        print(f"\n{title:12}" + "".join(f" {f'{r} rows':>9}" for r in ROWS) + "   (ms; x: over 1 row)")
+        for name in runners:
+            one = table[name][1]
+            print(f"{name:12}" + "".join(f" {table[name][r]:>9.2f}" for r in ROWS))
+            print(f"{'':12}" + "".join(f" {table[name][r] / one:>8.2f}x" for r in ROWS))
     save(
         "rows",
         {
@@ -76,7 +80,8 @@ def main() -> None:
             "context": args.context,
             "repeats": args.repeats,
             "rounds": args.rounds,
-            "ms": {name: {str(r): t for r, t in by_rows.items()} for name, by_rows in times.items()},
+            "median_ms": {name: {str(r): t for r, t in by_rows.items()} for name, by_rows in times.items()},
+            "fastest_ms": {name: {str(r): t for r, t in by_rows.items()} for name, by_rows in fastest.items()},
         },
     )
 

@@ -48,8 +48,9 @@ LAYER_TENSORS = (
 )
 HEAD_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t")
 # On the CPU a head's step is a few rows through every weight once (memory bound): its linears are served as
-# llama.cpp's q8_0 blocks (fast_linear.quantize_linear), a quarter of fp32's bytes, with fp32 activations. The
-# head only proposes, so this changes which drafts come (0.5% of argmaxes on random features), never the output.
+# llama.cpp's q8_0 blocks (fast_linear.quantize_linear), a quarter of fp32's bytes, with the activations the
+# target's take (--quantized-activations). The head only proposes, so this changes which drafts come (0.5% of
+# argmaxes on random features), never the output.
 HEAD_WEIGHT_FORMAT = "q8_0"
 
 

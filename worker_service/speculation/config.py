@@ -118,8 +118,8 @@ class WorkerConfig:
     dtype: str = setting(  # the worker resolves "auto" when it loads the model
         "auto",
         "weights and KV; auto: the checkpoint's dtype on a GPU; on the CPU a GGUF's own blocks when they are q8_0 or "
-        "q4_1 (the default model: q4_1), else float32; q8_0, q4_1: llama.cpp's weight blocks, fp32 activations and "
-        f"KV, CPU only ({_ALIASES})",
+        "q4_1 (the default model: q4_1), else float32; q8_0, q4_1: llama.cpp's weight blocks, fp32 KV, activations "
+        f"by --quantized-activations, CPU only ({_ALIASES})",
         choices=DTYPE_CHOICES,
         parse=normalize_dtype,
     )

@@ -239,7 +239,7 @@ def test_seeded_trees_off_the_first_branch_change_no_token(sharp_pair, sampling)
 
 
 @pytest.mark.parametrize("proposer", ["suffix", "ngram"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "q4_1"])
 def test_copying_trees_are_lossless(tiny_pair, dtype, proposer):
     want = Driver(make_worker(tiny_pair, dtype=dtype).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, MAX_TOKENS)
     worker = make_worker(tiny_pair, proposer, K, dtype=dtype, draft_tree_width=3)

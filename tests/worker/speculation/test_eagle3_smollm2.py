@@ -1,5 +1,5 @@
 """The EAGLE-3 head that ships for SmolLM2 (slow tier): it loads without a path, its drafts are accepted, and
-greedy and seeded outputs equal plain decoding in fp32 and bf16, alone and with suffix."""
+greedy and seeded outputs equal plain decoding in fp32, bf16 and q4_1, alone and with suffix."""
 
 import pytest
 
@@ -57,7 +57,7 @@ def prompts(smollm2_path):
     ]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "q4_1"])  # q4_1: the default, int8 activations
 def test_greedy_and_seeded_outputs_equal_plain_decoding(smollm2_path, prompts, dtype):
     seeded = [step.RequestSampling(temperature=0.8, top_p=0.95, seed=7 + i) for i in range(len(prompts))]
     plain = make_worker(smollm2_path, dtype, "none")

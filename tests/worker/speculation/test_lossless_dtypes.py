@@ -31,7 +31,7 @@ from worker_service.runtime.runner import ModelRunner
 from worker_service.speculation.config import WorkerConfig
 from worker_service.speculation.worker import Worker
 
-DTYPES = ["float32", "bfloat16", "q8_0", "q4_1"]  # q8_0 / q4_1: llama.cpp's weight blocks, fp32 activations
+DTYPES = ["float32", "bfloat16", "q8_0", "q4_1"]  # q8_0 / q4_1: llama.cpp's weight blocks, int8 activations
 QUESTIONS = [
     "Repeat after me: the cat sat on the mat, the cat sat on the mat.",
     "List three prime numbers.",
