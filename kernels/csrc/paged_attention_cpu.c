@@ -41,6 +41,7 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "exp_poly.h"
 #pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vectors between inline functions, never across the ABI */
 #if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
@@ -92,27 +93,6 @@ static inline void store_row(int dtype, void *dst, int64_t offset, int n, const 
         _Float16 *p = (_Float16 *)dst + offset;
         for (int i = 0; i < n; i++) p[i] = (_Float16)src[i];
     }
-}
-
-/* e^x for x <= 0 (the softmax's arguments): 2^i * p(r) with x = i*ln2 + r, |r| <= ln2/2, a degree-6 Taylor
- * polynomial (relative error < 2e-7). Plain arithmetic, so it vectorises with the same bits as the scalar code. */
-static inline float exp_nonpositive(float x) {
-    const float round_magic = 12582912.0f;  /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
-    float xc = x < -87.0f ? -87.0f : x;     /* below, e^x is 0; clamped so every lane computes a number */
-    float i = (xc * 1.44269504f + round_magic) - round_magic;
-    float r = fmaf(i, -0.693145752f, xc);
-    r = fmaf(i, -1.42860677e-6f, r);
-    float p = 1.0f / 720.0f;
-    p = fmaf(p, r, 1.0f / 120.0f);
-    p = fmaf(p, r, 1.0f / 24.0f);
-    p = fmaf(p, r, 1.0f / 6.0f);
-    p = fmaf(p, r, 0.5f);
-    p = fmaf(p, r, 1.0f);
-    p = fmaf(p, r, 1.0f);
-    uint32_t bits = (uint32_t)((int32_t)i + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return x < -87.0f ? 0.0f : p * scale;
 }
 
 /* Sequence of packed token t: query_start_loc[b] <= t < query_start_loc[b + 1]. */

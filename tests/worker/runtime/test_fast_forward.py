@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels import layer_ops_cpu
+from kernels import cpu_build, layer_ops_cpu
 from tests.tiny_models import tiny_llama
 from worker_service.runtime import backends
 from worker_service.runtime.backends.cpu_llama import CpuLlamaForward
@@ -65,8 +65,19 @@ def test_rope_rounds_as_apply_rotary_pos_emb(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_is_silu_of_gate_times_up(dtype):
     gate_up = _random((37, 2 * 80), dtype, 4, scale=3.0)
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -1e-30, 30.0, -30.0])  # ends of exp's range
     gate, up = gate_up.split(80, dim=1)
     torch.testing.assert_close(layer_ops_cpu.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("build", ["-march=x86-64-v3", "-march=x86-64"])  # AVX2, and scalar code
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_gives_the_same_bits_on_every_instruction_set(build, dtype):
+    """SiLU's exp is our polynomial, not libm's, so a build for a narrower CPU (whose loops the compiler
+    vectorises otherwise, or not at all) gives bitwise this build's rows."""
+    narrow = layer_ops_cpu.bind(cpu_build.load_library("layer_ops_cpu", (build,)))
+    gate_up = _random((9, 2 * 1536), dtype, 5, scale=4.0)
+    assert torch.equal(layer_ops_cpu.silu_mul(gate_up, narrow), layer_ops_cpu.silu_mul(gate_up))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
