@@ -131,32 +131,31 @@ static inline ivec load_ivec(const uint8_t *p) {
     return v;
 }
 
-/* acc + per 32-bit lane sum_i u[4 lane + i] * s[4 lane + i], u unsigned bytes, s signed ones (VPDPBUSD;
- * AVX2 multiplies byte pairs into int16, 2 * 255 * 127 at most, then sums pairs of those into int32). */
-static inline ivec dot_unsigned(ivec acc, ivec u, ivec s) {
-#if INT_LANES == 16
-    return _mm512_dpbusd_epi32(acc, u, s);
-#elif defined(__AVX2__)
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#else
+#if INT_LANES != 16 && !defined(__AVX2__)
+/* acc + per 32-bit lane sum_i (u[4 lane + i] - offset) * s[4 lane + i], u unsigned bytes, s signed ones: the
+ * scalar build's dot products. */
+static inline ivec dot_bytes(ivec acc, ivec u, ivec s, int32_t offset) {
     uint8_t ub[INT_LANES * 4];
     int8_t sb[INT_LANES * 4];
     memcpy(ub, &u, sizeof ub);
     memcpy(sb, &s, sizeof sb);
     for (int lane = 0; lane < INT_LANES; lane++)
-        for (int i = 0; i < 4; i++) acc[lane] += (int32_t)ub[4 * lane + i] * sb[4 * lane + i];
+        for (int i = 0; i < 4; i++) acc[lane] += ((int32_t)ub[4 * lane + i] - offset) * sb[4 * lane + i];
     return acc;
-#endif
 }
+#endif
 
-/* q4_1's nibbles u (0..15) against activations s: like dot_unsigned, except that AVX2 keeps the sums in
- * int16, two per output (2 * 15 * 127 per quad, so a block's 8 quads stay within int16) and one widen_q4
- * at the block's end makes them int32: two instructions a quad instead of three. */
+/* q4_1's nibbles u (0..15) against activations s: acc + per 32-bit lane sum_i u[4 lane + i] * s[4 lane + i]
+ * (VPDPBUSD). AVX2 keeps the sums in int16 instead, two per output (VPMADDUBSW: 2 * 15 * 127 per quad, so a
+ * block's 8 quads stay within int16), and one widen_q4 at the block's end makes them int32: two
+ * instructions a quad instead of three. */
 static inline ivec dot_q4(ivec acc, ivec u, ivec s) {
-#if INT_LANES == 8 && defined(__AVX2__)
+#if INT_LANES == 16
+    return _mm512_dpbusd_epi32(acc, u, s);
+#elif defined(__AVX2__)
     return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
 #else
-    return dot_unsigned(acc, u, s);
+    return dot_bytes(acc, u, s, 0);
 #endif
 }
 
@@ -179,13 +178,7 @@ static inline ivec dot_q8(ivec acc, ivec u, ivec s) {
     __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(s, q));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #else
-    uint8_t ub[INT_LANES * 4];
-    int8_t sb[INT_LANES * 4];
-    memcpy(ub, &u, sizeof ub);
-    memcpy(sb, &s, sizeof sb);
-    for (int lane = 0; lane < INT_LANES; lane++)
-        for (int i = 0; i < 4; i++) acc[lane] += ((int32_t)ub[4 * lane + i] - 128) * sb[4 * lane + i];
-    return acc;
+    return dot_bytes(acc, u, s, 128);
 #endif
 }
 

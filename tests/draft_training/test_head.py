@@ -31,7 +31,8 @@ def test_each_unrolled_step_equals_the_serving_head_at_that_depth(tiny_pair, tmp
     model = load_model(tiny_pair.target_path)
     trainable = trained_looking_head(model)
     trainable.save(tmp_path / "head")
-    served = load_head(tmp_path / "head", facts(model), model.model.embed_tokens, model.device)
+    # fp32 activations: what training computes (int8 ones, the serving default, round each row's inputs)
+    served = load_head(tmp_path / "head", facts(model), model.model.embed_tokens, model.device, "fp32")
     served.init_cache(32, BLOCK_SIZE)
     # The served head reads bf16 weights, its linears served as HEAD_WEIGHT_FORMAT blocks: train with the same.
     with torch.no_grad():

@@ -1,5 +1,6 @@
 """End to end with the embedded SmolLM2 (`specdec serve` in this process, tests/serving.py): 8 concurrent
-streaming requests equal `transformers` generate."""
+streaming requests equal `transformers` generate, served with exact (fp32) activations; with the default int8
+ones, speculation's outputs equal plain decoding's."""
 
 import pytest
 
@@ -18,6 +19,10 @@ QUESTIONS = [
     "Repeat after me: the cat sat on the mat, the cat sat on the mat.",
 ]
 MAX_TOKENS = 32
+# The default model is q4_1 with int8 activations, which round what transformers computes in fp32 (on "What is the
+# capital of France?" both they and llama.cpp's Q4_1 answer "L'Étoile, la ..."): servers compared with
+# transformers take exact activations.
+EXACT = ["--quantized-activations", "fp32"]
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +69,9 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_concurrent_chat_requests_match_transformers(smollm2_path, prompts, reference, name):
-    with serve_in_process(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *CONFIGS[name]]) as server:
+    with serve_in_process(
+        ["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *EXACT, *CONFIGS[name]]
+    ) as server:
         requests = [
             pb.GenerateRequest(prompt_token_ids=p, sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
             for p in prompts
@@ -79,8 +86,24 @@ def test_concurrent_chat_requests_match_transformers(smollm2_path, prompts, refe
         assert info.counters.num_accepted_tokens > 0
 
 
+def test_the_default_int8_activations_speculate_losslessly(smollm2_path, prompts):
+    """The default configuration (q4_1, int8 activations, suffix under the goodput policy) against the same
+    server's plain decoding: the same greedy tokens for 8 concurrent requests."""
+    outputs = {}
+    for name, flags in (("plain", ["--proposer", "none"]), ("suffix", CONFIGS["suffix-async"])):
+        with serve_in_process(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *flags]) as server:
+            requests = [
+                pb.GenerateRequest(prompt_token_ids=p, sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+                for p in prompts
+            ]
+            outputs[name] = [tokens for tokens, _ in stream_all(server.stub, requests)]
+            info = server.wait_idle()
+    assert outputs["suffix"] == outputs["plain"]
+    assert info.counters.num_accepted_tokens > 0
+
+
 def test_chat_messages_and_text(smollm2_path):
-    with serve_in_process(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.25"]) as server:
+    with serve_in_process(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.25", *EXACT]) as server:
         chat = pb.GenerateRequest(
             messages=[pb.ChatMessage(role="user", content="What is the capital of France?")],
             sampling=pb.SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]),
@@ -98,7 +121,9 @@ def test_a_second_turn_reuses_the_first_and_still_matches_transformers(smollm2_p
 
     tokenizer = load_tokenizer(smollm2_path)
     turns = [("List three prime numbers.", "Now add them up."), ("What is the capital of France?", "And of Italy?")]
-    with serve_in_process(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *CONFIGS[name]]) as server:
+    with serve_in_process(
+        ["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *EXACT, *CONFIGS[name]]
+    ) as server:
         for first, second in turns:
             turn1 = chat_prompts(smollm2_path, [first])[0]
             answer, _ = stream_all(

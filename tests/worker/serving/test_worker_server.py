@@ -14,6 +14,10 @@ from tests.serving import worker_in_process
 from tests.worker.driver import Driver
 from worker_service.runtime.loader import load_tokenizer
 
+# The default model is q4_1, whose int8 activations round what transformers computes in fp32: comparisons with
+# transformers serve it with exact (fp32) activations.
+EXACT = ["--quantized-activations", "fp32"]
+
 BLOCK_SIZE = 16
 NUM_BLOCKS = 256
 
@@ -204,7 +208,16 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2_path, smollm2_gree
     want = [smollm2_greedy(p, 32) for p in prompts]
     # One n-gram worker: k = 0 every step is plain decoding, k = 3 speculates (the scheduler's per-step k).
     with worker_in_process(
-        ["--model", str(smollm2_path), "--proposer", "ngram", "--num-speculative-tokens", "3", "--draft-previews"]
+        [
+            "--model",
+            str(smollm2_path),
+            *EXACT,
+            "--proposer",
+            "ngram",
+            "--num-speculative-tokens",
+            "3",
+            "--draft-previews",
+        ]
     ) as worker:
         client = SessionClient(worker.address)
         got = stream_driver(client).generate(prompts, 32)
