@@ -6,8 +6,10 @@
 The workload: the first --prompts-per-category prompts of each of the 13 Spec-Bench categories in
 ../shared/data (first turns, as chat messages), --max-tokens greedy tokens each (ignore_eos, so every
 server emits the same number), over the OpenAI chat API, one request at a time (concurrency 1) and
-then --concurrency requests at once. Every server is up before the first request and each prompt goes
-to every server in turn (rotating which goes first), so a noisy neighbour slows them alike.
+then --concurrency requests at once on the next --prompts-per-category prompts of each category (other
+prompts: a suffix or n-gram cache that outlives requests would draft the first round's answers). Every
+server is up before the first request and each prompt goes to every server in turn (rotating which goes
+first), so a noisy neighbour slows them alike.
 
 Servers (each with the machine's cores; --only keeps a subset, by label):
 
@@ -294,8 +296,14 @@ def concurrent(server: Server, prompts: list[str], max_tokens: int, concurrency:
 
 
 def main(args) -> None:
-    questions = load_questions(per_category=args.prompts_per_category)
-    prompts = [q["turns"][0] for q in questions]
+    per_category = args.prompts_per_category
+    questions = load_questions(per_category=2 * per_category)
+    seen: dict[str, int] = {}
+    rounds: tuple[list[str], list[str]] = ([], [])  # (batch 1, concurrency): each category's first N, next N
+    for q in questions:
+        seen[q["category"]] = seen.get(q["category"], 0) + 1
+        rounds[seen[q["category"]] > per_category].append(q["turns"][0])
+    prompts, concurrency_prompts = rounds
     cpu = next(
         (
             line.split(":", 1)[1].strip()
@@ -347,7 +355,7 @@ def main(args) -> None:
             if level == 1:
                 continue
             for server in servers:
-                run = concurrent(server, prompts, args.max_tokens, level, args.request_timeout)
+                run = concurrent(server, concurrency_prompts, args.max_tokens, level, args.request_timeout)
                 report["concurrent"].setdefault(str(level), {})[server.label] = run
                 logger.info("concurrency %d / %s: %.1f tok/s", level, server.label, run["tok_s"])
     finally:
@@ -361,13 +369,14 @@ def main(args) -> None:
 
 
 def differing(report: dict) -> dict:
-    """Per specdec server and workload: outputs that differ from specdec plain decoding alone (batch 1) in the
-    same configuration ("X suffix" and "X" at any concurrency against "X" at batch 1)."""
+    """Per specdec server and workload: outputs that differ from specdec plain decoding in the same configuration
+    on the same prompts ("X suffix" against "X" in each round; plain decoding is batch invariant, so "X" at a
+    concurrency is plain decoding alone too)."""
     counts = {}
     workloads = [("batch 1", report["batch1"]), *((f"concurrency {c}", r) for c, r in report["concurrent"].items())]
     for workload, runs in workloads:
         for label, run in runs.items():
-            reference = report["batch1"].get(label.removesuffix(" suffix"))
+            reference = runs.get(label.removesuffix(" suffix"))
             if label in SPECDEC and reference is not None and run is not reference:
                 counts[f"{label}, {workload}"] = sum(a != b for a, b in zip(reference["texts"], run["texts"]))
     return counts
