@@ -8,6 +8,7 @@ QUANTIZED_DTYPES = ("q8_0", "q4_1")
 # How their linear layers take their fp32 inputs (--quantized-activations; runtime/fast_linear.py): int8,
 # quantized per row and block of 32, integer dot products; fp32, exact (the fp32 model on the dequantised weights).
 QUANTIZED_ACTIVATIONS = ("int8", "fp32")
+DEFAULT_QUANTIZED_ACTIVATIONS = "int8"
 DTYPE_ALIASES = {"half": "float16"}
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES, *QUANTIZED_DTYPES, *DTYPE_ALIASES)  # what --dtype takes
 DEVICE_SPELLINGS = "auto, cpu, cuda or cuda:N"  # what --device takes

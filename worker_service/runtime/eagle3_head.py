@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 from kernels.quantized import QBLOCK
 from worker_service.runtime.attention import ATTENTION_NAME, PagedMetadata
 from worker_service.runtime.backends.cpu_head import CpuHeadForward
+from worker_service.runtime.dtypes import DEFAULT_QUANTIZED_ACTIVATIONS
 from worker_service.runtime.fast_linear import can_pack, pack_linears, quantize_linear
 from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
 
@@ -211,7 +212,7 @@ def load_head(
     target: TargetFacts,
     target_embedding: torch.nn.Embedding,
     device: torch.device,
-    quantized_activations: str = "int8",
+    quantized_activations: str = DEFAULT_QUANTIZED_ACTIVATIONS,
 ) -> Eagle3Head:
     """Loads and checks a head against its target; HeadError names what does not fit (both values).
     `quantized_activations`: how its q8_0 linears take their inputs on the CPU (runtime/fast_linear.py)."""
@@ -250,9 +251,8 @@ def load_head(
         for module in head.modules():
             if type(module) is torch.nn.Linear and module.in_features % QBLOCK == 0:
                 quantize_linear(module, HEAD_WEIGHT_FORMAT)
-    pack_linears(
-        head, quantized_activations
-    )  # on the CPU: the batch-invariant kernel, so a catch-up equals a fresh run's prefill
+    # On the CPU: the batch-invariant kernel, so a catch-up equals a fresh run's prefill.
+    pack_linears(head, quantized_activations)
     reason = CpuHeadForward.supports(head)
     head.fast = CpuHeadForward(head) if reason is None else None
     if reason is not None and device.type == "cpu":

@@ -35,7 +35,7 @@ import torch
 from kernels import linear_cpu, quantized
 from kernels.cpu_build import DTYPE_CODES
 from kernels.quantized import BlockWeight
-from worker_service.runtime.dtypes import QUANTIZED_ACTIVATIONS
+from worker_service.runtime.dtypes import DEFAULT_QUANTIZED_ACTIVATIONS, QUANTIZED_ACTIVATIONS
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class PackedLinear(torch.nn.Module):
     their dequantised values, which the kernel reproduces exactly with fp32 activations, and to within the
     activations' 8-bit rounding with int8 ones (QUANTIZED_ACTIVATIONS)."""
 
-    def __init__(self, linear: torch.nn.Linear, activations: str = "int8"):
+    def __init__(self, linear: torch.nn.Linear, activations: str = DEFAULT_QUANTIZED_ACTIVATIONS):
         super().__init__()
         assert activations in QUANTIZED_ACTIVATIONS
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -114,7 +114,7 @@ class SharedInputLinears(torch.nn.Module):
     large, and the next step may be far off).
     """
 
-    def __init__(self, linears: list[torch.nn.Linear], activations: str = "int8"):
+    def __init__(self, linears: list[torch.nn.Linear], activations: str = DEFAULT_QUANTIZED_ACTIVATIONS):
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum(out), in]
         fused = torch.nn.Linear(
@@ -154,7 +154,7 @@ class SharedInputSlice(torch.nn.Module):
         return self._group[0].output(x, self.index)
 
 
-def fuse_shared_inputs(model: torch.nn.Module, activations: str = "int8") -> int:
+def fuse_shared_inputs(model: torch.nn.Module, activations: str = DEFAULT_QUANTIZED_ACTIVATIONS) -> int:
     """Fuses every SHARED_INPUT_GROUPS group of plain, same-shaped linears in place; returns how many."""
     count = 0
     for parent in list(model.modules()):
@@ -181,7 +181,7 @@ def can_pack(model: torch.nn.Module) -> bool:
     return model.device.type == "cpu" and model.dtype in linear_cpu.DTYPE_CODES and linear_cpu.available()
 
 
-def pack_linears(model: torch.nn.Module, activations: str = "int8") -> int:
+def pack_linears(model: torch.nn.Module, activations: str = DEFAULT_QUANTIZED_ACTIVATIONS) -> int:
     """Replaces every `torch.nn.Linear` of a CPU model by a PackedLinear in place, fusing the groups of
     SHARED_INPUT_GROUPS first; returns how many linears it replaced. `activations`: how block-quantized ones
     take their inputs (QUANTIZED_ACTIVATIONS)."""

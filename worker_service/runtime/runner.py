@@ -27,6 +27,7 @@ from kernels.slot_mapping import compute_slot_mapping
 from worker_service.runtime import backends
 from worker_service.runtime.attention import ATTENTION_NAME, PagedMetadata
 from worker_service.runtime.device import to_device
+from worker_service.runtime.dtypes import DEFAULT_QUANTIZED_ACTIVATIONS
 from worker_service.runtime.fast_linear import pack_linears
 from worker_service.runtime.graphs import CudaGraphReplay, StepGraphs, graph_key, scratch_blocks_needed
 from worker_service.runtime.invariant_layers import make_batch_invariant
@@ -117,7 +118,7 @@ class ModelRunner:
         backend: str | None = None,
         batch_invariant: bool = True,
         graphs: bool = True,
-        quantized_activations: str = "int8",
+        quantized_activations: str = DEFAULT_QUANTIZED_ACTIVATIONS,
     ):
         """backend: a name of backends.BACKENDS; None: the first that covers the model (backends.choose).
         batch_invariant: on a GPU, the linear layers and RMSNorms run our batch-invariant Triton kernels

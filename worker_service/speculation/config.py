@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from specdec.config_flags import setting
 from worker_service.runtime.dtypes import (
+    DEFAULT_QUANTIZED_ACTIVATIONS,
     DEVICE_SPELLINGS,
     DTYPE_ALIASES,
     DTYPE_CHOICES,
@@ -124,7 +125,7 @@ class WorkerConfig:
         parse=normalize_dtype,
     )
     quantized_activations: str = setting(
-        "int8",
+        DEFAULT_QUANTIZED_ACTIVATIONS,
         "q8_0 and q4_1 (and the EAGLE-3 head's q8_0 on the CPU): how the linear layers take their inputs; int8: "
         "quantized per row in blocks of 32 and multiplied in integers (several times faster per row, batch "
         "invariant); fp32: exact, bitwise the fp32 model on the dequantised weights",
