@@ -13,8 +13,9 @@ Or start `specdec serve --port 0 FLAGS` for each --spawn and compare the configu
         --spawn "--proposer ngram --num-speculative-tokens 4 --speculative-disable-queue-size 4 --scheduling async"
 
 FLAGS pass through as they are (e.g. "--num-kv-blocks 256 --max-num-seqs 8"). Each level sends --num-requests
-(default 2 x concurrency, at least 4) Spec-Bench first turns, cycling over categories, greedy with ignore_eos so
-that every request emits --max-tokens tokens, with at most `concurrency` in flight. Per level it reports
+(default 2 x concurrency, at least 4) Spec-Bench first turns, cycling over categories (each level on
+prompts no earlier level sent), greedy with ignore_eos so that every request emits --max-tokens tokens,
+with at most `concurrency` in flight. Per level it reports
 throughput, TTFT and TPOT percentiles, and from the server's counters (deltas over the level) the acceptance
 rate, tokens per sequence-step, steps with speculation disabled and the worker's idle share. Then, per level,
 each configuration's throughput relative to the first. Results are saved in bench/results/serving-*.json.
@@ -124,9 +125,13 @@ def wait_idle(stub, timeout_s: float = 60.0) -> pb.GetServerInfoResponse:
         time.sleep(0.05)
 
 
-def run_level(stub, prompts: list[str], concurrency: int, args) -> dict:
+def level_sizes(args) -> list[int]:
+    """Requests per concurrency level."""
+    return [args.num_requests or max(2 * c, 4) for c in args.concurrency]
+
+
+def run_level(stub, prompts: list[str], concurrency: int, num_requests: int, args) -> dict:
     """One concurrency level: its requests, timings and counter deltas."""
-    num_requests = args.num_requests or max(2 * concurrency, 4)
     requests = [chat_request(prompts[i % len(prompts)], args.max_tokens) for i in range(num_requests)]
     before = wait_idle(stub).counters
     start = time.perf_counter()
@@ -180,7 +185,12 @@ def run_config(address: str, label: str, prompts: list[str], args) -> dict:
             info.max_num_seqs,
         )
         stream_timed(stub, chat_request(prompts[0], 8), args.request_timeout)  # warm-up
-        levels = [run_level(stub, prompts, c, args) for c in args.concurrency]
+        # Each level takes prompts no level before it sent: a suffix cache outlives requests, and would draft
+        # an earlier level's answers to them.
+        levels, first = [], 1
+        for concurrency, num_requests in zip(args.concurrency, level_sizes(args)):
+            levels.append(run_level(stub, prompts[first:] + prompts[:first], concurrency, num_requests, args))
+            first = (first + num_requests) % len(prompts)
     server = {
         "proposer": info.proposer,
         "num_speculative_tokens": info.num_speculative_tokens,
