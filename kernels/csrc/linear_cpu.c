@@ -368,17 +368,24 @@ static inline __attribute__((always_inline)) void rows_quantized(int num_rows, c
     }
 }
 
-static void store_tile(int num_rows, vec acc[ROW_TILE][GROUP_VECTORS], int64_t row0, int64_t out0,
+/* Rows row0 .. of one group's outputs out0 .. (values[r]: row row0 + r's GROUP_OUT sums) plus the bias, each
+ * rounded once to the output dtype; a last group's padding outputs are dropped. */
+static void store_rows(int num_rows, const float (*values)[GROUP_OUT], int64_t row0, int64_t out0,
                        int64_t out_features, const float *bias, int out_dtype, void *out, int64_t out_stride) {
     int64_t num_out = out_features - out0 < GROUP_OUT ? out_features - out0 : GROUP_OUT;
-    for (int r = 0; r < num_rows; r++) {
-        float values[GROUP_OUT];
-        memcpy(values, acc[r], sizeof values);
+    for (int r = 0; r < num_rows; r++)
         for (int64_t o = 0; o < num_out; o++) {
-            float value = bias ? values[o] + bias[out0 + o] : values[o];
+            float value = bias ? values[r][o] + bias[out0 + o] : values[r][o];
             store_scalar(out_dtype, out, (row0 + r) * out_stride + out0 + o, value);
         }
-    }
+}
+
+static void store_tile(int num_rows, vec acc[ROW_TILE][GROUP_VECTORS], int64_t row0, int64_t out0,
+                       int64_t out_features, const float *bias, int out_dtype, void *out, int64_t out_stride) {
+    float values[ROW_TILE][GROUP_OUT];
+    memcpy(values, acc, (size_t)num_rows * sizeof values[0]);
+    store_rows(num_rows, (const float (*)[GROUP_OUT])values, row0, out0, out_features, bias, out_dtype, out,
+               out_stride);
 }
 
 /* run_unit() for block-quantized weights; w_dtype is a constant where this is inlined, so each format's

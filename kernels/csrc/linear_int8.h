@@ -17,7 +17,7 @@
  * the exact fp32-activation kernel (DTYPE_Q8_0, DTYPE_Q4_1) by the activations' 8-bit rounding.
  *
  * Packed per group of GROUP_OUT outputs and block of QBLOCK inputs, one record (kernels/quantized.py,
- * pack): d[GROUP_OUT] (fp16), for q4_1 m[GROUP_OUT] (fp16), then the values as QUADS quads of inputs,
+ * pack_int8): d[GROUP_OUT] (fp16), for q4_1 m[GROUP_OUT] (fp16), then the values as QUADS quads of inputs,
  * each [GROUP_OUT outputs][4 bytes]: a 32-bit lane holds 4 consecutive inputs of one output, the shape
  * VPDPBUSD multiplies. q8_0 stores q + 128 (unsigned: VPDPBUSD's unsigned operand; the 128 * sx it adds
  * is taken off again); q4_1 stores quads k and k + 4 in one [GROUP_OUT][4] of bytes, low and high nibble.
@@ -43,13 +43,12 @@ typedef int32_t ivec __attribute__((vector_size(INT_LANES * 4)));
 #define INT_VECTORS (GROUP_OUT / INT_LANES)
 typedef float fvec __attribute__((vector_size(INT_LANES * sizeof(float))));
 
-/* A row's activations as the integer kernel reads them: qx [in] int8, and per block dx, mx and the
- * correction -128 * sx that q8_0's stored offset needs. */
+/* Rows' activations as the integer kernel reads them: qx int8, and per block dx, sx and mx. */
 typedef struct {
-    int8_t *qx;     /* [num_rows, in] */
-    float *dx;      /* [num_rows, in / QBLOCK] */
-    float *mx;      /* [num_rows, in / QBLOCK]: dx * sx */
-    int32_t *bias8; /* [num_rows, in / QBLOCK]: -128 * sx */
+    int8_t *qx;  /* [num_rows, in] */
+    float *dx;   /* [num_rows, in / QBLOCK] */
+    float *mx;   /* [num_rows, in / QBLOCK]: dx * sx (q4_1's minimum multiplies it) */
+    int32_t *sx; /* [num_rows, in / QBLOCK]: sum of the block's qx (q8_0's stored offset takes 128 * sx off) */
 } int8_rows;
 
 /* Row r of x (fp32 values of x_dtype, row stride x_stride) quantized into rows (see the header). */
@@ -75,7 +74,7 @@ static void quantize_row(int x_dtype, const void *x, int64_t x_stride, int64_t i
         float dx = amax / 127.0f;
         rows.dx[r * num_blocks + b] = dx;
         rows.mx[r * num_blocks + b] = dx * (float)sum;
-        rows.bias8[r * num_blocks + b] = -128 * sum;
+        rows.sx[r * num_blocks + b] = sum;
     }
 }
 
@@ -182,12 +181,12 @@ static inline ivec dot_q8(ivec acc, ivec u, ivec s) {
 #endif
 }
 
-/* Where dot_q8 starts a block's sums for a row whose block holds -128 * sx in bias8. */
-static inline ivec q8_start(int32_t bias8) {
+/* Where dot_q8 starts a block's sums for a row whose block's activations sum to sx. */
+static inline ivec q8_start(int32_t sx) {
 #if INT_LANES == 16
-    return broadcast_i32(bias8);
+    return broadcast_i32(-128 * sx);
 #else
-    (void)bias8;
+    (void)sx;
     return broadcast_i32(0);
 #endif
 }
@@ -222,7 +221,7 @@ static inline __attribute__((always_inline)) void tile_int8(int num_rows, int w_
         memcpy(xq[r], rows.qx + (r0 + r) * in + b * QBLOCK, QBLOCK);
         #pragma GCC unroll 8
         for (int v = 0; v < INT_PASS; v++)
-            sums[r][v] = w_dtype == DTYPE_Q8_0_INT8 ? q8_start(rows.bias8[(r0 + r) * num_blocks + b]) : broadcast_i32(0);
+            sums[r][v] = w_dtype == DTYPE_Q8_0_INT8 ? q8_start(rows.sx[(r0 + r) * num_blocks + b]) : broadcast_i32(0);
     }
     if (w_dtype == DTYPE_Q8_0_INT8) {
         const uint8_t *q = rec + GROUP_OUT * 2;
@@ -259,9 +258,9 @@ static inline __attribute__((always_inline)) void tile_int8(int num_rows, int w_
                 }
             }
         }
-#pragma GCC unroll 8
+        #pragma GCC unroll 8
         for (int r = 0; r < num_rows; r++)
-#pragma GCC unroll 8
+            #pragma GCC unroll 8
             for (int v = 0; v < INT_PASS; v++) sums[r][v] = widen_q4(sums[r][v]);
     }
     fvec d[INT_PASS], m[INT_PASS];
@@ -307,12 +306,7 @@ static inline __attribute__((always_inline)) void run_int8_unit(int w_dtype, int
                     default: tile_int8(1, w_dtype, rec, rows, row0 + r, b, in, acc + r, v0); break;
                 }
     }
-    int64_t num_out = out_features - out0 < GROUP_OUT ? out_features - out0 : GROUP_OUT;
-    for (int r = 0; r < num_rows; r++)
-        for (int64_t o = 0; o < num_out; o++) {
-            float value = bias ? acc[r][o] + bias[out0 + o] : acc[r][o];
-            store_scalar(out_dtype, out, (row0 + r) * out_stride + out0 + o, value);
-        }
+    store_rows(num_rows, (const float (*)[GROUP_OUT])acc, row0, out0, out_features, bias, out_dtype, out, out_stride);
 }
 
 /* specdec_linear for the integer layouts: quantizes each row's activations (in parallel by rows), then runs
@@ -327,7 +321,7 @@ static int linear_int8(int x_dtype, const void *x, int64_t x_stride, int64_t num
     int8_rows rows = {(int8_t *)scratch, (float *)(scratch + num_rows * in), NULL, NULL};
     /* in is a multiple of QBLOCK, so the float arrays after qx start 4-byte aligned */
     rows.mx = rows.dx + num_rows * num_blocks;
-    rows.bias8 = (int32_t *)(rows.mx + num_rows * num_blocks);
+    rows.sx = (int32_t *)(rows.mx + num_rows * num_blocks);
     #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t r = 0; r < num_rows; r++) quantize_row(x_dtype, x, x_stride, in, r, rows);
     int64_t num_groups = (out_features + GROUP_OUT - 1) / GROUP_OUT;
