@@ -4,7 +4,9 @@ Against a running server:
 
     .venv/bin/python bench/bench_serving.py --address 127.0.0.1:50051 [--concurrency 1,4,16] [--max-tokens 64]
 
-Or start `specdec serve --port 0 FLAGS` for each --spawn and compare the configurations in one run:
+Or start `specdec serve --port 0 FLAGS` for each --spawn and compare the configurations in one run, all
+servers up at once and their levels interleaved (--rounds R: each level R times, the order of the servers
+reversed every other round):
 
     .venv/bin/python bench/bench_serving.py --concurrency 1,4,8,16 --max-tokens 64 \\
         --spawn "--proposer none --scheduling sync" \\
@@ -13,18 +15,20 @@ Or start `specdec serve --port 0 FLAGS` for each --spawn and compare the configu
         --spawn "--proposer ngram --num-speculative-tokens 4 --speculative-disable-queue-size 4 --scheduling async"
 
 FLAGS pass through as they are (e.g. "--num-kv-blocks 256 --max-num-seqs 8"). Each level sends --num-requests
-(default 2 x concurrency, at least 4) Spec-Bench first turns, cycling over categories (each level on
-prompts no earlier level sent), greedy with ignore_eos so that every request emits --max-tokens tokens,
-with at most `concurrency` in flight. Per level it reports
-throughput, TTFT and TPOT percentiles, and from the server's counters (deltas over the level) the acceptance
-rate, tokens per sequence-step, steps with speculation disabled and the worker's idle share. Then, per level,
-each configuration's throughput relative to the first. Results are saved in bench/results/serving-*.json.
+(default 2 x concurrency, at least 4) Spec-Bench first turns, cycling over categories (each level and round on
+prompts no earlier one sent, the same to every server), greedy with ignore_eos so that every request emits
+--max-tokens tokens, with at most `concurrency` in flight. Per level it reports throughput, TTFT and TPOT
+percentiles, and from the server's counters (deltas over the level) the acceptance rate, tokens per
+sequence-step, steps with speculation disabled, the worker's idle share and the CPU seconds the other servers
+used meanwhile (idle servers: about 0). Then, per level, each configuration's throughput (over all rounds)
+relative to the first. Results are saved in bench/results/serving-*.json.
 """
 
 import argparse
 from concurrent.futures import ThreadPoolExecutor
 import contextlib
 import logging
+import math
 import pathlib
 import shlex
 import sys
@@ -34,7 +38,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
-from bench.common import load_questions, save  # noqa: E402
+from bench.common import load_questions, process_tree_cpu_s, save  # noqa: E402
 from specdec.v1 import generation_pb2 as pb  # noqa: E402
 from specdec.v1 import generation_pb2_grpc  # noqa: E402
 from tests.processes import running  # noqa: E402
@@ -169,29 +173,20 @@ def run_level(stub, prompts: list[str], concurrency: int, num_requests: int, arg
     return level
 
 
-def run_config(address: str, label: str, prompts: list[str], args) -> dict:
-    """Warm-up, then every concurrency level, against the server at `address`."""
-    with grpc.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        info = stub.GetServerInfo(pb.GetServerInfoRequest())
-        logger.info(
-            "%s: proposer %s, k=%d, %s, disable queue size %d, %d KV blocks, max %d seqs",
-            label,
-            info.proposer,
-            info.num_speculative_tokens,
-            info.scheduling,
-            info.speculative_disable_queue_size,
-            info.num_kv_blocks,
-            info.max_num_seqs,
-        )
-        stream_timed(stub, chat_request(prompts[0], 8), args.request_timeout)  # warm-up
-        # Each level takes prompts no level before it sent: a suffix cache outlives requests, and would draft
-        # an earlier level's answers to them.
-        levels, first = [], 1
-        for concurrency, num_requests in zip(args.concurrency, level_sizes(args)):
-            levels.append(run_level(stub, prompts[first:] + prompts[:first], concurrency, num_requests, args))
-            first = (first + num_requests) % len(prompts)
-    server = {
+def describe(stub, label: str) -> dict:
+    """The server's configuration (logged), after one warm-up request."""
+    info = stub.GetServerInfo(pb.GetServerInfoRequest())
+    logger.info(
+        "%s: proposer %s, k=%d, %s, disable queue size %d, %d KV blocks, max %d seqs",
+        label,
+        info.proposer,
+        info.num_speculative_tokens,
+        info.scheduling,
+        info.speculative_disable_queue_size,
+        info.num_kv_blocks,
+        info.max_num_seqs,
+    )
+    return {
         "proposer": info.proposer,
         "num_speculative_tokens": info.num_speculative_tokens,
         "scheduling": info.scheduling,
@@ -200,17 +195,73 @@ def run_config(address: str, label: str, prompts: list[str], args) -> dict:
         "max_num_seqs": info.max_num_seqs,
         "model": info.model,
     }
-    return {"label": label, "server": server, "levels": levels}
+
+
+def run_all(servers: list[tuple[str, str, int | None]], prompts: list[str], args) -> list[dict]:
+    """Every configuration (label, address, pid or None), all up at once, interleaved: per round and level each
+    server in turn (the order reversed every other round), so a busier minute of the machine falls on all of
+    them. Each level records the CPU seconds the other spawned servers used meanwhile (idle: about 0).
+
+    Each (round, level) sends prompts no earlier one sent, the same to every server: a suffix cache outlives
+    requests, and would draft an earlier level's answers."""
+    channels = [grpc.insecure_channel(address) for _, address, _ in servers]
+    try:
+        stubs = [generation_pb2_grpc.GenerationServiceStub(channel) for channel in channels]
+        configs = [
+            {"label": label, "server": describe(stub, label), "rounds": []}
+            for (label, _, _), stub in zip(servers, stubs)
+        ]
+        for stub in stubs:
+            stream_timed(stub, chat_request(prompts[0], 8), args.request_timeout)  # warm-up
+        first = 1
+        for r in range(args.rounds):
+            order = list(range(len(servers)))[:: 1 if r % 2 == 0 else -1]
+            levels: list[list[dict]] = [[] for _ in servers]
+            for concurrency, num_requests in zip(args.concurrency, level_sizes(args)):
+                rotated = prompts[first:] + prompts[:first]
+                for i in order:
+                    logger.info("round %d/%d, %s", r + 1, args.rounds, configs[i]["label"])
+                    others = [pid for j, (_, _, pid) in enumerate(servers) if j != i and pid is not None]
+                    before = sum(map(process_tree_cpu_s, others))
+                    level = run_level(stubs[i], rotated, concurrency, num_requests, args)
+                    level["idle_servers_cpu_s"] = sum(map(process_tree_cpu_s, others)) - before
+                    levels[i].append(level)
+                first = (first + num_requests) % len(prompts)
+            for config, config_levels in zip(configs, levels):
+                config["rounds"].append(config_levels)
+        for config in configs:
+            config["levels"] = [merge_rounds(per_round) for per_round in zip(*config["rounds"])]
+        return configs
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+def merge_rounds(levels: tuple[dict, ...]) -> dict:
+    """One level over every round: the first round's figures, with throughput taken over all rounds (total
+    tokens / total wall time) and each round's throughput kept."""
+    merged = dict(levels[0])
+    wall_s = sum(lv["wall_s"] for lv in levels)
+    tokens = sum(lv["num_completion_tokens"] for lv in levels)
+    merged.update(
+        wall_s=wall_s,
+        num_completion_tokens=tokens,
+        throughput_tok_s=tokens / wall_s,
+        round_throughputs_tok_s=[lv["throughput_tok_s"] for lv in levels],
+        num_errors=sum(lv["num_errors"] for lv in levels),
+        idle_servers_cpu_s=sum(lv["idle_servers_cpu_s"] for lv in levels),
+    )
+    return merged
 
 
 @contextlib.contextmanager
 def spawned(flags: str):
-    """`specdec serve --port 0 FLAGS`, once it is ready: yields its address."""
+    """`specdec serve --port 0 FLAGS`, once it is ready: yields (its address, its pid)."""
     with running(["serve", "--port", "0", *shlex.split(flags)]) as process:
         address = process.address(who="scheduler ")
         process.wait_for("scheduler ready")
         try:
-            yield address
+            yield address, process.proc.pid
         finally:
             if process.proc.poll() is not None:
                 logger.error(
@@ -223,10 +274,10 @@ def fmt(value, scale: float = 1.0, spec: str = ".1f") -> str:
 
 
 def print_table(config: dict) -> None:
-    print(f"\n{config['label']}")
+    print(f"\n{config['label'] or '(defaults)'}")
     print(
         f"{'conc':>4} {'reqs':>4} {'err':>3} {'tok/s':>7} {'TTFT p50':>9} {'p90':>9} {'TPOT p50':>9} {'p90':>9} "
-        f"{'accept':>6} {'tok/seq-step':>12} {'no-spec/steps':>13} {'idle':>5}"
+        f"{'accept':>6} {'tok/seq-step':>12} {'no-spec/steps':>13} {'idle':>5} {'others CPU':>10}  per round tok/s"
     )
     for lv in config["levels"]:
         print(
@@ -235,40 +286,52 @@ def print_table(config: dict) -> None:
             f"{fmt(lv['tpot_p50_s'], 1e3):>7}ms {fmt(lv['tpot_p90_s'], 1e3):>7}ms "
             f"{fmt(lv['acceptance_rate'], 1, '.2f'):>6} {fmt(lv['tokens_per_sequence_step'], 1, '.2f'):>12} "
             f"{lv['num_steps_speculation_disabled']:>6}/{lv['num_steps']:<6} "
-            f"{fmt(lv['worker_idle_share'], 1, '.0%'):>5}"
+            f"{fmt(lv['worker_idle_share'], 1, '.0%'):>5} {lv['idle_servers_cpu_s']:>9.1f}s  "
+            + " ".join(f"{t:.1f}" for t in lv["round_throughputs_tok_s"])
         )
+    print("(TTFT, TPOT and the counters: the first round; tok/s: all rounds)")
 
 
-def comparison(configs: list[dict]) -> dict[str, list[float]]:
-    """Per level (concurrency), each configuration's throughput over the first configuration's."""
+def comparison(configs: list[dict]) -> dict[str, list[list[float]]]:
+    """Per level (concurrency), each configuration's throughput over the first configuration's in each round
+    (the two ran next to each other, so a slower minute of the machine falls on both)."""
     base = configs[0]["levels"]
     return {
-        str(lv["concurrency"]): [c["levels"][i]["throughput_tok_s"] / lv["throughput_tok_s"] for c in configs]
+        str(lv["concurrency"]): [
+            [t / b for t, b in zip(c["levels"][i]["round_throughputs_tok_s"], lv["round_throughputs_tok_s"])]
+            for c in configs
+        ]
         for i, lv in enumerate(base)
     }
 
 
-def print_comparison(configs: list[dict], ratios: dict[str, list[float]]) -> None:
-    print(f"\nthroughput vs [1] {configs[0]['label']}")
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def print_comparison(configs: list[dict], ratios: dict[str, list[list[float]]]) -> None:
+    print(f"\nthroughput vs [1] {configs[0]['label']}: geometric mean over rounds (lowest..highest round)")
     for i, c in enumerate(configs, 1):
-        print(f"  [{i}] {c['label']}")
-    print("conc " + " ".join(f"{f'[{i}]':>6}" for i in range(1, len(configs) + 1)))
+        print(f"  [{i}] {c['label'] or '(defaults)'}")
+    print("conc " + " ".join(f"{f'[{i}]':>17}" for i in range(1, len(configs) + 1)))
     for concurrency, row in ratios.items():
-        print(f"{concurrency:>4} " + " ".join(f"{r:>5.2f}x" for r in row))
+        cells = [f"{geomean(r):.2f}x ({min(r):.2f}..{max(r):.2f})" for r in row]
+        print(f"{concurrency:>4} " + " ".join(f"{cell:>17}" for cell in cells))
 
 
 def main(args) -> None:
     prompts = interleaved_prompts()
-    configs = []
-    if args.address:
-        configs.append(run_config(args.address, args.address, prompts, args))
-    for flags in args.spawn or []:
-        logger.info("starting specdec serve %s", flags)
-        try:
-            with spawned(flags) as address:
-                configs.append(run_config(address, flags, prompts, args))
-        except (AssertionError, grpc.RpcError) as exc:  # a server that fails to start or to answer: go on
-            logger.error("configuration %r failed: %s", flags, exc)
+    servers = [(args.address, args.address, None)] if args.address else []
+    with contextlib.ExitStack() as stack:
+        for flags in args.spawn or []:
+            logger.info("starting specdec serve %s", flags)
+            try:
+                address, pid = stack.enter_context(spawned(flags))
+            except AssertionError as exc:  # a server that fails to start: go on without it
+                logger.error("configuration %r failed to start: %s", flags, exc)
+                continue
+            servers.append((flags, address, pid))
+        configs = run_all(servers, prompts, args) if servers else []
     if not configs:
         sys.exit("no configuration completed")
     for config in configs:
@@ -282,8 +345,10 @@ def main(args) -> None:
             "max_tokens": args.max_tokens,
             "concurrency": args.concurrency,
             "num_requests": args.num_requests,
+            "rounds": args.rounds,
             "configs": configs,
-            "throughput_vs_first": ratios,
+            "throughput_vs_first": {level: [geomean(r) for r in row] for level, row in ratios.items()},
+            "throughput_vs_first_by_round": ratios,
         },
     )
 
@@ -295,6 +360,7 @@ def parse_args(argv=None):
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
     parser.add_argument("--num-requests", type=int, default=None, help="per level (default: 2 x concurrency, >= 4)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1, help="times each level runs per configuration, interleaved")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     args = parser.parse_args(argv)
     if not args.address and not args.spawn:

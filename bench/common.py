@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import pathlib
 import platform
 import statistics
@@ -36,6 +37,24 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a process and its live descendants (Linux /proc); 0 for one
+    that is gone. Benchmarks that keep several servers up read it around a timed run, to show the idle ones
+    took no CPU from the one being timed."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            fields = pathlib.Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14 and 15 of stat)
+            for task in pathlib.Path(f"/proc/{p}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
 
 
 def median_time(fn, repeats: int) -> float:
