@@ -61,6 +61,18 @@ def test_long_contexts_make_draft_rows_dearer():
     assert ks[0] >= 3 and ks[1] == 0
 
 
+def test_a_draft_row_costs_at_least_a_prefill_row():
+    """A fit that put a row's cost on c_seq (plain steps have rows = seqs) must not make drafts look free: at 16
+    sequences and 0.3 acceptance a draft row, priced as a prefill row, costs more than it returns; at batch 1,
+    where a step's fixed cost dominates, the same drafts pay."""
+    collinear = CostCoefficients(c0=10.0, c_row=0.05, c_prefill=0.9, c_seq=2.3, c_ctx=0.0)
+    assert choose_num_drafts([candidate(0.3)] * 16, collinear, 0, 0, num_base_tokens=16) == [0] * 16
+    assert choose_num_drafts([candidate(0.3)], collinear, 0, 0, num_base_tokens=1)[0] > 0
+    # Teeth: with the fit's own c_row (no prefill rows seen, so no floor) the 16 sequences draft.
+    unfloored = CostCoefficients(c0=10.0, c_row=0.05, c_prefill=0.0, c_seq=2.3, c_ctx=0.0)
+    assert sum(choose_num_drafts([candidate(0.3)] * 16, unfloored, 0, 0, num_base_tokens=16)) > 0
+
+
 def test_choice_is_the_best_over_all_k_vectors():
     """Brute force over every k vector of two sequences: the greedy prefix scan finds the maximum."""
     cost = CostCoefficients(c0=10.0, c_row=1.5, c_prefill=1.0, c_seq=0.5, c_ctx=0.1)
