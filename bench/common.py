@@ -39,21 +39,35 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     )["input_ids"]
 
 
-def process_tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) used so far by a process and its live descendants (Linux /proc); 0 for one
-    that is gone. Benchmarks that keep several servers up read it around a timed run, to show the idle ones
-    took no CPU from the one being timed."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total, stack = 0.0, [pid]
+def process_tree(pid: int) -> list[int]:
+    """A process and its live descendants (Linux /proc); [] for one that is gone."""
+    found, stack = [], [pid]
     while stack:
         p = stack.pop()
         try:
-            fields = pathlib.Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14 and 15 of stat)
-            for task in pathlib.Path(f"/proc/{p}/task").iterdir():
-                stack += [int(c) for c in (task / "children").read_text().split()]
+            children = [
+                int(c)
+                for task in pathlib.Path(f"/proc/{p}/task").iterdir()
+                for c in (task / "children").read_text().split()
+            ]
         except (FileNotFoundError, ProcessLookupError):
             continue
+        found.append(p)
+        stack += children
+    return found
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a process and its live descendants; 0 for one that is gone.
+    Benchmarks that keep several servers up read it around a timed run, to show the idle ones took no CPU
+    from the one being timed."""
+    ticks, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for p in process_tree(pid):
+        try:
+            fields = pathlib.Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14 and 15 of stat)
     return total
 
 
