@@ -29,8 +29,8 @@ from bench.bench_structured import ARTICLE_SCHEMA, PASSAGE_SCHEMA  # noqa: E402
 from bench.common import save  # noqa: E402
 from kernels import token_bitmask  # noqa: E402
 from specdec.structured import to_grammar  # noqa: E402
-from worker_service import structured  # noqa: E402
 from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
+from worker_service.speculation import structured  # noqa: E402
 
 RECORDS = {
     "article": (

@@ -32,8 +32,8 @@ from bench.bench_serving import spawned  # noqa: E402
 from bench.bench_structured import Server, jobs_of, run_job  # noqa: E402
 from bench.common import chat_ids, save  # noqa: E402
 from specdec.structured import to_grammar  # noqa: E402
-from worker_service import structured  # noqa: E402
 from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
+from worker_service.speculation import structured  # noqa: E402
 from worker_service.speculation.proposers.ngram import propose_ngram  # noqa: E402
 
 SCHEMES = ("ngram", "forced, else ngram", "forced, then ngram")

@@ -32,8 +32,8 @@ from bench.bench_structured import jobs_of  # noqa: E402
 from bench.common import chat_ids, save  # noqa: E402
 from specdec.structured import to_grammar  # noqa: E402
 from tests.worker.driver import Driver  # noqa: E402
-from worker_service import structured  # noqa: E402
 from worker_service.runtime.default_model import DEFAULT_EAGLE3_HEAD, fetch_default_model  # noqa: E402
+from worker_service.speculation import structured  # noqa: E402
 from worker_service.speculation.build import build_worker  # noqa: E402
 from worker_service.speculation.config import WorkerConfig  # noqa: E402
 from worker_service.speculation.proposers.eagle3 import Eagle3Proposer  # noqa: E402

@@ -256,6 +256,13 @@ def merge_rounds(levels: tuple[dict, ...]) -> dict:
 
 @contextlib.contextmanager
 def spawned(flags: str):
+    """`specdec serve --port 0 FLAGS`, once it is ready: yields its address."""
+    with spawned_server(flags) as (address, _):
+        yield address
+
+
+@contextlib.contextmanager
+def spawned_server(flags: str):
     """`specdec serve --port 0 FLAGS`, once it is ready: yields (its address, its pid)."""
     with running(["serve", "--port", "0", *shlex.split(flags)]) as process:
         address = process.address(who="scheduler ")
@@ -326,7 +333,7 @@ def main(args) -> None:
         for flags in args.spawn or []:
             logger.info("starting specdec serve %s", flags)
             try:
-                address, pid = stack.enter_context(spawned(flags))
+                address, pid = stack.enter_context(spawned_server(flags))
             except AssertionError as exc:  # a server that fails to start: go on without it
                 logger.error("configuration %r failed to start: %s", flags, exc)
                 continue
