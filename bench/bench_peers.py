@@ -112,7 +112,8 @@ OPENVINO_REQUIREMENTS = ["openvino-genai==2026.4.1.0", "optimum-intel[openvino]=
 OPENVINO = {"openvino int4 g32": False, "openvino int4 g32 prompt lookup": True}
 MODEL_NAME = "SmolLM2-135M-Instruct"
 # The KV cache budget of every specdec and vLLM server (GiB): 1 holds ~23,000 fp32 tokens of SmolLM2, room for
-# --concurrency requests, and lets a dozen servers share 24 GiB (their default of 2 did not).
+# --concurrency requests, and lets a dozen servers share 24 GiB (with the default of 2 GiB each, the second
+# vLLM engine failed to start beside the others here).
 KV_CACHE_GIB = 1
 KV_CACHE_FLAGS = ["--kv-cache-memory-gib", str(KV_CACHE_GIB)]
 
@@ -242,6 +243,7 @@ def openvino_model(python: pathlib.Path) -> pathlib.Path:
     if (target / "openvino_model.xml").exists():
         return target
     partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # an export that did not finish
     command = [
         str(python.parent / "optimum-cli"), "export", "openvino", "--model", str(fetch_default_model()),
         "--task", "text-generation-with-past", "--weight-format", "int4", "--group-size", "32", "--ratio", "1.0",
@@ -254,16 +256,21 @@ def openvino_model(python: pathlib.Path) -> pathlib.Path:
     return target
 
 
-def run_openvino(python: pathlib.Path, model: pathlib.Path, prompts: list[str], max_tokens: int, prompt_lookup: bool,
-                 batch: int, threads: int) -> list[dict]:  # fmt: skip
+def run_openvino(
+    python: pathlib.Path,
+    model: pathlib.Path,
+    prompts: list[str],
+    max_tokens: int,
+    prompt_lookup: bool,
+    batch: int,
+    threads: int,
+) -> list[dict]:
     """bench/peer_openvino.py in the OpenVINO environment: per call of `batch` prompts, its seconds, tokens and
     texts."""
     with tempfile.TemporaryDirectory() as scratch:
         request = pathlib.Path(scratch) / "request.json"
-        request.write_text(
-            json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
-                        "prompt_lookup": prompt_lookup, "batch": batch, "threads": threads})
-        )  # fmt: skip
+        fields = {"prompts": prompts, "max_tokens": max_tokens, "prompt_lookup": prompt_lookup, "batch": batch}
+        request.write_text(json.dumps({"model": str(model), "threads": threads, **fields}))
         script = pathlib.Path(__file__).with_name("peer_openvino.py")
         result = subprocess.run([str(python), str(script), str(request)], capture_output=True, text=True)
         if result.returncode != 0:
