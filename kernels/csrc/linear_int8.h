@@ -208,11 +208,11 @@ static inline ivec nibbles(ivec v, int high) {
 
 /* Rows r0 .. r0 + num_rows - 1 of one block b of inputs times a record rec of the integer layout, output
  * vectors v0 .. v0 + INT_PASS - 1: each element's int32 sum over the block, then its step of the fp32 chain
- * (the header) on acc[r] (that row's group outputs). num_rows and w_dtype are constants where this is
+ * (the header) on acc[r][v] (row r's outputs (v0 + v) * INT_LANES ..). num_rows and w_dtype are constants where this is
  * inlined, so the loops unroll and the sums stay in registers. */
-static inline __attribute__((always_inline)) void tile_int8(int num_rows, int w_dtype, const uint8_t *rec,
-                                                            int8_rows rows, int64_t r0, int64_t b, int64_t in,
-                                                            float (*acc)[GROUP_OUT], int v0) {
+static inline __attribute__((always_inline)) void block_int8(int num_rows, int w_dtype, const uint8_t *rec,
+                                                             int8_rows rows, int64_t r0, int64_t b, int64_t in,
+                                                             fvec (*acc)[INT_PASS], int v0) {
     int64_t num_blocks = in / QBLOCK;
     int32_t xq[ROW_TILE][QUADS]; /* each row's block of activations, 4 to a lane */
     ivec sums[ROW_TILE][INT_PASS];
@@ -275,14 +275,46 @@ static inline __attribute__((always_inline)) void tile_int8(int num_rows, int w_
         fvec mx = (fvec){0} + rows.mx[(r0 + r) * num_blocks + b];
         #pragma GCC unroll 8
         for (int v = 0; v < INT_PASS; v++) {
-            fvec a;
-            float *slot = acc[r] + (v0 + v) * INT_LANES;
-            memcpy(&a, slot, sizeof a);
-            a = fma_fvec(d[v] * dx, int_to_float(sums[r][v]), a);
-            if (w_dtype == DTYPE_Q4_1_INT8) a = fma_fvec(m[v], mx, a);
-            memcpy(slot, &a, sizeof a);
+            acc[r][v] = fma_fvec(d[v] * dx, int_to_float(sums[r][v]), acc[r][v]);
+            if (w_dtype == DTYPE_Q4_1_INT8) acc[r][v] = fma_fvec(m[v], mx, acc[r][v]);
         }
     }
+}
+
+/* block_int8 on the sums kept in memory between blocks (acc: a row block's, GROUP_OUT floats a row). */
+static inline __attribute__((always_inline)) void tile_int8(int num_rows, int w_dtype, const uint8_t *rec,
+                                                            int8_rows rows, int64_t r0, int64_t b, int64_t in,
+                                                            float (*acc)[GROUP_OUT], int v0) {
+    fvec a[ROW_TILE][INT_PASS];
+    #pragma GCC unroll 8
+    for (int r = 0; r < num_rows; r++)
+        #pragma GCC unroll 8
+        for (int v = 0; v < INT_PASS; v++) memcpy(&a[r][v], acc[r] + (v0 + v) * INT_LANES, sizeof a[r][v]);
+    block_int8(num_rows, w_dtype, rec, rows, r0, b, in, a, v0);
+    #pragma GCC unroll 8
+    for (int r = 0; r < num_rows; r++)
+        #pragma GCC unroll 8
+        for (int v = 0; v < INT_PASS; v++) memcpy(acc[r] + (v0 + v) * INT_LANES, &a[r][v], sizeof a[r][v]);
+}
+
+/* A tile of at most ROW_TILE rows where a pass is the whole group (INT_PASS == INT_VECTORS): block_int8 over
+ * every block with the sums in registers throughout (each output's chain in the same order, so the same
+ * bits as tile_int8's), then stored once into acc. At one row the sums' trips through memory at every
+ * block took about as long as waiting for the weights. */
+static inline __attribute__((always_inline)) void tile_int8_blocks(int num_rows, int w_dtype, const uint8_t *w,
+                                                                   int8_rows rows, int64_t r0, int64_t in,
+                                                                   float (*acc)[GROUP_OUT]) {
+    fvec a[ROW_TILE][INT_PASS];
+    #pragma GCC unroll 8
+    for (int r = 0; r < num_rows; r++)
+        #pragma GCC unroll 8
+        for (int v = 0; v < INT_PASS; v++) a[r][v] = (fvec){0};
+    for (int64_t b = 0; b < in / QBLOCK; b++)
+        block_int8(num_rows, w_dtype, open_record(w_dtype, w, b), rows, r0, b, in, a, 0);
+    #pragma GCC unroll 8
+    for (int r = 0; r < num_rows; r++)
+        #pragma GCC unroll 8
+        for (int v = 0; v < INT_PASS; v++) memcpy(acc[r] + v * INT_LANES, &a[r][v], sizeof a[r][v]);
 }
 
 /* Rows [row0, row_end) (at most ROW_BLOCK) of one group's records w, out0 its first output: block by block,
@@ -294,6 +326,18 @@ static inline __attribute__((always_inline)) void run_int8_unit(int w_dtype, int
                                                                 int64_t out_stride) {
     float acc[ROW_BLOCK][GROUP_OUT];
     int num_rows = (int)(row_end - row0);
+    if (INT_PASS == INT_VECTORS) { /* tile by tile, each over every block (later tiles read the records from L2) */
+        for (int r = 0; r < num_rows; r += ROW_TILE)
+            switch (num_rows - r < ROW_TILE ? num_rows - r : ROW_TILE) {
+                case 4: tile_int8_blocks(4, w_dtype, w, rows, row0 + r, in, acc + r); break;
+                case 3: tile_int8_blocks(3, w_dtype, w, rows, row0 + r, in, acc + r); break;
+                case 2: tile_int8_blocks(2, w_dtype, w, rows, row0 + r, in, acc + r); break;
+                default: tile_int8_blocks(1, w_dtype, w, rows, row0 + r, in, acc + r); break;
+            }
+        store_rows(num_rows, (const float (*)[GROUP_OUT])acc, row0, out0, out_features, bias, out_dtype, out,
+                   out_stride);
+        return;
+    }
     memset(acc, 0, (size_t)num_rows * sizeof acc[0]);
     for (int64_t b = 0; b < in / QBLOCK; b++) {
         const uint8_t *rec = open_record(w_dtype, w, b);
