@@ -53,14 +53,17 @@ class SessionClient(WorkerClient):
 
 
 def stream_driver(client: SessionClient) -> Driver:
-    """A driver on a new session (the previous one's stream, left open, is given up)."""
+    """A driver on a new session (the previous one's stream, left open, is given up); `driver.stream` is its
+    stream, for a test that opens another stream of the same session after it (finish it first)."""
     stream = client.open_stream(client.new_session())
 
     def execute(request):
         stream.send(request)
         return stream.recv()
 
-    return Driver(execute, BLOCK_SIZE, NUM_BLOCKS)
+    driver = Driver(execute, BLOCK_SIZE, NUM_BLOCKS)
+    driver.stream = stream
+    return driver
 
 
 def test_health_serving_after_init_and_reflection(tiny_worker):
@@ -159,12 +162,16 @@ def test_one_scheduler_session_at_a_time(tiny_worker):
         # The live session still holds "a" and decodes it as if nothing happened.
         live.send(step.StepRequest(2, cached_requests=[step.CachedRequest("a", [], 1, 1)]))
         second = live.recv().outputs[0].token_ids
-        reference = stream_driver(client).generate([[5, 6, 7]], 2, prefix="ref")[0]  # a new session (own)
+        driver = stream_driver(client)
+        reference = driver.generate([[5, 6, 7]], 2, prefix="ref")[0]  # a new session (own)
         assert first + second == reference
         # The first session was replaced by the driver's: its next step is refused.
         live.send(step.StepRequest(3, cached_requests=[step.CachedRequest("a", [], 1, 1)]))
         expect_session_refused(live.recv, "replaced")
-        # A scheduler taking over explicitly gets a session; the one it replaced loses its stream.
+        # A scheduler taking over explicitly gets a session; the one it replaced loses its stream. The driver's
+        # stream ends first: a session has one stream at a time, and a stream left to the garbage collector
+        # may still be open when the next one comes (this test failed so, once in a fresh clone's run).
+        driver.stream.finish()
         held = client.open_stream(client.session_id)
         held.send(step.StepRequest(4))
         held.recv()
