@@ -208,8 +208,8 @@ static inline ivec nibbles(ivec v, int high) {
 
 /* Rows r0 .. r0 + num_rows - 1 of one block b of inputs times a record rec of the integer layout, output
  * vectors v0 .. v0 + INT_PASS - 1: each element's int32 sum over the block, then its step of the fp32 chain
- * (the header) on acc[r][v] (row r's outputs (v0 + v) * INT_LANES ..). num_rows and w_dtype are constants where this is
- * inlined, so the loops unroll and the sums stay in registers. */
+ * (the header) on the accumulator acc[r][v] (row r's outputs (v0 + v) * INT_LANES ..). num_rows and w_dtype
+ * are constants where this is inlined, so the loops unroll and the sums stay in registers. */
 static inline __attribute__((always_inline)) void block_int8(int num_rows, int w_dtype, const uint8_t *rec,
                                                              int8_rows rows, int64_t r0, int64_t b, int64_t in,
                                                              fvec (*acc)[INT_PASS], int v0) {
@@ -281,7 +281,8 @@ static inline __attribute__((always_inline)) void block_int8(int num_rows, int w
     }
 }
 
-/* block_int8 on the sums kept in memory between blocks (acc: a row block's, GROUP_OUT floats a row). */
+/* block_int8 with the accumulators kept in memory between blocks (acc: a row block's, GROUP_OUT floats a row):
+ * the narrower builds, whose registers do not hold a whole group's. */
 static inline __attribute__((always_inline)) void tile_int8(int num_rows, int w_dtype, const uint8_t *rec,
                                                             int8_rows rows, int64_t r0, int64_t b, int64_t in,
                                                             float (*acc)[GROUP_OUT], int v0) {
@@ -298,9 +299,9 @@ static inline __attribute__((always_inline)) void tile_int8(int num_rows, int w_
 }
 
 /* A tile of at most ROW_TILE rows where a pass is the whole group (INT_PASS == INT_VECTORS): block_int8 over
- * every block with the sums in registers throughout (each output's chain in the same order, so the same
- * bits as tile_int8's), then stored once into acc. At one row the sums' trips through memory at every
- * block took about as long as waiting for the weights. */
+ * every block with the accumulators in registers throughout (each output's chain in the same order, so the
+ * same bits as tile_int8's), then stored once into acc. At one row their trips through memory at every block
+ * took about as long as waiting for the weights. */
 static inline __attribute__((always_inline)) void tile_int8_blocks(int num_rows, int w_dtype, const uint8_t *w,
                                                                    int8_rows rows, int64_t r0, int64_t in,
                                                                    float (*acc)[GROUP_OUT]) {
@@ -317,8 +318,9 @@ static inline __attribute__((always_inline)) void tile_int8_blocks(int num_rows,
         for (int v = 0; v < INT_PASS; v++) memcpy(acc[r] + v * INT_LANES, &a[r][v], sizeof a[r][v]);
 }
 
-/* Rows [row0, row_end) (at most ROW_BLOCK) of one group's records w, out0 its first output: block by block,
- * each record read from memory once and run by every tile of rows while it is in L1. */
+/* Rows [row0, row_end) (at most ROW_BLOCK) of one group's records w, out0 its first output. Where a pass is
+ * the whole group, tile by tile, each over every block; otherwise block by block, each record read from
+ * memory once and run by every tile of rows while it is in L1. */
 static inline __attribute__((always_inline)) void run_int8_unit(int w_dtype, int8_rows rows, int64_t in,
                                                                 int64_t row0, int64_t row_end, const uint8_t *w,
                                                                 int64_t out0, int64_t out_features,
