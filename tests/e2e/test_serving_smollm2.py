@@ -67,16 +67,18 @@ CONFIGS = {
 }
 
 
+def greedy_requests(prompts: list[list[int]]) -> list[pb.GenerateRequest]:
+    """One greedy request of MAX_TOKENS per prompt (token ids)."""
+    sampling = pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    return [pb.GenerateRequest(prompt_token_ids=p, sampling=sampling) for p in prompts]
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_concurrent_chat_requests_match_transformers(smollm2_path, prompts, reference, name):
     with serve_in_process(
         ["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *EXACT, *CONFIGS[name]]
     ) as server:
-        requests = [
-            pb.GenerateRequest(prompt_token_ids=p, sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
-            for p in prompts
-        ]
-        results = stream_all(server.stub, requests)
+        results = stream_all(server.stub, greedy_requests(prompts))
         info = server.wait_idle()
     assert [tokens for tokens, _ in results] == reference  # HF stops at EOS, and so does the server
     assert info.num_free_kv_blocks == info.num_kv_blocks
@@ -92,11 +94,7 @@ def test_the_default_int8_activations_speculate_losslessly(smollm2_path, prompts
     outputs = {}
     for name, flags in (("plain", ["--proposer", "none"]), ("suffix", CONFIGS["suffix-async"])):
         with serve_in_process(["--model", str(smollm2_path), "--kv-cache-memory-gib", "0.5", *flags]) as server:
-            requests = [
-                pb.GenerateRequest(prompt_token_ids=p, sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
-                for p in prompts
-            ]
-            outputs[name] = [tokens for tokens, _ in stream_all(server.stub, requests)]
+            outputs[name] = [tokens for tokens, _ in stream_all(server.stub, greedy_requests(prompts))]
             info = server.wait_idle()
     assert outputs["suffix"] == outputs["plain"]
     assert info.counters.num_accepted_tokens > 0
