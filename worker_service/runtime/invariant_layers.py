@@ -53,9 +53,12 @@ def kernels_fail(device: torch.device, dtype: torch.dtype) -> str | None:
         generator = torch.Generator().manual_seed(0)
         x, w = (torch.randn(shape, generator=generator).to(device, dtype) for shape in ((3, 96), (40, 96)))
         wide = torch.randn((8200, 96), generator=generator).to(device, dtype)  # the other column block (block_n)
+        # K in splits (kernels.invariant_ops.k_splits): a program per split, a second kernel adding them
+        long_x, long_w = (torch.randn(s, generator=generator).to(device, dtype) for s in ((3, 2048), (1024, 2048)))
         for got, want in (
             (invariant_ops.linear_triton(x, w), invariant_ops.linear_ref(x, w)),
             (invariant_ops.linear_triton(x, wide), invariant_ops.linear_ref(x, wide)),
+            (invariant_ops.linear_triton(long_x, long_w), invariant_ops.linear_ref(long_x, long_w)),
             (invariant_ops.rms_norm_triton(x, w[0], 1e-6), invariant_ops.rms_norm_ref(x, w[0], 1e-6)),
         ):
             error = float((got.double() - want.double()).norm() / want.double().norm())
