@@ -7,6 +7,7 @@ returns what it measured. `merge` (run here) joins them into `bench/results/gpu_
     python3 bench/gpu_check.py probe --out $OUT        # versions, the device, copy bandwidth, bf16 matmul rate
     python3 bench/gpu_check.py tier --out $OUT         # pytest -m gpu tests/kernels tests/worker
     python3 bench/gpu_check.py invariance --out $OUT   # a row's logits alone vs in batches of up to 256 rows
+    python3 bench/gpu_check.py linears --out $OUT      # the invariant linear per 1B / 8B layer: split K or not
     python3 bench/gpu_check.py shapes --out $OUT       # 1B / 8B-shaped Llama: plain step vs bound, verify, HF
     python3 bench/gpu_check.py smollm2 --out $OUT      # SmolLM2: vs transformers, speculation, lossless checks
     python3 bench/gpu_check.py merge DIR               # here: DIR's phase files -> bench/results/gpu_check.json
@@ -340,6 +341,35 @@ def graphs_vs_eager(model, eager, prompts, tables, context) -> dict:
     return {"steps": steps, "steps_differing": differing, "graphs": len(graphed.graphs.graphs)}
 
 
+# --- linears ---------------------------------------------------------------------------------------------------
+
+
+def linears(args) -> None:
+    """The batch-invariant linear layer by layer (bench/bench_invariant_linear.py): K split (the default)
+    against unsplit and cuBLAS, and against the weight-read bound, for the 1B / 8B shapes' layers."""
+    from bench.bench_invariant_linear import measure
+
+    phase = Phase("linears", args.out)
+
+    def run():
+        results = measure(args.shapes, args.rows, args.out / "invariant-linear.json")
+        phase.detail("layers", results["layers"])
+        for shape in args.shapes:
+            sums = results[f"{shape} sum"]
+            phase.detail(f"{shape} sum", sums)
+            phase.measure(f"linears_{shape}_differing", results[f"{shape} differing"])
+            for rows in args.rows:
+                row = sums[rows]
+                phase.measure(f"linears_{shape}_rows{rows}_split_vs_unsplit", round(row["unsplit"] / row["split"], 3))
+                phase.measure(f"linears_{shape}_rows{rows}_split_vs_cublas", round(row["cublas"] / row["split"], 3))
+                phase.measure(f"linears_{shape}_rows{rows}_bound_share", round(row["bound"] / row["split"], 3))
+
+    if torch.device(args.device).type == "cuda":
+        phase.attempt("linears", run)
+    else:
+        phase.detail("skipped", "needs CUDA")
+
+
 # --- shapes ----------------------------------------------------------------------------------------------------
 
 
@@ -652,6 +682,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--others", type=ints, required=True)
     p.add_argument("--json", required=True)
+    p = phase("linears", linears)
+    p.add_argument("--shapes", type=words, default=["8b", "1b"])
+    p.add_argument("--rows", type=ints, default=[1, 8, 64, 256])
     p = phase("shapes", shapes)
     p.add_argument("--shapes", type=words, default=["1b", "8b"])
     p.add_argument("--hf-compiled-shapes", type=words, default=["1b"])
