@@ -22,6 +22,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from bench.gpu_check import copy_bandwidth  # noqa: E402
 from kernels import invariant_ops  # noqa: E402
 
 # (name, N, K) per layer; the output layer is the vocabulary's
@@ -43,13 +44,6 @@ LAYERS = {
     ],
 }
 L2_BYTES = 64 << 20
-
-
-def copy_bandwidth(device) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    seconds = graph_seconds(lambda: dst.copy_(src), calls=1)
-    return 2 * src.numel() / seconds
 
 
 def graph_seconds(fn, calls: int, replays: int = 20) -> float:
@@ -89,19 +83,14 @@ def timings(n, k, rows_list, device, bandwidth) -> dict:
     for rows in rows_list:
         x = torch.randn((rows, k), generator=generator, device=device, dtype=torch.bfloat16)
         row = {}
-        for name, call in (
-            ("split", lambda w: invariant_ops.linear_triton(x, w)),
-            ("unsplit", lambda w: invariant_ops.linear_triton(x, w)),
-            ("cublas", lambda w: x @ w.T),
+        for name, call, splits in (
+            ("split", invariant_ops.linear_triton, shipped),
+            ("unsplit", invariant_ops.linear_triton, unsplit),
+            ("cublas", lambda x, w: x @ w.T, shipped),
         ):
-            invariant_ops.k_splits = unsplit if name == "unsplit" else shipped
+            invariant_ops.k_splits = splits  # linear_triton looks it up at every call
             try:
-
-                def cycle(call=call):
-                    for w in weights:
-                        call(w)
-
-                row[name] = round(1e6 * graph_seconds(cycle, calls=1) / copies, 2)
+                row[name] = round(1e6 * graph_seconds(lambda: [call(x, w) for w in weights], calls=1) / copies, 2)
             finally:
                 invariant_ops.k_splits = shipped
         result[f"rows {rows}"] = row
