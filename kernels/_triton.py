@@ -5,6 +5,8 @@ platform) ``HAS_TRITON`` is False, no kernel is defined, and the dispatchers
 fall back to the PyTorch references.
 """
 
+import os
+
 import torch
 
 try:
@@ -16,6 +18,10 @@ except ImportError:  # pragma: no cover - depends on the platform
     triton = None
     tl = None
     HAS_TRITON = False
+
+# Under Triton's interpreter (the CPU tests) the kernels multiply half-precision operands in fp32: the
+# interpreter multiplies bf16 wrongly, and bf16 products are exact in fp32.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Devices on which the dispatchers launch Triton kernels.
 TRITON_DEVICE_TYPES = ("cuda", "xpu")

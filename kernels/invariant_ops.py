@@ -21,14 +21,9 @@ Each has a PyTorch reference of the same signature (`linear_ref`, `rms_norm_ref`
 reference is batch invariant on a GPU, which is why the kernels exist.
 """
 
-import os
-
 import torch
 
-from kernels._triton import HAS_TRITON
-
-# Under Triton's interpreter (the CPU tests) half-precision operands are multiplied in fp32 (see the kernel).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from kernels._triton import HAS_TRITON, INTERPRETED
 
 BLOCK_M = 64  # fixed: the tensor-core instruction, and so each row's arithmetic, must not change with M
 BLOCK_K = 64

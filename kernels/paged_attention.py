@@ -17,16 +17,19 @@ the root only. Every implementation takes the same ``trees``.
 """
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
 
 from kernels import paged_attention_cpu as cpu_kernel
-from kernels._triton import HAS_TRITON, num_search_steps, use_triton
+from kernels._triton import HAS_TRITON, INTERPRETED, use_triton
 from kernels.draft_tree import DraftTrees
 
+LOG2_E = math.log2(math.e)
+
 if HAS_TRITON:
-    from kernels._triton import find_sequence, tl, triton
+    from kernels._triton import tl, triton
 
     @triton.jit
     def _paged_attention_kernel(
@@ -41,8 +44,7 @@ if HAS_TRITON:
         depths_ptr,  # [T] int32 (HAS_TREES)
         paths_ptr,  # [T, P] int32 (HAS_TREES)
         out_ptr,  # [T, H, D]
-        scale,
-        num_seqs,
+        qk_scale,  # the softmax scale times log2(e): scores are taken in base 2
         stride_qt,
         stride_qh,
         stride_kb,
@@ -58,76 +60,104 @@ if HAS_TRITON:
         block_size,
         HAS_TREES: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        QUERIES_PER_KV: tl.constexpr,
-        NUM_SEARCH_STEPS: tl.constexpr,
+        GROUP: tl.constexpr,  # query heads per KV head
+        BLOCK_M: tl.constexpr,  # (query row, head) pairs per program: GROUP heads of BLOCK_M // GROUP rows
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
-        """One program per (query token, head): online softmax over its keys, read in order: 0..position, or
-        for a draft tree's row the cached prefix then its path (logical key j -> the position it is at)."""
-        token = tl.program_id(0)
-        head = tl.program_id(1)
-        kv_head = head // QUERIES_PER_KV
-        seq = find_sequence(query_start_loc_ptr, token, num_seqs, NUM_SEARCH_STEPS)
+        """One program per (sequence, KV head, tile of its query rows): the tile's rows times the KV head's
+        GROUP query heads, as BLOCK_M rows of two tensor-core products per BLOCK_N keys, online softmax.
+
+        Keys are read in order, BLOCK_N at a time from key 0, and each of a tile's rows masks the keys it does
+        not see; a row's scores and sums are computed by the same instructions wherever it sits in a tile and
+        whatever the other rows are. So its result depends only on its own keys: a row alone, beside other
+        sequences, or among its sequence's k + 1 verify rows gets the same bits. A draft tree's row reads its
+        logical keys (the prefix, then its path) and has a tile to itself, its GROUP heads."""
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        tile = tl.program_id(2)
         q_start = tl.load(query_start_loc_ptr + seq)
-        q_end = tl.load(query_start_loc_ptr + seq + 1)
-        seq_len = tl.load(seq_lens_ptr + seq)
-        ctx_start = seq_len - (q_end - q_start)  # position of the sequence's first query row
-        num_keys = ctx_start + (token - q_start) + 1  # causal bound: 0..position
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        ctx_start = tl.load(seq_lens_ptr + seq) - q_len  # position of the sequence's first query row
         if HAS_TREES:
             tree_flag = tl.load(is_tree_ptr + seq)  # 0: a chain
-            prefix_len = tl.where(tree_flag != 0, tl.load(prefix_lens_ptr + seq), ctx_start)
-            num_keys = tl.where(tree_flag != 0, prefix_len + tl.load(depths_ptr + token) + 1, num_keys)
-
-        offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-        is_d = offs_d < HEAD_DIM
-        q = tl.load(query_ptr + token * stride_qt + head * stride_qh + offs_d, mask=is_d, other=0.0)
-        q = q.to(tl.float32) * scale  # [BLOCK_D]
-
-        m_i = tl.full([], float("-inf"), tl.float32)  # running max of the scores
-        l_i = tl.full([], 0.0, tl.float32)  # running softmax denominator
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # running numerator
-        table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        for start in range(0, num_keys, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical keys
-            is_n = offs_n < num_keys
-            positions = offs_n  # [BLOCK_N] where they are
+            prefix_len = tl.load(prefix_lens_ptr + seq)
+            rows_per_tile = tl.where(tree_flag != 0, 1, BLOCK_M // GROUP)
+        else:
+            tree_flag = 0
+            prefix_len = 0
+            rows_per_tile = BLOCK_M // GROUP
+        row0 = tile * rows_per_tile
+        if row0 < q_len:
+            offs_m = tl.arange(0, BLOCK_M)  # tile row m: query row row0 + m // GROUP, head m % GROUP
+            row = row0 + offs_m // GROUP
+            row_ok = (offs_m // GROUP < rows_per_tile) & (row < q_len)
+            token = (q_start + tl.where(row_ok, row, 0)).to(tl.int64)  # [BLOCK_M] packed row
+            head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
+            num_keys = ctx_start + row + 1  # causal bound: 0..position
             if HAS_TREES:
-                on_path = is_n & (offs_n >= prefix_len) & (offs_n * 0 + tree_flag != 0)
-                node = tl.load(
-                    paths_ptr + token.to(tl.int64) * stride_path + (offs_n - prefix_len), mask=on_path, other=0
-                )
-                positions = tl.where(on_path, node, offs_n)
-            block_ids = tl.load(table_row + positions // block_size, mask=is_n, other=0).to(tl.int64)
-            in_block = (positions % block_size).to(tl.int64)  # [BLOCK_N]
-            kv_mask = is_n[:, None] & is_d[None, :]  # [BLOCK_N, BLOCK_D]
-            k_ptrs = (
-                key_cache_ptr
-                + block_ids[:, None] * stride_kb
-                + in_block[:, None] * stride_ks
-                + kv_head * stride_kh
-                + offs_d[None, :]
-            )
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-            scores = tl.sum(k * q[None, :], axis=1)  # [BLOCK_N]
-            scores = tl.where(is_n, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=0))  # finite: each tile has a valid key
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new)  # [BLOCK_N]
-            v_ptrs = (
-                value_cache_ptr
-                + block_ids[:, None] * stride_vb
-                + in_block[:, None] * stride_vs
-                + kv_head * stride_vh
-                + offs_d[None, :]
-            )
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            m_i = m_new
-        out = acc / l_i  # [BLOCK_D]
-        out_ptrs = out_ptr + token * stride_ot + head * stride_oh + offs_d
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=is_d)
+                depth = tl.load(depths_ptr + token, mask=row_ok, other=0)
+                num_keys = tl.where(tree_flag != 0, prefix_len + depth + 1, num_keys)
+            num_keys = tl.where(row_ok, num_keys, 1)  # padding rows see key 0, and are not stored
+            tile_keys = tl.max(num_keys, axis=0)
+
+            offs_d = tl.arange(0, BLOCK_D)
+            is_d = offs_d < HEAD_DIM
+            q_ptrs = query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+            q = tl.load(q_ptrs, mask=row_ok[:, None] & is_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+            if UPCAST:
+                q = q.to(tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running numerator
+            table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+            path_row = paths_ptr + (q_start + row0).to(tl.int64) * stride_path  # a tree tile's one row
+            for start in range(0, tile_keys, BLOCK_N):
+                offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical keys
+                is_n = offs_n < tile_keys
+                positions = offs_n  # [BLOCK_N] where they are
+                if HAS_TREES:
+                    on_path = is_n & (offs_n >= prefix_len) & (offs_n * 0 + tree_flag != 0)
+                    node = tl.load(path_row + (offs_n - prefix_len), mask=on_path, other=0)
+                    positions = tl.where(on_path, node, offs_n)
+                block_ids = tl.load(table_row + positions // block_size, mask=is_n, other=0).to(tl.int64)
+                in_block = (positions % block_size).to(tl.int64)  # [BLOCK_N]
+                kv_mask = is_n[:, None] & is_d[None, :]  # [BLOCK_N, BLOCK_D]
+                k_ptrs = key_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
+                k = tl.load(k_ptrs + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+                if UPCAST:  # Triton's interpreter multiplies bf16 wrongly; bf16 products are exact in fp32
+                    k = k.to(tl.float32)
+                if IEEE:
+                    scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+                else:
+                    scores = tl.dot(q, tl.trans(k))
+                scores = tl.where(offs_n[None, :] < num_keys[:, None], scores * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: key 0 is in every row's first tile
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(scores - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v_ptrs = value_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
+                v = tl.load(v_ptrs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+                if UPCAST:
+                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                elif IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+                else:  # FlashAttention's rounding: the probabilities in the cache's 16-bit type
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            out = acc / l_i[:, None]  # [BLOCK_M, BLOCK_D]
+            out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & is_d[None, :])
+
+
+def attention_tile(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """(BLOCK_M, query rows per chain tile) of the Triton kernel: a function of the model's heads alone, so
+    every step runs each row with the same instructions. A KV head's query heads (GROUP) share a tile."""
+    group = num_heads // num_kv_heads
+    block_m = max(16, triton.next_power_of_2(group))  # tl.dot's least M
+    return block_m, block_m // group
 
 
 def paged_attention_triton(
@@ -139,15 +169,17 @@ def paged_attention_triton(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     trees: DraftTrees | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
-    """Launch the Triton paged-attention kernel (see module docstring)."""
+    """Launch the Triton paged-attention kernel (see module docstring). max_query_len: the most query rows of
+    a sequence (a bound: the kernel is launched for that many; None: the number of rows in all)."""
     assert HAS_TRITON, "triton is not importable"
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = block_tables.shape[0]
     assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
     assert num_heads % num_kv_heads == 0
-    assert key_cache.dtype == value_cache.dtype
+    assert key_cache.dtype == value_cache.dtype == query.dtype
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,)
@@ -160,9 +192,14 @@ def paged_attention_triton(
         assert trees.is_tree.shape == trees.prefix_lens.shape == (num_seqs,) and trees.depths.shape == (num_tokens,)
     tree_args = (trees.is_tree, trees.prefix_lens, trees.depths, trees.paths) if trees is not None else (seq_lens,) * 4
     out = torch.empty_like(query)  # [T, H, D]
-    if num_tokens == 0:
+    if num_tokens == 0 or num_seqs == 0:
         return out
-    _paged_attention_kernel[(num_tokens, num_heads)](
+    block_m, rows_per_tile = attention_tile(num_heads, num_kv_heads)
+    max_rows = num_tokens if max_query_len is None else max_query_len
+    # a tree's rows have a tile each
+    tiles = max_rows if trees is not None else -(-max_rows // rows_per_tile)
+    upcast = INTERPRETED and query.dtype != torch.float32
+    _paged_attention_kernel[(num_seqs, num_kv_heads, tiles)](
         query,
         key_cache,
         value_cache,
@@ -171,8 +208,7 @@ def paged_attention_triton(
         seq_lens,
         *tree_args,
         out,
-        scale,
-        num_seqs,
+        scale * LOG2_E,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -188,10 +224,12 @@ def paged_attention_triton(
         block_size,
         HAS_TREES=trees is not None,
         HEAD_DIM=head_dim,
-        QUERIES_PER_KV=num_heads // num_kv_heads,
-        NUM_SEARCH_STEPS=num_search_steps(num_seqs),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=32,
+        GROUP=num_heads // num_kv_heads,
+        BLOCK_M=block_m,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=32 if query.dtype == torch.float32 else 64,
+        IEEE=query.dtype == torch.float32 or upcast,
+        UPCAST=upcast,
     )
     return out
 
@@ -335,8 +373,10 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     trees: DraftTrees | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
-    """Paged attention: Triton on an accelerator, the batch-invariant C kernel on the CPU, else SDPA."""
+    """Paged attention: Triton on an accelerator, the batch-invariant C kernel on the CPU, else SDPA.
+    max_query_len: the most query rows of one sequence, where the caller knows it (Triton launches by it)."""
     if use_triton(query):
         device = query.device
         return paged_attention_triton(
@@ -348,6 +388,7 @@ def paged_attention(
             seq_lens.to(device),
             scale,
             trees.to(device) if trees is not None else None,
+            max_query_len,
         )
     if cpu_kernel.supports(query, key_cache) and cpu_kernel.available():
         return cpu_kernel.paged_attention_cpu(

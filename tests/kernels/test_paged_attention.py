@@ -196,8 +196,31 @@ def test_triton_matches_ref(name, block_size, heads, head_dim, triton_device):
 
 
 @requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_triton_row_does_not_depend_on_its_batch(dtype, triton_device):
+    """Each row of a batch of prefills, decodes and verifies (tiles of 5 rows x 3 heads, so rows sit at every
+    place of a tile) equals bitwise the same row computed alone, a one-row decode at its position."""
+    specs = CASES["mixed"]
+    case = make_case(specs, 16, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype)
+    query, key_cache, value_cache, tables, starts, lens, scale = case.args(triton_device)
+    together = pa.paged_attention_triton(*case.args(triton_device), max_query_len=12).cpu()
+    one = torch.tensor([0, 1], dtype=torch.int32, device=triton_device)
+    differ = []
+    for b, (q_len, seq_len) in enumerate(specs):
+        for i in range(q_len):
+            token = int(case.query_start_loc[b]) + i
+            position = torch.tensor([seq_len - q_len + i + 1], dtype=torch.int32, device=triton_device)
+            alone = pa.paged_attention_triton(
+                query[token : token + 1], key_cache, value_cache, tables[b : b + 1], one, position, scale
+            )
+            if not torch.equal(together[token], alone[0].cpu()):
+                differ.append(token)
+    assert differ == []
+
+
+@requires_triton
 def test_triton_bf16_matches_dense(triton_device):
-    """bf16 caches and queries: the kernel loads them and computes in fp32."""
+    """bf16 caches and queries: products accumulated in fp32, the probabilities rounded to bf16."""
     case = make_case(CASES["mixed"], block_size=4, dtype=torch.bfloat16)
     out = pa.paged_attention_triton(*case.args(triton_device))
     assert out.dtype == torch.bfloat16

@@ -122,9 +122,11 @@ def test_triton_chain_sent_as_a_tree_is_the_causal_result_bitwise(triton_device)
     assert torch.equal(pa.paged_attention_triton(*args, trees), pa.paged_attention_triton(*args))
 
 
-def decode_over_path(case, trees: DraftTrees, token: int, seq: int) -> torch.Tensor:  # [H, D]
-    """Row `token` (of sequence `seq`) as a one-row decode: its prefix and path copied to the front of a fresh
-    sequence's blocks, at the positions a plain decode would have written them."""
+def decode_over_path(
+    case, trees: DraftTrees, token: int, seq: int, attention=cpu_kernel.paged_attention_cpu, device: str = "cpu"
+) -> torch.Tensor:  # [H, D]
+    """Row `token` (of sequence `seq`) as a one-row decode by `attention`: its prefix and path copied to the
+    front of a fresh sequence's blocks, at the positions a plain decode would have written them."""
     path = trees.paths[token][trees.paths[token] >= 0].long()
     positions = torch.cat([torch.arange(int(trees.prefix_lens[seq])), path])  # [n] where its keys are
     block_size = case.key_cache.shape[1]
@@ -139,16 +141,15 @@ def decode_over_path(case, trees: DraftTrees, token: int, seq: int) -> torch.Ten
     for cache in (key_cache, value_cache):
         flat = cache.view(-1, *cache.shape[2:])
         flat[fresh_slots] = flat[slots].clone()
-    out = cpu_kernel.paged_attention_cpu(
+    tensors = (
         case.query[token : token + 1],
         key_cache,
         value_cache,
         fresh[None].to(torch.int32),
         torch.tensor([0, 1], dtype=torch.int32),
         torch.tensor([len(positions)], dtype=torch.int32),
-        case.scale,
     )
-    return out[0]
+    return attention(*(t.to(device) for t in tensors), case.scale)[0].cpu()
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
@@ -177,6 +178,28 @@ def test_a_tree_row_is_bitwise_a_decode_over_its_path(dtype, context):
         finally:
             torch.set_num_threads(threads)
         assert differ == [], num_threads
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_a_triton_tree_row_is_bitwise_a_decode_over_its_path(dtype, triton_device):
+    """The Triton kernel's tree rows (a tile each) against its one-row decodes (a chain tile)."""
+    specs, parents = tree_batch(seed=5, context=70)
+    case = make_case(specs, 16, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype)
+    case.key_cache = torch.cat([case.key_cache, torch.zeros(12, *case.key_cache.shape[1:], dtype=dtype)])
+    case.value_cache = torch.cat([case.value_cache, torch.zeros(12, *case.value_cache.shape[1:], dtype=dtype)])
+    trees = DraftTrees.from_parents(case.query_start_loc.tolist(), case.seq_lens.tolist(), parents)
+    together = pa.paged_attention_triton(*case.args(triton_device), trees.to(triton_device)).cpu()
+    starts = case.query_start_loc.tolist()
+    differ = [
+        (seq, token)
+        for seq in (1, 3)
+        for token in range(starts[seq], starts[seq + 1])
+        if not torch.equal(
+            together[token], decode_over_path(case, trees, token, seq, pa.paged_attention_triton, triton_device)
+        )
+    ]
+    assert differ == []
 
 
 @pytest.mark.parametrize("build", list(NARROWER_BUILDS))

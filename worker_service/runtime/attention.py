@@ -33,6 +33,7 @@ class PagedMetadata:
     query_start_loc: torch.Tensor  # [B+1] int32: token offsets of each sequence
     seq_lens: torch.Tensor  # [B] int32: KV length of each sequence including this step's tokens
     trees: DraftTrees | None = None  # sequences whose query rows form draft trees (kernels/draft_tree.py)
+    max_query_len: int | None = None  # the most query rows of a sequence (None: unknown, bounded by T)
 
 
 def paged_attention_forward(
@@ -64,6 +65,7 @@ def paged_attention_forward(
         meta.seq_lens,
         scale,
         meta.trees,
+        meta.max_query_len,
     )  # [T, H, D]
     return out.unsqueeze(0), None
 

@@ -119,7 +119,7 @@ class Graph:
         input_ids, positions, slots = self.int64.split([n, n, n])
         tables, seq_lens, starts = self.int32.split([b * w, b, b + 1])
         # Held here: a captured graph reads these addresses at every replay.
-        self.metadata = PagedMetadata(kv_cache, slots, tables.view(b, w), starts, seq_lens)
+        self.metadata = PagedMetadata(kv_cache, slots, tables.view(b, w), starts, seq_lens, max_query_len=key.rows)
         self.every_row = torch.arange(n, device=device)
         self.inputs = (input_ids, positions, self.metadata, self.every_row)
         self.forward = forward

@@ -100,6 +100,7 @@ def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -
         query_start_loc=query_start_loc,
         seq_lens=seq_lens_t,
         trees=trees,
+        max_query_len=max(len(c.token_ids) for c in chunks),
     )
     return PackedBatch(
         input_ids=input_ids_t,
