@@ -3,11 +3,14 @@
 One interface, chosen once per model by `choose` (the only place that decides):
 
 - "cpu_llama": a Llama decoder layer as ten direct calls into our C kernels (cpu_llama.py), on the CPU;
+- "gpu_llama": a Llama decoder layer as nine Triton launches (gpu_llama.py), on a GPU with the batch-invariant
+  layers (the default; `--no-batch-invariant` keeps cuBLAS and the `transformers` forward);
 - "transformers": `transformers`' decoder layers over our paged attention (transformers_layers.py): any
   decoder model, and the reference the others are tested against.
 
-A GPU forward of few fused kernels goes in as a third. Every backend is batch invariant: a row's hidden state
-does not depend on the other rows of the batch, so speculation stays lossless.
+Every backend is batch invariant (the `transformers` one where its linears are: on a GPU, with the
+batch-invariant layers): a row's hidden state does not depend on the other rows of the batch, so speculation
+stays lossless.
 """
 
 import logging
@@ -18,6 +21,7 @@ from transformers import PreTrainedModel
 
 from worker_service.runtime.attention import PagedMetadata
 from worker_service.runtime.backends.cpu_llama import CpuLlamaForward
+from worker_service.runtime.backends.gpu_llama import GpuLlamaForward
 from worker_service.runtime.backends.transformers_layers import TransformersForward
 
 logger = logging.getLogger(__name__)
@@ -42,7 +46,8 @@ class ForwardBackend(Protocol):
         ...
 
 
-BACKENDS = {backend.name: backend for backend in (CpuLlamaForward, TransformersForward)}  # first: preferred
+# first: preferred
+BACKENDS = {backend.name: backend for backend in (CpuLlamaForward, GpuLlamaForward, TransformersForward)}
 
 
 def build(name: str, model: PreTrainedModel) -> ForwardBackend:

@@ -1,0 +1,157 @@
+"""The Llama forward on a GPU as a short fixed sequence of Triton kernels per decoder layer.
+
+`transformers`' decoder layer launches ~30 kernels per layer (RMSNorm's casts, rotate_half's slices and cat,
+the K/V index copies, SiLU, the residual adds, three q/k/v and two gate/up GEMMs). In a CUDA graph their
+launches cost nothing, but each still takes a few microseconds of the GPU for almost no work: an 8B-shaped
+step spent more on them than on reading its weights (bench/results/gpu_check.json, profile). Here a layer is
+nine launches (more where the linear splits K), every one batch invariant:
+
+    x = add_rms_norm(h, residual)          # residual += h; RMSNorm (kernels/layer_ops.py)
+    qkv = linear(x, [q; k; v])             # one projection (kernels/invariant_ops.py)
+    rope_write_kv(qkv)                     # q rotated in place; k rotated and v written to the paged cache
+    attn = paged_attention(q)              # kernels/paged_attention.py
+    h = linear(attn, o)
+    x = add_rms_norm(h, residual)
+    h = linear(silu_mul(linear(x, [gate; up])), down)
+
+The q/k/v and gate/up weights are joined once, and the model's own linears are made views of the joined
+tensors (no second copy). It rounds where `transformers` rounds, so its logits equal the `transformers`
+forward's up to the order of a few sums (tests/worker/runtime/test_gpu_forward.py); `transformers` stays the
+loader (the weights, the rotary embedding's cos/sin) and the reference.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from kernels import layer_ops
+from kernels._triton import HAS_TRITON, INTERPRETED, TRITON_DEVICE_TYPES
+from kernels.invariant_ops import linear_triton
+from kernels.paged_attention import paged_attention_triton
+from worker_service.runtime.attention import PagedMetadata
+from worker_service.runtime.invariant_layers import InvariantLinear, InvariantRMSNorm
+from worker_service.runtime.kv_cache import KVCacheSpec
+
+MODEL_TYPES = ("llama",)  # decoder layers of exactly the shape above (SmolLM2, Llama 2/3, TinyLlama)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 KVH) D, hidden]
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 I, hidden]
+    down: torch.Tensor
+    scaling: float
+
+
+def join(linears: list[torch.nn.Module]) -> torch.Tensor:
+    """The linears' weights as one [sum N, K] tensor; each linear's weight becomes a view of its rows."""
+    joined = torch.cat([linear.weight.detach() for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight.data = joined[start : start + rows]
+        start += rows
+    return joined
+
+
+class GpuLlamaForward:
+    name = "gpu_llama"
+
+    """model.model's forward (the hidden states after the final norm) for a Llama on a GPU whose linears and
+    norms are the batch-invariant ones (invariant_layers.make_batch_invariant)."""
+
+    def __init__(self, model: PreTrainedModel):
+        config = model.config
+        self.model = model
+        spec = KVCacheSpec.from_config(config, model.dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, spec.num_kv_heads, spec.head_dim
+        self.eps = config.rms_norm_eps
+        self.layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                _Layer(
+                    layer.input_layernorm.weight.detach(),
+                    join([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    attn.o_proj.weight.detach(),
+                    layer.post_attention_layernorm.weight.detach(),
+                    join([mlp.gate_proj, mlp.up_proj]),
+                    mlp.down_proj.weight.detach(),
+                    attn.scaling,
+                )
+            )
+        self.final_norm = model.model.norm.weight.detach()
+
+    @staticmethod
+    def supports(model: PreTrainedModel) -> str | None:
+        """None when this forward covers `model`, else why not."""
+        config = model.config
+        device = model.device.type
+        if not HAS_TRITON or not (device in TRITON_DEVICE_TYPES or (device == "cpu" and INTERPRETED)):
+            return f"a model on {device}" + ("" if HAS_TRITON else " without triton")
+        if config.model_type not in MODEL_TYPES:
+            return f"a {config.model_type} model"
+        if config.hidden_act != "silu" or getattr(config, "pretraining_tp", 1) != 1:
+            return f"hidden_act {config.hidden_act}, pretraining_tp {getattr(config, 'pretraining_tp', 1)}"
+        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+            return "linears with biases"
+        if model.dtype not in DTYPES:
+            return f"dtype {model.dtype}"
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if not (
+                all(isinstance(m, InvariantLinear) for m in modules)
+                and all(isinstance(n, InvariantRMSNorm) for n in norms)
+            ):
+                return "its linears and norms are not the batch-invariant ones (--no-batch-invariant)"
+        return None
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: PagedMetadata,
+        rows: torch.Tensor,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As ForwardBackend.__call__."""
+        num_tokens = input_ids.shape[0]
+        heads, q_width = self.num_heads, self.num_heads * self.head_dim
+        residual = self.model.model.embed_tokens(input_ids)  # [T, hidden], a fresh tensor: updated in place
+        cos, sin = self.model.model.rotary_emb(residual[None], positions[None])  # [1, T, D] each
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        cache = meta.kv_cache
+        device = residual.device
+        tables, starts, lens = (t.to(device) for t in (meta.block_tables, meta.query_start_loc, meta.seq_lens))
+        slots = meta.slot_mapping.to(device)
+        trees = meta.trees.to(device) if meta.trees is not None else None
+        hidden = residual.shape[1]
+        aux = (
+            torch.empty((num_tokens, len(aux_layers) * hidden), dtype=residual.dtype, device=device)
+            if aux_layers
+            else None
+        )
+        h = None
+        for index, layer in enumerate(self.layers):
+            x = layer_ops.add_rms_norm_triton(h, residual, layer.input_norm, self.eps)
+            for slot in (j for j, i in enumerate(aux_layers) if i == index):  # the stream entering this layer
+                aux[:, slot * hidden : (slot + 1) * hidden] = residual
+            qkv = linear_triton(x, layer.qkv)  # [T, (H + 2 KVH) D]
+            key_cache, value_cache = cache.key_caches[index], cache.value_caches[index]
+            layer_ops.rope_write_kv_triton(qkv, cos, sin, heads, slots, key_cache, value_cache)
+            query = qkv[:, :q_width].view(num_tokens, heads, self.head_dim)
+            attn = paged_attention_triton(
+                query, key_cache, value_cache, tables, starts, lens, layer.scaling, trees, meta.max_query_len
+            )  # [T, H, D]
+            h = linear_triton(attn.view(num_tokens, q_width), layer.o_proj)
+            x = layer_ops.add_rms_norm_triton(h, residual, layer.post_norm, self.eps)
+            h = linear_triton(layer_ops.silu_mul_triton(linear_triton(x, layer.gate_up)), layer.down)
+        # The last residual add and the final norm: only the rows whose logits are wanted.
+        return layer_ops.add_rms_norm_triton(h[rows], residual[rows], self.final_norm, self.eps), aux
