@@ -1,14 +1,19 @@
 """Microbenchmark: time per call of each paged-attention path on one device.
 
-SmolLM2-like shapes (H=9, KVH=3, D=64, block_size 16). On the CPU: the
-batch-invariant C kernel (what the worker runs) vs the SDPA path; on CUDA:
-Triton vs the SDPA path. Run:
+Heads of SmolLM2 (H=9, KVH=3, D=64; the default) or Llama-3's 1B / 8B shapes (--shape), block_size 16. On the
+CPU: the batch-invariant C kernel (what the worker runs) vs the SDPA path; on CUDA: Triton vs the SDPA path,
+and --before FILE adds the Triton kernel of another revision of kernels/paged_attention.py
+(`git show REV:kernels/paged_attention.py > FILE`). On CUDA the Triton kernels are timed in a CUDA graph (the
+GPU's time per call, as a graphed step runs them); SDPA's path, which reads the lengths on the host, per
+launch. Run:
 
     python bench/bench_paged_attention.py [--threads N]                        # CPU, context 300
-    python bench/bench_paged_attention.py --device cuda --seqs 1,8,64 --contexts 512,4096 --q-lens 1
+    python bench/bench_paged_attention.py --device cuda --shape 8b --seqs 1,8,64 --contexts 512,4096 --q-lens 1,6
 """
 
 import argparse
+import importlib.util
+import json
 import math
 import time
 
@@ -18,11 +23,15 @@ from kernels import paged_attention_cpu
 from kernels._triton import HAS_TRITON
 from kernels.paged_attention import paged_attention_sdpa, paged_attention_triton
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+BLOCK_SIZE = 16
+SHAPES = {"smollm2": (9, 3, 64), "1b": (32, 8, 64), "8b": (32, 8, 128)}  # (heads, KV heads, head dim)
 
 
-def make_inputs(num_seqs: int, q_len: int, context_len: int, dtype: torch.dtype, device: str) -> tuple:
+def make_inputs(
+    num_seqs: int, q_len: int, context_len: int, dtype: torch.dtype, device: str, shape: str = "smollm2"
+) -> tuple:
     """A batch of ``num_seqs`` sequences, each ``q_len`` query tokens ending at ``context_len``."""
+    NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = SHAPES[shape]
     blocks_per_seq = -(-context_len // BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq + 8
     cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -53,6 +62,35 @@ def time_per_call_us(function, args: tuple, num_rounds: int = 20, calls_per_roun
     return best
 
 
+def graph_time_per_call_us(function, args: tuple, num_rounds: int = 20, calls_per_round: int = 20) -> float:
+    """Best round's time per call of `calls_per_round` calls replayed from one CUDA graph (the function must
+    not read the device from the host)."""
+    for _ in range(3):
+        function(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_round):
+            function(*args)
+    graph.replay()
+    best = float("inf")
+    for _ in range(num_rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls_per_round * 1e6)
+    return best
+
+
+def load_before(path: str):
+    """The Triton path of another revision's kernels/paged_attention.py, saved at `path`."""
+    spec = importlib.util.spec_from_file_location("paged_attention_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.paged_attention_triton
+
+
 def paths(device: str) -> dict:
     """The implementations to time on this device: the worker's own path first, SDPA last."""
     if device.startswith("cuda"):
@@ -69,6 +107,43 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
+def measure(
+    device: str,
+    shape: str,
+    seqs: list[int],
+    q_lens: list[int],
+    contexts: list[int],
+    dtypes: list[str],
+    before: str | None = None,
+) -> list[dict]:
+    """Times every path on every case; prints a row per case and returns them."""
+    functions = paths(device)
+    on_cuda = device.startswith("cuda")
+    if before and on_cuda:
+        functions = {"before": load_before(before), **functions}
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads, device {device}, {shape}; us per call")
+    print(f"{'dtype':9s} {'seqs':>5s} {'q_len':>5s} {'context':>7s} " + " ".join(f"{n:>9s}" for n in functions))
+    rows = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for num_seqs in seqs:
+            for q_len in q_lens:
+                for context in contexts:
+                    inputs = make_inputs(num_seqs, q_len, context, dtype, device, shape)
+                    times = {}
+                    for name, function in functions.items():
+                        # SDPA's path reads the lengths on the host: no graph can capture it
+                        graphed = graph_time_per_call_us(function, inputs) if on_cuda and name != "sdpa" else None
+                        times[name] = graphed if graphed is not None else time_per_call_us(function, inputs)
+                    rows.append(dict(dtype=dtype_name, seqs=num_seqs, q_len=q_len, context=context, us=times))
+                    print(
+                        f"{dtype_name:9s} {num_seqs:5d} {q_len:5d} {context:7d} "
+                        + " ".join(f"{t:9.1f}" for t in times.values())
+                    )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -77,22 +152,16 @@ def main() -> None:
     parser.add_argument("--q-lens", type=ints, default=[1, 5], help="query tokens per sequence")
     parser.add_argument("--contexts", type=ints, default=[300], help="context tokens per sequence")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--shape", choices=list(SHAPES), default="smollm2")
+    parser.add_argument("--before", default=None, help="another revision's kernels/paged_attention.py (CUDA)")
+    parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    functions = paths(args.device)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}; us per call")
-    print(f"{'dtype':9s} {'seqs':>5s} {'q_len':>5s} {'context':>7s} " + " ".join(f"{n:>9s}" for n in functions))
-    for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        for num_seqs in args.seqs:
-            for q_len in args.q_lens:
-                for context in args.contexts:
-                    inputs = make_inputs(num_seqs, q_len, context, dtype, args.device)
-                    times = [time_per_call_us(f, inputs) for f in functions.values()]
-                    print(
-                        f"{dtype_name:9s} {num_seqs:5d} {q_len:5d} {context:7d} " + " ".join(f"{t:9.1f}" for t in times)
-                    )
+    rows = measure(args.device, args.shape, args.seqs, args.q_lens, args.contexts, args.dtypes.split(","), args.before)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "device": args.device, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ returns what it measured. `merge` (run here) joins them into `bench/results/gpu_
     python3 bench/gpu_check.py tier --out $OUT         # pytest -m gpu tests/kernels tests/worker
     python3 bench/gpu_check.py invariance --out $OUT   # a row's logits alone vs in batches of up to 256 rows
     python3 bench/gpu_check.py linears --out $OUT      # the invariant linear per 1B / 8B layer: split K or not
+    python3 bench/gpu_check.py attention --out $OUT    # the paged attention kernel per call, 8B heads
+    python3 bench/gpu_check.py profile --out $OUT      # a decode step's kernels, their count and time by kind
     python3 bench/gpu_check.py shapes --out $OUT       # 1B / 8B-shaped Llama: plain step vs bound, verify, HF
     python3 bench/gpu_check.py smollm2 --out $OUT      # SmolLM2: vs transformers, speculation, lossless checks
     python3 bench/gpu_check.py merge DIR               # here: DIR's phase files -> bench/results/gpu_check.json
@@ -370,6 +372,122 @@ def linears(args) -> None:
         phase.detail("skipped", "needs CUDA")
 
 
+# --- attention -------------------------------------------------------------------------------------------------
+
+
+def attention(args) -> None:
+    """The paged attention kernel per call (bench/bench_paged_attention.py, in CUDA graphs) at the 8B shape's
+    heads: Triton against SDPA, and against another revision's kernel where --before names its file."""
+    from bench.bench_paged_attention import measure
+
+    phase = Phase("attention", args.out)
+    before = args.before if args.before and pathlib.Path(args.before).exists() else None
+    phase.detail("before", before and str(args.before))
+
+    def run():
+        rows = measure(args.device, args.shape, args.seqs, args.q_lens, args.contexts, ["bfloat16"], before)
+        phase.detail("rows", rows)
+        for row in rows:
+            name = f"attention_{args.shape}_bs{row['seqs']}_q{row['q_len']}_ctx{row['context']}"
+            us = row["us"]
+            own = us["triton" if "triton" in us else "c kernel"]  # the worker's path
+            phase.measure(f"{name}_us", round(own, 1))
+            for other in ("before", "sdpa"):
+                if other in us:
+                    phase.measure(f"{name}_vs_{other}", round(us[other] / own, 2))
+
+    phase.attempt("attention", run)
+
+
+# --- profile ---------------------------------------------------------------------------------------------------
+
+# Kernel names (substrings) of a decode step's parts; the rest is "other" (torch's elementwise ops, copies).
+KERNEL_KINDS = (
+    ("linear", ("_linear_kernel", "_sum_splits_kernel", "gemm", "gemv", "cutlass")),
+    ("attention", ("_paged_attention_kernel",)),
+    ("rms_norm", ("_rms_norm_kernel",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    for kind, parts in KERNEL_KINDS:
+        if any(part in name for part in parts):
+            return kind
+    return "other"
+
+
+def profile(args) -> None:
+    """Where an eager decode step's GPU time goes (torch.profiler, invariant layers): kernels per step and
+    their time by kind, for the 1B / 8B shapes at batch 1, with `transformers`' layers and with the GPU
+    forward (backends/gpu_llama.py); against the graphed step's wall time, the rest is the gaps between
+    kernels and the host's share. (On a CPU: the step's top-level ops, to check the script.)"""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from worker_service.runtime.invariant_layers import make_batch_invariant
+    from worker_service.runtime.runner import ModelRunner, SequenceChunk
+
+    phase = Phase("profile", args.out)
+    device = torch.device(args.device)
+    on_cuda = device.type == "cuda"
+
+    def decode_step(model, prompt, backend: str, graphs: bool):
+        """A runner with the prompt prefilled, and its next decode step."""
+        per_seq = -(-(args.context + 16) // BLOCK_SIZE)
+        table = list(range(1, 1 + per_seq))
+        runner = ModelRunner(model, backend=backend, batch_invariant=False, graphs=graphs)
+        runner.init_cache(per_seq + 1, BLOCK_SIZE)
+        runner.forward([SequenceChunk(prompt, 0, table)])
+        step = [SequenceChunk(prompt[:1], args.context, table)]
+        return lambda: runner.forward(step)
+
+    def per_step(entries) -> dict:
+        return {k: {"count": v["count"] / args.steps, "us": round(v["us"] / args.steps, 1)} for k, v in entries}
+
+    def one(shape, model, prompt, backend):
+        step = decode_step(model, prompt, backend, graphs=False)
+        result = {"eager_step_ms": round(1e3 * median_seconds(device, step, args.repeats), 3)}
+        with torch_profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                step()
+            synchronize(device)
+        kinds: dict[str, dict] = {}
+        names: dict[str, dict] = {}
+        for event in prof.events():
+            kept = event.device_type == torch.autograd.DeviceType.CUDA if on_cuda else event.cpu_parent is None
+            if not kept:
+                continue
+            for entries, key in ((kinds, kernel_kind(event.name)), (names, event.name[:80])):
+                entry = entries.setdefault(key, {"count": 0, "us": 0.0})
+                entry["count"] += 1
+                entry["us"] += event.time_range.elapsed_us()
+        result["kinds_per_step"] = per_step(kinds.items())
+        result["top_kernels_per_step"] = per_step(sorted(names.items(), key=lambda item: -item[1]["us"])[:25])
+        result["kernels_per_step"] = sum(v["count"] for v in result["kinds_per_step"].values())
+        result["kernel_ms_per_step"] = round(sum(v["us"] for v in result["kinds_per_step"].values()) / 1e3, 3)
+        graphed = decode_step(model, prompt, backend, graphs=True)
+        result["graphed_step_ms"] = round(1e3 * median_seconds(device, graphed, args.repeats), 3)
+        phase.detail(f"{shape} {backend}", result)
+        for name in ("kernels_per_step", "kernel_ms_per_step", "graphed_step_ms"):
+            phase.measure(f"profile_{shape}_{backend}_{name}", result[name])
+        for kind, entry in result["kinds_per_step"].items():
+            phase.measure(f"profile_{shape}_{backend}_{kind}_ms_per_step", round(entry["us"] / 1e3, 3))
+
+    for shape in args.shapes:
+        model = random_llama(shape, torch.bfloat16, device)
+        if on_cuda:
+            make_batch_invariant(model)
+        model.set_attn_implementation("sdpa")
+        prompt = random_prompts(model.config.vocab_size, 1, args.context)[0]
+        for backend in args.backends:
+            if backend == "gpu_llama" and not on_cuda:
+                continue
+            phase.attempt(f"{shape} {backend}", lambda b=backend, m=model, p=prompt, s=shape: one(s, m, p, b))
+        del model
+        if on_cuda:
+            torch.cuda.empty_cache()
+
+
 # --- shapes ----------------------------------------------------------------------------------------------------
 
 
@@ -685,6 +803,18 @@ def parser() -> argparse.ArgumentParser:
     p = phase("linears", linears)
     p.add_argument("--shapes", type=words, default=["8b", "1b"])
     p.add_argument("--rows", type=ints, default=[1, 8, 64, 256])
+    p = phase("attention", attention)
+    p.add_argument("--shape", default="8b")
+    p.add_argument("--seqs", type=ints, default=[1, 8, 64])
+    p.add_argument("--q-lens", type=ints, default=[1, 6])
+    p.add_argument("--contexts", type=ints, default=[512, 4096])
+    p.add_argument("--before", default=str(ROOT / ".gpu" / "paged_attention_before.py"))
+    p = phase("profile", profile)
+    p.add_argument("--shapes", type=words, default=["8b", "1b"])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--backends", type=words, default=["transformers", "gpu_llama"])
+    p.add_argument("--repeats", type=int, default=20)
     p = phase("shapes", shapes)
     p.add_argument("--shapes", type=words, default=["1b", "8b"])
     p.add_argument("--hf-compiled-shapes", type=words, default=["1b"])
