@@ -13,6 +13,7 @@ returns what it measured. `merge` (run here) joins them into `bench/results/gpu_
     python3 bench/gpu_check.py shapes --out $OUT       # 1B / 8B-shaped Llama: plain step vs bound, verify, HF
     python3 bench/gpu_check.py smollm2 --out $OUT      # SmolLM2: vs transformers, speculation, lossless checks
     python3 bench/gpu_check.py merge DIR               # here: DIR's phase files -> bench/results/gpu_check.json
+                                                       # (--keep FILE: phases DIR lacks, from an earlier run)
 
 On a CPU every phase runs too (`--device cpu --shape tiny`), to check the script without a GPU.
 """
@@ -744,6 +745,18 @@ def merge(args) -> None:
         phases[data["phase"]] = data
     probe_details = phases.get("probe", {}).get("details", {})
     measures = {name: value for data in phases.values() for name, value in data["measures"].items()}
+    details = {name: data["details"] for name, data in phases.items()}
+    carried = {}
+    if args.keep:  # the phases this run did not run, from an earlier results file, with its commit and date
+        earlier = json.loads(pathlib.Path(args.keep).read_text())
+        for name in earlier["details"]:
+            if name not in phases:
+                details[name] = earlier["details"][name]
+                carried[name] = earlier.get("carried", {}).get(
+                    name, {"commit": earlier["commit"], "date": earlier["date"]}
+                )
+        for name, value in earlier["measures"].items():  # those no phase of this run measured
+            measures.setdefault(name, value)
     # Outputs (speculative or plain, at any batch) that differ from plain decoding of the prompt alone.
     measures["outputs_differing"] = sum(v for k, v in measures.items() if k.startswith("outputs_differing_"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -752,8 +765,9 @@ def merge(args) -> None:
         "commit": args.commit or commit.stdout.strip(),
         "date": args.date or datetime.date.today().isoformat(),
         "torch": probe_details.get("versions", {}).get("torch"),
+        "carried": carried,
         "measures": measures,
-        "details": {name: data["details"] for name, data in phases.items()},
+        "details": details,
         "errors": {name: data["errors"] for name, data in phases.items() if data["errors"]},
     }
     target = pathlib.Path(args.target)
@@ -835,6 +849,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=str(ROOT / "bench" / "results" / "gpu_check.json"))
     p.add_argument("--commit", default="")
     p.add_argument("--date", default="")
+    p.add_argument("--keep", default=None, help="an earlier results file: its phases this run lacks are kept")
     return top
 
 
