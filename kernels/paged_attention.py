@@ -14,6 +14,12 @@ h // (H // KVH).
 A sequence's query rows may instead form a draft tree (``trees``, see
 kernels/draft_tree.py): a row then sees the cached prefix and its own path from
 the root only. Every implementation takes the same ``trees``.
+
+Three implementations: Triton on a GPU (a program per sequence, KV head and tile of its query rows, the
+tile's rows times the KV head's query heads in tensor-core products: GQA's heads read their K/V once, and a
+verify's k + 1 rows share their keys' reads), the C kernel on the CPU (kernels/paged_attention_cpu.py), and
+SDPA in PyTorch ops, the reference. The first two are batch invariant: a row's output does not depend on the
+other rows of the call.
 """
 
 import functools
@@ -227,7 +233,8 @@ def paged_attention_triton(
         GROUP=num_heads // num_kv_heads,
         BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=32 if query.dtype == torch.float32 else 64,
+        # keys per step: a function of the model alone (K and V tiles of 16 KB at head_dim 128)
+        BLOCK_N=32 if query.dtype == torch.float32 or head_dim > 128 else 64,
         IEEE=query.dtype == torch.float32 or upcast,
         UPCAST=upcast,
     )
