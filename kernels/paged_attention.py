@@ -33,9 +33,96 @@ from kernels._triton import HAS_TRITON, INTERPRETED, use_triton
 from kernels.draft_tree import DraftTrees
 
 LOG2_E = math.log2(math.e)
+# The Triton kernel cuts a row's keys at multiples of SPLIT_KEYS (a multiple of its BLOCK_N) and merges the
+# splits in order; splits run in programs of their own where their partial sums take at most PARALLEL_BYTES.
+SPLIT_KEYS = 512
+PARALLEL_BYTES = 64 << 20
 
 if HAS_TRITON:
     from kernels._triton import tl, triton
+
+    @triton.jit
+    def _attend_keys(
+        q,  # [BLOCK_M, BLOCK_D]
+        lo,
+        hi,  # logical keys lo .. hi - 1, BLOCK_N at a time
+        num_keys,  # [BLOCK_M] each row's keys: 0 .. num_keys - 1
+        table_row,
+        path_row,
+        tree_flag,
+        prefix_len,
+        key_cache_ptr,
+        value_cache_ptr,
+        kv_head,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        block_size,
+        qk_scale,
+        HAS_TREES: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """A split's online softmax from scratch: (running max m, denominator l, numerator acc) of each row
+        over its keys in [lo, hi). A row with no key there gets m = -inf (its result is not used)."""
+        offs_d = tl.arange(0, BLOCK_D)
+        is_d = offs_d < HEAD_DIM
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running numerator
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical keys
+            is_n = offs_n < hi
+            positions = offs_n  # [BLOCK_N] where they are
+            if HAS_TREES:
+                on_path = is_n & (offs_n >= prefix_len) & (offs_n * 0 + tree_flag != 0)
+                node = tl.load(path_row + (offs_n - prefix_len), mask=on_path, other=0)
+                positions = tl.where(on_path, node, offs_n)
+            block_ids = tl.load(table_row + positions // block_size, mask=is_n, other=0).to(tl.int64)
+            in_block = (positions % block_size).to(tl.int64)  # [BLOCK_N]
+            kv_mask = is_n[:, None] & is_d[None, :]  # [BLOCK_N, BLOCK_D]
+            k_ptrs = key_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
+            k = tl.load(k_ptrs + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:  # Triton's interpreter multiplies bf16 wrongly; bf16 products are exact in fp32
+                k = k.to(tl.float32)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(offs_n[None, :] < num_keys[:, None], scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite from a row's first tile with a key
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v_ptrs = value_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
+            v = tl.load(v_ptrs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            elif IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:  # FlashAttention's rounding: the probabilities in the cache's 16-bit type
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _merge_split(big_m, big_l, big_acc, m, denom, acc):
+        """The softmax state over splits 0..s-1 and split s's own -> the state over splits 0..s. Every path
+        (one program per split and _combine_splits_kernel, or one program over all) merges a row's splits
+        with this code, in split order, from (-inf, 0, 0): the same operations, explicit FMAs included."""
+        new_m = tl.maximum(big_m, m)
+        old_scale = tl.exp2(big_m - new_m)
+        scale = tl.exp2(m - new_m)
+        new_l = tl.fma(denom, scale, big_l * old_scale)
+        new_acc = tl.fma(acc, scale[:, None], big_acc * old_scale[:, None])
+        return new_m, new_l, new_acc
 
     @triton.jit
     def _paged_attention_kernel(
@@ -50,6 +137,9 @@ if HAS_TRITON:
         depths_ptr,  # [T] int32 (HAS_TREES)
         paths_ptr,  # [T, P] int32 (HAS_TREES)
         out_ptr,  # [T, H, D]
+        part_acc_ptr,  # [T, H, max_splits, D] fp32: a split's numerator (PARALLEL)
+        part_ml_ptr,  # [T, H, max_splits, 2] fp32: its running max and denominator (PARALLEL)
+        num_splits_ptr,  # [T] int32: each row's splits (PARALLEL)
         qk_scale,  # the softmax scale times log2(e): scores are taken in base 2
         stride_qt,
         stride_qh,
@@ -64,26 +154,40 @@ if HAS_TRITON:
         stride_bt,
         stride_path,
         block_size,
+        num_heads,
+        max_splits,
         HAS_TREES: tl.constexpr,
+        PARALLEL: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         GROUP: tl.constexpr,  # query heads per KV head
         BLOCK_M: tl.constexpr,  # (query row, head) pairs per program: GROUP heads of BLOCK_M // GROUP rows
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        SPLIT_KEYS: tl.constexpr,
         IEEE: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
-        """One program per (sequence, KV head, tile of its query rows): the tile's rows times the KV head's
-        GROUP query heads, as BLOCK_M rows of two tensor-core products per BLOCK_N keys, online softmax.
+        """One program per (sequence, KV head, tile of its query rows), or with PARALLEL per (..., split):
+        the tile's rows times the KV head's GROUP query heads, as BLOCK_M rows of two tensor-core products per
+        BLOCK_N keys, online softmax.
 
-        Keys are read in order, BLOCK_N at a time from key 0, and each of a tile's rows masks the keys it does
-        not see; a row's scores and sums are computed by the same instructions wherever it sits in a tile and
-        whatever the other rows are. So its result depends only on its own keys: a row alone, beside other
-        sequences, or among its sequence's k + 1 verify rows gets the same bits. A draft tree's row reads its
-        logical keys (the prefix, then its path) and has a tile to itself, its GROUP heads."""
+        A row's keys are cut at fixed positions into splits of SPLIT_KEYS, each split's softmax taken from
+        scratch (_attend_keys) and the splits merged in order (_merge_split). Without PARALLEL the program
+        does every split of its tile in turn; with it a program does one split and stores it, and
+        _combine_splits_kernel merges a row's splits (a row of one split is finished by its program). Keys
+        are read in order, BLOCK_N at a time, each of a tile's rows masking the keys it does not see; a row's
+        scores and sums are computed by the same instructions wherever it sits in a tile and whatever the
+        other rows are. So its result depends only on its own keys: a row alone, beside other sequences, or
+        among its sequence's k + 1 verify rows gets the same bits, with or without PARALLEL. A draft tree's
+        row reads its logical keys (the prefix, then its path) and has a tile to itself, its GROUP heads."""
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
-        tile = tl.program_id(2)
+        if PARALLEL:
+            tile = tl.program_id(2) // max_splits
+            split = tl.program_id(2) % max_splits
+        else:
+            tile = tl.program_id(2)
+            split = 0
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
         ctx_start = tl.load(seq_lens_ptr + seq) - q_len  # position of the sequence's first query row
@@ -96,66 +200,128 @@ if HAS_TRITON:
             prefix_len = 0
             rows_per_tile = BLOCK_M // GROUP
         row0 = tile * rows_per_tile
-        if row0 < q_len:
-            offs_m = tl.arange(0, BLOCK_M)  # tile row m: query row row0 + m // GROUP, head m % GROUP
-            row = row0 + offs_m // GROUP
-            row_ok = (offs_m // GROUP < rows_per_tile) & (row < q_len)
-            token = (q_start + tl.where(row_ok, row, 0)).to(tl.int64)  # [BLOCK_M] packed row
-            head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
-            num_keys = ctx_start + row + 1  # causal bound: 0..position
-            if HAS_TREES:
-                depth = tl.load(depths_ptr + token, mask=row_ok, other=0)
-                num_keys = tl.where(tree_flag != 0, prefix_len + depth + 1, num_keys)
-            num_keys = tl.where(row_ok, num_keys, 1)  # padding rows see key 0, and are not stored
-            tile_keys = tl.max(num_keys, axis=0)
-
+        offs_m = tl.arange(0, BLOCK_M)  # tile row m: query row row0 + m // GROUP, head m % GROUP
+        row = row0 + offs_m // GROUP
+        row_ok = (offs_m // GROUP < rows_per_tile) & (row < q_len)
+        token = (q_start + tl.where(row_ok, row, 0)).to(tl.int64)  # [BLOCK_M] packed row
+        head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
+        num_keys = ctx_start + row + 1  # causal bound: 0..position
+        if HAS_TREES:
+            depth = tl.load(depths_ptr + token, mask=row_ok, other=0)
+            num_keys = tl.where(tree_flag != 0, prefix_len + depth + 1, num_keys)
+        num_keys = tl.where(row_ok, num_keys, 1)  # padding rows see key 0, and are not stored
+        tile_keys = tl.max(num_keys, axis=0)
+        row_splits = (num_keys + SPLIT_KEYS - 1) // SPLIT_KEYS  # [BLOCK_M]
+        if (row0 < q_len) & (split * SPLIT_KEYS < tile_keys):
             offs_d = tl.arange(0, BLOCK_D)
             is_d = offs_d < HEAD_DIM
             q_ptrs = query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
             q = tl.load(q_ptrs, mask=row_ok[:, None] & is_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
             if UPCAST:
                 q = q.to(tl.float32)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
-            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running numerator
             table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
             path_row = paths_ptr + (q_start + row0).to(tl.int64) * stride_path  # a tree tile's one row
-            for start in range(0, tile_keys, BLOCK_N):
-                offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical keys
-                is_n = offs_n < tile_keys
-                positions = offs_n  # [BLOCK_N] where they are
-                if HAS_TREES:
-                    on_path = is_n & (offs_n >= prefix_len) & (offs_n * 0 + tree_flag != 0)
-                    node = tl.load(path_row + (offs_n - prefix_len), mask=on_path, other=0)
-                    positions = tl.where(on_path, node, offs_n)
-                block_ids = tl.load(table_row + positions // block_size, mask=is_n, other=0).to(tl.int64)
-                in_block = (positions % block_size).to(tl.int64)  # [BLOCK_N]
-                kv_mask = is_n[:, None] & is_d[None, :]  # [BLOCK_N, BLOCK_D]
-                k_ptrs = key_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
-                k = tl.load(k_ptrs + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-                if UPCAST:  # Triton's interpreter multiplies bf16 wrongly; bf16 products are exact in fp32
-                    k = k.to(tl.float32)
-                if IEEE:
-                    scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
-                else:
-                    scores = tl.dot(q, tl.trans(k))
-                scores = tl.where(offs_n[None, :] < num_keys[:, None], scores * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: key 0 is in every row's first tile
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(scores - m_new[:, None])  # [BLOCK_M, BLOCK_N]
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                v_ptrs = value_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
-                v = tl.load(v_ptrs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-                if UPCAST:
-                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                elif IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-                else:  # FlashAttention's rounding: the probabilities in the cache's 16-bit type
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
-            out = acc / l_i[:, None]  # [BLOCK_M, BLOCK_D]
+            big_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            big_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+            big_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            first = split if PARALLEL else 0
+            last = split + 1 if PARALLEL else (tile_keys + SPLIT_KEYS - 1) // SPLIT_KEYS
+            for s in range(first, last):
+                lo = s * SPLIT_KEYS
+                m, denom, acc = _attend_keys(
+                    q,
+                    lo,
+                    tl.minimum(lo + SPLIT_KEYS, tile_keys),
+                    num_keys,
+                    table_row,
+                    path_row,
+                    tree_flag,
+                    prefix_len,
+                    key_cache_ptr,
+                    value_cache_ptr,
+                    kv_head,
+                    stride_kb,
+                    stride_ks,
+                    stride_kh,
+                    stride_vb,
+                    stride_vs,
+                    stride_vh,
+                    block_size,
+                    qk_scale,
+                    HAS_TREES,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_D,
+                    BLOCK_N,
+                    IEEE,
+                    UPCAST,
+                )
+                if PARALLEL:
+                    big_m, big_l, big_acc = m, denom, acc
+                else:  # a row merges only the splits that hold its keys
+                    new_m, new_l, new_acc = _merge_split(big_m, big_l, big_acc, m, denom, acc)
+                    has = s < row_splits
+                    big_m = tl.where(has, new_m, big_m)
+                    big_l = tl.where(has, new_l, big_l)
+                    big_acc = tl.where(has[:, None], new_acc, big_acc)
+            store = row_ok[:, None] & is_d[None, :]
             out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & is_d[None, :])
+            if PARALLEL:
+                if split == 0:
+                    tl.store(num_splits_ptr + token, row_splits, mask=row_ok & (offs_m % GROUP == 0))
+                    # a row of one split is finished here, as _combine_splits_kernel would
+                    m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                    l0 = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    acc0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                    _, one_l, one_acc = _merge_split(m0, l0, acc0, big_m, big_l, big_acc)
+                    one = (one_acc / one_l[:, None]).to(out_ptr.dtype.element_ty)
+                    tl.store(out_ptrs, one, mask=store & (row_splits == 1)[:, None])
+                base = (token * num_heads + head) * max_splits + split  # [BLOCK_M]
+                kept = row_ok & (row_splits > 1) & (split < row_splits)
+                tl.store(
+                    part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
+                    big_acc,
+                    mask=kept[:, None] & is_d[None, :],
+                )
+                tl.store(part_ml_ptr + base * 2, big_m, mask=kept)
+                tl.store(part_ml_ptr + base * 2 + 1, big_l, mask=kept)
+            else:
+                out = big_acc / big_l[:, None]  # [BLOCK_M, BLOCK_D]
+                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=store)
+
+    @triton.jit
+    def _combine_splits_kernel(
+        part_acc_ptr,  # [T, H, max_splits, D] fp32
+        part_ml_ptr,  # [T, H, max_splits, 2] fp32
+        num_splits_ptr,  # [T] int32
+        out_ptr,  # [T, H, D]
+        stride_ot,
+        stride_oh,
+        num_heads,
+        max_splits,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """Token t, every head: its splits merged in order (_merge_split), when it has more than one."""
+        token = tl.program_id(0).to(tl.int64)
+        splits = tl.load(num_splits_ptr + token)
+        if splits > 1:
+            heads = tl.arange(0, BLOCK_H)
+            offs_d = tl.arange(0, BLOCK_D)
+            ok = (heads < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
+            big_m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            big_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+            big_acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+            for s in range(0, splits):
+                base = (token * num_heads + heads) * max_splits + s  # [BLOCK_H]
+                acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
+                m = tl.load(part_ml_ptr + base * 2, mask=heads < num_heads, other=0.0)
+                denom = tl.load(part_ml_ptr + base * 2 + 1, mask=heads < num_heads, other=1.0)
+                big_m, big_l, big_acc = _merge_split(big_m, big_l, big_acc, m, denom, acc)
+            out = big_acc / big_l[:, None]
+            out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def attention_tile(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
@@ -204,8 +370,19 @@ def paged_attention_triton(
     max_rows = num_tokens if max_query_len is None else max_query_len
     # a tree's rows have a tile each
     tiles = max_rows if trees is not None else -(-max_rows // rows_per_tile)
+    max_splits = -(-block_tables.shape[1] * block_size // SPLIT_KEYS)  # a bound of any row's splits
+    # A program per split where the splits' partial sums fit PARALLEL_BYTES (decodes and verifies of long
+    # contexts: their few rows would leave the GPU idle); else a program per tile does its splits in turn.
+    parallel = max_splits > 1 and num_tokens * num_heads * max_splits * (head_dim + 2) * 4 <= PARALLEL_BYTES
+    if parallel:
+        part_acc = torch.empty((num_tokens, num_heads, max_splits, head_dim), dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((num_tokens, num_heads, max_splits, 2), dtype=torch.float32, device=query.device)
+        num_splits = torch.empty(num_tokens, dtype=torch.int32, device=query.device)
+    else:
+        part_acc = part_ml = num_splits = out  # not read
     upcast = INTERPRETED and query.dtype != torch.float32
-    _paged_attention_kernel[(num_seqs, num_kv_heads, tiles)](
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _paged_attention_kernel[(num_seqs, num_kv_heads, tiles * max_splits if parallel else tiles)](
         query,
         key_cache,
         value_cache,
@@ -214,6 +391,9 @@ def paged_attention_triton(
         seq_lens,
         *tree_args,
         out,
+        part_acc,
+        part_ml,
+        num_splits,
         scale * LOG2_E,
         query.stride(0),
         query.stride(1),
@@ -228,16 +408,34 @@ def paged_attention_triton(
         block_tables.stride(0),
         trees.paths.stride(0) if trees is not None else 0,
         block_size,
+        num_heads,
+        max_splits,
         HAS_TREES=trees is not None,
+        PARALLEL=parallel,
         HEAD_DIM=head_dim,
         GROUP=num_heads // num_kv_heads,
         BLOCK_M=block_m,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=block_d,
         # keys per step: a function of the model alone (K and V tiles of 16 KB at head_dim 128)
         BLOCK_N=32 if query.dtype == torch.float32 or head_dim > 128 else 64,
+        SPLIT_KEYS=SPLIT_KEYS,
         IEEE=query.dtype == torch.float32 or upcast,
         UPCAST=upcast,
     )
+    if parallel:
+        _combine_splits_kernel[(num_tokens,)](
+            part_acc,
+            part_ml,
+            num_splits,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            max_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_D=block_d,
+        )
     return out
 
 

@@ -218,6 +218,40 @@ def test_a_triton_row_does_not_depend_on_its_batch(dtype, triton_device):
     assert differ == []
 
 
+# Contexts past SPLIT_KEYS (512): rows of 1, 2 and 3 splits, and rows on either side of a split's end.
+LONG = [(1, 1300), (6, 700), (3, 513), (1, 512), (2, 30)]
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_long_rows_are_the_same_split_in_programs_or_in_turn(dtype, triton_device, monkeypatch):
+    """A row's keys are cut at multiples of SPLIT_KEYS and the splits merged in order: a program per split
+    (and the combining kernel), one program over all of them, and the row alone give the same bits, near
+    SDPA's result."""
+    case = make_case(LONG, 16, num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype)
+    args = case.args(triton_device)
+    parallel = pa.paged_attention_triton(*args, max_query_len=6).cpu()
+    monkeypatch.setattr(pa, "PARALLEL_BYTES", 0)  # every split in turn, by the tile's program
+    in_turn = pa.paged_attention_triton(*args, max_query_len=6).cpu()
+    assert torch.equal(parallel, in_turn)
+    monkeypatch.undo()
+    query, key_cache, value_cache, tables, _, _, scale = args
+    one = torch.tensor([0, 1], dtype=torch.int32, device=triton_device)
+    differ = []
+    for b, (q_len, seq_len) in enumerate(LONG):
+        for i in range(q_len):
+            token = int(case.query_start_loc[b]) + i
+            position = torch.tensor([seq_len - q_len + i + 1], dtype=torch.int32, device=triton_device)
+            alone = pa.paged_attention_triton(
+                query[token : token + 1], key_cache, value_cache, tables[b : b + 1], one, position, scale
+            )
+            if not torch.equal(parallel[token], alone[0].cpu()):
+                differ.append(token)
+    assert differ == []
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    assert (parallel.double() - dense_attention(case)).abs().max() <= tolerance
+
+
 @requires_triton
 def test_triton_bf16_matches_dense(triton_device):
     """bf16 caches and queries: products accumulated in fp32, the probabilities rounded to bf16."""

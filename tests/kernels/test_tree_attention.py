@@ -181,6 +181,21 @@ def test_a_tree_row_is_bitwise_a_decode_over_its_path(dtype, context):
 
 
 @requires_triton
+def test_triton_trees_past_a_split_are_the_same_in_programs_or_in_turn(triton_device, monkeypatch):
+    """Prefixes past SPLIT_KEYS: a tree row's logical keys (its prefix, then its path) split at the same
+    places whether each split has its program or the row's program does them in turn."""
+    specs = [(6, pa.SPLIT_KEYS + 30), (1, 2 * pa.SPLIT_KEYS + 300), (4, pa.SPLIT_KEYS - 2)]
+    parents = [-1, 0, 0, 1, 2, 1] + [-1] + [-1, 0, 0, 1]
+    case = make_case(specs, 16, num_heads=4, num_kv_heads=2, head_dim=16)
+    trees = DraftTrees.from_parents(case.query_start_loc.tolist(), case.seq_lens.tolist(), parents)
+    args = (*case.args(triton_device), trees.to(triton_device))
+    parallel = pa.paged_attention_triton(*args).cpu()
+    monkeypatch.setattr(pa, "PARALLEL_BYTES", 0)
+    assert torch.equal(pa.paged_attention_triton(*args).cpu(), parallel)
+    assert (parallel.double() - dense_tree_attention(case, trees)).abs().max() <= 1e-5
+
+
+@requires_triton
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
 def test_a_triton_tree_row_is_bitwise_a_decode_over_its_path(dtype, triton_device):
     """The Triton kernel's tree rows (a tile each) against its one-row decodes (a chain tile)."""
