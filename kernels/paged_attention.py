@@ -103,6 +103,10 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v_ptrs = value_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
             v = tl.load(v_ptrs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            # A tile reads up to its last row's keys: slots past a row's own may hold stale values (a graph's
+            # padding rows reach past the step's real keys), and 0 * inf or 0 * nan in the product would
+            # reach the row. Non-finite values become 0; finite ones are kept bit for bit.
+            v = tl.where(tl.abs(v) < float("inf"), v, 0.0)
             if UPCAST:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             elif IEEE:
@@ -167,7 +171,8 @@ if HAS_TRITON:
         IEEE: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
-        """One program per (sequence, KV head, tile of its query rows), or with PARALLEL per (..., split):
+        """One program per (tile of a sequence's query rows, KV head, sequence), or with PARALLEL per (tile and
+        split, ...):
         the tile's rows times the KV head's GROUP query heads, as BLOCK_M rows of two tensor-core products per
         BLOCK_N keys, online softmax.
 
@@ -180,13 +185,13 @@ if HAS_TRITON:
         other rows are. So its result depends only on its own keys: a row alone, beside other sequences, or
         among its sequence's k + 1 verify rows gets the same bits, with or without PARALLEL. A draft tree's
         row reads its logical keys (the prefix, then its path) and has a tile to itself, its GROUP heads."""
-        seq = tl.program_id(0)
+        seq = tl.program_id(2)
         kv_head = tl.program_id(1)
         if PARALLEL:
-            tile = tl.program_id(2) // max_splits
-            split = tl.program_id(2) % max_splits
+            tile = tl.program_id(0) // max_splits
+            split = tl.program_id(0) % max_splits
         else:
-            tile = tl.program_id(2)
+            tile = tl.program_id(0)
             split = 0
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -382,7 +387,8 @@ def paged_attention_triton(
         part_acc = part_ml = num_splits = out  # not read
     upcast = INTERPRETED and query.dtype != torch.float32
     block_d = max(16, triton.next_power_of_2(head_dim))
-    _paged_attention_kernel[(num_seqs, num_kv_heads, tiles * max_splits if parallel else tiles)](
+    # tiles on the first axis: the others take at most 65,535 programs
+    _paged_attention_kernel[(tiles * max_splits if parallel else tiles, num_kv_heads, num_seqs)](
         query,
         key_cache,
         value_cache,

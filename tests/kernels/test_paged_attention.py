@@ -218,6 +218,31 @@ def test_a_triton_row_does_not_depend_on_its_batch(dtype, triton_device):
     assert differ == []
 
 
+@requires_triton
+def test_stale_values_past_a_row_do_not_reach_it(triton_device):
+    """A tile reads up to its last row's keys. A row whose later rows' slots hold stale non-finite values (a
+    graph's padding rows, whose K/V go to scratch blocks, sit past the step's real rows) gets its own result,
+    finite, bit for bit the row alone."""
+    case = make_case([(3, 22)], 4, num_heads=4, num_kv_heads=2, head_dim=16)
+    table = case.block_tables[0].long()
+    for position, value in ((20, float("nan")), (21, float("inf"))):
+        case.key_cache[table[position // 4], position % 4] = value
+        case.value_cache[table[position // 4], position % 4] = value
+    query, key_cache, value_cache, tables, starts, _, scale = case.args(triton_device)
+    padded = pa.paged_attention_triton(*case.args(triton_device)).cpu()
+    one = torch.tensor([0, 1], dtype=torch.int32, device=triton_device)
+    alone = pa.paged_attention_triton(
+        query[:1],
+        key_cache,
+        value_cache,
+        tables,
+        one,
+        torch.tensor([20], dtype=torch.int32, device=triton_device),
+        scale,
+    ).cpu()
+    assert torch.isfinite(padded[0]).all() and torch.equal(padded[0], alone[0])
+
+
 # Contexts past SPLIT_KEYS (512): rows of 1, 2 and 3 splits, and rows on either side of a split's end.
 LONG = [(1, 1300), (6, 700), (3, 513), (1, 512), (2, 30)]
 

@@ -10,7 +10,8 @@ GraphKey:
 - the number of sequences up to the next of BUCKETS: a padding sequence has q rows at positions 0..q-1 on the
   scratch blocks;
 - every sequence's rows up to the step's most, q: a padding row comes after its sequence's real rows, so the
-  causal bound keeps it out of theirs;
+  causal bound keeps it out of theirs (the attention kernel, whose tiles read up to their last row's keys,
+  leaves stale non-finite values there out of the real rows' sums);
 - the block tables to a power-of-two width.
 Padding rows write their K/V into the runner's scratch blocks, past the scheduler's (never a request's), and
 their logits are dropped. Each key's graph is captured at its first step, after one eager run on the same

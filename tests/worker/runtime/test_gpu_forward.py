@@ -71,6 +71,8 @@ def test_the_runner_chooses_the_gpu_forward_only_over_the_invariant_layers(tiny_
     assert "not the batch-invariant ones" in reason  # the CPU model's own linears (or a GPU's cuBLAS ones)
     make_batch_invariant(model)
     assert GpuLlamaForward.supports(model) is None  # in Triton's interpreter, or on CUDA
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert "rope_type dynamic" in GpuLlamaForward.supports(model)
     model.config.model_type = "mistral"
     assert "mistral" in GpuLlamaForward.supports(model)
     assert backends.choose(model).name == "transformers"

@@ -102,6 +102,11 @@ class GpuLlamaForward:
             return "linears with biases"
         if model.dtype not in DTYPES:
             return f"dtype {model.dtype}"
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if "dynamic" in rope_type or rope_type == "longrope":
+            # its frequencies follow the batch's longest position: read on the host, and not batch invariant
+            return f"rope_type {rope_type}"
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
