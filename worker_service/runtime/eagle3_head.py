@@ -30,6 +30,7 @@ from worker_service.runtime.attention import ATTENTION_NAME, PagedMetadata
 from worker_service.runtime.backends.cpu_head import CpuHeadForward
 from worker_service.runtime.dtypes import DEFAULT_QUANTIZED_ACTIVATIONS
 from worker_service.runtime.fast_linear import can_pack, pack_linears, quantize_linear
+from worker_service.runtime.graphs import CudaGraphReplay, StepGraphs, scratch_blocks_needed
 from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,8 @@ class Eagle3Head(torch.nn.Module):
         self.kv_spec = KVCacheSpec(1, config.num_key_value_heads, self.self_attn.head_dim, torch.float32)
         self.kv_cache: KVCache | None = None
         self.fast: CpuHeadForward | None = None  # load_head sets it where the CPU kernels cover the head
+        self.replay_type: type | None = None  # load_head sets CudaGraphReplay on CUDA (graphs.py)
+        self.graphs: StepGraphs | None = None  # the draft steps' graphs (draft_step), made by init_cache
         assert 2 * hidden == self.self_attn.q_proj.in_features
 
     @property
@@ -147,10 +150,22 @@ class Eagle3Head(torch.nn.Module):
         """The head computes in float32 whatever the target's dtype (its features are cast on the way in)."""
         return self.norm.weight.dtype
 
+    def use_graphs(self, replay_type: type | None) -> None:
+        """Graphs the draft steps with `replay_type` (graphs.py) from the next init_cache on; None: never."""
+        self.replay_type = replay_type
+
     def init_cache(self, num_blocks: int, block_size: int) -> None:
-        """(Re)allocates the head's one-layer KV cache on the target's block ids."""
-        self.kv_cache = None
-        self.kv_cache = KVCache(self.kv_spec, num_blocks, block_size, self.device)
+        """(Re)allocates the head's one-layer KV cache on the target's block ids (and, with graphs, scratch
+        blocks past them for the padding rows)."""
+        self.kv_cache = self.graphs = None
+        scratch = list(range(num_blocks, num_blocks + scratch_blocks_needed(block_size))) if self.replay_type else []
+        self.kv_cache = KVCache(self.kv_spec, num_blocks + len(scratch), block_size, self.device)
+        if self.replay_type is not None:
+            hidden = self.norm.weight.shape[0]
+            row_bytes = 4 * (hidden + 2)  # pre-norm state, draft id, probability
+            self.graphs = StepGraphs(
+                self._draft_step, self.kv_cache, scratch, self.replay_type, row_bytes, extras=((hidden, self.dtype),)
+            )
 
     def features(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """The target's auxiliary hidden states [T, 3 x target hidden] fused into features [T, hidden]."""
@@ -185,8 +200,21 @@ class Eagle3Head(torch.nn.Module):
 
     def draft_tokens(self, normed: torch.Tensor) -> tuple[list[int], list[float]]:
         """The head's argmax for each row, as target token ids, and its probability (the head's confidence)."""
+        ids, probs = self._best(normed)
+        return ids.tolist(), probs.tolist()
+
+    def _best(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft_tokens on the device: target ids [T] int64, probabilities [T] fp32."""
         probs, ids = torch.softmax(self.lm_head(normed).float(), dim=-1).max(dim=-1)  # [T], [T]
-        return self.draft_to_target[ids].tolist(), probs.tolist()
+        return self.draft_to_target[ids], probs
+
+    def _draft_step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata, rows: torch.Tensor, features
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A draft step of every row, all on the device (what graphs capture): (pre-norm [T, hidden], the next
+        draft's target ids [T], their probabilities [T])."""
+        normed, prenorm = self(input_ids, positions, features, meta)
+        return (prenorm, *self._best(normed))
 
     def top_draft_tokens(self, normed: torch.Tensor, width: int) -> tuple[list[list[int]], list[list[float]]]:
         """The head's `width` likeliest tokens for each row (target ids), most likely first, and their
@@ -213,9 +241,11 @@ def load_head(
     target_embedding: torch.nn.Embedding,
     device: torch.device,
     quantized_activations: str = DEFAULT_QUANTIZED_ACTIVATIONS,
+    graphs: bool = True,
 ) -> Eagle3Head:
     """Loads and checks a head against its target; HeadError names what does not fit (both values).
-    `quantized_activations`: how its q8_0 linears take their inputs on the CPU (runtime/fast_linear.py)."""
+    `quantized_activations`: how its q8_0 linears take their inputs on the CPU (runtime/fast_linear.py);
+    `graphs`: on CUDA, its draft steps replay CUDA graphs (False: --enforce-eager)."""
     directory = pathlib.Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -255,6 +285,7 @@ def load_head(
     pack_linears(head, quantized_activations)
     reason = CpuHeadForward.supports(head)
     head.fast = CpuHeadForward(head) if reason is None else None
+    head.use_graphs(CudaGraphReplay if graphs and device.type == "cuda" else None)
     if reason is not None and device.type == "cpu":
         logger.info("the EAGLE-3 head runs transformers' modules (the fast CPU forward does not cover %s)", reason)
     logger.info(

@@ -18,6 +18,10 @@ their logits are dropped. Each key's graph is captured at its first step, after 
 buffers (it builds the Triton kernels), and replayed after; all share one memory pool, so a step's outputs
 are copied out before the next replay.
 
+An EAGLE-3 head's draft steps (a row per drafting chain, a decode of the head) are graphed the same way on
+the head's own cache and scratch blocks (eagle3_head.py), their feature rows an extra input: a draft loop of
+k - 1 head steps was k - 1 eager steps (on an H200 at batch 1 eagle3 ran at 0.62x plain decoding).
+
 The capture hides behind a replay class: CudaGraphReplay on CUDA, EagerReplay elsewhere (it calls the
 function on the same static buffers), so the bookkeeping runs, and is tested, on the CPU.
 """
@@ -36,9 +40,10 @@ logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # sequences per graph
 MAX_ROWS = 32  # rows per sequence a graph covers: a verify of up to 31 drafts
-MAX_GRAPH_LOGITS_BYTES = 256 << 20  # a graph's fp32 logits at most (8B's 128k vocabulary: 512 rows)
-# (input_ids [n], positions [n], metadata, rows [n]) -> (logits [n, V] fp32, aux hidden [n, A] or None)
-StepForward = Callable[[torch.Tensor, torch.Tensor, PagedMetadata, torch.Tensor], tuple]
+MAX_GRAPH_OUTPUT_BYTES = 256 << 20  # a graph's outputs at most (an 8B model's fp32 logits: 512 rows)
+# (input_ids [n], positions [n], metadata, rows [n], *extra inputs [n, width]) -> outputs, each [n, ...] or None:
+# the target's (logits [n, V] fp32, aux hidden [n, A] or None), an EAGLE-3 head's draft step (eagle3_head.py)
+StepForward = Callable[..., tuple]
 
 
 @dataclass(frozen=True)
@@ -108,10 +113,10 @@ class CudaGraphReplay:
 
 
 class Graph:
-    """One GraphKey's static inputs (one int64 and one int32 buffer, viewed as the forward's tensors) and
-    its replay."""
+    """One GraphKey's static inputs (one int64 and one int32 buffer, viewed as the forward's tensors, and a
+    buffer per extra input) and its replay."""
 
-    def __init__(self, key: GraphKey, kv_cache: KVCache, forward: StepForward):
+    def __init__(self, key: GraphKey, kv_cache: KVCache, forward: StepForward, extras: tuple = ()):
         n, b, w = key.num_tokens, key.num_seqs, key.table_width
         device = kv_cache.key_caches[0].device
         self.key = key
@@ -122,7 +127,9 @@ class Graph:
         # Held here: a captured graph reads these addresses at every replay.
         self.metadata = PagedMetadata(kv_cache, slots, tables.view(b, w), starts, seq_lens, max_query_len=key.rows)
         self.every_row = torch.arange(n, device=device)
-        self.inputs = (input_ids, positions, self.metadata, self.every_row)
+        # extras: (width, dtype) of each extra per-row input; padding rows keep zeros (or an earlier step's rows)
+        self.extras = tuple(torch.zeros((n, width), dtype=dtype, device=device) for width, dtype in extras)
+        self.inputs = (input_ids, positions, self.metadata, self.every_row, *self.extras)
         self.forward = forward
         self.replay: Callable[[], tuple] | None = None  # set once the buffers hold a step (StepGraphs.run)
 
@@ -132,12 +139,23 @@ class Graph:
 
 
 class StepGraphs:
-    """The graphs of one ModelRunner's KV cache: pads a step to its key, replays that key's graph (capturing
-    it first), and returns the real rows' logits and aux hidden states, in the chunks' packed order."""
+    """The graphs of one KV cache (a ModelRunner's, or an EAGLE-3 head's): pads a step to its key, replays that
+    key's graph (capturing it first), and returns the forward's outputs for the real rows, in the chunks'
+    packed order. row_bytes: the outputs' bytes per row; extras: (width, dtype) of each extra per-row input
+    the forward takes after the rows."""
 
-    def __init__(self, forward: StepForward, kv_cache: KVCache, scratch: list[int], replay_type: type, vocab_size: int):
+    def __init__(
+        self,
+        forward: StepForward,
+        kv_cache: KVCache,
+        scratch: list[int],
+        replay_type: type,
+        row_bytes: int,
+        extras: tuple = (),
+    ):
         self.forward = forward
-        self.vocab_size = vocab_size
+        self.row_bytes = row_bytes
+        self.extras = extras
         self.kv_cache = kv_cache
         self.scratch = scratch  # block ids past the scheduler's: where padding rows write
         self.replay_type = replay_type
@@ -145,20 +163,24 @@ class StepGraphs:
         self.graphs: dict[GraphKey, Graph] = {}
         self.failed: set[GraphKey] = set()  # keys whose capture failed: their steps run eagerly
 
-    def run(self, chunks: list, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The step's (logits [N, V], aux hidden [N, A] or None) for the real rows; None when it must run
-        eagerly: its key's capture failed, or its logits would pass MAX_GRAPH_LOGITS_BYTES (each graph keeps
-        its outputs in the pool)."""
-        if key in self.failed or 4 * key.num_tokens * self.vocab_size > MAX_GRAPH_LOGITS_BYTES:
+    def run(self, chunks: list, key: GraphKey, extras: tuple = ()) -> tuple | None:
+        """The forward's outputs for the real rows (each [N, ...], or None where the forward returns None);
+        None when the step must run eagerly: its key's capture failed, or its outputs would pass
+        MAX_GRAPH_OUTPUT_BYTES (each graph keeps its outputs in the pool). extras: each extra input's real
+        rows, [N, width] on the device, in the chunks' packed order."""
+        if key in self.failed or key.num_tokens * self.row_bytes > MAX_GRAPH_OUTPUT_BYTES:
             return None
         int64, int32, real = self.host_inputs(chunks, key)
         graph = self.graphs.get(key)
         new = graph is None
         if new:
-            graph = Graph(key, self.kv_cache, self.forward)
+            graph = Graph(key, self.kv_cache, self.forward, self.extras)
         device = graph.int64.device
         graph.int64.copy_(host_tensor(int64, torch.int64, device), non_blocking=True)
         graph.int32.copy_(host_tensor(int32, torch.int32, device), non_blocking=True)
+        (rows,) = to_device([real], torch.int64, device)
+        for buffer, values in zip(graph.extras, extras, strict=True):
+            buffer.index_copy_(0, rows, values.to(buffer.dtype))
         if new:  # captured over this step's inputs (the warm-up runs it)
             try:
                 graph.replay = self.replay_type(graph.compute, self.pool)
@@ -168,9 +190,7 @@ class StepGraphs:
                 return None
             self.graphs[key] = graph
             logger.info("captured a step graph: %s", key)
-        logits, aux = graph.replay()
-        (rows,) = to_device([real], torch.int64, device)
-        return logits[rows], (aux[rows] if aux is not None else None)
+        return tuple(output[rows] if output is not None else None for output in graph.replay())
 
     def host_inputs(self, chunks: list, key: GraphKey) -> tuple[list[int], list[int], list[int]]:
         """The step padded to `key`, as the two buffers' host values, and the packed rows of the real tokens."""

@@ -159,7 +159,7 @@ class ModelRunner:
         scratch = list(range(num_blocks, num_blocks + scratch_blocks_needed(block_size))) if self.replay_type else []
         self.kv_cache = KVCache(self.kv_spec, num_blocks + len(scratch), block_size, self.device)
         if self.replay_type is not None:  # the scratch blocks past the scheduler's take graphs' padding rows
-            self.graphs = StepGraphs(self._forward_rows, self.kv_cache, scratch, self.replay_type, self.vocab_size)
+            self.graphs = StepGraphs(self._forward_rows, self.kv_cache, scratch, self.replay_type, 4 * self.vocab_size)
         logger.info(
             "allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, block_size, self.kv_cache.num_bytes / 2**20
         )

@@ -45,7 +45,14 @@ def build_worker(config: WorkerConfig) -> Worker:
     if "eagle3" in config.proposer_names:
         model = target.model
         facts = TargetFacts(model.config.hidden_size, model.config.vocab_size, model.config.num_hidden_layers)
-        head = load_head(config.draft_model, facts, model.model.embed_tokens, device, config.quantized_activations)
+        head = load_head(
+            config.draft_model,
+            facts,
+            model.model.embed_tokens,
+            device,
+            config.quantized_activations,
+            graphs=not config.enforce_eager,
+        )
     budget = devices.kv_cache_budget_bytes(device, config.kv_cache_memory_bytes, config.gpu_memory_utilization)
     logger.info(
         "running on %s in %s (--dtype %s); KV cache budget %.2f GiB",

@@ -132,6 +132,33 @@ def test_greedy_eagle3_with_graphs_is_plain_decoding(tiny_pair, tiny_eagle3_head
     assert (len(worker.target.graphs.graphs) > 0) == (tree_width == 1)  # a full tree step runs eagerly
 
 
+def test_the_heads_draft_steps_replay_graphs_and_draft_what_its_eager_steps_draft(tiny_pair, tiny_eagle3_head):
+    """The EAGLE-3 head's chain steps (one row per drafting sequence, its feature an extra input) replay
+    graphs: the same drafts as eager steps, every one, and plain decoding's outputs."""
+    runs = {}
+    for graphed in (False, True):
+        worker = test_eagle3.make_worker(tiny_pair, tiny_eagle3_head, k=4)
+        worker.proposer.min_confidence = 0.0
+        head = worker.proposer.head
+        if graphed:
+            head.use_graphs(EagerReplay)
+            head.init_cache(test_eagle3.NUM_BLOCKS, test_eagle3.BLOCK_SIZE)
+        drafts = []
+
+        def recording(states, num_drafts, propose=worker.proposer.propose, drafts=drafts):
+            proposal = propose(states, num_drafts)
+            drafts.append(proposal.draft_token_ids)
+            return proposal
+
+        worker.proposer.propose = recording
+        driver = Driver(worker.execute, test_eagle3.BLOCK_SIZE, test_eagle3.NUM_BLOCKS)
+        outputs = driver.generate(test_speculative.PROMPTS, 16, num_speculative_tokens=[1, 2, 3, 4, 4])
+        runs[graphed] = (drafts, outputs)
+        assert (head.graphs is not None and len(head.graphs.graphs) > 0) == graphed
+    assert runs[True] == runs[False]
+    assert sum(len(d) for step in runs[True][0] for d in step) > 0
+
+
 def test_the_table_width_covers_where_padding_rows_read():
     """A sequence whose table is full up to its real rows still has padding rows after them: they read the
     table at their positions, which the width must cover (else they read the next sequence's row)."""
@@ -161,7 +188,7 @@ def test_a_failed_capture_runs_that_shape_eagerly_and_keeps_the_others(tiny_pair
 
 def test_a_shape_whose_logits_pass_the_cap_runs_eagerly(tiny_pair, monkeypatch):
     eager, graphed = runners(tiny_pair)
-    monkeypatch.setattr("worker_service.runtime.graphs.MAX_GRAPH_LOGITS_BYTES", 4 * graphed.vocab_size * 4)
+    monkeypatch.setattr("worker_service.runtime.graphs.MAX_GRAPH_OUTPUT_BYTES", 4 * graphed.vocab_size * 4)
     small, large = [chunk(1, 9, [1, 2, 3])], [chunk(3, 10, [1, 2, 3, 9]), chunk(2, 6, [4, 5])]
     for chunks in (small, large):
         assert torch.equal(graphed.forward(chunks), eager.forward(chunks))

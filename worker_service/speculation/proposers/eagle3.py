@@ -51,6 +51,7 @@ import torch
 
 from kernels.draft_tree import DraftTrees
 from worker_service.runtime.eagle3_head import Eagle3Head
+from worker_service.runtime.graphs import graph_key
 from worker_service.runtime.runner import ModelRunner, SequenceChunk, pack
 from worker_service.speculation.proposers import Proposal, Proposer
 from worker_service.speculation.proposers.trees import best_nodes, draft_width
@@ -119,8 +120,8 @@ class Eagle3Proposer(Proposer):
             chunks = [
                 SequenceChunk([drafts[i][-1]], states[i].num_tokens + depth - 2, states[i].block_table) for i in rows
             ]
-            normed, prenorm = self._run(chunks, torch.stack([features[i] for i in rows]))
-            for row, (i, token, probability) in enumerate(zip(rows, *self.head.draft_tokens(normed))):
+            tokens, probabilities, prenorm = self._draft_step(chunks, torch.stack([features[i] for i in rows]))
+            for row, (i, token, probability) in enumerate(zip(rows, tokens, probabilities)):
                 drafts[i].append(token)
                 features[i] = prenorm[row]
                 confidence[i] *= probability  # P(drafts 1..depth+1 all accepted), if the head is calibrated
@@ -261,6 +262,19 @@ class Eagle3Proposer(Proposer):
         batch = pack(chunks, self.head.kv_cache, features.device)
         output_rows = batch.logits_indices if last_rows else None
         return self.head(batch.input_ids, batch.positions, features, batch.metadata, output_rows)
+
+    def _draft_step(self, chunks: list[SequenceChunk], features: torch.Tensor) -> tuple[list, list, torch.Tensor]:
+        """One draft of each chunk (a chain's next position): (target ids, the head's probabilities, pre-norm
+        states [N, hidden]). On CUDA a replayed graph (the head's draft step padded to a graphs.GraphKey, as
+        the target's steps are), else the head's eager step."""
+        if self.head.graphs is not None:
+            key = graph_key(chunks, (), self.head.kv_cache.block_size)
+            out = self.head.graphs.run(chunks, key, (features,)) if key is not None else None
+            if out is not None:
+                prenorm, ids, probabilities = out
+                return ids.tolist(), probabilities.tolist(), prenorm
+        normed, prenorm = self._run(chunks, features)
+        return (*self.head.draft_tokens(normed), prenorm)
 
     def num_kv_tokens(self, state: RequestState) -> int:
         return state.num_draft_computed_tokens
