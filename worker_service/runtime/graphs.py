@@ -18,9 +18,9 @@ their logits are dropped. Each key's graph is captured at its first step, after 
 buffers (it builds the Triton kernels), and replayed after; all share one memory pool, so a step's outputs
 are copied out before the next replay.
 
-An EAGLE-3 head's draft steps (a row per drafting chain, a decode of the head) are graphed the same way on
-the head's own cache and scratch blocks (eagle3_head.py), their feature rows an extra input: a draft loop of
-k - 1 head steps was k - 1 eager steps (on an H200 at batch 1 eagle3 ran at 0.62x plain decoding).
+An EAGLE-3 head's steps (a row per drafting chain, or a catch-up's row per committed position) are graphed
+the same way on the head's own cache and scratch blocks (eagle3_head.py), their feature rows an extra input:
+a draft of k tokens was k eager head steps (on an H200 at batch 1 eagle3 ran at 0.62x plain decoding).
 
 The capture hides behind a replay class: CudaGraphReplay on CUDA, EagerReplay elsewhere (it calls the
 function on the same static buffers), so the bookkeeping runs, and is tested, on the CPU.

@@ -133,8 +133,9 @@ def test_greedy_eagle3_with_graphs_is_plain_decoding(tiny_pair, tiny_eagle3_head
 
 
 def test_the_heads_draft_steps_replay_graphs_and_draft_what_its_eager_steps_draft(tiny_pair, tiny_eagle3_head):
-    """The EAGLE-3 head's chain steps (one row per drafting sequence, its feature an extra input) replay
-    graphs: the same drafts as eager steps, every one, and plain decoding's outputs."""
+    """The EAGLE-3 head's chain steps (one row per drafting sequence, its feature an extra input) and its
+    catch-ups (a row per committed position) replay graphs: the same drafts as eager steps, every one, and
+    plain decoding's outputs."""
     runs = {}
     for graphed in (False, True):
         worker = test_eagle3.make_worker(tiny_pair, tiny_eagle3_head, k=4)

@@ -45,7 +45,8 @@ except the first. The head's K/V of the drafted rows is scratch: the catch-up
 rewrites the accepted path's positions from the target's features.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+import itertools
 
 import torch
 
@@ -239,10 +240,15 @@ class Eagle3Proposer(Proposer):
             )
             features.append(rows)
             state.num_draft_computed_tokens = end
-        normed, prenorm = self._run(head_chunks, self.head.features(torch.cat(features)), last_rows=True)
-        if not len(normed):  # no sequence drafts after these positions yet (a prompt still prefilling)
-            return
-        tokens, probabilities = self.head.draft_tokens(normed)
+        features = self.head.features(torch.cat(features))
+        graphed = self._graphed_catch_up(head_chunks, features) if self.tree_width == 1 else None
+        if graphed is not None:
+            tokens, probabilities, prenorm = graphed
+        else:
+            normed, prenorm = self._run(head_chunks, features, last_rows=True)
+            if not len(normed):  # no sequence drafts after these positions yet (a prompt still prefilling)
+                return
+            tokens, probabilities = self.head.draft_tokens(normed)
         tops, top_probabilities = (
             ([[t] for t in tokens], [[p] for p in probabilities])
             if self.tree_width == 1
@@ -263,16 +269,37 @@ class Eagle3Proposer(Proposer):
         output_rows = batch.logits_indices if last_rows else None
         return self.head(batch.input_ids, batch.positions, features, batch.metadata, output_rows)
 
-    def _draft_step(self, chunks: list[SequenceChunk], features: torch.Tensor) -> tuple[list, list, torch.Tensor]:
-        """One draft of each chunk (a chain's next position): (target ids, the head's probabilities, pre-norm
-        states [N, hidden]). On CUDA a replayed graph (the head's draft step padded to a graphs.GraphKey, as
-        the target's steps are), else the head's eager step."""
+    def _graphed_catch_up(self, chunks: list[SequenceChunk], features: torch.Tensor) -> tuple | None:
+        """A catch-up whose every sequence drafts next (one row per committed position, a verify's shape) as
+        a replayed graph of the head's draft step: the last rows' (target ids, probabilities, pre-norm
+        states); None when it runs eagerly."""
+        if self.head.graphs is None or not all(c.num_logits for c in chunks):
+            return None
+        every_row = [replace(c, num_logits=len(c.token_ids)) for c in chunks]
+        out = self._draft_step(every_row, features, eager=False)
+        if out is None:
+            return None
+        ids, probabilities, prenorm = out
+        last = [end - 1 for end in itertools.accumulate(len(c.token_ids) for c in chunks)]
+        return (
+            [ids[i] for i in last],
+            [probabilities[i] for i in last],
+            prenorm[torch.tensor(last, device=prenorm.device)],
+        )
+
+    def _draft_step(self, chunks: list[SequenceChunk], features: torch.Tensor, eager: bool = True) -> tuple | None:
+        """A head step over every row of `chunks` (a chain's next position, or a catch-up's positions): each
+        row's (target id, the head's probability) of the next draft, and pre-norm states [N, hidden]. On CUDA
+        a replayed graph (the head's draft step padded to a graphs.GraphKey, as the target's steps are), else
+        the head's eager step (eager False: None instead)."""
         if self.head.graphs is not None:
             key = graph_key(chunks, (), self.head.kv_cache.block_size)
             out = self.head.graphs.run(chunks, key, (features,)) if key is not None else None
             if out is not None:
                 prenorm, ids, probabilities = out
                 return ids.tolist(), probabilities.tolist(), prenorm
+        if not eager:
+            return None
         normed, prenorm = self._run(chunks, features)
         return (*self.head.draft_tokens(normed), prenorm)
 
