@@ -202,20 +202,26 @@ def test_a_triton_row_does_not_depend_on_its_batch(dtype, triton_device):
     place of a tile) equals bitwise the same row computed alone, a one-row decode at its position."""
     specs = CASES["mixed"]
     case = make_case(specs, 16, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype)
-    query, key_cache, value_cache, tables, starts, lens, scale = case.args(triton_device)
     together = pa.paged_attention_triton(*case.args(triton_device), max_query_len=12).cpu()
-    one = torch.tensor([0, 1], dtype=torch.int32, device=triton_device)
+    assert rows_unlike_alone(case, specs, together, triton_device) == []
+
+
+def rows_unlike_alone(case, specs, together: torch.Tensor, device: str) -> list[int]:
+    """The rows of `together` (the Triton kernel's output for the whole case) that differ from the same row
+    computed alone, a one-row decode at its position."""
+    query, key_cache, value_cache, tables, _, _, scale = case.args(device)
+    one = torch.tensor([0, 1], dtype=torch.int32, device=device)
     differ = []
     for b, (q_len, seq_len) in enumerate(specs):
         for i in range(q_len):
             token = int(case.query_start_loc[b]) + i
-            position = torch.tensor([seq_len - q_len + i + 1], dtype=torch.int32, device=triton_device)
+            position = torch.tensor([seq_len - q_len + i + 1], dtype=torch.int32, device=device)
             alone = pa.paged_attention_triton(
                 query[token : token + 1], key_cache, value_cache, tables[b : b + 1], one, position, scale
             )
             if not torch.equal(together[token], alone[0].cpu()):
                 differ.append(token)
-    assert differ == []
+    return differ
 
 
 @requires_triton
@@ -260,19 +266,7 @@ def test_triton_long_rows_are_the_same_split_in_programs_or_in_turn(dtype, trito
     in_turn = pa.paged_attention_triton(*args, max_query_len=6).cpu()
     assert torch.equal(parallel, in_turn)
     monkeypatch.undo()
-    query, key_cache, value_cache, tables, _, _, scale = args
-    one = torch.tensor([0, 1], dtype=torch.int32, device=triton_device)
-    differ = []
-    for b, (q_len, seq_len) in enumerate(LONG):
-        for i in range(q_len):
-            token = int(case.query_start_loc[b]) + i
-            position = torch.tensor([seq_len - q_len + i + 1], dtype=torch.int32, device=triton_device)
-            alone = pa.paged_attention_triton(
-                query[token : token + 1], key_cache, value_cache, tables[b : b + 1], one, position, scale
-            )
-            if not torch.equal(parallel[token], alone[0].cpu()):
-                differ.append(token)
-    assert differ == []
+    assert rows_unlike_alone(case, LONG, parallel, triton_device) == []
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     assert (parallel.double() - dense_attention(case)).abs().max() <= tolerance
 
