@@ -22,7 +22,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.gpu_check import copy_bandwidth  # noqa: E402
+from bench.common import copy_bandwidth  # noqa: E402
 from kernels import invariant_ops  # noqa: E402
 
 # (name, N, K) per layer; the output layer is the vocabulary's

@@ -81,6 +81,33 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(device: torch.device, fn, repeats: int, warmup: int = 2) -> float:
+    """The median wall time of fn() (host work included, as a serving step pays it), device synchronized."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int = 2 << 30) -> float:
+    """Bytes/s of a device-to-device copy, bytes read plus bytes written (the HBM ceiling a step is held to)."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    seconds = median_seconds(device, lambda: dst.copy_(src), repeats=10)
+    return 2 * num_bytes / seconds
+
+
 def save(name: str, payload: dict) -> pathlib.Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {

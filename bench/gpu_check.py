@@ -24,7 +24,6 @@ import json
 import os
 import pathlib
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from bench.common import copy_bandwidth, median_seconds, synchronize  # noqa: E402
 
 BLOCK_SIZE = 16
 # Llama-3.2-1B's and Llama-3.1-8B's shapes (random weights: nothing is carried), and a tiny one for the CPU.
@@ -103,33 +104,6 @@ class Phase:
 
     def save(self) -> None:
         self.path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(device: torch.device, fn, repeats: int, warmup: int = 2) -> float:
-    """The median wall time of fn() (host work included, as a serving step pays it), device synchronized."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int = 2 << 30) -> float:
-    """Bytes/s of a device-to-device copy, bytes read plus bytes written (the HBM ceiling a step is held to)."""
-    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    seconds = median_seconds(device, lambda: dst.copy_(src), repeats=10)
-    return 2 * num_bytes / seconds
 
 
 def random_llama(shape: str, dtype: torch.dtype, device: torch.device, num_layers: int | None = None):
