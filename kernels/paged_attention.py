@@ -427,6 +427,9 @@ def paged_attention_triton(
         SPLIT_KEYS=SPLIT_KEYS,
         IEEE=query.dtype == torch.float32 or upcast,
         UPCAST=upcast,
+        # fp32's products run on FMA units: with 4 warps a split program spilled registers (ptxas, sm_90).
+        # A function of the dtype alone: the warps lay out the row sums, which must not change between calls.
+        num_warps=8 if query.dtype == torch.float32 else 4,
     )
     if parallel:
         _combine_splits_kernel[(num_tokens,)](
