@@ -24,8 +24,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from kernels._triton import HAS_TRITON
 from specdec import step
 from tests.worker.speculation import test_speculative
+from worker_service.runtime.loader import load_model
+from worker_service.runtime.runner import ModelRunner
+from worker_service.speculation.config import WorkerConfig
+from worker_service.speculation.worker import Worker
 
 aten = torch.ops.aten
 # Ops whose output size the host needs before it can go on: a wait on CUDA (`.item()`, `bool()` and the other
@@ -151,3 +156,30 @@ def test_a_verify_step_reads_as_a_decode_step_does_beside_its_proposer(tiny_pair
     assert step_reads(worker, sampling, 3) == expected_reads(sampling) + collections.Counter(
         {("tolist", "draft.py:propose"): 3}
     )
+
+
+def gpu_forward_worker(pair, proposer: str, k: int) -> Worker:
+    """A worker whose target runs the GPU forward (backends/gpu_llama.py), here in Triton's interpreter: a read
+    in its Python (the backend, the kernels' wrappers) would also stop a CUDA graph's capture."""
+    from tests.worker.runtime.test_gpu_forward import runner_with
+
+    config = WorkerConfig(
+        model=str(pair.target_path),
+        proposer=proposer,
+        num_speculative_tokens=k,
+        draft_model=str(pair.draft_path) if proposer == "draft" else None,
+        dtype="float32",
+    )
+    draft = ModelRunner(load_model(pair.draft_path, "float32")) if proposer == "draft" else None
+    worker = Worker(config, runner_with("gpu_llama", pair.target_path, "float32", "cpu"), draft)
+    worker.init_cache(test_speculative.NUM_BLOCKS, test_speculative.BLOCK_SIZE)
+    return worker
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_the_gpu_forwards_steps_read_the_host_as_the_others_do(tiny_pair, sampling):
+    assert step_reads(gpu_forward_worker(tiny_pair, "ngram", 3), sampling, 0) == expected_reads(sampling)
+    assert step_reads(gpu_forward_worker(tiny_pair, "draft", 3), sampling, 3) == expected_reads(
+        sampling
+    ) + collections.Counter({("tolist", "draft.py:propose"): 3})
