@@ -7,10 +7,12 @@
 # There, in four calls on one warm machine, each carrying what it names. A carried path is gone from the working
 # tree at the next call, so the script keeps the installed wheels and the parts in $GPU_CHECK_STATE (/tmp), which
 # lasts as long as the machine stays warm (30 s between calls):
-#   scripts/gpu_check.sh probe tier invariance linears attention profile shapes   carry .gpu/whl   (~7 min, H200)
+#   scripts/gpu_check.sh probe tier attention profile shapes invariance linears   carry .gpu/whl   (~7 min, H200)
 #   scripts/gpu_check.sh probe                          carry .gpu/model/part_00 .gpu/model/SHA256SUMS
 #   scripts/gpu_check.sh probe                          carry .gpu/model/part_01
 #   scripts/gpu_check.sh smollm2                        carry .gpu/model/part_02 .gpu/data  (~4 min)
+# The attention phase also times another revision's kernel where .gpu/paged_attention_before.py is carried in
+# the first call (`git show REV:kernels/paged_attention.py > .gpu/paged_attention_before.py`; 2 KB).
 # Each phase writes $OUT/gpu_check-<phase>.json; here, `.venv/bin/python bench/gpu_check.py merge DIR` joins
 # the fetched files into bench/results/gpu_check.json. With every part carried, no arguments run all phases.
 set -uo pipefail
@@ -63,7 +65,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv,noheader 2>/dev/null
 
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(probe tier invariance linears attention profile shapes smollm2)
+[ ${#phases[@]} -eq 0 ] && phases=(probe tier attention profile shapes invariance linears smollm2)
 status=0
 for phase in "${phases[@]}"; do
     extra=()
