@@ -12,7 +12,7 @@
 #   scripts/gpu_check.sh probe                          carry .gpu/model/part_01
 #   scripts/gpu_check.sh smollm2                        carry .gpu/model/part_02 .gpu/data  (~4 min)
 # The attention phase also times another revision's kernel where .gpu/paged_attention_before.py is carried in
-# the first call (`git show REV:kernels/paged_attention.py > .gpu/paged_attention_before.py`; 2 KB).
+# the first call (`git show REV:kernels/paged_attention.py > .gpu/paged_attention_before.py`; 17 KB).
 # Each phase writes $OUT/gpu_check-<phase>.json; here, `.venv/bin/python bench/gpu_check.py merge DIR` joins
 # the fetched files into bench/results/gpu_check.json. With every part carried, no arguments run all phases.
 set -uo pipefail
