@@ -5,10 +5,12 @@ runner chooses it. On the CPU in Triton's interpreter (the tiny model), on CUDA 
 import pytest
 import torch
 
+from kernels import layer_ops
 from kernels._triton import HAS_TRITON
 from tests.worker.runtime.test_fast_forward import _run
 from tests.worker.runtime.test_forward_invariance import LAYOUT, SHORT_LAYOUT, rows_that_differ
 from worker_service.runtime import backends
+from worker_service.runtime.backends import gpu_llama
 from worker_service.runtime.backends.gpu_llama import GpuLlamaForward
 from worker_service.runtime.invariant_layers import make_batch_invariant
 from worker_service.runtime.loader import load_model
@@ -84,3 +86,23 @@ def test_a_cuda_llama_runs_the_gpu_forward_by_default(tiny_pair, invariant):
     model = load_model(tiny_pair.target_path, "bfloat16", torch.device("cuda"))
     runner = ModelRunner(model, batch_invariant=invariant)
     assert runner.backend.name == ("gpu_llama" if invariant else "transformers")
+
+
+def test_kernels_that_fail_their_check_leave_the_model_the_transformers_forward(tiny_pair, monkeypatch):
+    """A Triton or a GPU that cannot run the layer kernels must not stop the worker: the runner keeps the
+    `transformers` forward, and says why."""
+    model = load_model(tiny_pair.target_path, "float32")
+    make_batch_invariant(model)
+
+    def broken(gate_up):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(layer_ops, "silu_mul_triton", broken)
+    gpu_llama.kernels_fail.cache_clear()
+    try:
+        assert "no kernel image" in GpuLlamaForward.supports(model)
+        assert backends.choose(model).name == "transformers"
+    finally:
+        monkeypatch.undo()
+        gpu_llama.kernels_fail.cache_clear()
+    assert GpuLlamaForward.supports(model) is None

@@ -21,6 +21,7 @@ loader (the weights, the rotary embedding's cos/sin) and the reference.
 """
 
 from dataclasses import dataclass
+import functools
 
 import torch
 from transformers import PreTrainedModel
@@ -35,6 +36,40 @@ from worker_service.runtime.kv_cache import KVCacheSpec
 
 MODEL_TYPES = ("llama",)  # decoder layers of exactly the shape above (SmolLM2, Llama 2/3, TinyLlama)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=8)
+def kernels_fail(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the layer kernels (kernels/layer_ops.py) run on `device` in `dtype` and match their references
+    on a small random case; else why not (a Triton build or a GPU that cannot run them): the model then keeps
+    the `transformers` forward."""
+    try:
+        generator = torch.Generator().manual_seed(0)
+        h, residual = (torch.randn((3, 64), generator=generator).to(device, dtype) for _ in range(2))
+        weight = torch.randn(64, generator=generator).to(device, dtype)
+        want = layer_ops.add_rms_norm_ref(h, residual.clone(), weight, 1e-6)
+        got = layer_ops.add_rms_norm_triton(h, residual.clone(), weight, 1e-6)
+        gate_up = torch.randn((3, 128), generator=generator).to(device, dtype)
+        qkv = torch.randn((3, 4 * 16), generator=generator).to(device, dtype)  # 2 query heads, 1 KV head of 16
+        cos, sin = (torch.randn((3, 16), generator=generator).to(device, dtype) for _ in range(2))
+        slots = torch.tensor([0, 5, 2], device=device)
+        caches = [torch.zeros((2, 4, 1, 16), device=device, dtype=dtype) for _ in range(4)]
+        rope_ref, rope_got = qkv.clone(), qkv.clone()
+        layer_ops.rope_write_kv_ref(rope_ref, cos, sin, 2, slots, caches[0], caches[1])
+        layer_ops.rope_write_kv_triton(rope_got, cos, sin, 2, slots, caches[2], caches[3])
+        for ours, theirs in (
+            (got, want),
+            (layer_ops.silu_mul_triton(gate_up), layer_ops.silu_mul_ref(gate_up)),
+            (rope_got, rope_ref),
+            (caches[2], caches[0]),
+            (caches[3], caches[1]),
+        ):
+            error = float((ours.double() - theirs.double()).norm() / theirs.double().norm().clamp(min=1e-12))
+            if not error < 2e-2:
+                return f"a result {error:.2g} away from its reference"
+    except Exception as exc:  # noqa: BLE001 - whatever stops the kernels is reported, and the model keeps its forward
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 @dataclass
@@ -116,6 +151,9 @@ class GpuLlamaForward:
                 and all(isinstance(n, InvariantRMSNorm) for n in norms)
             ):
                 return "its linears and norms are not the batch-invariant ones (--no-batch-invariant)"
+        reason = kernels_fail(model.device, model.dtype)
+        if reason is not None:
+            return f"its kernels fail on {model.device}: {reason}"
         return None
 
     def __call__(
