@@ -19,6 +19,7 @@ output). Temperature, min_p, top-k and top-p come after, in sampling.py.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from worker_service.speculation.request_state import RequestState
@@ -76,26 +77,27 @@ def process_rows(rows: torch.Tensor, state: RequestState, paths: list[list[int]]
 
 
 def _penalise(rows: torch.Tensor, state: RequestState, output: list[int], paths: list[list[int]]) -> None:
-    """The repetition, frequency and presence penalties, on the columns of the tokens the rows have seen."""
+    """The repetition, frequency and presence penalties, on the columns of the tokens the rows have seen.
+
+    The index lists go to torch through numpy (a list of a few hundred ints converts ~10x faster so), and the
+    prompt's token set is kept on the state: a request pays for its prompt once, not at every step."""
     sampling, device = state.sampling, rows.device
-    prompt = set(state.token_ids[: state.num_prompt_tokens]) if sampling.repetition_penalty != 1 else set()
-    columns = sorted(prompt | set(output) | {t for path in paths for t in path})
+    prompt = _prompt_tokens(state) if sampling.repetition_penalty != 1 else frozenset()
+    columns = sorted(prompt.union(output, *paths))
     if not columns:
         return  # nothing seen yet: nothing to penalise
     column_of = {t: j for j, t in enumerate(columns)}
-    counts = [0.0] * len(columns)  # the emitted output's, then each row's path added
-    for t in output:
-        counts[column_of[t]] += 1
-    row_counts = torch.tensor(counts, device=device).expand(len(paths), len(columns)).clone()  # [R, C]
-    pairs = [(r, column_of[t]) for r, path in enumerate(paths) for t in path]
-    if pairs:
-        index = torch.tensor(pairs, device=device)  # [P, 2]
-        row_counts.index_put_((index[:, 0], index[:, 1]), torch.ones(len(pairs), device=device), accumulate=True)
-    column_ids = torch.tensor(columns, device=device)  # [C]
+    counts = np.zeros(len(columns), dtype=np.float32)  # the emitted output's, then each row's path added
+    np.add.at(counts, np.fromiter((column_of[t] for t in output), dtype=np.int64, count=len(output)), 1)
+    row_counts = np.repeat(counts[None, :], len(paths), axis=0)  # [R, C]
+    for r, path in enumerate(paths):
+        np.add.at(row_counts[r], np.fromiter((column_of[t] for t in path), dtype=np.int64, count=len(path)), 1)
+    row_counts = torch.from_numpy(row_counts).to(device)  # [R, C]
+    column_ids = torch.from_numpy(np.array(columns, dtype=np.int64)).to(device)  # [C]
     sub = rows[:, column_ids]  # [R, C]
     if sampling.repetition_penalty != 1:
-        in_prompt = torch.tensor([t in prompt for t in columns], device=device)  # [C]
-        seen = (row_counts > 0) | in_prompt  # [R, C]
+        in_prompt = np.fromiter((t in prompt for t in columns), dtype=bool, count=len(columns))
+        seen = (row_counts > 0) | torch.from_numpy(in_prompt).to(device)  # [R, C]
         penalty = sampling.repetition_penalty
         sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
     if sampling.frequency_penalty:
@@ -103,3 +105,10 @@ def _penalise(rows: torch.Tensor, state: RequestState, output: list[int], paths:
     if sampling.presence_penalty:
         sub = sub - sampling.presence_penalty * (row_counts > 0)
     rows[:, column_ids] = sub
+
+
+def _prompt_tokens(state: RequestState) -> frozenset[int]:
+    """The set of the request's prompt tokens, made at its first penalised step and kept on the state."""
+    if state.prompt_token_set is None:
+        state.prompt_token_set = frozenset(state.token_ids[: state.num_prompt_tokens])
+    return state.prompt_token_set

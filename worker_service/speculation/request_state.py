@@ -33,6 +33,7 @@ class RequestState:
     matcher: object | None = field(
         default=None, repr=False
     )  # its llguidance matcher (worker_service/speculation/structured.py)
+    prompt_token_set: frozenset[int] | None = field(default=None, repr=False)  # logits_processing's, once made
 
     @property
     def is_constrained(self) -> bool:
