@@ -379,8 +379,10 @@ def attention(args) -> None:
 # Kernel names (substrings) of a decode step's parts; the rest is "other" (torch's elementwise ops, copies).
 KERNEL_KINDS = (
     ("linear", ("_linear_kernel", "_sum_splits_kernel", "gemm", "gemv", "cutlass")),
-    ("attention", ("_paged_attention_kernel",)),
-    ("rms_norm", ("_rms_norm_kernel",)),
+    ("attention", ("_paged_attention_kernel", "_combine_splits_kernel")),
+    ("rms_norm", ("_rms_norm_kernel",)),  # and _add_rms_norm_kernel
+    ("rope_kv", ("_rope_write_kv_kernel",)),
+    ("silu_mul", ("_silu_mul_kernel",)),
 )
 
 
