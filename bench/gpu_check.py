@@ -37,7 +37,8 @@ import torch  # noqa: E402
 from bench.common import copy_bandwidth, median_seconds, synchronize  # noqa: E402
 
 BLOCK_SIZE = 16
-# Llama-3.2-1B's and Llama-3.1-8B's shapes (random weights: nothing is carried), and a tiny one for the CPU.
+# Llama-3.2-1B's, Llama-3.1-8B's and SmolLM2's shapes (random weights: nothing is carried), and a tiny one for
+# the CPU.
 SHAPES = {
     "1b": dict(
         hidden_size=2048,
@@ -58,6 +59,16 @@ SHAPES = {
         head_dim=128,
         vocab_size=128256,
         tie_word_embeddings=False,
+    ),
+    "smollm2": dict(  # SmolLM2-135M's shape: the default model's steps without carrying its weights
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        tie_word_embeddings=True,
     ),
     "tiny": dict(
         hidden_size=64,
@@ -800,7 +811,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=ints, default=[512, 4096])
     p.add_argument("--before", default=str(ROOT / ".gpu" / "paged_attention_before.py"))
     p = phase("profile", profile)
-    p.add_argument("--shapes", type=words, default=["8b", "1b"])
+    p.add_argument("--shapes", type=words, default=["8b", "1b", "smollm2"])
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--backends", type=words, default=["transformers", "gpu_llama"])
