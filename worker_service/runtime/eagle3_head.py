@@ -157,12 +157,16 @@ class Eagle3Head(torch.nn.Module):
     def init_cache(self, num_blocks: int, block_size: int) -> None:
         """(Re)allocates the head's one-layer KV cache on the target's block ids (and, with graphs, scratch
         blocks past them for the padding rows)."""
-        self.kv_cache = self.graphs = None
+        if self.graphs is not None:
+            self.graphs.close()
+        self.kv_cache = self.graphs = None  # freed first, as the target's (ModelRunner.init_cache)
         scratch = list(range(num_blocks, num_blocks + scratch_blocks_needed(block_size))) if self.replay_type else []
         self.kv_cache = KVCache(self.kv_spec, num_blocks + len(scratch), block_size, self.device)
         if self.replay_type is not None:
-            hidden = self.norm.weight.shape[0]
-            row_bytes = 4 * (hidden + 2)  # pre-norm state, draft id, probability
+            hidden, draft_vocab = self.norm.weight.shape[0], self.lm_head.out_features
+            # the outputs (pre-norm state, an int64 id, a probability) and what the pool keeps besides: the
+            # draft vocabulary's scores and softmax of every row, its features and MLP activations
+            row_bytes = 4 * hidden + 12 + 8 * draft_vocab + 4 * (hidden + self.mlp.intermediate_size)
             self.graphs = StepGraphs(
                 self._draft_step, self.kv_cache, scratch, self.replay_type, row_bytes, extras=((hidden, self.dtype),)
             )

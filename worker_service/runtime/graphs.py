@@ -28,6 +28,7 @@ function on the same static buffers), so the bookkeeping runs, and is tested, on
 
 from collections.abc import Callable
 from dataclasses import dataclass
+import gc
 import logging
 
 import torch
@@ -162,6 +163,17 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle() if replay_type is CudaGraphReplay else None
         self.graphs: dict[GraphKey, Graph] = {}
         self.failed: set[GraphKey] = set()  # keys whose capture failed: their steps run eagerly
+
+    def close(self) -> None:
+        """Drops every graph and frees what they held (their pool, their inputs, the KV cache they read): each
+        graph's replay holds the graph, which holds the cache, a cycle that only the collector frees, and the
+        owner's next cache may not fit beside the old one."""
+        for graph in self.graphs.values():
+            graph.replay = None
+        self.graphs.clear()
+        gc.collect()
+        if self.pool is not None:
+            torch.cuda.empty_cache()
 
     def run(self, chunks: list, key: GraphKey, extras: tuple = ()) -> tuple | None:
         """The forward's outputs for the real rows (each [N, ...], or None where the forward returns None);

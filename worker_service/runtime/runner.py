@@ -155,6 +155,8 @@ class ModelRunner:
 
     def init_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """(Re)allocates the KV cache; every cached K/V is dropped."""
+        if self.graphs is not None:
+            self.graphs.close()
         self.kv_cache = self.graphs = None  # freed first: the old and the new cache may not both fit in the budget
         scratch = list(range(num_blocks, num_blocks + scratch_blocks_needed(block_size))) if self.replay_type else []
         self.kv_cache = KVCache(self.kv_spec, num_blocks + len(scratch), block_size, self.device)

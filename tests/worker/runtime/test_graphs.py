@@ -7,6 +7,9 @@ must stay where they are from one step to the next. Captures themselves need CUD
 worker's lossless tests with graphs on (the default there).
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -132,15 +135,20 @@ def test_greedy_eagle3_with_graphs_is_plain_decoding(tiny_pair, tiny_eagle3_head
     assert (len(worker.target.graphs.graphs) > 0) == (tree_width == 1)  # a full tree step runs eagerly
 
 
-def test_the_heads_draft_steps_replay_graphs_and_draft_what_its_eager_steps_draft(tiny_pair, tiny_eagle3_head):
+@pytest.mark.parametrize("fast", [True, False], ids=["cpu-forward", "transformers-modules"])
+def test_the_heads_draft_steps_replay_graphs_and_draft_what_its_eager_steps_draft(tiny_pair, tiny_eagle3_head, fast):
     """The EAGLE-3 head's chain steps (one row per drafting sequence, its feature an extra input) and its
-    catch-ups (a row per committed position) replay graphs: the same drafts as eager steps, every one, and
-    plain decoding's outputs."""
+    catch-ups (a row per committed position, up to a verify's) replay graphs: the same drafts as eager steps,
+    every one (the CPU's head is batch invariant; CUDA's fp32 linears are not, so there drafts may differ, and
+    outputs may not), and plain decoding's outputs. Through the head's CPU forward, and through the
+    `transformers` modules a GPU runs."""
     runs = {}
     for graphed in (False, True):
         worker = test_eagle3.make_worker(tiny_pair, tiny_eagle3_head, k=4)
         worker.proposer.min_confidence = 0.0
         head = worker.proposer.head
+        if not fast:
+            head.fast = None
         if graphed:
             head.use_graphs(EagerReplay)
             head.init_cache(test_eagle3.NUM_BLOCKS, test_eagle3.BLOCK_SIZE)
@@ -194,3 +202,18 @@ def test_a_shape_whose_logits_pass_the_cap_runs_eagerly(tiny_pair, monkeypatch):
     for chunks in (small, large):
         assert torch.equal(graphed.forward(chunks), eager.forward(chunks))
     assert [key.num_tokens for key in graphed.graphs.graphs] == [1]  # 2 sequences x 3 rows: past the cap
+
+
+def test_a_new_cache_frees_the_old_one_and_its_graphs(tiny_pair):
+    """A graph's replay holds the graph, which holds the KV cache it reads: a cycle. init_cache breaks it, so
+    the old cache is gone before the new one is allocated (both may not fit), with the collector off too."""
+    _, graphed = runners(tiny_pair)
+    graphed.forward([chunk(1, 9, [1, 2, 3])])
+    assert graphed.graphs.graphs  # a graph holds the cache
+    old = weakref.ref(graphed.kv_cache.key_caches[0])
+    gc.disable()
+    try:
+        graphed.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+        assert old() is None
+    finally:
+        gc.enable()

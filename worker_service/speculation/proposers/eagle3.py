@@ -97,9 +97,11 @@ class Eagle3Proposer(Proposer):
         # rows of positions num_draft_computed_tokens, .., num_computed_tokens - 1, in order.
         self._pending: dict[str, list[torch.Tensor]] = {}
         self._drafted: set[str] = set()  # the sequences the head was asked to draft for in this step
+        self.max_catch_up_rows = 1  # the most positions a graphed catch-up has: this step's largest k + 1
 
     def propose(self, states: list[RequestState], num_drafts: list[int]) -> Proposal:
         self._drafted = {s.request_id for s, k in zip(states, num_drafts) if k > 0}
+        self.max_catch_up_rows = 1 + max(num_drafts, default=0)
         self._catch_up([s for s, k in zip(states, num_drafts) if k > 0 and s.request_id in self._pending])
         widths = [draft_width(s, self.tree_width) if k > 0 else 1 for s, k in zip(states, num_drafts)]
         if max(widths, default=1) > 1:
@@ -274,6 +276,9 @@ class Eagle3Proposer(Proposer):
         a replayed graph of the head's draft step: the last rows' (target ids, probabilities, pre-norm
         states); None when it runs eagerly."""
         if self.head.graphs is None or not all(c.num_logits for c in chunks):
+            return None
+        # a verify's shape at most (a prompt's catch-up runs eagerly): few keys, each captured once
+        if max(len(c.token_ids) for c in chunks) > self.max_catch_up_rows:
             return None
         every_row = [replace(c, num_logits=len(c.token_ids)) for c in chunks]
         out = self._draft_step(every_row, features, eager=False)
