@@ -12,6 +12,7 @@ launch. Run:
 """
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -133,6 +134,8 @@ def measure(
                     inputs = make_inputs(num_seqs, q_len, context, dtype, device, shape)
                     times = {}
                     for name, function in functions.items():
+                        if function is paged_attention_triton:  # launched for the rows there are, as the worker does
+                            function = functools.partial(function, max_query_len=q_len)
                         # SDPA's path reads the lengths on the host: no graph can capture it
                         graphed = graph_time_per_call_us(function, inputs) if on_cuda and name != "sdpa" else None
                         times[name] = graphed if graphed is not None else time_per_call_us(function, inputs)
