@@ -97,11 +97,9 @@ class Eagle3Proposer(Proposer):
         # rows of positions num_draft_computed_tokens, .., num_computed_tokens - 1, in order.
         self._pending: dict[str, list[torch.Tensor]] = {}
         self._drafted: set[str] = set()  # the sequences the head was asked to draft for in this step
-        self.max_catch_up_rows = 1  # the most positions a graphed catch-up has: this step's largest k + 1
 
     def propose(self, states: list[RequestState], num_drafts: list[int]) -> Proposal:
         self._drafted = {s.request_id for s, k in zip(states, num_drafts) if k > 0}
-        self.max_catch_up_rows = 1 + max(num_drafts, default=0)
         self._catch_up([s for s, k in zip(states, num_drafts) if k > 0 and s.request_id in self._pending])
         widths = [draft_width(s, self.tree_width) if k > 0 else 1 for s, k in zip(states, num_drafts)]
         if max(widths, default=1) > 1:
@@ -243,7 +241,9 @@ class Eagle3Proposer(Proposer):
             features.append(rows)
             state.num_draft_computed_tokens = end
         features = self.head.features(torch.cat(features))
-        graphed = self._graphed_catch_up(head_chunks, features) if self.tree_width == 1 else None
+        # a verify's shape at most (this step's k + 1 positions; a prompt's catch-up runs eagerly): few graph keys
+        max_rows = 1 + max(state.num_speculative_tokens for state in states)
+        graphed = self._graphed_catch_up(head_chunks, features, max_rows) if self.tree_width == 1 else None
         if graphed is not None:
             tokens, probabilities, prenorm = graphed
         else:
@@ -271,14 +271,13 @@ class Eagle3Proposer(Proposer):
         output_rows = batch.logits_indices if last_rows else None
         return self.head(batch.input_ids, batch.positions, features, batch.metadata, output_rows)
 
-    def _graphed_catch_up(self, chunks: list[SequenceChunk], features: torch.Tensor) -> tuple | None:
+    def _graphed_catch_up(self, chunks: list[SequenceChunk], features: torch.Tensor, max_rows: int) -> tuple | None:
         """A catch-up whose every sequence drafts next (one row per committed position, a verify's shape) as
         a replayed graph of the head's draft step: the last rows' (target ids, probabilities, pre-norm
-        states); None when it runs eagerly."""
+        states); None when it runs eagerly (a sequence has more than max_rows positions)."""
         if self.head.graphs is None or not all(c.num_logits for c in chunks):
             return None
-        # a verify's shape at most (a prompt's catch-up runs eagerly): few keys, each captured once
-        if max(len(c.token_ids) for c in chunks) > self.max_catch_up_rows:
+        if max(len(c.token_ids) for c in chunks) > max_rows:
             return None
         every_row = [replace(c, num_logits=len(c.token_ids)) for c in chunks]
         out = self._draft_step(every_row, features, eager=False)
