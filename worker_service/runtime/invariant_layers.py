@@ -46,6 +46,16 @@ class InvariantRMSNorm(torch.nn.Module):
         return invariant_ops.rms_norm_triton(x, self.weight, self.variance_epsilon)
 
 
+def mismatch(*pairs: tuple[torch.Tensor, torch.Tensor]) -> str | None:
+    """None when each (kernel's result, reference's) pair agrees within 2% (relative norm), else how far the
+    first that does not is: a kernel's self-check at load."""
+    for got, want in pairs:
+        error = float((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-12))
+        if not error < 2e-2:
+            return f"a result {error:.2g} away from its reference"
+    return None
+
+
 def kernels_fail(device: torch.device, dtype: torch.dtype) -> str | None:
     """None when both kernels run on `device` in `dtype` and match their references on a small random case;
     else why not (a Triton build or a driver that cannot run them)."""
@@ -55,18 +65,14 @@ def kernels_fail(device: torch.device, dtype: torch.dtype) -> str | None:
         wide = torch.randn((8200, 96), generator=generator).to(device, dtype)  # the other column block (block_n)
         # K in splits (kernels.invariant_ops.k_splits): a program per split, a second kernel adding them
         long_x, long_w = (torch.randn(s, generator=generator).to(device, dtype) for s in ((3, 2048), (1024, 2048)))
-        for got, want in (
+        return mismatch(
             (invariant_ops.linear_triton(x, w), invariant_ops.linear_ref(x, w)),
             (invariant_ops.linear_triton(x, wide), invariant_ops.linear_ref(x, wide)),
             (invariant_ops.linear_triton(long_x, long_w), invariant_ops.linear_ref(long_x, long_w)),
             (invariant_ops.rms_norm_triton(x, w[0], 1e-6), invariant_ops.rms_norm_ref(x, w[0], 1e-6)),
-        ):
-            error = float((got.double() - want.double()).norm() / want.double().norm())
-            if not error < 2e-2:
-                return f"a result {error:.2g} away from its reference"
+        )
     except Exception as exc:  # noqa: BLE001 - whatever stops the kernels is reported, and the model keeps its own
         return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def make_batch_invariant(model: torch.nn.Module) -> int:
