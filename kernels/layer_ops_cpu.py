@@ -5,7 +5,9 @@ first use like the other CPU kernels; ``available()`` is False without a C compi
 the `transformers` forward.
 
 The functions below check their tensors and state each kernel's contract (the tests call them);
-worker_service/runtime/backends/cpu_llama.py checks its tensors once per step and calls ``c_library()`` directly.
+worker_service/runtime/backends/cpu_llama.py checks its tensors once per step and runs a step's decoder layers
+in one call, ``specdec_llama_layers`` (its arguments: ``StepArgs`` and ``LayerArgs`` below, as the C declares
+them).
 """
 
 import ctypes
@@ -31,9 +33,68 @@ def c_library():
         return None
 
 
+class LinearArgs(ctypes.Structure):
+    """A packed projection (kernels/linear_cpu.py's layout): struct LinearArgs of layer_ops_cpu.c."""
+
+    _fields_ = [
+        ("w_dtype", ctypes.c_int64),
+        ("w", ctypes.c_void_p),
+        ("in_features", ctypes.c_int64),
+        ("out_features", ctypes.c_int64),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+class LayerArgs(ctypes.Structure):
+    """One decoder layer's weights: struct LayerArgs of layer_ops_cpu.c."""
+
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", LinearArgs),
+        ("o", LinearArgs),
+        ("gate_up", LinearArgs),
+        ("down", LinearArgs),
+        ("scaling", ctypes.c_float),
+    ]
+
+
+_SHAPES = ("dtype", "num_tokens", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "num_threads")
+_BUFFERS = ("residual", "x", "h", "attn", "qkv", "gate_up", "act", "cos", "sin")
+
+
+class StepArgs(ctypes.Structure):
+    """A step's shapes, buffers, cache and kernels: struct StepArgs of layer_ops_cpu.c (its comments say what
+    each is)."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in _SHAPES),
+        ("eps", ctypes.c_float),
+        *((name, ctypes.c_void_p) for name in _BUFFERS),
+        ("slot_mapping", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("bt_stride", ctypes.c_int64),
+        ("num_seqs", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("query_start_loc", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p),
+        *((name, ctypes.c_void_p) for name in ("is_tree", "prefix_lens", "depths", "paths")),
+        ("path_stride", ctypes.c_int64),
+        ("key_caches", ctypes.c_void_p),
+        ("value_caches", ctypes.c_void_p),
+        ("linear", ctypes.c_void_p),
+        ("attention", ctypes.c_void_p),
+        ("aux", ctypes.c_void_p),
+        ("aux_layers", ctypes.c_void_p),
+        ("num_aux", ctypes.c_int64),
+        ("failed_status", ctypes.c_int64),
+    ]
+
+
 def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     """Declares the C signatures on a loaded build of kernels/csrc/layer_ops_cpu.c."""
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    library.specdec_llama_layers.argtypes = [ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs), i64, i64]
     library.specdec_add_rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
     library.specdec_rope.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32]
     library.specdec_silu_mul.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, i32]
@@ -43,6 +104,7 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
         library.specdec_rope,
         library.specdec_silu_mul,
         library.specdec_write_kv,
+        library.specdec_llama_layers,
     ):
         function.restype = i32
     return library

@@ -112,3 +112,105 @@ int specdec_write_kv(int dtype, const void *k, const void *v, int64_t row_stride
     }
     return 0;
 }
+
+/* ---- The decoder layers of a Llama step, in one call (worker_service/runtime/backends/cpu_llama.py) ----
+ *
+ * The same sequence of kernel calls that a Python loop would make, made here: from Python each of a step's
+ * ~300 calls cost a few microseconds of argument conversion and interpretation (~1.5 ms of a 7 ms SmolLM2
+ * decode step on two cores). The projections and the attention are the other libraries' functions
+ * (kernels/csrc/linear_cpu.c, paged_attention_cpu.c), passed as pointers, so each is the very function its
+ * own tests check. */
+
+typedef int (*linear_fn)(int x_dtype, const void *x, int64_t x_stride, int64_t num_rows, int64_t in, int w_dtype,
+                         const void *w, int64_t out_features, const float *bias, void *out, int64_t out_stride,
+                         int num_threads);
+typedef int (*attention_fn)(int dtype, const void *query, int64_t q_stride_t, int64_t q_stride_h,
+                            const void *key_cache, const void *value_cache, const int32_t *block_tables,
+                            int64_t bt_stride, const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
+                            int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                            const int32_t *is_tree, const int32_t *prefix_lens, const int32_t *depths,
+                            const int32_t *paths, int64_t path_stride, int num_threads);
+
+struct LinearArgs { /* a packed projection (kernels/linear_cpu.py's layout) */
+    int64_t w_dtype;
+    const void *w;
+    int64_t in, out;
+    const float *bias; /* or NULL */
+};
+
+struct LayerArgs {
+    const void *input_norm, *post_norm; /* [hidden] each, the model's dtype */
+    struct LinearArgs qkv, o, gate_up, down; /* q/k/v and gate/up fused: their outputs side by side */
+    float scaling;
+};
+
+struct StepArgs {
+    int64_t dtype, num_tokens, hidden, num_heads, num_kv_heads, head_dim, intermediate, num_threads;
+    float eps;
+    /* [T, width] buffers: residual (updated in place), x, h [T, hidden]; attn [T, H D]; qkv [T, (H + 2 KVH) D];
+     * gate_up [T, 2 intermediate]; act [T, intermediate]. h holds the previous layer's output. */
+    void *residual, *x, *h, *attn, *qkv, *gate_up, *act;
+    const void *cos, *sin; /* [T, head_dim] */
+    const int64_t *slot_mapping; /* [T] */
+    /* The attention's arguments (paged_attention_cpu.c) */
+    const int32_t *block_tables;
+    int64_t bt_stride, num_seqs, block_size;
+    const int32_t *query_start_loc, *seq_lens;
+    const int32_t *is_tree, *prefix_lens, *depths, *paths; /* NULL without trees */
+    int64_t path_stride;
+    void *const *key_caches, *const *value_caches; /* per layer: [num_blocks, block_size, KVH, D] */
+    linear_fn linear;
+    attention_fn attention;
+    /* aux [T, num_aux hidden] or NULL: column block j gets the residual stream entering layer aux_layers[j]
+     * (EAGLE-3's inputs) */
+    void *aux;
+    const int64_t *aux_layers;
+    int64_t num_aux;
+    int64_t failed_status; /* out: the failing kernel's status */
+};
+
+static int project(const struct StepArgs *s, const struct LinearArgs *l, const void *x, void *out) {
+    return s->linear((int)s->dtype, x, l->in, s->num_tokens, l->in, (int)l->w_dtype, l->w, l->out, l->bias, out,
+                     l->out, (int)s->num_threads);
+}
+
+/* Layers [first, end) of the model: per layer, residual += h (none before layer 0), kept in aux where asked;
+ * x = RMSNorm; qkv = x Wqkv;
+ * RoPE on q and k; K/V to the cache; attention; h = attn Wo; residual += h; x = RMSNorm; gate_up = x Wgu;
+ * act = silu(gate) up; h = act Wdown. Returns 0, 1 when a projection failed or 2 when the attention did
+ * (its status in failed_status). */
+int specdec_llama_layers(struct StepArgs *s, const struct LayerArgs *layers, int64_t first, int64_t end) {
+    const int dtype = (int)s->dtype, threads = (int)s->num_threads;
+    const int64_t T = s->num_tokens, hidden = s->hidden, D = s->head_dim;
+    const int64_t q_width = s->num_heads * D, kv_width = s->num_kv_heads * D, qkv_width = q_width + 2 * kv_width;
+    const int64_t size = dtype == DTYPE_F32 ? 4 : 2;
+    char *qkv = s->qkv;
+    for (int64_t index = first; index < end; index++) {
+        const struct LayerArgs *l = &layers[index];
+        specdec_add_rms_norm(dtype, index ? s->h : NULL, hidden, s->residual, hidden, l->input_norm, s->x, hidden,
+                             T, hidden, s->eps, threads);
+        for (int64_t j = 0; j < s->num_aux; j++) {
+            if (s->aux_layers[j] != index) continue;
+            for (int64_t r = 0; r < T; r++)
+                memcpy((char *)s->aux + (r * s->num_aux + j) * hidden * size,
+                       (const char *)s->residual + r * hidden * size, hidden * size);
+        }
+        int status = project(s, &l->qkv, s->x, qkv);
+        if (status) return s->failed_status = status, 1;
+        specdec_rope(dtype, qkv, qkv_width, T, s->num_heads + s->num_kv_heads, D, s->cos, s->sin, D, threads);
+        specdec_write_kv(dtype, qkv + q_width * size, qkv + (q_width + kv_width) * size, qkv_width, T, kv_width,
+                         s->slot_mapping, s->key_caches[index], s->value_caches[index]);
+        status = s->attention(dtype, qkv, qkv_width, D, s->key_caches[index], s->value_caches[index],
+                              s->block_tables, s->bt_stride, s->query_start_loc, s->seq_lens, s->attn,
+                              (int)s->num_seqs, (int)s->num_heads, (int)s->num_kv_heads, (int)D, (int)s->block_size,
+                              l->scaling, s->is_tree, s->prefix_lens, s->depths, s->paths, s->path_stride, threads);
+        if (status) return s->failed_status = status, 2;
+        if ((status = project(s, &l->o, s->attn, s->h))) return s->failed_status = status, 1;
+        specdec_add_rms_norm(dtype, s->h, hidden, s->residual, hidden, l->post_norm, s->x, hidden, T, hidden, s->eps,
+                             threads);
+        if ((status = project(s, &l->gate_up, s->x, s->gate_up))) return s->failed_status = status, 1;
+        specdec_silu_mul(dtype, s->gate_up, 2 * s->intermediate, T, s->intermediate, s->act, s->intermediate, threads);
+        if ((status = project(s, &l->down, s->act, s->h))) return s->failed_status = status, 1;
+    }
+    return 0;
+}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernels import invariant_ops
+from tests.kernels.perturbed import batch_dependent_linear
 from worker_service.runtime.backends import cpu_llama
 from worker_service.runtime.backends.transformers_layers import TransformersForward
 from worker_service.runtime.invariant_layers import (
@@ -92,12 +93,8 @@ def test_a_row_alone_equals_the_row_in_a_mixed_batch_of_64(request, model, dtype
 def test_the_check_catches_a_batch_dependent_linear_in_the_fast_forward(tiny_pair, monkeypatch):
     """Teeth that do not depend on this machine: the fast forward's projections made to round multi-row
     calls another way (as a library GEMM's blocking may) must make rows differ."""
-    exact = cpu_llama.project
-
-    def batch_dependent(layer, source, target):
-        exact(layer, source * (1 + 2**-7) if source.shape[0] > 1 else source, target)
-
-    monkeypatch.setattr(cpu_llama, "project", batch_dependent)
+    perturbed = batch_dependent_linear()
+    monkeypatch.setattr(cpu_llama, "linear_function", lambda: perturbed)
     runner = ModelRunner(load_model(tiny_pair.target_path, "float32"))
     assert rows_that_differ(runner) != []
 

@@ -23,6 +23,7 @@ import pytest
 
 from kernels import invariant_ops, linear_cpu
 from tests.e2e.client import chat_prompts
+from tests.kernels.perturbed import batch_dependent_linear
 from tests.worker.driver import Driver
 from worker_service.runtime.backends import cpu_llama
 from worker_service.runtime.dtypes import QUANTIZED_DTYPES
@@ -169,21 +170,19 @@ def test_speculation_differs_with_a_batch_dependent_linear(workload, runners, pl
     The perturbation is built here, so the teeth do not depend on this machine's libraries."""
     if workload.device != "cpu" and dtype in QUANTIZED_DTYPES:
         pytest.skip(f"{dtype} runs on the CPU only")
-    exact, exact_project, exact_triton = linear_cpu.linear_cpu, cpu_llama.project, invariant_ops.linear_triton
+    exact, exact_triton = linear_cpu.linear_cpu, invariant_ops.linear_triton
 
     def batch_dependent(x, packed_weight, out_features, bias, **kwargs):
         if x.reshape(-1, x.shape[-1]).shape[0] > 1:
             x = x * (1 + 2**-7)  # another rounding, as another kernel would give
         return exact(x, packed_weight, out_features, bias, **kwargs)
 
-    def batch_dependent_project(layer, source, target):  # the fast forward's direct kernel calls
-        exact_project(layer, source * (1 + 2**-7) if source.shape[0] > 1 else source, target)
-
     def batch_dependent_triton(x, weight, bias=None):  # the GPU's invariant layers (invariant_layers.py)
         return exact_triton(x * (1 + 2**-7) if x.reshape(-1, x.shape[-1]).shape[0] > 1 else x, weight, bias)
 
     monkeypatch.setattr(linear_cpu, "linear_cpu", batch_dependent)
-    monkeypatch.setattr(cpu_llama, "project", batch_dependent_project)
+    perturbed = batch_dependent_linear()  # the fast forward's layer loop (kept alive while it runs)
+    monkeypatch.setattr(cpu_llama, "linear_function", lambda: perturbed)
     monkeypatch.setattr(invariant_ops, "linear_triton", batch_dependent_triton)
     differ = 0
     for proposer, k in [("ngram", 3), ("ngram", 5), ("draft", 3), ("draft", 5)]:

@@ -4,8 +4,11 @@
 casts and reductions, rotate_half's slices and cat, SiLU, the residual adds),
 each with its Python, dispatch and allocation cost: ~10 ms of a 35 ms SmolLM2
 decode step on two cores, beside ~23 ms of matmuls. Here a layer is ten
-direct calls into our kernels, every one batch invariant (each row alone, in a
-fixed order), into buffers the step reuses:
+calls into our kernels, every one batch invariant (each row alone, in a
+fixed order), into buffers the step reuses, and one C call
+(`specdec_llama_layers`, kernels/csrc/layer_ops_cpu.c) makes all of a step's
+layers' calls, since from Python each of those ~300 calls cost a few
+microseconds (~1.5 ms of a 7 ms decode step):
 
     x = add_rms_norm(h, residual)          # residual += h; RMSNorm (kernels/layer_ops_cpu.py)
     qkv = project(x); rope(q and k heads)  # fused q/k/v projection (kernels/linear_cpu.py)
@@ -21,6 +24,7 @@ the loader (the weights, the rotary embedding's cos/sin, every config option)
 and the reference; models this does not cover run its forward unchanged.
 """
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +33,7 @@ from transformers import PreTrainedModel
 from kernels import layer_ops_cpu, linear_cpu, paged_attention_cpu
 from kernels.cpu_build import DTYPE_CODES
 from worker_service.runtime.attention import PagedMetadata
-from worker_service.runtime.backends.cpu_calls import KernelLinear, project
+from worker_service.runtime.backends.cpu_calls import KernelLinear
 from worker_service.runtime.fast_linear import PackedLinear, SharedInputLinears
 from worker_service.runtime.kv_cache import KVCacheSpec
 
@@ -47,12 +51,30 @@ class _Layer:
     scaling: float
 
 
+def linear_function():
+    """The projections' C function that the layers' loop calls (tests swap in a batch-dependent one)."""
+    return linear_cpu.c_library().specdec_linear
+
+
+def _linear_args(linear: KernelLinear) -> layer_ops_cpu.LinearArgs:
+    return layer_ops_cpu.LinearArgs(
+        linear.weight_dtype, linear.weight, linear.in_features, linear.out_features, linear.bias
+    )
+
+
+def _layer_args(layer: _Layer) -> layer_ops_cpu.LayerArgs:
+    linears = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    return layer_ops_cpu.LayerArgs(
+        layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *map(_linear_args, linears), layer.scaling
+    )
+
+
 class CpuLlamaForward:
     name = "cpu_llama"
 
     """model.model's forward (the hidden states after the final norm) for a packed CPU Llama.
 
-    The tensors are checked here and once per step; the kernels are then called directly (their Python
+    The tensors are checked here and once per step; then one C call runs the layers (the kernels' Python
     wrappers' checks and allocations cost more than the kernels at batch 1), into buffers the step reuses
     from layer to layer.
     """
@@ -81,6 +103,7 @@ class CpuLlamaForward:
             )
         self.final_norm = model.model.norm.weight.detach().contiguous()
         self.intermediate = self.layers[0].gate_up.out_features // 2
+        self.layer_args = (layer_ops_cpu.LayerArgs * len(self.layers))(*map(_layer_args, self.layers))
 
     @staticmethod
     def supports(model: PreTrainedModel) -> str | None:
@@ -124,15 +147,14 @@ class CpuLlamaForward:
         the residual stream entering each of `aux_layers` for every row, [T, len(aux_layers) x hidden] (None
         without aux_layers)."""
         num_tokens, hidden, dtype = input_ids.shape[0], self.hidden, self.dtype
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q_width, kv_width = heads * head_dim, kv_heads * head_dim
-        qkv_width = q_width + 2 * kv_width
+        q_width = self.num_heads * self.head_dim
+        qkv_width = q_width + 2 * self.num_kv_heads * self.head_dim
         residual = self.model.model.embed_tokens(input_ids)  # [T, hidden], a fresh tensor: updated in place
         cos, sin = self.model.model.rotary_emb(residual[None], positions[None])  # [1, T, D] each
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         cache = meta.kv_cache
         assert residual.is_contiguous() and residual.dtype == dtype == cache.spec.dtype and cos.dtype == dtype
-        assert cache.block_size * kv_width == cache.key_caches[0][0].numel()  # [blocks, block size, KVH, D]
+        assert cache.block_size * self.num_kv_heads * self.head_dim == cache.key_caches[0][0].numel()
         tables, starts, lens, slots = (
             t.contiguous() for t in (meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.slot_mapping)
         )
@@ -141,106 +163,30 @@ class CpuLlamaForward:
         # One buffer per intermediate, reused by every layer (each kernel writes its output whole).
         x, h, attn = (torch.empty((num_tokens, width), dtype=dtype) for width in (hidden, hidden, q_width))
         qkv = torch.empty((num_tokens, qkv_width), dtype=dtype)
-        gate_up, act = (
-            torch.empty((num_tokens, 2 * self.intermediate), dtype=dtype),
-            torch.empty((num_tokens, self.intermediate), dtype=dtype),
-        )
-        code, size, threads = DTYPE_CODES[dtype], residual.element_size(), torch.get_num_threads()
-        ops, attention = layer_ops_cpu.c_library(), paged_attention_cpu.kernel()
-        linear = project  # looked up once per step (a test replaces it to give the check teeth)
-        q_ptr = qkv.data_ptr()
+        gate_up = torch.empty((num_tokens, 2 * self.intermediate), dtype=dtype)
+        act = torch.empty((num_tokens, self.intermediate), dtype=dtype)
+        key_caches = (ctypes.c_void_p * len(self.layers))(*(t.data_ptr() for t in cache.key_caches))
+        value_caches = (ctypes.c_void_p * len(self.layers))(*(t.data_ptr() for t in cache.value_caches))
+        is_tree, prefix_lens, depths, paths, path_stride = paged_attention_cpu.tree_arguments(trees)
+        # The residual stream entering each of aux_layers, [T, len(aux_layers) x hidden] (EAGLE-3's inputs).
         aux = torch.empty((num_tokens, len(aux_layers) * hidden), dtype=dtype) if aux_layers else None
-        for index, layer in enumerate(self.layers):
-            ops.specdec_add_rms_norm(
-                code,
-                h.data_ptr() if index else None,
-                hidden,
-                residual.data_ptr(),
-                hidden,
-                layer.input_norm.data_ptr(),
-                x.data_ptr(),
-                hidden,
-                num_tokens,
-                hidden,
-                self.eps,
-                threads,
-            )
-            for slot in (j for j, i in enumerate(aux_layers) if i == index):  # the stream entering this layer
-                aux[:, slot * hidden : (slot + 1) * hidden] = residual
-            linear(layer.qkv, x, qkv)
-            ops.specdec_rope(
-                code,
-                q_ptr,
-                qkv_width,
-                num_tokens,
-                heads + kv_heads,
-                head_dim,
-                cos.data_ptr(),
-                sin.data_ptr(),
-                head_dim,
-                threads,
-            )
-            key_cache, value_cache = cache.key_caches[index], cache.value_caches[index]
-            ops.specdec_write_kv(
-                code,
-                q_ptr + q_width * size,
-                q_ptr + (q_width + kv_width) * size,
-                qkv_width,
-                num_tokens,
-                kv_width,
-                slots.data_ptr(),
-                key_cache.data_ptr(),
-                value_cache.data_ptr(),
-            )
-            status = attention(
-                code,
-                q_ptr,
-                qkv_width,
-                head_dim,
-                key_cache.data_ptr(),
-                value_cache.data_ptr(),
-                tables.data_ptr(),
-                tables.stride(0),
-                starts.data_ptr(),
-                lens.data_ptr(),
-                attn.data_ptr(),
-                tables.shape[0],
-                heads,
-                kv_heads,
-                head_dim,
-                cache.block_size,
-                float(layer.scaling),
-                *paged_attention_cpu.tree_arguments(trees),
-                threads,
-            )
-            if status != 0:
-                raise ValueError(f"paged_attention_cpu failed (status {status})")
-            linear(layer.o_proj, attn, h)
-            ops.specdec_add_rms_norm(
-                code,
-                h.data_ptr(),
-                hidden,
-                residual.data_ptr(),
-                hidden,
-                layer.post_norm.data_ptr(),
-                x.data_ptr(),
-                hidden,
-                num_tokens,
-                hidden,
-                self.eps,
-                threads,
-            )
-            linear(layer.gate_up, x, gate_up)
-            ops.specdec_silu_mul(
-                code,
-                gate_up.data_ptr(),
-                2 * self.intermediate,
-                num_tokens,
-                self.intermediate,
-                act.data_ptr(),
-                self.intermediate,
-                threads,
-            )
-            linear(layer.down, act, h)
+        aux_indices = (ctypes.c_int64 * max(len(aux_layers), 1))(*aux_layers)
+        step = layer_ops_cpu.StepArgs(
+            DTYPE_CODES[dtype], num_tokens, hidden, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.intermediate, torch.get_num_threads(), self.eps,
+            *(t.data_ptr() for t in (residual, x, h, attn, qkv, gate_up, act, cos, sin, slots, tables)),
+            tables.stride(0), tables.shape[0], cache.block_size, starts.data_ptr(), lens.data_ptr(),
+            is_tree, prefix_lens, depths, paths, path_stride,
+            ctypes.addressof(key_caches), ctypes.addressof(value_caches),
+            ctypes.cast(linear_function(), ctypes.c_void_p).value,
+            ctypes.cast(paged_attention_cpu.kernel(), ctypes.c_void_p).value,
+            aux.data_ptr() if aux is not None else None, ctypes.addressof(aux_indices), len(aux_layers),
+        )  # fmt: skip
+        status = layer_ops_cpu.c_library().specdec_llama_layers(
+            ctypes.byref(step), self.layer_args, 0, len(self.layers)
+        )
+        if status != 0:
+            kernel = "linear_cpu" if status == 1 else "paged_attention_cpu"
+            raise ValueError(f"{kernel} failed (status {step.failed_status}) for {num_tokens} rows")
         # The last residual add and the final norm: only the rows whose logits are wanted.
         return layer_ops_cpu.add_rms_norm(h[rows], residual[rows], self.final_norm, self.eps), aux
