@@ -588,9 +588,16 @@ def paged_attention(
     scale: float,
     trees: DraftTrees | None = None,
     max_query_len: int | None = None,
+    keys_transposed: bool = False,
 ) -> torch.Tensor:  # [T, H, D]
     """Paged attention: Triton on an accelerator, the batch-invariant C kernel on the CPU, else SDPA.
-    max_query_len: the most query rows of one sequence, where the caller knows it (Triton launches by it)."""
+    max_query_len: the most query rows of one sequence, where the caller knows it (Triton launches by it).
+    keys_transposed: key_cache is [num_blocks, KVH, D, block_size], which only the C kernel reads
+    (worker_service/runtime/kv_cache.py)."""
+    if keys_transposed:
+        return cpu_kernel.paged_attention_cpu(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, trees, keys_transposed=True
+        )
     if use_triton(query):
         device = query.device
         return paged_attention_triton(

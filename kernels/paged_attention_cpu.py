@@ -26,6 +26,7 @@ from kernels.draft_tree import DraftTrees
 logger = logging.getLogger(__name__)
 
 MAX_HEAD_DIM = 256  # kernels/csrc/paged_attention_cpu.c keeps rows of this many floats on the stack
+KEY_TILE = 16  # keys the C kernel scores side by side: a block_size multiple of it reads transposed keys whole
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,23 +44,17 @@ def kernel():
 
 
 def bind(library: ctypes.CDLL):
-    """The C function of a loaded build of kernels/csrc/paged_attention_cpu.c, its signature declared. A build
-    from before draft trees (bench/bench_kernel_revisions.py builds old revisions) is wrapped to take the same
-    arguments, and refuses trees."""
+    """The C function of a loaded build of kernels/csrc/paged_attention_cpu.c, its signature declared.
+    KernelBuildError for a build from before the key layout argument (bench/bench_kernel_revisions.py builds
+    old revisions): the CPU forward calls the function through a C pointer, with this signature."""
+    if not hasattr(library, "specdec_paged_attention_takes_key_layout"):
+        raise KernelBuildError("this build of the attention kernel predates its key layout argument")
     function = library.specdec_paged_attention
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     causal = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float]
     function.restype = i32
-    if hasattr(library, "specdec_paged_attention_takes_trees"):
-        function.argtypes = [*causal, ptr, ptr, ptr, ptr, i64, i32]
-        return function
-    function.argtypes = [*causal, i32]
-
-    def without_trees(*args):
-        assert not any(args[len(causal) : -1]), "this build of the attention kernel predates draft trees"
-        return function(*args[: len(causal)], args[-1])
-
-    return without_trees
+    function.argtypes = [*causal, ptr, ptr, ptr, ptr, i64, i32, i32]
+    return function
 
 
 def available() -> bool:
@@ -79,7 +74,7 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
 
 def paged_attention_cpu(
     query: torch.Tensor,  # [T, H, D]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], or [num_blocks, KVH, D, block_size] transposed
     value_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     query_start_loc: torch.Tensor,  # [B+1] int32
@@ -87,13 +82,19 @@ def paged_attention_cpu(
     scale: float,
     trees: DraftTrees | None = None,
     function=None,  # another build (bind()'s); default: this machine's
+    keys_transposed: bool = False,
 ) -> torch.Tensor:  # [T, H, D], contiguous
     """Runs the C kernel (see the module docstring); ``available()`` must be True."""
     num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    assert supports(query, key_cache) and value_cache.dtype == query.dtype
+    _, block_size, num_kv_heads, _ = value_cache.shape
+    assert supports(query, value_cache) and key_cache.dtype == query.dtype and value_cache.dtype == query.dtype
     assert query.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
-    assert num_heads % num_kv_heads == 0 and key_cache.shape == value_cache.shape
+    assert num_heads % num_kv_heads == 0
+    assert (
+        key_cache.shape == (value_cache.shape[0], num_kv_heads, head_dim, block_size)
+        if keys_transposed
+        else (key_cache.shape == value_cache.shape)
+    )
     block_tables = block_tables.to(torch.int32).contiguous()
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
@@ -120,6 +121,7 @@ def paged_attention_cpu(
         block_size,
         float(scale),
         *tree_arguments(trees),
+        keys_transposed,
         torch.get_num_threads(),
     )
     if status != 0:

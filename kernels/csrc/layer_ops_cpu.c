@@ -100,15 +100,25 @@ int specdec_silu_mul(int dtype, const void *gate_up, int64_t gu_stride, int64_t 
     return 0;
 }
 
-/* Stores each row's K and V heads (kv_width elements each, at k and v in the row) at its cache slot:
- * key_cache and value_cache are [num_slots, kv_width] of the same dtype. */
+/* Stores each row's K and V heads (kv_width = KVH head_dim elements each, at k and v in the row) at its cache
+ * slot: value_cache is [num_slots, kv_width], key_cache the same or, keys_transposed, [num_blocks, kv_width,
+ * block_size] (= [num_blocks, KVH, head_dim, block_size]) (kernels/paged_attention_cpu.c reads 16 keys' dimension d as one vector there). */
 int specdec_write_kv(int dtype, const void *k, const void *v, int64_t row_stride, int64_t num_rows,
-                     int64_t kv_width, const int64_t *slot_mapping, void *key_cache, void *value_cache) {
+                     int64_t kv_width, const int64_t *slot_mapping, void *key_cache, void *value_cache,
+                     int64_t block_size, int keys_transposed) {
     int64_t size = dtype == DTYPE_F32 ? 4 : 2;
     for (int64_t r = 0; r < num_rows; r++) {
         int64_t slot = slot_mapping[r];
-        memcpy((char *)key_cache + slot * kv_width * size, (const char *)k + r * row_stride * size, kv_width * size);
         memcpy((char *)value_cache + slot * kv_width * size, (const char *)v + r * row_stride * size, kv_width * size);
+        if (!keys_transposed) {
+            memcpy((char *)key_cache + slot * kv_width * size, (const char *)k + r * row_stride * size, kv_width * size);
+            continue;
+        }
+        /* element (head h, dim d) of the slot's key: block's [h][d][offset] */
+        char *block = (char *)key_cache + (slot / block_size) * kv_width * block_size * size;
+        const char *row = (const char *)k + r * row_stride * size;
+        for (int64_t e = 0; e < kv_width; e++) /* e = h head_dim + d */
+            memcpy(block + (e * block_size + slot % block_size) * size, row + e * size, size);
     }
     return 0;
 }
@@ -129,7 +139,7 @@ typedef int (*attention_fn)(int dtype, const void *query, int64_t q_stride_t, in
                             int64_t bt_stride, const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
                             int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                             const int32_t *is_tree, const int32_t *prefix_lens, const int32_t *depths,
-                            const int32_t *paths, int64_t path_stride, int num_threads);
+                            const int32_t *paths, int64_t path_stride, int keys_transposed, int num_threads);
 
 struct LinearArgs { /* a packed projection (kernels/linear_cpu.py's layout) */
     int64_t w_dtype;
@@ -159,6 +169,7 @@ struct StepArgs {
     const int32_t *is_tree, *prefix_lens, *depths, *paths; /* NULL without trees */
     int64_t path_stride;
     void *const *key_caches, *const *value_caches; /* per layer: [num_blocks, block_size, KVH, D] */
+    int64_t keys_transposed; /* the key caches' layout: [num_blocks, KVH, D, block_size] (specdec_write_kv) */
     linear_fn linear;
     attention_fn attention;
     /* aux [T, num_aux hidden] or NULL: column block j gets the residual stream entering layer aux_layers[j]
@@ -199,11 +210,13 @@ int specdec_llama_layers(struct StepArgs *s, const struct LayerArgs *layers, int
         if (status) return s->failed_status = status, 1;
         specdec_rope(dtype, qkv, qkv_width, T, s->num_heads + s->num_kv_heads, D, s->cos, s->sin, D, threads);
         specdec_write_kv(dtype, qkv + q_width * size, qkv + (q_width + kv_width) * size, qkv_width, T, kv_width,
-                         s->slot_mapping, s->key_caches[index], s->value_caches[index]);
+                         s->slot_mapping, s->key_caches[index], s->value_caches[index], s->block_size,
+                         (int)s->keys_transposed);
         status = s->attention(dtype, qkv, qkv_width, D, s->key_caches[index], s->value_caches[index],
                               s->block_tables, s->bt_stride, s->query_start_loc, s->seq_lens, s->attn,
                               (int)s->num_seqs, (int)s->num_heads, (int)s->num_kv_heads, (int)D, (int)s->block_size,
-                              l->scaling, s->is_tree, s->prefix_lens, s->depths, s->paths, s->path_stride, threads);
+                              l->scaling, s->is_tree, s->prefix_lens, s->depths, s->paths, s->path_stride,
+                              (int)s->keys_transposed, threads);
         if (status) return s->failed_status = status, 2;
         if ((status = project(s, &l->o, s->attn, s->h))) return s->failed_status = status, 1;
         specdec_add_rms_norm(dtype, s->h, hidden, s->residual, hidden, l->post_norm, s->x, hidden, T, hidden, s->eps,

@@ -115,7 +115,9 @@ struct Args {
     int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
     const int32_t *is_tree, *prefix_lens, *depths, *paths; int64_t path_stride; /* [B], [B], [T], [T, P]; */
-};                                                        /* all NULL without trees */
+                                                          /* all NULL without trees */
+    int keys_transposed; /* key_cache [num_blocks, KVH, D, block_size]: a key's dimension d block_size apart */
+};
 
 /* Where a row's keys are: its sequence's block table, and for a tree row its path (positions, root first),
  * which holds its keys from prefix_len on. */
@@ -132,6 +134,15 @@ static inline int64_t key_slot(const struct Args *a, const struct Keys *keys, in
 }
 
 static inline int is_tree(const struct Args *a, int b) { return a->is_tree && a->is_tree[b]; }
+
+/* Where the key at a cache slot starts for KV head kv (its dimension d key_stride(a) elements further). */
+static inline int64_t key_offset(const struct Args *a, int64_t slot, int kv) {
+    if (!a->keys_transposed) return (slot * a->num_kv_heads + kv) * a->head_dim;
+    int64_t block = slot / a->block_size, offset = slot % a->block_size;
+    return (block * a->num_kv_heads + kv) * a->head_dim * a->block_size + offset;
+}
+
+static inline int64_t key_stride(const struct Args *a) { return a->keys_transposed ? a->block_size : 1; }
 
 /* Row tiles of sequence b per KV head: up to ROW_TILE rows each; a tree sequence's never span two tokens. */
 static int tiles_per_head(const struct Args *a, int b) {
@@ -192,7 +203,7 @@ static void load_key_tile(const struct Args *a, const struct Keys *where, int kv
                           key_vector *kt) {
     const int D = a->head_dim;
 #if defined(__AVX512F__)
-    if (j0 + KEY_TILE <= num_keys && D % 16 == 0 && a->dtype != DTYPE_F16) {
+    if (!a->keys_transposed && j0 + KEY_TILE <= num_keys && D % 16 == 0 && a->dtype != DTYPE_F16) {
         const char *keys[KEY_TILE];
         int element = a->dtype == DTYPE_F32 ? 4 : 2;
         for (int i = 0; i < KEY_TILE; i++) {
@@ -212,20 +223,23 @@ static void load_key_tile(const struct Args *a, const struct Keys *where, int kv
         return;
     }
 #endif
-    float row[MAX_HEAD_DIM];
+    if (a->keys_transposed && a->block_size % KEY_TILE == 0 && j0 + KEY_TILE <= num_keys
+        && (!where->path || j0 + KEY_TILE <= where->prefix_len)) {
+        /* Keys j0 .. j0 + 15 are consecutive positions of one block (j0 is a multiple of KEY_TILE), so their
+         * dimension d lies in 16 consecutive elements: no transpose. */
+        int64_t base = key_offset(a, key_slot(a, where, j0), kv);
+        for (int d = 0; d < D; d++) load_row(a->dtype, a->key_cache, base + d * a->block_size, KEY_TILE, (float *)&kt[d]);
+        return;
+    }
+    const int64_t stride = key_stride(a);
     for (int i = 0; i < KEY_TILE; i++) {
         int j = j0 + i;
         if (j >= num_keys) {
             for (int d = 0; d < D; d++) kt[d][i] = 0.0f;
             continue;
         }
-        int64_t offset = (key_slot(a, where, j) * a->num_kv_heads + kv) * D;
-        const float *src = row;
-        if (a->dtype == DTYPE_F32)
-            src = (const float *)a->key_cache + offset;
-        else
-            load_row(a->dtype, a->key_cache, offset, D, row);
-        for (int d = 0; d < D; d++) kt[d][i] = src[d];
+        int64_t offset = key_offset(a, key_slot(a, where, j), kv);
+        for (int d = 0; d < D; d++) kt[d][i] = load_scalar(a->dtype, a->key_cache, offset + d * stride);
     }
 }
 
@@ -437,8 +451,9 @@ static void combine_row(const struct Args *a, const float *partial, int64_t part
     store_row(a->dtype, a->out, out_offset, D, acc);
 }
 
-/* Present in builds that take draft trees (the five tree arguments below): a binding can tell an older build. */
-int specdec_paged_attention_takes_trees(void) { return 1; }
+/* Present in builds that take draft trees and the key layout (the arguments below): a binding can tell an
+ * older build. */
+int specdec_paged_attention_takes_key_layout(void) { return 1; }
 
 /* Returns 0, -1 for a head_dim above MAX_HEAD_DIM (the caller checks first), -2 when scratch memory cannot
  * be had. */
@@ -447,11 +462,11 @@ int specdec_paged_attention(int dtype, const void *query, int64_t q_stride_t, in
                             int64_t bt_stride, const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
                             int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                             const int32_t *is_tree, const int32_t *prefix_lens, const int32_t *depths,
-                            const int32_t *paths, int64_t path_stride, int num_threads) {
+                            const int32_t *paths, int64_t path_stride, int keys_transposed, int num_threads) {
     if (head_dim > MAX_HEAD_DIM) return -1;
     struct Args a = {dtype, query, q_stride_t, q_stride_h, key_cache, value_cache, block_tables, bt_stride,
                      query_start_loc, seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                     is_tree, prefix_lens, depths, paths, path_stride};
+                     is_tree, prefix_lens, depths, paths, path_stride, keys_transposed};
     const int group = num_heads / num_kv_heads, D = head_dim;
     /* Tiles: (sequence, KV head, tile of up to ROW_TILE rows); tile_start[b] numbers sequence b's first.
      * Work items: (tile, part of PART_KEYS keys); part_start[b] numbers sequence b's first. The parts of a

@@ -122,6 +122,36 @@ def test_every_instruction_set_gives_the_same_bits(build, dtype):
         assert torch.equal(cpu_kernel.paged_attention_cpu(*case.args(), function=narrow), want), (heads, head_dim)
 
 
+def transposed(key_cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, KVH, D] keys in the layout a CPU KVCache keeps: [num_blocks, KVH, D, block_size]."""
+    return key_cache.permute(0, 2, 3, 1).contiguous()
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_transposed_keys_give_the_same_bits(dtype, block_size):
+    """K kept transposed in its blocks (kv_cache.py) moves values, not arithmetic: the same bits as the usual
+    layout, where 16 keys lie in one block (block_size 16, 32) and where they do not (4: a key at a time),
+    for every build (the narrower ones read both layouts with plain loads). Teeth: a block's keys read in
+    another order would give other numbers."""
+    builds = [None] + [
+        cpu_kernel.bind(cpu_build.load_library("paged_attention_cpu", flags)) for flags in NARROWER_BUILDS.values()
+    ]
+    specs = [(1, 300), (5, 259), (3, 40), (1, 7), (2, 129), (16, 16)]
+    for heads, head_dim in (((9, 3), 64), ((6, 2), 20), ((4, 2), 128)):
+        case = make_case(specs, block_size, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, dtype=dtype)
+        want = cpu_kernel.paged_attention_cpu(*case.args())
+        query, keys, *rest = case.args()
+        for function in builds:
+            got = cpu_kernel.paged_attention_cpu(
+                query, transposed(keys), *rest, function=function, keys_transposed=True
+            )
+            assert torch.equal(got, want), (heads, head_dim, function)
+    reversed_blocks = transposed(keys).flip(-1)  # each block's keys in the other order
+    got = cpu_kernel.paged_attention_cpu(query, reversed_blocks, *rest, keys_transposed=True)
+    assert not torch.equal(got, want)
+
+
 def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))

@@ -152,6 +152,20 @@ def decode_over_path(
     return attention(*(t.to(device) for t in tensors), case.scale)[0].cpu()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("context", [10, 140])
+def test_tree_rows_read_transposed_keys_to_the_same_bits(dtype, context):
+    """Tree rows over K kept transposed (kv_cache.py): their prefixes a tile of keys at a time, their paths a key
+    at a time, bitwise what the usual layout gives."""
+    specs, parents = tree_batch(seed=context, context=context)
+    case = make_case(specs, 16, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype)
+    trees = DraftTrees.from_parents(case.query_start_loc.tolist(), case.seq_lens.tolist(), parents)
+    query, keys, *rest = case.args()
+    want = cpu_kernel.paged_attention_cpu(query, keys, *rest, trees)
+    transposed = keys.permute(0, 2, 3, 1).contiguous()  # [num_blocks, KVH, D, block_size]
+    assert torch.equal(cpu_kernel.paged_attention_cpu(query, transposed, *rest, trees, keys_transposed=True), want)
+
+
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
 @pytest.mark.parametrize("context", [10, 140])
 def test_a_tree_row_is_bitwise_a_decode_over_its_path(dtype, context):

@@ -66,6 +66,7 @@ def paged_attention_forward(
         scale,
         meta.trees,
         meta.max_query_len,
+        meta.kv_cache.keys_transposed,
     )  # [T, H, D]
     return out.unsqueeze(0), None
 

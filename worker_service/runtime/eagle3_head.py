@@ -31,7 +31,7 @@ from worker_service.runtime.backends.cpu_head import CpuHeadForward
 from worker_service.runtime.dtypes import DEFAULT_QUANTIZED_ACTIVATIONS
 from worker_service.runtime.fast_linear import can_pack, pack_linears, quantize_linear
 from worker_service.runtime.graphs import CudaGraphReplay, StepGraphs, scratch_blocks_needed
-from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
+from worker_service.runtime.kv_cache import KVCache, KVCacheSpec, transposes_keys
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,8 @@ class Eagle3Head(torch.nn.Module):
             self.graphs.close()
         self.kv_cache = self.graphs = None  # freed first, as the target's (ModelRunner.init_cache)
         scratch = list(range(num_blocks, num_blocks + scratch_blocks_needed(block_size))) if self.replay_type else []
-        self.kv_cache = KVCache(self.kv_spec, num_blocks + len(scratch), block_size, self.device)
+        transposed = transposes_keys(self.kv_spec, self.device)  # its attention: the dispatch or cpu_head's C
+        self.kv_cache = KVCache(self.kv_spec, num_blocks + len(scratch), block_size, self.device, transposed)
         if self.replay_type is not None:
             hidden, draft_vocab = self.norm.weight.shape[0], self.lm_head.out_features
             # the outputs (pre-norm state, an int64 id, a probability) and what the pool keeps besides: the

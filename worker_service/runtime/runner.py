@@ -31,7 +31,7 @@ from worker_service.runtime.dtypes import DEFAULT_QUANTIZED_ACTIVATIONS
 from worker_service.runtime.fast_linear import pack_linears
 from worker_service.runtime.graphs import CudaGraphReplay, StepGraphs, graph_key, scratch_blocks_needed
 from worker_service.runtime.invariant_layers import make_batch_invariant
-from worker_service.runtime.kv_cache import KVCache, KVCacheSpec, slot
+from worker_service.runtime.kv_cache import KVCache, KVCacheSpec, slot, transposes_keys
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,8 @@ class ModelRunner:
             self.graphs.close()
         self.kv_cache = self.graphs = None  # freed first: the old and the new cache may not both fit in the budget
         scratch = list(range(num_blocks, num_blocks + scratch_blocks_needed(block_size))) if self.replay_type else []
-        self.kv_cache = KVCache(self.kv_spec, num_blocks + len(scratch), block_size, self.device)
+        transposed = self.backend.transposed_keys and transposes_keys(self.kv_spec, self.device)
+        self.kv_cache = KVCache(self.kv_spec, num_blocks + len(scratch), block_size, self.device, transposed)
         if self.replay_type is not None:  # the scratch blocks past the scheduler's take graphs' padding rows
             self.graphs = StepGraphs(self._forward_rows, self.kv_cache, scratch, self.replay_type, 4 * self.vocab_size)
         logger.info(

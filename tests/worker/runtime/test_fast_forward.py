@@ -80,18 +80,39 @@ def test_silu_mul_gives_the_same_bits_on_every_instruction_set(build, dtype):
     assert torch.equal(layer_ops_cpu.silu_mul(gate_up, narrow), layer_ops_cpu.silu_mul(gate_up))
 
 
+@pytest.mark.parametrize("keys_transposed", [False, True], ids=["keys", "transposed-keys"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_stores_each_row_at_its_slot_as_the_cache_does(dtype):
-    """The fast forward's K/V write equals KVCache.write (index_copy_) from the k and v parts of qkv rows."""
+def test_write_kv_stores_each_row_at_its_slot_as_the_cache_does(dtype, keys_transposed):
+    """The fast forward's K/V write equals KVCache.write (index_copy_, or indexing for K kept transposed) from
+    the k and v parts of qkv rows."""
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16, dtype=dtype)
-    ours, theirs = KVCache(spec, 8, BLOCK_SIZE), KVCache(spec, 8, BLOCK_SIZE)
+    ours, theirs = (KVCache(spec, 8, BLOCK_SIZE, keys_transposed=keys_transposed) for _ in range(2))
     qkv = _random((5, (4 + 2 * 2) * 16), dtype, 10)
     k, v = qkv[:, 64:96].view(5, 2, 16), qkv[:, 96:].view(5, 2, 16)
     slots = torch.tensor([30, 3, 17, 0, 9])
     theirs.write(0, k, v, slots)
-    layer_ops_cpu.write_kv(k, v, slots, ours.key_caches[0], ours.value_caches[0])
+    layer_ops_cpu.write_kv(k, v, slots, ours.key_caches[0], ours.value_caches[0], keys_transposed)
     assert torch.equal(ours.key_caches[0], theirs.key_caches[0])
     assert torch.equal(ours.value_caches[0], theirs.value_caches[0])
+    assert torch.equal(theirs.keys(0).view(-1, 2, 16)[slots], k)  # each key at its slot, whatever the layout
+
+
+def test_a_cache_moves_its_slots_alike_in_either_layout():
+    """KVCache.move (a kept tree path's K/V to its chain positions) in the transposed layout: what it does in
+    the usual one, overlapping sources and targets included."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    caches = [KVCache(spec, 8, BLOCK_SIZE, keys_transposed=t) for t in (False, True)]
+    slots = torch.arange(8 * BLOCK_SIZE)
+    for cache in caches:
+        for layer in range(2):
+            cache.write(layer, *(_random((len(slots), 2, 16), torch.float32, 20 + layer + i) for i in (0, 5)), slots)
+    source, target = torch.tensor([5, 9, 12, 13]), torch.tensor([4, 5, 6, 7])
+    for cache in caches:
+        cache.move(source, target)
+    for layer in range(2):
+        assert torch.equal(caches[1].keys(layer), caches[0].keys(layer))
+        assert torch.equal(caches[1].value_caches[layer], caches[0].value_caches[layer])
+    assert caches[1].key_caches[0].shape == (8, 2, 16, BLOCK_SIZE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -191,3 +212,14 @@ def test_the_runner_chooses_its_backend_in_one_place(tiny_pair):
         backends.build("cpu_llama", model)
     with pytest.raises(ValueError, match="unknown forward backend 'gpu'"):
         backends.build("gpu", model)
+
+
+def test_a_cpu_runner_keeps_keys_transposed_where_its_attention_reads_them(tiny_pair):
+    """The runner asks its backend: the C forwards read K transposed on the CPU; the Triton forward (here in the
+    interpreter, on CPU tensors) reads the usual layout."""
+    runner = ModelRunner(load_model(tiny_pair.target_path, "float32"))
+    assert runner.backend.name == "cpu_llama" and runner.init_cache(4, BLOCK_SIZE).keys_transposed
+    runner.backend = TransformersForward(runner.model)
+    assert runner.init_cache(4, BLOCK_SIZE).keys_transposed
+    runner.backend.transposed_keys = False  # as GpuLlamaForward declares
+    assert not runner.init_cache(4, BLOCK_SIZE).keys_transposed

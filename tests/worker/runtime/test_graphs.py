@@ -64,13 +64,14 @@ def test_graphed_steps_give_the_eager_steps_logits_and_touch_only_their_slots(ti
     ]
     graphed.aux_layers = eager.aux_layers = (1, 3)  # as an EAGLE-3 head asks: their rows come back too
     for chunks in steps:
-        before = [cache.clone() for cache in graphed.kv_cache.key_caches]
+        layers = range(len(graphed.kv_cache.key_caches))
+        before = [graphed.kv_cache.keys(i).clone() for i in layers]  # [blocks, block size, KVH, D] each
         want, got = eager.forward(chunks), graphed.forward(chunks)
         assert torch.equal(got, want)
         assert torch.equal(graphed.last_aux_hidden, eager.last_aux_hidden)
         written = {(t[p // BLOCK_SIZE], p % BLOCK_SIZE) for c in chunks for t in [c.block_table] for p in
                    range(c.start_pos, c.start_pos + len(c.token_ids))}  # fmt: skip
-        for old, new in zip(before, graphed.kv_cache.key_caches):
+        for old, new in zip(before, map(graphed.kv_cache.keys, layers)):
             changed = {(b, o) for b, o in (old != new).any(-1).any(-1).nonzero().tolist()}
             assert {b for b, _ in changed - written} <= set(SCRATCH)  # the rest: scratch blocks only
     assert len(graphed.graphs.graphs) == 3  # three keys: (4, 1), (4, 4), (1, 2)

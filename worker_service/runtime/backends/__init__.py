@@ -31,6 +31,7 @@ class ForwardBackend(Protocol):
     """model.model's forward over a packed batch on the paged KV cache."""
 
     name: str
+    transposed_keys: bool  # its attention reads K transposed where kv_cache.transposes_keys says a cache may be
 
     def __call__(
         self,

@@ -156,6 +156,8 @@ class CpuHeadForward:
             slots.data_ptr(),
             key_cache.data_ptr(),
             value_cache.data_ptr(),
+            cache.block_size,
+            cache.keys_transposed,
         )
         q_stride = qkv_width
         if output_rows is None:
@@ -210,6 +212,7 @@ class CpuHeadForward:
             cache.block_size,
             self.scaling,
             *paged_attention_cpu.tree_arguments(trees),
+            cache.keys_transposed,
             threads,
         )
         if status != 0:

@@ -10,6 +10,9 @@ class TransformersForward:
     """model.model's own forward (any decoder model `transformers` loads), over the paged KV cache."""
 
     name = "transformers"
+    # Its attention is the dispatch (kernels/paged_attention.py): the C kernel on the CPU, where it reads K
+    # transposed (kv_cache.transposes_keys says where).
+    transposed_keys = True
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
