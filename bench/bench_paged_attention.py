@@ -1,13 +1,16 @@
 """Microbenchmark: time per call of each paged-attention path on one device.
 
 Heads of SmolLM2 (H=9, KVH=3, D=64; the default) or Llama-3's 1B / 8B shapes (--shape), block_size 16. On the
-CPU: the batch-invariant C kernel (what the worker runs) vs the SDPA path; on CUDA: Triton vs the SDPA path,
+CPU: the batch-invariant C kernel over K kept transposed in its blocks (what the worker runs,
+worker_service/runtime/kv_cache.py) and over the usual layout, vs the SDPA path; --cflags builds the C kernel
+with more flags (`-march=x86-64-v3`: the AVX2 path AMD Zen 3 runs); on CUDA: Triton vs the SDPA path,
 and --before FILE adds the Triton kernel of another revision of kernels/paged_attention.py
 (`git show REV:kernels/paged_attention.py > FILE`). On CUDA the Triton kernels are timed in a CUDA graph (the
 GPU's time per call, as a graphed step runs them); SDPA's path, which reads the lengths on the host, per
 launch. Run:
 
     python bench/bench_paged_attention.py [--threads N]                        # CPU, context 300
+    python bench/bench_paged_attention.py --cflags=-march=x86-64-v3 --seqs 1 --contexts 300,1000  # the AVX2 path
     python bench/bench_paged_attention.py --device cuda --shape 8b --seqs 1,8,64 --contexts 512,4096 --q-lens 1,6
 """
 
@@ -22,6 +25,7 @@ import torch
 
 from kernels import paged_attention_cpu
 from kernels._triton import HAS_TRITON
+from kernels.cpu_build import load_library
 from kernels.paged_attention import paged_attention_sdpa, paged_attention_triton
 
 BLOCK_SIZE = 16
@@ -92,16 +96,30 @@ def load_before(path: str):
     return module.paged_attention_triton
 
 
-def paths(device: str) -> dict:
-    """The implementations to time on this device: the worker's own path first, SDPA last."""
+def paths(device: str, cflags: str = "") -> dict:
+    """The implementations to time on this device: the worker's own path first, SDPA last. Each takes the inputs
+    make_inputs gives (a CPU path that reads K transposed transposes it once per case: `transposed_inputs`)."""
     if device.startswith("cuda"):
         return (
             {"triton": paged_attention_triton, "sdpa": paged_attention_sdpa}
             if HAS_TRITON
             else {"sdpa": paged_attention_sdpa}
         )
-    own = {"c kernel": paged_attention_cpu.paged_attention_cpu} if paged_attention_cpu.available() else {}
-    return {**own, "sdpa": paged_attention_sdpa}
+    if not paged_attention_cpu.available():
+        return {"sdpa": paged_attention_sdpa}
+    build = paged_attention_cpu.bind(load_library("paged_attention_cpu", tuple(cflags.split()))) if cflags else None
+    c_kernel = functools.partial(paged_attention_cpu.paged_attention_cpu, function=build)
+    return {
+        "c, K^T": functools.partial(c_kernel, keys_transposed=True),
+        "c kernel": c_kernel,
+        "sdpa": paged_attention_sdpa,
+    }
+
+
+def transposed_inputs(inputs: tuple) -> tuple:
+    """make_inputs' tuple with K as a CPU KVCache keeps it: [num_blocks, KVH, D, block_size]."""
+    query, key_cache, *rest = inputs
+    return (query, key_cache.permute(0, 2, 3, 1).contiguous(), *rest)
 
 
 def ints(text: str) -> list[int]:
@@ -116,14 +134,16 @@ def measure(
     contexts: list[int],
     dtypes: list[str],
     before: str | None = None,
+    cflags: str = "",
 ) -> list[dict]:
     """Times every path on every case; prints a row per case and returns them."""
-    functions = paths(device)
+    functions = paths(device, cflags)
     on_cuda = device.startswith("cuda")
     if before and on_cuda:
         functions = {"before": load_before(before), **functions}
     threads = torch.get_num_threads()
-    print(f"torch {torch.__version__}, {threads} threads, device {device}, {shape}; us per call")
+    built = f", C kernel built with {cflags}" if cflags and not on_cuda else ""
+    print(f"torch {torch.__version__}, {threads} threads, device {device}, {shape}{built}; us per call")
     print(f"{'dtype':9s} {'seqs':>5s} {'q_len':>5s} {'context':>7s} " + " ".join(f"{n:>9s}" for n in functions))
     rows = []
     for dtype_name in dtypes:
@@ -138,7 +158,8 @@ def measure(
                             function = functools.partial(function, max_query_len=q_len)
                         # SDPA's path reads the lengths on the host: no graph can capture it
                         graphed = graph_time_per_call_us(function, inputs) if on_cuda and name != "sdpa" else None
-                        times[name] = graphed if graphed is not None else time_per_call_us(function, inputs)
+                        args = transposed_inputs(inputs) if name == "c, K^T" else inputs
+                        times[name] = graphed if graphed is not None else time_per_call_us(function, args)
                     rows.append(dict(dtype=dtype_name, seqs=num_seqs, q_len=q_len, context=context, us=times))
                     print(
                         f"{dtype_name:9s} {num_seqs:5d} {q_len:5d} {context:7d} "
@@ -158,10 +179,13 @@ def main() -> None:
     parser.add_argument("--shape", choices=list(SHAPES), default="smollm2")
     parser.add_argument("--before", default=None, help="another revision's kernels/paged_attention.py (CUDA)")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--cflags", default="", help="CPU: build the C kernel with these extra flags (space-separated)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = measure(args.device, args.shape, args.seqs, args.q_lens, args.contexts, args.dtypes.split(","), args.before)
+    rows = measure(
+        args.device, args.shape, args.seqs, args.q_lens, args.contexts, args.dtypes.split(","), args.before, args.cflags
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": args.shape, "device": args.device, "rows": rows}, f, indent=1)
