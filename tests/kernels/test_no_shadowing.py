@@ -6,7 +6,7 @@ import sys
 
 def test_transformers_loads_a_model_beside_our_kernels_package(tiny_pair):
     code = f"""
-import kernels, kernels.paged_attention, kernels.slot_mapping  # ours, imported first
+import kernels, kernels.paged_attention  # ours, imported first
 import torch
 import transformers
 from transformers.utils.import_utils import is_kernels_available

@@ -35,7 +35,7 @@ import torch
 
 from worker_service.runtime.attention import PagedMetadata
 from worker_service.runtime.device import host_tensor, to_device
-from worker_service.runtime.kv_cache import KVCache, slot
+from worker_service.runtime.kv_cache import KVCache, position_slots, slot
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class StepGraphs:
                 chunk = chunks[b]
                 length, start, table = len(chunk.token_ids), chunk.start_pos, chunk.block_table
                 ids += chunk.token_ids + [0] * (q - length)
-                slots += [slot(table, p, size) for p in range(start, start + length)]
+                slots += position_slots(table, start, start + length, size)
                 slots += scratch_slots[length:]
                 tables += table + [self.scratch[0]] * (width - len(table))
                 real += range(b * q, b * q + length)

@@ -34,8 +34,17 @@ class KVCacheSpec:
 
 
 def slot(block_table: list[int], position: int, block_size: int) -> int:
-    """The cache slot of a sequence's `position`, on the host (kernels/slot_mapping.py does it on the device)."""
+    """The cache slot of a sequence's `position` (computed on the host: the runner's pack and graphs' inputs)."""
     return block_table[position // block_size] * block_size + position % block_size
+
+
+def position_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """slot() of each of a sequence's positions start .. end - 1, a block's run at a time."""
+    found = []
+    for index in range(start // block_size, -(-end // block_size)):
+        base = (block_table[index] - index) * block_size  # position p of this block: slot base + p
+        found.extend(range(base + max(start, index * block_size), base + min(end, (index + 1) * block_size)))
+    return found
 
 
 def transposes_keys(spec: KVCacheSpec, device: torch.device | str) -> bool:

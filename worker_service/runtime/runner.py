@@ -23,7 +23,6 @@ from transformers import PreTrainedModel
 from kernels import paged_attention_cpu
 from kernels._triton import HAS_TRITON
 from kernels.draft_tree import DraftTrees
-from kernels.slot_mapping import compute_slot_mapping
 from worker_service.runtime import backends
 from worker_service.runtime.attention import ATTENTION_NAME, PagedMetadata
 from worker_service.runtime.device import to_device
@@ -31,7 +30,7 @@ from worker_service.runtime.dtypes import DEFAULT_QUANTIZED_ACTIVATIONS
 from worker_service.runtime.fast_linear import pack_linears
 from worker_service.runtime.graphs import CudaGraphReplay, StepGraphs, graph_key, scratch_blocks_needed
 from worker_service.runtime.invariant_layers import make_batch_invariant
-from worker_service.runtime.kv_cache import KVCache, KVCacheSpec, slot, transposes_keys
+from worker_service.runtime.kv_cache import KVCache, KVCacheSpec, position_slots, slot, transposes_keys
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +62,14 @@ def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -
     The index lists are built on the host and reach `device` in two copies (to_device): no per-sequence
     device work, and on CUDA no copy that waits for the GPU.
     """
-    input_ids, rows, logits_indices, starts, seq_lens = [], [], [], [0], []
+    input_ids, rows, slots, logits_indices, starts, seq_lens = [], [], [], [], [0], []
+    block_size = kv_cache.block_size
     for chunk in chunks:
         num_tokens = len(chunk.token_ids)
         offset = starts[-1]
         input_ids.extend(chunk.token_ids)
         rows.extend(range(chunk.start_pos, chunk.start_pos + num_tokens))
+        slots.extend(position_slots(chunk.block_table, chunk.start_pos, chunk.start_pos + num_tokens, block_size))
         logits_indices.extend(range(offset + num_tokens - chunk.num_logits, offset + num_tokens))
         starts.append(offset + num_tokens)
         seq_lens.append(chunk.start_pos + num_tokens)
@@ -87,12 +88,11 @@ def pack(chunks: list[SequenceChunk], kv_cache: KVCache, device: torch.device) -
     max_blocks = max(len(c.block_table) for c in chunks)
     # The block tables padded with block 0 (never read: seq_lens bound every access).
     tables = [b for c in chunks for b in c.block_table + [0] * (max_blocks - len(c.block_table))]
-    rows_t, positions_t, input_ids_t, logits_t = to_device(
-        [rows, positions if trees is not None else [], input_ids, logits_indices], torch.int64, device
+    rows_t, positions_t, input_ids_t, logits_t, slot_mapping = to_device(
+        [rows, positions if trees is not None else [], input_ids, logits_indices, slots], torch.int64, device
     )
     block_tables, query_start_loc, seq_lens_t = to_device([tables, starts, seq_lens], torch.int32, device)
     block_tables = block_tables.view(len(chunks), max_blocks)  # [B, M]
-    slot_mapping = compute_slot_mapping(block_tables, query_start_loc, rows_t, kv_cache.block_size)  # [T]
     metadata = PagedMetadata(
         kv_cache=kv_cache,
         slot_mapping=slot_mapping,

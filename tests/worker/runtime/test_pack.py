@@ -1,10 +1,12 @@
 """pack(): a step's chunks become the forward's inputs and cache metadata, each list reaching the device in
 one of two copies (device.to_device). Checked against the inputs written out from the chunks by hand."""
 
+import random
+
 import torch
 
 from worker_service.runtime.device import to_device
-from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
+from worker_service.runtime.kv_cache import KVCache, KVCacheSpec, position_slots, slot
 from worker_service.runtime.runner import SequenceChunk, pack
 
 BLOCK_SIZE = 4
@@ -48,3 +50,16 @@ def test_to_device_is_one_tensor_per_list_in_order(device):
     a, empty, b = to_device([[1, 2, 3], [], [4]], torch.int32, torch.device(device))
     assert (a.cpu().tolist(), empty.numel(), b.cpu().tolist()) == ([1, 2, 3], 0, [4])
     assert a.dtype == torch.int32 and a.is_contiguous() and b.is_contiguous()
+
+
+def test_position_slots_are_each_positions_slot():
+    """A block's run at a time (the packed steps' K/V slots): what slot() gives each position, for ranges that
+    start and end anywhere in a block, span several blocks, or are empty."""
+    rng = random.Random(0)
+    for block_size in (1, 4, 16):
+        table = rng.sample(range(100), 12)
+        for _ in range(50):
+            start = rng.randrange(0, 12 * block_size)
+            end = rng.randrange(start, 12 * block_size + 1)
+            want = [slot(table, p, block_size) for p in range(start, end)]
+            assert position_slots(table, start, end, block_size) == want, (block_size, start, end)
