@@ -124,6 +124,13 @@ static inline ivec broadcast_i32(int32_t value) {
 #endif
 }
 
+/* Activations p[0..3] as one int32 in every lane: a broadcast load (AVX-512 folds it into VPDPBUSD's operand). */
+static inline ivec broadcast_quad(const int8_t *p) {
+    int32_t value;
+    memcpy(&value, p, sizeof value);
+    return broadcast_i32(value);
+}
+
 static inline ivec load_ivec(const uint8_t *p) {
     ivec v;
     memcpy(&v, p, sizeof v);
@@ -214,11 +221,11 @@ static inline __attribute__((always_inline)) void block_int8(int num_rows, int w
                                                              int8_rows rows, int64_t r0, int64_t b, int64_t in,
                                                              fvec (*acc)[INT_PASS], int v0) {
     int64_t num_blocks = in / QBLOCK;
-    int32_t xq[ROW_TILE][QUADS]; /* each row's block of activations, 4 to a lane */
+    const int8_t *xq[ROW_TILE]; /* each row's block of activations, read 4 at a time (one int32 lane) */
     ivec sums[ROW_TILE][INT_PASS];
     #pragma GCC unroll 8
     for (int r = 0; r < num_rows; r++) {
-        memcpy(xq[r], rows.qx + (r0 + r) * in + b * QBLOCK, QBLOCK);
+        xq[r] = rows.qx + (r0 + r) * in + b * QBLOCK;
         #pragma GCC unroll 8
         for (int v = 0; v < INT_PASS; v++)
             sums[r][v] = w_dtype == DTYPE_Q8_0_INT8 ? q8_start(rows.sx[(r0 + r) * num_blocks + b]) : broadcast_i32(0);
@@ -232,7 +239,7 @@ static inline __attribute__((always_inline)) void block_int8(int num_rows, int w
             for (int v = 0; v < INT_PASS; v++) wv[v] = load_ivec(q + (k * GROUP_OUT + (v0 + v) * INT_LANES) * 4);
             #pragma GCC unroll 8
             for (int r = 0; r < num_rows; r++) {
-                ivec xs = broadcast_i32(xq[r][k]);
+                ivec xs = broadcast_quad(xq[r] + 4 * k);
                 #pragma GCC unroll 8
                 for (int v = 0; v < INT_PASS; v++) sums[r][v] = dot_q8(sums[r][v], wv[v], xs);
             }
@@ -250,7 +257,7 @@ static inline __attribute__((always_inline)) void block_int8(int num_rows, int w
             }
             #pragma GCC unroll 8
             for (int r = 0; r < num_rows; r++) {
-                ivec xs_low = broadcast_i32(xq[r][k]), xs_high = broadcast_i32(xq[r][k + QUADS / 2]);
+                ivec xs_low = broadcast_quad(xq[r] + 4 * k), xs_high = broadcast_quad(xq[r] + 4 * (k + QUADS / 2));
                 #pragma GCC unroll 8
                 for (int v = 0; v < INT_PASS; v++) {
                     sums[r][v] = dot_q4(sums[r][v], low[v], xs_low);
