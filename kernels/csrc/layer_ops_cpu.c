@@ -102,7 +102,8 @@ int specdec_silu_mul(int dtype, const void *gate_up, int64_t gu_stride, int64_t 
 
 /* Stores each row's K and V heads (kv_width = KVH head_dim elements each, at k and v in the row) at its cache
  * slot: value_cache is [num_slots, kv_width], key_cache the same or, keys_transposed, [num_blocks, kv_width,
- * block_size] (= [num_blocks, KVH, head_dim, block_size]) (kernels/paged_attention_cpu.c reads 16 keys' dimension d as one vector there). */
+ * block_size] (= [num_blocks, KVH, head_dim, block_size]; kernels/paged_attention_cpu.c reads 16 keys'
+ * dimension d as one vector there). */
 int specdec_write_kv(int dtype, const void *k, const void *v, int64_t row_stride, int64_t num_rows,
                      int64_t kv_width, const int64_t *slot_mapping, void *key_cache, void *value_cache,
                      int64_t block_size, int keys_transposed) {
@@ -111,14 +112,18 @@ int specdec_write_kv(int dtype, const void *k, const void *v, int64_t row_stride
         int64_t slot = slot_mapping[r];
         memcpy((char *)value_cache + slot * kv_width * size, (const char *)v + r * row_stride * size, kv_width * size);
         if (!keys_transposed) {
-            memcpy((char *)key_cache + slot * kv_width * size, (const char *)k + r * row_stride * size, kv_width * size);
+            memcpy((char *)key_cache + slot * kv_width * size, (const char *)k + r * row_stride * size,
+                   kv_width * size);
             continue;
         }
-        /* element (head h, dim d) of the slot's key: block's [h][d][offset] */
-        char *block = (char *)key_cache + (slot / block_size) * kv_width * block_size * size;
-        const char *row = (const char *)k + r * row_stride * size;
-        for (int64_t e = 0; e < kv_width; e++) /* e = h head_dim + d */
-            memcpy(block + (e * block_size + slot % block_size) * size, row + e * size, size);
+        /* element e = h head_dim + d of the slot's key: its block's [e][offset] */
+        int64_t first = (slot / block_size) * kv_width * block_size + slot % block_size, at = r * row_stride;
+        if (size == 4)
+            for (int64_t e = 0; e < kv_width; e++)
+                ((float *)key_cache)[first + e * block_size] = ((const float *)k)[at + e];
+        else
+            for (int64_t e = 0; e < kv_width; e++)
+                ((uint16_t *)key_cache)[first + e * block_size] = ((const uint16_t *)k)[at + e];
     }
     return 0;
 }

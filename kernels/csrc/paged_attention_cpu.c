@@ -228,7 +228,8 @@ static void load_key_tile(const struct Args *a, const struct Keys *where, int kv
         /* Keys j0 .. j0 + 15 are consecutive positions of one block (j0 is a multiple of KEY_TILE), so their
          * dimension d lies in 16 consecutive elements: no transpose. */
         int64_t base = key_offset(a, key_slot(a, where, j0), kv);
-        for (int d = 0; d < D; d++) load_row(a->dtype, a->key_cache, base + d * a->block_size, KEY_TILE, (float *)&kt[d]);
+        for (int d = 0; d < D; d++)
+            load_row(a->dtype, a->key_cache, base + d * a->block_size, KEY_TILE, (float *)&kt[d]);
         return;
     }
     const int64_t stride = key_stride(a);
