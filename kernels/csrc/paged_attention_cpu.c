@@ -18,7 +18,10 @@
  * where a fused multiply-add is meant), and exp is our own polynomial, so the
  * compiler's vectorisation choices cannot change a bit; nor do the AVX-512
  * paths (keys transposed in registers, values loaded whole, a vector FMA per
- * 16 lanes), which a narrower build's plain loops match bit for bit. Speed
+ * 16 lanes), which a narrower build's plain loops match bit for bit. A cache
+ * whose K blocks are kept transposed (keys_transposed: [num_blocks, KVH, D,
+ * block_size], the CPU KVCache's layout) hands over 16 keys' dimension d as
+ * one vector, with no transpose at all: the same values, so the same bits. Speed
  * comes from independence, not reordering: pass 1 advances the sums of up to
  * SCORE_ROWS rows times two key tiles side by side, and pass 2 keeps
  * SCORE_ROWS rows' accumulators of VALUE_SLICE dimensions in registers over
