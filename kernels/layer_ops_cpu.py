@@ -95,7 +95,7 @@ class StepArgs(ctypes.Structure):
 def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     """Declares the C signatures on a loaded build of kernels/csrc/layer_ops_cpu.c."""
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    library.specdec_llama_layers.argtypes = [ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs), i64, i64]
+    library.specdec_llama_layers.argtypes = [ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs), i64]
     library.specdec_add_rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
     library.specdec_rope.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32]
     library.specdec_silu_mul.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, i32]

@@ -190,18 +190,18 @@ static int project(const struct StepArgs *s, const struct LinearArgs *l, const v
                      l->out, (int)s->num_threads);
 }
 
-/* Layers [first, end) of the model: per layer, residual += h (none before layer 0), kept in aux where asked;
+/* Every layer of the model, in order: per layer, residual += h (none before layer 0), kept in aux where asked;
  * x = RMSNorm; qkv = x Wqkv;
  * RoPE on q and k; K/V to the cache; attention; h = attn Wo; residual += h; x = RMSNorm; gate_up = x Wgu;
  * act = silu(gate) up; h = act Wdown. Returns 0, 1 when a projection failed or 2 when the attention did
  * (its status in failed_status). */
-int specdec_llama_layers(struct StepArgs *s, const struct LayerArgs *layers, int64_t first, int64_t end) {
+int specdec_llama_layers(struct StepArgs *s, const struct LayerArgs *layers, int64_t num_layers) {
     const int dtype = (int)s->dtype, threads = (int)s->num_threads;
     const int64_t T = s->num_tokens, hidden = s->hidden, D = s->head_dim;
     const int64_t q_width = s->num_heads * D, kv_width = s->num_kv_heads * D, qkv_width = q_width + 2 * kv_width;
     const int64_t size = dtype == DTYPE_F32 ? 4 : 2;
     char *qkv = s->qkv;
-    for (int64_t index = first; index < end; index++) {
+    for (int64_t index = 0; index < num_layers; index++) {
         const struct LayerArgs *l = &layers[index];
         specdec_add_rms_norm(dtype, index ? s->h : NULL, hidden, s->residual, hidden, l->input_norm, s->x, hidden,
                              T, hidden, s->eps, threads);

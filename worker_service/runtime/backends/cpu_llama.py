@@ -183,9 +183,7 @@ class CpuLlamaForward:
             ctypes.cast(paged_attention_cpu.kernel(), ctypes.c_void_p).value,
             aux.data_ptr() if aux is not None else None, ctypes.addressof(aux_indices), len(aux_layers),
         )  # fmt: skip
-        status = layer_ops_cpu.c_library().specdec_llama_layers(
-            ctypes.byref(step), self.layer_args, 0, len(self.layers)
-        )
+        status = layer_ops_cpu.c_library().specdec_llama_layers(ctypes.byref(step), self.layer_args, len(self.layers))
         if status != 0:
             kernel = "linear_cpu" if status == 1 else "paged_attention_cpu"
             raise ValueError(f"{kernel} failed (status {step.failed_status}) for {num_tokens} rows")
