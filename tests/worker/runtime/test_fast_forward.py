@@ -223,3 +223,20 @@ def test_a_cpu_runner_keeps_keys_transposed_where_its_attention_reads_them(tiny_
     assert runner.init_cache(4, BLOCK_SIZE).keys_transposed
     runner.backend.transposed_keys = False  # as GpuLlamaForward declares
     assert not runner.init_cache(4, BLOCK_SIZE).keys_transposed
+
+
+def test_a_new_cache_is_the_one_the_layers_read(tiny_pair):
+    """The forward keeps its cache's addresses between steps: after init_cache the layers write and read the new
+    cache, as a runner that never had another does (the old one is held here, so it cannot be the new one's
+    memory again)."""
+    runner = ModelRunner(load_model(tiny_pair.target_path, "float32"))
+    _run(runner, seed=1)  # _run makes a new cache first
+    old = runner.kv_cache
+    again = _run(runner, seed=2)
+    fresh_runner = ModelRunner(load_model(tiny_pair.target_path, "float32"))
+    fresh = _run(fresh_runner, seed=2)
+    assert runner.kv_cache is not old
+    assert all(torch.equal(a, b) for a, b in zip(again, fresh))
+    for mine, theirs in zip(runner.kv_cache.key_caches + runner.kv_cache.value_caches,
+                            fresh_runner.kv_cache.key_caches + fresh_runner.kv_cache.value_caches):  # fmt: skip
+        assert torch.equal(mine, theirs)

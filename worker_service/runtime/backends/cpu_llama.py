@@ -26,6 +26,7 @@ and the reference; models this does not cover run its forward unchanged.
 
 import ctypes
 from dataclasses import dataclass
+import weakref
 
 import torch
 from transformers import PreTrainedModel
@@ -105,6 +106,18 @@ class CpuLlamaForward:
         self.final_norm = model.model.norm.weight.detach().contiguous()
         self.intermediate = self.layers[0].gate_up.out_features // 2
         self.layer_args = (layer_ops_cpu.LayerArgs * len(self.layers))(*map(_layer_args, self.layers))
+        self._addresses: tuple | None = None  # (a weak reference to a KVCache, its K and V addresses as C arrays)
+
+    def _cache_addresses(self, cache) -> tuple:
+        """The layers' K and V cache addresses as C arrays, made once per cache (weakly held: init_cache frees
+        the old cache before making the new one)."""
+        if self._addresses is None or self._addresses[0]() is not cache:
+            arrays = (
+                (ctypes.c_void_p * len(self.layers))(*(t.data_ptr() for t in caches))
+                for caches in (cache.key_caches, cache.value_caches)
+            )
+            self._addresses = (weakref.ref(cache), *arrays)
+        return self._addresses[1:]
 
     @staticmethod
     def supports(model: PreTrainedModel) -> str | None:
@@ -166,8 +179,7 @@ class CpuLlamaForward:
         qkv = torch.empty((num_tokens, qkv_width), dtype=dtype)
         gate_up = torch.empty((num_tokens, 2 * self.intermediate), dtype=dtype)
         act = torch.empty((num_tokens, self.intermediate), dtype=dtype)
-        key_caches = (ctypes.c_void_p * len(self.layers))(*(t.data_ptr() for t in cache.key_caches))
-        value_caches = (ctypes.c_void_p * len(self.layers))(*(t.data_ptr() for t in cache.value_caches))
+        key_caches, value_caches = self._cache_addresses(cache)
         is_tree, prefix_lens, depths, paths, path_stride = paged_attention_cpu.tree_arguments(trees)
         # The residual stream entering each of aux_layers, [T, len(aux_layers) x hidden] (EAGLE-3's inputs).
         aux = torch.empty((num_tokens, len(aux_layers) * hidden), dtype=dtype) if aux_layers else None
