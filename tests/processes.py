@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import random
 import re
 import socket
 import subprocess
@@ -83,14 +84,34 @@ def running(args: list[str], env: dict | None = None):
         process.stop()
 
 
+# Ports for flags that take a fixed one come from below the system's ephemeral range, in a slice of their own
+# per pytest-xdist worker: a port the kernel hands out (port 0, or the source port of an outgoing connection)
+# could be taken between our choosing it and the server binding it, and did once in CI.
+_FIXED_PORTS_LOW = 10_000
+_FIXED_PORTS_PER_WORKER = 2_000
+
+
 def free_port() -> int:
     """A loopback port free now (for flags where 0 means off rather than any port)."""
     return free_ports(1)[0]
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` different loopback ports free now: each held until all are chosen (one at a time, the system may
-    hand out the same port twice)."""
+    """`count` different loopback ports free now, from this xdist worker's slice below the ephemeral range
+    (each held until all are chosen, so no two are the same)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = _FIXED_PORTS_LOW + index * _FIXED_PORTS_PER_WORKER
+    start = random.randrange(_FIXED_PORTS_PER_WORKER)
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.create_server(("127.0.0.1", 0))) for _ in range(count)]
-        return [sock.getsockname()[1] for sock in socks]
+        ports = []
+        for offset in range(_FIXED_PORTS_PER_WORKER):
+            port = low + (start + offset) % _FIXED_PORTS_PER_WORKER
+            try:
+                stack.enter_context(socket.create_server(("127.0.0.1", port)))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise RuntimeError(f"fewer than {count} free ports in {low}..{low + _FIXED_PORTS_PER_WORKER - 1}")
