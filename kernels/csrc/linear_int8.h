@@ -51,27 +51,75 @@ typedef struct {
     int32_t *sx; /* [num_rows, in / QBLOCK]: sum of the block's qx (q8_0's stored offset takes 128 * sx off) */
 } int8_rows;
 
+/* QBLOCK values as int8: *dx = amax / 127 and q[j] = values[j] * (127 / amax) rounded to nearest-even (the
+ * rounding mode's: lrintf and the vector conversions alike), *sum their sum; a block with inf or NaN gets
+ * dx = NaN and q = 0. Vectors only find the maximum magnitude (the same number in any order), multiply
+ * each value once and convert it, so every build gives the same bytes. */
+static inline void quantize_block(const float *values, int8_t *q, float *dx, int32_t *sum) {
+    int32_t ints[QBLOCK];
+    float amax = 0.0f;
+    int finite = 1;
+#if defined(__AVX512F__)
+    __m512 v0 = _mm512_loadu_ps(values), v1 = _mm512_loadu_ps(values + 16);
+    __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1), most = _mm512_set1_ps(FLT_MAX);
+    finite = (_mm512_cmp_ps_mask(a0, most, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, most, _CMP_LE_OQ)) == 0xFFFF;
+    if (finite) amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+#elif defined(__AVX2__)
+    __m256 v[4], most = _mm256_set1_ps(FLT_MAX), magnitudes = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(values + 8 * i);
+        __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]);
+        finite &= _mm256_movemask_ps(_mm256_cmp_ps(magnitude, most, _CMP_LE_OQ)) == 0xFF;
+        magnitudes = _mm256_max_ps(magnitudes, magnitude);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, magnitudes);
+    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+#else
+    for (int j = 0; j < QBLOCK; j++) {
+        float magnitude = fabsf(values[j]);
+        amax = magnitude > amax ? magnitude : amax;
+        finite &= magnitude <= FLT_MAX; /* false for inf and NaN */
+    }
+#endif
+    if (!finite) { /* the block's outputs become NaN, as the exact kernel's would */
+        memset(q, 0, QBLOCK);
+        *dx = NAN;
+        *sum = 0;
+        return;
+    }
+    float scale = amax > 0.0f ? 127.0f / amax : 0.0f;
+#if defined(__AVX512F__)
+    _mm512_storeu_si512(ints, _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(scale))));
+    _mm512_storeu_si512(ints + 16, _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(scale))));
+#elif defined(__AVX2__)
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_si256((__m256i *)(ints + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(scale))));
+#else
+    for (int j = 0; j < QBLOCK; j++) ints[j] = (int32_t)lrintf(values[j] * scale);
+#endif
+    int32_t total = 0;
+    for (int j = 0; j < QBLOCK; j++) {
+        q[j] = (int8_t)ints[j]; /* -127 .. 127 */
+        total += ints[j];
+    }
+    *dx = amax / 127.0f;
+    *sum = total;
+}
+
 /* Row r of x (fp32 values of x_dtype, row stride x_stride) quantized into rows (see the header). */
 static void quantize_row(int x_dtype, const void *x, int64_t x_stride, int64_t in, int64_t r, int8_rows rows) {
     int64_t num_blocks = in / QBLOCK;
     for (int64_t b = 0; b < num_blocks; b++) {
-        float values[QBLOCK], amax = 0.0f;
-        int finite = 1;
-        for (int j = 0; j < QBLOCK; j++) {
-            values[j] = load_scalar(x_dtype, x, r * x_stride + b * QBLOCK + j);
-            float magnitude = fabsf(values[j]);
-            amax = magnitude > amax ? magnitude : amax;
-            finite &= magnitude <= FLT_MAX; /* false for inf and NaN */
+        float buffer[QBLOCK];
+        const float *values = (const float *)x + r * x_stride + b * QBLOCK;
+        if (x_dtype != DTYPE_F32) {
+            for (int j = 0; j < QBLOCK; j++) buffer[j] = load_scalar(x_dtype, x, r * x_stride + b * QBLOCK + j);
+            values = buffer;
         }
-        if (!finite) amax = NAN; /* the block's outputs become NaN, as the exact kernel's would */
-        float scale = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int8_t *q = rows.qx + r * in + b * QBLOCK;
-        int32_t sum = 0;
-        for (int j = 0; j < QBLOCK; j++) {
-            q[j] = finite ? (int8_t)lrintf(values[j] * scale) : 0; /* nearest-even: the default rounding mode */
-            sum += q[j];
-        }
-        float dx = amax / 127.0f;
+        float dx;
+        int32_t sum;
+        quantize_block(values, rows.qx + r * in + b * QBLOCK, &dx, &sum);
         rows.dx[r * num_blocks + b] = dx;
         rows.mx[r * num_blocks + b] = dx * (float)sum;
         rows.sx[r * num_blocks + b] = sum;
