@@ -70,6 +70,7 @@
 
 /* KEY_TILE floats as one GCC vector: element-wise arithmetic, so no reordering of a sum. */
 typedef float key_vector __attribute__((vector_size(KEY_TILE * sizeof(float))));
+typedef int32_t key_mask __attribute__((vector_size(KEY_TILE * sizeof(int32_t)))); /* a compare's lanes: 0 or -1 */
 /* REG_LANES floats: one register. */
 typedef float reg_vector __attribute__((vector_size(REG_LANES * sizeof(float))));
 
@@ -200,11 +201,19 @@ static inline void transpose_16x16(__m512 r[16]) {
 }
 #endif
 
-/* Keys j0 .. j0 + KEY_TILE - 1 of one KV head as floats, transposed: kt[d][i] = key j0 + i, dim d
- * (zeros past num_keys: the block table has no entry there). Moves values only: no arithmetic. */
-static void load_key_tile(const struct Args *a, const struct Keys *where, int kv, int j0, int num_keys,
-                          key_vector *kt) {
+/* Keys j0 .. j0 + KEY_TILE - 1 of one KV head as floats, transposed: key j0 + i's dimension d is element i of
+ * the KEY_TILE floats at the returned pointer + d * *stride (zeros past num_keys: the block table has no entry
+ * there). An fp32 cache whose K blocks are transposed holds such a tile already, and the pointer is into it;
+ * otherwise the tile is built in kt (stride KEY_TILE). Moves values only: no arithmetic. */
+static const float *load_key_tile(const struct Args *a, const struct Keys *where, int kv, int j0, int num_keys,
+                                  key_vector *kt, int64_t *stride) {
     const int D = a->head_dim;
+    *stride = KEY_TILE;
+    if (a->keys_transposed && a->dtype == DTYPE_F32 && a->block_size % KEY_TILE == 0 && j0 + KEY_TILE <= num_keys
+        && (!where->path || j0 + KEY_TILE <= where->prefix_len)) {
+        *stride = a->block_size; /* keys j0 .. j0 + 15: consecutive positions of one block, as below */
+        return (const float *)a->key_cache + key_offset(a, key_slot(a, where, j0), kv);
+    }
 #if defined(__AVX512F__)
     if (!a->keys_transposed && j0 + KEY_TILE <= num_keys && D % 16 == 0 && a->dtype != DTYPE_F16) {
         const char *keys[KEY_TILE];
@@ -223,7 +232,7 @@ static void load_key_tile(const struct Args *a, const struct Keys *where, int kv
             transpose_16x16(r);
             for (int d = 0; d < 16; d++) memcpy(&kt[d0 + d], &r[d], sizeof r[d]);
         }
-        return;
+        return (const float *)kt;
     }
 #endif
     if (a->keys_transposed && a->block_size % KEY_TILE == 0 && j0 + KEY_TILE <= num_keys
@@ -233,9 +242,9 @@ static void load_key_tile(const struct Args *a, const struct Keys *where, int kv
         int64_t base = key_offset(a, key_slot(a, where, j0), kv);
         for (int d = 0; d < D; d++)
             load_row(a->dtype, a->key_cache, base + d * a->block_size, KEY_TILE, (float *)&kt[d]);
-        return;
+        return (const float *)kt;
     }
-    const int64_t stride = key_stride(a);
+    const int64_t step = key_stride(a);
     for (int i = 0; i < KEY_TILE; i++) {
         int j = j0 + i;
         if (j >= num_keys) {
@@ -243,22 +252,23 @@ static void load_key_tile(const struct Args *a, const struct Keys *where, int kv
             continue;
         }
         int64_t offset = key_offset(a, key_slot(a, where, j), kv);
-        for (int d = 0; d < D; d++) kt[d][i] = load_scalar(a->dtype, a->key_cache, offset + d * stride);
+        for (int d = 0; d < D; d++) kt[d][i] = load_scalar(a->dtype, a->key_cache, offset + d * step);
     }
+    return (const float *)kt;
 }
 
 /* Rows q[0..num_rows) (num_rows <= SCORE_ROWS, a constant where inlined) against the two key tiles kt (keys
  * j0 ..): each score a sum over d in order, as in pass 1; stored for the tiles a row has keys in. */
 static inline __attribute__((always_inline)) void score_rows(int num_rows, int D, const float (*q)[MAX_HEAD_DIM],
-                                                             const key_vector kt[2][MAX_HEAD_DIM], const int *end,
-                                                             int j0, int k0, float *scores) {
+                                                             const float *const kt[2], const int64_t stride[2],
+                                                             const int *end, int j0, int k0, float *scores) {
     reg_vector s[SCORE_ROWS][2 * HALVES]; /* [r][t * HALVES + h]: keys j0 + t * KEY_TILE + h * REG_LANES .. */
     for (int r = 0; r < num_rows; r++)
         for (int u = 0; u < 2 * HALVES; u++) s[r][u] = (reg_vector){0};
     for (int d = 0; d < D; d++) {
         reg_vector k[2 * HALVES];
         for (int t = 0; t < 2; t++)
-            for (int h = 0; h < HALVES; h++) memcpy(&k[t * HALVES + h], (const float *)&kt[t][d] + h * REG_LANES,
+            for (int h = 0; h < HALVES; h++) memcpy(&k[t * HALVES + h], kt[t] + d * stride[t] + h * REG_LANES,
                                                     sizeof k[0]);
         for (int r = 0; r < num_rows; r++)
             for (int u = 0; u < 2 * HALVES; u++) s[r][u] = s[r][u] + q[r][d] * k[u];
@@ -278,6 +288,19 @@ static inline reg_vector load_vector(const float *p) {
 #else
     reg_vector v;
     memcpy(&v, p, sizeof v);
+    return v;
+#endif
+}
+
+/* x in every lane. */
+static inline reg_vector broadcast_float(float x) {
+#if defined(__AVX512F__)
+    return (reg_vector)_mm512_set1_ps(x);
+#elif defined(__FMA__)
+    return (reg_vector)_mm256_set1_ps(x);
+#else
+    reg_vector v;
+    for (int i = 0; i < REG_LANES; i++) v[i] = x;
     return v;
 #endif
 }
@@ -321,7 +344,7 @@ static inline __attribute__((always_inline)) void accumulate_values(const struct
         reg_vector vv[SLICE_VECTORS];
         for (int c = 0; c < SLICE_VECTORS; c++) vv[c] = load_vector(v + c * REG_LANES);
         for (int r = 0; r < num_rows; r++) {
-            reg_vector p = (reg_vector){0} + scores[r * PART_KEYS + (j - k0)]; /* p >= +0: adding 0 keeps it */
+            reg_vector p = broadcast_float(scores[r * PART_KEYS + (j - k0)]);
             for (int c = 0; c < SLICE_VECTORS; c++) acc[r][c] = fma_vector(p, vv[c], acc[r][c]);
         }
     }
@@ -331,7 +354,7 @@ static inline __attribute__((always_inline)) void accumulate_values(const struct
         for (int c = 0; c < SLICE_VECTORS; c++) vv[c] = load_vector(v + c * REG_LANES);
         for (int r = 0; r < num_rows; r++) {
             if (j >= end[r]) continue;
-            reg_vector p = (reg_vector){0} + scores[r * PART_KEYS + (j - k0)];
+            reg_vector p = broadcast_float(scores[r * PART_KEYS + (j - k0)]);
             for (int c = 0; c < SLICE_VECTORS; c++) acc[r][c] = fma_vector(p, vv[c], acc[r][c]);
         }
     }
@@ -369,16 +392,17 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
     /* Pass 1: s_j = sum over d in order of q[d] * k_j[d] (q scaled), KEY_TILE keys side by side; two tiles
      * of keys and up to SCORE_ROWS rows at a time, so that many sums advance side by side. */
     for (int j0 = k0; j0 < max_end; j0 += 2 * KEY_TILE) {
-        load_key_tile(a, &keys, kv, j0, max_end, kt[0]);
-        load_key_tile(a, &keys, kv, j0 + KEY_TILE, max_end, kt[1]);
+        int64_t stride[2];
+        const float *const tiles[2] = {load_key_tile(a, &keys, kv, j0, max_end, kt[0], &stride[0]),
+                                       load_key_tile(a, &keys, kv, j0 + KEY_TILE, max_end, kt[1], &stride[1])};
         for (int r = 0; r < num_rows; r += SCORE_ROWS) {
             switch (num_rows - r < SCORE_ROWS ? num_rows - r : SCORE_ROWS) {
 #if SCORE_ROWS > 2
-                case 4: score_rows(4, D, q + r, kt, end + r, j0, k0, scores + r * PART_KEYS); break;
-                case 3: score_rows(3, D, q + r, kt, end + r, j0, k0, scores + r * PART_KEYS); break;
+                case 4: score_rows(4, D, q + r, tiles, stride, end + r, j0, k0, scores + r * PART_KEYS); break;
+                case 3: score_rows(3, D, q + r, tiles, stride, end + r, j0, k0, scores + r * PART_KEYS); break;
 #endif
-                case 2: score_rows(2, D, q + r, kt, end + r, j0, k0, scores + r * PART_KEYS); break;
-                default: score_rows(1, D, q + r, kt, end + r, j0, k0, scores + r * PART_KEYS); break;
+                case 2: score_rows(2, D, q + r, tiles, stride, end + r, j0, k0, scores + r * PART_KEYS); break;
+                default: score_rows(1, D, q + r, tiles, stride, end + r, j0, k0, scores + r * PART_KEYS); break;
             }
         }
     }
@@ -391,9 +415,15 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
         if (n <= 0) continue;
         /* The max as 16 running maxima, then across them (no chain of dependent compares): a max is the same
          * number in any order (at most the sign of a zero differs, which no e^(s - m) below can tell). */
-        float lane_max[KEY_TILE];
-        for (int i = 0; i < KEY_TILE; i++) lane_max[i] = -INFINITY;
-        for (int j = 0; j < n; j++)
+        key_vector lane_max = (key_vector){0} - INFINITY;
+        int whole = n / KEY_TILE * KEY_TILE; /* lane i: keys i, i + 16, ..., a tile's 16 at once */
+        for (int j0 = 0; j0 < whole; j0 += KEY_TILE) {
+            key_vector tile;
+            memcpy(&tile, s + j0, sizeof tile);
+            key_mask greater = tile > lane_max; /* false for a NaN score, as the tail's compare below */
+            lane_max = (key_vector)(((key_mask)tile & greater) | ((key_mask)lane_max & ~greater));
+        }
+        for (int j = whole; j < n; j++)
             lane_max[j % KEY_TILE] = s[j] > lane_max[j % KEY_TILE] ? s[j] : lane_max[j % KEY_TILE];
         for (int i = 0; i < KEY_TILE; i++) m = lane_max[i] > m ? lane_max[i] : m;
         for (int j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - m);
