@@ -43,8 +43,9 @@ BLOCK_SIZE = 16
 
 def builds_of(source_dir: pathlib.Path) -> tuple:
     """(linear library, attention function) built from one copy of kernels/csrc. An attention kernel from before
-    the key layout argument (e304d3b) cannot read the transposed keys the working tree's caches keep: then the
-    working tree's attention is used for both, and said so."""
+    its cache dtype argument (--kv-cache-dtype) has another signature than the one the working tree's layer loop
+    calls (and before e304d3b it could not read the transposed keys the caches keep): then the working tree's
+    attention is used for both, and said so."""
     linear = linear_cpu.bind(load_library("linear_cpu", source_dir=source_dir))
     try:
         return linear, paged_attention_cpu.bind(load_library("paged_attention_cpu", source_dir=source_dir))

@@ -5,7 +5,7 @@
 Speculation's gain on the CPU is bounded by what a verify row costs beside a
 decode row: a step of k drafts is a forward of k + 1 rows of one sequence. Per
 configuration (q4_1 is the shipped GGUF's blocks, its output layer q8_0; `int8`
-and `fp32` are --quantized-activations), the median forward time of R rows over
+and `fp32` are --quantized-activations; `bf16-kv` is --kv-cache-dtype bfloat16), the median forward time of R rows over
 --context cached tokens, R = 1..8, and each R's time over R = 1's; the same for
 the fastest forward (on a shared machine a neighbour's bursts inflate medians,
 rarely minimums). The configurations take turns --rounds times.
@@ -28,12 +28,13 @@ from worker_service.runtime.default_model import fetch_default_model  # noqa: E4
 from worker_service.runtime.loader import load_model  # noqa: E402
 from worker_service.runtime.runner import ModelRunner  # noqa: E402
 
-CONFIGS = {  # name: (dtype, quantized activations)
-    "q4_1 int8": ("q4_1", "int8"),
-    "q4_1 fp32": ("q4_1", "fp32"),
-    "q8_0 int8": ("q8_0", "int8"),
-    "bfloat16": ("bfloat16", "int8"),
-    "float32": ("float32", "int8"),
+CONFIGS = {  # name: (dtype, quantized activations, KV cache dtype)
+    "q4_1 int8": ("q4_1", "int8", "auto"),
+    "q4_1 int8 bf16-kv": ("q4_1", "int8", "bfloat16"),
+    "q4_1 fp32": ("q4_1", "fp32", "auto"),
+    "q8_0 int8": ("q8_0", "int8", "auto"),
+    "bfloat16": ("bfloat16", "int8", "auto"),
+    "float32": ("float32", "int8", "auto"),
 }
 ROWS = (1, 2, 3, 4, 5, 6, 8)
 
@@ -51,8 +52,10 @@ def main() -> None:
     print(f"{cpu}, {torch.get_num_threads()} threads, SmolLM2-135M, context {args.context}", flush=True)
     runners = {}
     for name in args.configs:
-        dtype, activations = CONFIGS[name]
-        runners[name] = ModelRunner(load_model(path, dtype), quantized_activations=activations)
+        dtype, activations, kv_cache_dtype = CONFIGS[name]
+        runners[name] = ModelRunner(
+            load_model(path, dtype), quantized_activations=activations, kv_cache_dtype=kv_cache_dtype
+        )
     times = {name: {} for name in runners}
     fastest = {name: {} for name in runners}
     for rows in ROWS:

@@ -82,6 +82,7 @@ class StepArgs(ctypes.Structure):
         ("path_stride", ctypes.c_int64),
         ("key_caches", ctypes.c_void_p),
         ("value_caches", ctypes.c_void_p),
+        ("cache_dtype", ctypes.c_int64),
         ("keys_transposed", ctypes.c_int64),
         ("linear", ctypes.c_void_p),
         ("attention", ctypes.c_void_p),
@@ -99,7 +100,7 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.specdec_add_rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
     library.specdec_rope.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32]
     library.specdec_silu_mul.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, i32]
-    library.specdec_write_kv.argtypes = [i32, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i32]
+    library.specdec_write_kv.argtypes = [i32, i32, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i32]
     for function in (
         library.specdec_add_rms_norm,
         library.specdec_rope,
@@ -204,14 +205,16 @@ def write_kv(
     value_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     keys_transposed: bool = False,
 ) -> None:
-    """Stores row i's K and V at cache slot slot_mapping[i] (what KVCache.write does with index_copy_)."""
+    """Stores row i's K and V at cache slot slot_mapping[i] (what KVCache.write does with index_copy_), in the
+    caches' dtype: k's, or bf16 from fp32 (rounded as torch rounds)."""
     assert k.shape == v.shape and k.stride() == v.stride() and k.stride(1) == k.shape[2] and k.stride(2) == 1
     assert key_cache.is_contiguous() and value_cache.is_contiguous() and value_cache.shape[2:] == k.shape[1:]
     assert key_cache.numel() == value_cache.numel()
-    assert k.dtype == v.dtype == key_cache.dtype == value_cache.dtype in DTYPE_CODES
+    assert k.dtype == v.dtype in DTYPE_CODES and key_cache.dtype == value_cache.dtype in DTYPE_CODES
     assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == k.shape[:1]
     c_library().specdec_write_kv(
         DTYPE_CODES[k.dtype],
+        DTYPE_CODES[key_cache.dtype],
         k.data_ptr(),
         v.data_ptr(),
         k.stride(0),

@@ -45,13 +45,13 @@ def kernel():
 
 def bind(library: ctypes.CDLL):
     """The C function of a loaded build of kernels/csrc/paged_attention_cpu.c, its signature declared.
-    KernelBuildError for a build from before the key layout argument (bench/bench_kernel_revisions.py builds
+    KernelBuildError for a build from before the cache dtype argument (bench/bench_kernel_revisions.py builds
     old revisions): the CPU forward calls the function through a C pointer, with this signature."""
-    if not hasattr(library, "specdec_paged_attention_takes_key_layout"):
-        raise KernelBuildError("this build of the attention kernel predates its key layout argument")
+    if not hasattr(library, "specdec_paged_attention_takes_cache_dtype"):
+        raise KernelBuildError("this build of the attention kernel predates its cache dtype argument")
     function = library.specdec_paged_attention
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    causal = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float]
+    causal = [i32, i32, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float]
     function.restype = i32
     function.argtypes = [*causal, ptr, ptr, ptr, ptr, i64, i32, i32]
     return function
@@ -63,13 +63,20 @@ def available() -> bool:
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """True for inputs the kernel takes: CPU tensors of one supported dtype, head_dim <= MAX_HEAD_DIM."""
+    """True for inputs the kernel takes: CPU tensors of one supported dtype (or a bf16 cache under fp32
+    queries), head_dim <= MAX_HEAD_DIM."""
     return (
         query.device.type == "cpu"
         and query.dtype in DTYPE_CODES
-        and key_cache.dtype == query.dtype
+        and cache_dtype_fits(query.dtype, key_cache.dtype)
         and query.shape[-1] <= MAX_HEAD_DIM
     )
+
+
+def cache_dtype_fits(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """True where the kernel reads a cache of `cache_dtype` under queries of `dtype`: the same dtype, or a bf16
+    cache under fp32 queries (--kv-cache-dtype bfloat16 for an fp32 or block-quantized model)."""
+    return cache_dtype == dtype or (dtype == torch.float32 and cache_dtype == torch.bfloat16)
 
 
 def paged_attention_cpu(
@@ -87,7 +94,7 @@ def paged_attention_cpu(
     """Runs the C kernel (see the module docstring); ``available()`` must be True."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = value_cache.shape
-    assert supports(query, value_cache) and key_cache.dtype == query.dtype and value_cache.dtype == query.dtype
+    assert supports(query, value_cache) and key_cache.dtype == value_cache.dtype
     assert query.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
     assert num_heads % num_kv_heads == 0
     assert (
@@ -104,6 +111,7 @@ def paged_attention_cpu(
         return out
     status = (function or kernel())(
         DTYPE_CODES[query.dtype],
+        DTYPE_CODES[key_cache.dtype],
         query.data_ptr(),
         query.stride(0),
         query.stride(1),

@@ -100,13 +100,27 @@ int specdec_silu_mul(int dtype, const void *gate_up, int64_t gu_stride, int64_t 
     return 0;
 }
 
-/* Stores each row's K and V heads (kv_width = KVH head_dim elements each, at k and v in the row) at its cache
- * slot: value_cache is [num_slots, kv_width], key_cache the same or, keys_transposed, [num_blocks, kv_width,
- * block_size] (= [num_blocks, KVH, head_dim, block_size]; kernels/paged_attention_cpu.c reads 16 keys'
- * dimension d as one vector there). */
-int specdec_write_kv(int dtype, const void *k, const void *v, int64_t row_stride, int64_t num_rows,
-                     int64_t kv_width, const int64_t *slot_mapping, void *key_cache, void *value_cache,
-                     int64_t block_size, int keys_transposed) {
+/* Stores each row's K and V heads (kv_width = KVH head_dim elements each, at k and v in the row, dtype) at its
+ * cache slot, in cache_dtype (dtype's, or bf16 from fp32: rounded to nearest-even, as torch rounds): value_cache
+ * is [num_slots, kv_width], key_cache the same or, keys_transposed, [num_blocks, kv_width, block_size]
+ * (= [num_blocks, KVH, head_dim, block_size]; kernels/paged_attention_cpu.c reads 16 keys' dimension d as one
+ * vector there). */
+int specdec_write_kv(int dtype, int cache_dtype, const void *k, const void *v, int64_t row_stride,
+                     int64_t num_rows, int64_t kv_width, const int64_t *slot_mapping, void *key_cache,
+                     void *value_cache, int64_t block_size, int keys_transposed) {
+    if (cache_dtype != dtype) {
+        for (int64_t r = 0; r < num_rows; r++) {
+            int64_t slot = slot_mapping[r], at = r * row_stride;
+            int64_t first = keys_transposed ? (slot / block_size) * kv_width * block_size + slot % block_size
+                                            : slot * kv_width;
+            int64_t step = keys_transposed ? block_size : 1;
+            for (int64_t e = 0; e < kv_width; e++) {
+                store_scalar(cache_dtype, value_cache, slot * kv_width + e, load_scalar(dtype, v, at + e));
+                store_scalar(cache_dtype, key_cache, first + e * step, load_scalar(dtype, k, at + e));
+            }
+        }
+        return 0;
+    }
     int64_t size = dtype == DTYPE_F32 ? 4 : 2;
     for (int64_t r = 0; r < num_rows; r++) {
         int64_t slot = slot_mapping[r];
@@ -139,7 +153,7 @@ int specdec_write_kv(int dtype, const void *k, const void *v, int64_t row_stride
 typedef int (*linear_fn)(int x_dtype, const void *x, int64_t x_stride, int64_t num_rows, int64_t in, int w_dtype,
                          const void *w, int64_t out_features, const float *bias, void *out, int64_t out_stride,
                          int num_threads);
-typedef int (*attention_fn)(int dtype, const void *query, int64_t q_stride_t, int64_t q_stride_h,
+typedef int (*attention_fn)(int dtype, int cache_dtype, const void *query, int64_t q_stride_t, int64_t q_stride_h,
                             const void *key_cache, const void *value_cache, const int32_t *block_tables,
                             int64_t bt_stride, const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
                             int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
@@ -174,6 +188,7 @@ struct StepArgs {
     const int32_t *is_tree, *prefix_lens, *depths, *paths; /* NULL without trees */
     int64_t path_stride;
     void *const *key_caches, *const *value_caches; /* per layer: [num_blocks, block_size, KVH, D] */
+    int64_t cache_dtype; /* the caches' dtype: dtype's, or bf16 under an fp32 model (--kv-cache-dtype) */
     int64_t keys_transposed; /* the key caches' layout: [num_blocks, KVH, D, block_size] (specdec_write_kv) */
     linear_fn linear;
     attention_fn attention;
@@ -214,11 +229,11 @@ int specdec_llama_layers(struct StepArgs *s, const struct LayerArgs *layers, int
         int status = project(s, &l->qkv, s->x, qkv);
         if (status) return s->failed_status = status, 1;
         specdec_rope(dtype, qkv, qkv_width, T, s->num_heads + s->num_kv_heads, D, s->cos, s->sin, D, threads);
-        specdec_write_kv(dtype, qkv + q_width * size, qkv + (q_width + kv_width) * size, qkv_width, T, kv_width,
-                         s->slot_mapping, s->key_caches[index], s->value_caches[index], s->block_size,
-                         (int)s->keys_transposed);
-        status = s->attention(dtype, qkv, qkv_width, D, s->key_caches[index], s->value_caches[index],
-                              s->block_tables, s->bt_stride, s->query_start_loc, s->seq_lens, s->attn,
+        specdec_write_kv(dtype, (int)s->cache_dtype, qkv + q_width * size, qkv + (q_width + kv_width) * size,
+                         qkv_width, T, kv_width, s->slot_mapping, s->key_caches[index], s->value_caches[index],
+                         s->block_size, (int)s->keys_transposed);
+        status = s->attention(dtype, (int)s->cache_dtype, qkv, qkv_width, D, s->key_caches[index],
+                              s->value_caches[index], s->block_tables, s->bt_stride, s->query_start_loc, s->seq_lens, s->attn,
                               (int)s->num_seqs, (int)s->num_heads, (int)s->num_kv_heads, (int)D, (int)s->block_size,
                               l->scaling, s->is_tree, s->prefix_lens, s->depths, s->paths, s->path_stride,
                               (int)s->keys_transposed, threads);

@@ -32,6 +32,10 @@
  * combined; each K/V vector is read once per tile. The parts give a decode
  * step (3 KV heads, one row tile each for SmolLM2) work for every thread.
  *
+ * The caches may be in another dtype than the query (cache_dtype: bf16 under fp32 queries, --kv-cache-dtype):
+ * keys and values are widened to fp32 exactly as they are read, so a row computes what the fp32 kernel computes
+ * over the cached values, bit for bit.
+ *
  * Draft trees (kernels/draft_tree.py): a tree row's keys are its sequence's
  * prefix then the positions of its path from the root, read in that order as
  * keys 0..n-1 (n = the prefix + its depth + 1), so the row computes what a
@@ -110,7 +114,8 @@ static int find_sequence(const int32_t *query_start_loc, int num_seqs, int token
 }
 
 struct Args {
-    int dtype;
+    int dtype;                                            /* the query's and the output's */
+    int cache_dtype;                                      /* the caches': dtype's, or bf16 under fp32 queries */
     const void *query; int64_t q_stride_t, q_stride_h;   /* [T, H, D], D contiguous */
     const void *key_cache, *value_cache;                  /* [num_blocks, block_size, KVH, D] contiguous */
     const int32_t *block_tables; int64_t bt_stride;       /* [B, max_blocks] */
@@ -209,15 +214,15 @@ static const float *load_key_tile(const struct Args *a, const struct Keys *where
                                   key_vector *kt, int64_t *stride) {
     const int D = a->head_dim;
     *stride = KEY_TILE;
-    if (a->keys_transposed && a->dtype == DTYPE_F32 && a->block_size % KEY_TILE == 0 && j0 + KEY_TILE <= num_keys
+    if (a->keys_transposed && a->cache_dtype == DTYPE_F32 && a->block_size % KEY_TILE == 0 && j0 + KEY_TILE <= num_keys
         && (!where->path || j0 + KEY_TILE <= where->prefix_len)) {
         *stride = a->block_size; /* keys j0 .. j0 + 15: consecutive positions of one block, as below */
         return (const float *)a->key_cache + key_offset(a, key_slot(a, where, j0), kv);
     }
 #if defined(__AVX512F__)
-    if (!a->keys_transposed && j0 + KEY_TILE <= num_keys && D % 16 == 0 && a->dtype != DTYPE_F16) {
+    if (!a->keys_transposed && j0 + KEY_TILE <= num_keys && D % 16 == 0 && a->cache_dtype != DTYPE_F16) {
         const char *keys[KEY_TILE];
-        int element = a->dtype == DTYPE_F32 ? 4 : 2;
+        int element = a->cache_dtype == DTYPE_F32 ? 4 : 2;
         for (int i = 0; i < KEY_TILE; i++) {
             int64_t slot = key_slot(a, where, j0 + i);
             keys[i] = (const char *)a->key_cache + (slot * a->num_kv_heads + kv) * D * element;
@@ -225,7 +230,7 @@ static const float *load_key_tile(const struct Args *a, const struct Keys *where
         for (int d0 = 0; d0 < D; d0 += 16) {
             __m512 r[16];
             for (int i = 0; i < KEY_TILE; i++)
-                r[i] = a->dtype == DTYPE_F32
+                r[i] = a->cache_dtype == DTYPE_F32
                     ? _mm512_loadu_ps(keys[i] + d0 * 4)
                     : _mm512_castsi512_ps(_mm512_slli_epi32(
                           _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(keys[i] + d0 * 2))), 16));
@@ -241,7 +246,7 @@ static const float *load_key_tile(const struct Args *a, const struct Keys *where
          * dimension d lies in 16 consecutive elements: no transpose. */
         int64_t base = key_offset(a, key_slot(a, where, j0), kv);
         for (int d = 0; d < D; d++)
-            load_row(a->dtype, a->key_cache, base + d * a->block_size, KEY_TILE, (float *)&kt[d]);
+            load_row(a->cache_dtype, a->key_cache, base + d * a->block_size, KEY_TILE, (float *)&kt[d]);
         return (const float *)kt;
     }
     const int64_t step = key_stride(a);
@@ -252,7 +257,7 @@ static const float *load_key_tile(const struct Args *a, const struct Keys *where
             continue;
         }
         int64_t offset = key_offset(a, key_slot(a, where, j), kv);
-        for (int d = 0; d < D; d++) kt[d][i] = load_scalar(a->dtype, a->key_cache, offset + d * step);
+        for (int d = 0; d < D; d++) kt[d][i] = load_scalar(a->cache_dtype, a->key_cache, offset + d * step);
     }
     return (const float *)kt;
 }
@@ -320,7 +325,7 @@ static inline reg_vector fma_vector(reg_vector a, reg_vector b, reg_vector c) {
 /* Value row j's dimensions d0 .. (fp32 in place, other dtypes from `values`: keys k0 .., D floats each). */
 static inline const float *value_row(const struct Args *a, const struct Keys *keys, int kv, int k0, int j, int d0,
                                      const float *values) {
-    if (a->dtype != DTYPE_F32) return values + (int64_t)(j - k0) * a->head_dim + d0;
+    if (a->cache_dtype != DTYPE_F32) return values + (int64_t)(j - k0) * a->head_dim + d0;
     return (const float *)a->value_cache + (key_slot(a, keys, j) * a->num_kv_heads + kv) * a->head_dim + d0;
 }
 
@@ -436,9 +441,9 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
         out[1] = lanes[0];
     }
     /* Pass 2: acc[d] = sum over the keys in order of p_j * v_j[d]. */
-    if (a->dtype != DTYPE_F32) { /* the values as fp32, once for all rows */
+    if (a->cache_dtype != DTYPE_F32) { /* the values as fp32, once for all rows */
         for (int j = k0; j < max_end; j++)
-            load_row(a->dtype, a->value_cache, (key_slot(a, &keys, j) * a->num_kv_heads + kv) * D, D,
+            load_row(a->cache_dtype, a->value_cache, (key_slot(a, &keys, j) * a->num_kv_heads + kv) * D, D,
                      values + (j - k0) * D);
     }
     if (D % VALUE_SLICE) { /* element by element: the same sums */
@@ -485,20 +490,20 @@ static void combine_row(const struct Args *a, const float *partial, int64_t part
     store_row(a->dtype, a->out, out_offset, D, acc);
 }
 
-/* Present in builds that take draft trees and the key layout (the arguments below): a binding can tell an
- * older build. */
-int specdec_paged_attention_takes_key_layout(void) { return 1; }
+/* Present in builds that take draft trees, the key layout and a cache dtype of its own (the arguments below): a
+ * binding can tell an older build. */
+int specdec_paged_attention_takes_cache_dtype(void) { return 1; }
 
 /* Returns 0, -1 for a head_dim above MAX_HEAD_DIM (the caller checks first), -2 when scratch memory cannot
  * be had. */
-int specdec_paged_attention(int dtype, const void *query, int64_t q_stride_t, int64_t q_stride_h,
+int specdec_paged_attention(int dtype, int cache_dtype, const void *query, int64_t q_stride_t, int64_t q_stride_h,
                             const void *key_cache, const void *value_cache, const int32_t *block_tables,
                             int64_t bt_stride, const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
                             int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                             const int32_t *is_tree, const int32_t *prefix_lens, const int32_t *depths,
                             const int32_t *paths, int64_t path_stride, int keys_transposed, int num_threads) {
     if (head_dim > MAX_HEAD_DIM) return -1;
-    struct Args a = {dtype, query, q_stride_t, q_stride_h, key_cache, value_cache, block_tables, bt_stride,
+    struct Args a = {dtype, cache_dtype, query, q_stride_t, q_stride_h, key_cache, value_cache, block_tables, bt_stride,
                      query_start_loc, seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
                      is_tree, prefix_lens, depths, paths, path_stride, keys_transposed};
     const int group = num_heads / num_kv_heads, D = head_dim;
@@ -525,7 +530,7 @@ int specdec_paged_attention(int dtype, const void *query, int64_t q_stride_t, in
     #pragma omp parallel num_threads(num_threads)
     {
         float *scores = malloc(sizeof(float) * (size_t)ROW_TILE * PART_KEYS);
-        float *values = dtype == DTYPE_F32 ? NULL : malloc(sizeof(float) * (size_t)PART_KEYS * head_dim);
+        float *values = cache_dtype == DTYPE_F32 ? NULL : malloc(sizeof(float) * (size_t)PART_KEYS * head_dim);
         #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < num_items; item++) {
             int b = find_sequence(part_start, num_seqs, item);

@@ -152,6 +152,31 @@ def test_transposed_keys_give_the_same_bits(dtype, block_size):
     assert not torch.equal(got, want)
 
 
+@pytest.mark.parametrize("keys_transposed", [False, True])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_a_bf16_cache_under_fp32_queries_is_the_fp32_kernel_over_its_values(block_size, keys_transposed):
+    """--kv-cache-dtype bfloat16 under an fp32 model: keys and values widen to fp32 as they are read, so the
+    output is bitwise the fp32 kernel's over an fp32 cache holding the same (bf16-rounded) numbers, on every
+    build. Teeth: the fp32 kernel over the unrounded cache gives other numbers."""
+    builds = [None] + [
+        cpu_kernel.bind(cpu_build.load_library("paged_attention_cpu", flags)) for flags in NARROWER_BUILDS.values()
+    ]
+    specs = [(1, 300), (5, 259), (3, 40), (1, 7), (2, 129)]
+    case = make_case(specs, block_size, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    query, keys, values, *rest = case.args()
+    if keys_transposed:
+        keys = transposed(keys)
+    rounded = [t.to(torch.bfloat16) for t in (keys, values)]
+    want = cpu_kernel.paged_attention_cpu(query, *(t.float() for t in rounded), *rest, keys_transposed=keys_transposed)
+    for function in builds:
+        got = cpu_kernel.paged_attention_cpu(query, *rounded, *rest, function=function, keys_transposed=keys_transposed)
+        assert got.dtype == torch.float32 and torch.equal(got, want), function
+    assert not torch.equal(
+        cpu_kernel.paged_attention_cpu(query, keys, values, *rest, keys_transposed=keys_transposed), want
+    )
+    assert cpu_kernel.supports(query, rounded[0]) and not cpu_kernel.supports(query.bfloat16(), keys)
+
+
 def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))

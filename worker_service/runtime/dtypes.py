@@ -9,6 +9,9 @@ QUANTIZED_DTYPES = ("q8_0", "q4_1")
 # quantized per row and block of 32, integer dot products; fp32, exact (the fp32 model on the dequantised weights).
 QUANTIZED_ACTIVATIONS = ("int8", "fp32")
 DEFAULT_QUANTIZED_ACTIVATIONS = "int8"
+# --kv-cache-dtype: auto is the model's activation dtype (activation_dtype); bfloat16 under an fp32 or
+# block-quantized model halves the cache where the forward backend reads a bf16 cache under fp32 queries.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 DTYPE_ALIASES = {"half": "float16"}
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES, *QUANTIZED_DTYPES, *DTYPE_ALIASES)  # what --dtype takes
 DEVICE_SPELLINGS = "auto, cpu, cuda or cuda:N"  # what --device takes
@@ -38,8 +41,24 @@ def resolve_dtype(
 
 
 def activation_dtype(dtype: str) -> str:
-    """The torch dtype name activations and the KV cache have under a resolved dtype."""
+    """The torch dtype name activations (and by default the KV cache) have under a resolved dtype."""
     return "float32" if dtype in QUANTIZED_DTYPES else dtype
+
+
+def resolve_kv_cache_dtype(requested: str, model_dtype: str, bf16_under_fp32: bool, backend: str) -> str:
+    """The KV cache's dtype name: "auto" and the model's own dtype are the model's; bfloat16 under an fp32
+    model where its forward backend reads one (`bf16_under_fp32`). Anything else is a ValueError naming
+    --kv-cache-dtype."""
+    if requested not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
+    if requested in ("auto", model_dtype):
+        return model_dtype
+    if requested == "bfloat16" and model_dtype == "float32" and bf16_under_fp32:
+        return requested
+    raise ValueError(
+        f"--kv-cache-dtype {requested} needs a float32 or block-quantized (q8_0, q4_1) model on the CPU's Llama "
+        f"forward; this model runs in {model_dtype} on the {backend} forward (use auto)"
+    )
 
 
 def check_device(name: str) -> str:

@@ -26,7 +26,7 @@ from kernels.draft_tree import DraftTrees
 from worker_service.runtime import backends
 from worker_service.runtime.attention import ATTENTION_NAME, PagedMetadata
 from worker_service.runtime.device import to_device
-from worker_service.runtime.dtypes import DEFAULT_QUANTIZED_ACTIVATIONS
+from worker_service.runtime.dtypes import DEFAULT_QUANTIZED_ACTIVATIONS, resolve_kv_cache_dtype
 from worker_service.runtime.fast_linear import pack_linears
 from worker_service.runtime.graphs import CudaGraphReplay, StepGraphs, graph_key, scratch_blocks_needed
 from worker_service.runtime.invariant_layers import make_batch_invariant
@@ -120,12 +120,14 @@ class ModelRunner:
         batch_invariant: bool = True,
         graphs: bool = True,
         quantized_activations: str = DEFAULT_QUANTIZED_ACTIVATIONS,
+        kv_cache_dtype: str = "auto",
     ):
         """backend: a name of backends.BACKENDS; None: the first that covers the model (backends.choose).
         batch_invariant: on a GPU, the linear layers and RMSNorms run our batch-invariant Triton kernels
         (invariant_layers.py); the CPU's kernels are batch invariant either way.
         graphs: on CUDA, decode and verify steps replay CUDA graphs (graphs.py; False: --enforce-eager).
-        quantized_activations: how a CPU model's block-quantized linears take their inputs (fast_linear.py)."""
+        quantized_activations: how a CPU model's block-quantized linears take their inputs (fast_linear.py).
+        kv_cache_dtype: KV_CACHE_DTYPES' (dtypes.py); a ValueError where the backend cannot keep that one."""
         self.model = model
         model.set_attn_implementation(ATTENTION_NAME)
         if model.device.type == "cpu":
@@ -139,7 +141,11 @@ class ModelRunner:
         self.backend = backends.choose(model) if backend is None else backends.build(backend, model)
         self.device = model.device
         self.dtype = model.dtype
-        self.kv_spec = KVCacheSpec.from_config(model.config, model.dtype)
+        model_dtype = str(model.dtype).removeprefix("torch.")
+        cache_dtype = resolve_kv_cache_dtype(
+            kv_cache_dtype, model_dtype, self.backend.bf16_cache_under_fp32, self.backend.name
+        )
+        self.kv_spec = KVCacheSpec.from_config(model.config, getattr(torch, cache_dtype))
         self.vocab_size = model.config.vocab_size
         self.kv_cache: KVCache | None = None
         # Layers whose input (the residual stream entering them) a forward keeps for an EAGLE-3 head, and what

@@ -38,7 +38,9 @@ def build_worker(config: WorkerConfig) -> Worker:
         graphs=not config.enforce_eager,
         quantized_activations=config.quantized_activations,
     )
-    target = ModelRunner(load_model(config.model, dtype, device), **runner_options)
+    target = ModelRunner(
+        load_model(config.model, dtype, device), **runner_options, kv_cache_dtype=config.kv_cache_dtype
+    )
     draft = head = None
     if "draft" in config.proposer_names:
         draft = ModelRunner(load_model(config.draft_model, dtype, device), **runner_options)

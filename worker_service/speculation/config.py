@@ -8,6 +8,7 @@ from worker_service.runtime.dtypes import (
     DEVICE_SPELLINGS,
     DTYPE_ALIASES,
     DTYPE_CHOICES,
+    KV_CACHE_DTYPES,
     QUANTIZED_ACTIVATIONS,
     check_device,
     normalize_dtype,
@@ -119,8 +120,8 @@ class WorkerConfig:
     dtype: str = setting(  # the worker resolves "auto" when it loads the model
         "auto",
         "weights and KV; auto: the checkpoint's dtype on a GPU; on the CPU a GGUF's own blocks when they are q8_0 or "
-        "q4_1 (the default model: q4_1), else float32; q8_0, q4_1: llama.cpp's weight blocks, fp32 KV, activations "
-        f"by --quantized-activations, CPU only ({_ALIASES})",
+        "q4_1 (the default model: q4_1), else float32; q8_0, q4_1: llama.cpp's weight blocks, KV by "
+        f"--kv-cache-dtype, activations by --quantized-activations, CPU only ({_ALIASES})",
         choices=DTYPE_CHOICES,
         parse=normalize_dtype,
     )
@@ -130,6 +131,13 @@ class WorkerConfig:
         "quantized per row in blocks of 32 and multiplied in integers (several times faster per row, batch "
         "invariant); fp32: exact, bitwise the fp32 model on the dequantised weights",
         choices=QUANTIZED_ACTIVATIONS,
+    )
+    kv_cache_dtype: str = setting(  # the target's ModelRunner resolves "auto" (dtypes.resolve_kv_cache_dtype)
+        "auto",
+        "the target's KV cache; auto: the model's activation dtype (float32 for q8_0 and q4_1); bfloat16 under a "
+        "float32, q8_0 or q4_1 model on the CPU halves the cache and the attention's reads of it (llama.cpp keeps "
+        "f16 by default); speculation stays lossless, plain decoding reading the same cache",
+        choices=KV_CACHE_DTYPES,
     )
     device: str = setting(  # build_worker resolves it (resolve_device)
         "auto",
@@ -169,6 +177,8 @@ class WorkerConfig:
             raise ValueError(
                 f"quantized_activations must be one of {QUANTIZED_ACTIVATIONS}, got {self.quantized_activations!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.scorer not in SCORERS:
             raise ValueError(f"scorer must be one of {SCORERS}, got {self.scorer!r}")
         needs_model = [n for n in self.proposer_names if n in ("draft", "eagle3")]

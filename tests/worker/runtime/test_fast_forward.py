@@ -81,11 +81,12 @@ def test_silu_mul_gives_the_same_bits_on_every_instruction_set(build, dtype):
 
 
 @pytest.mark.parametrize("keys_transposed", [False, True], ids=["keys", "transposed-keys"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_stores_each_row_at_its_slot_as_the_cache_does(dtype, keys_transposed):
+@pytest.mark.parametrize("dtype, cache_dtype", [*((d, d) for d in DTYPES), (torch.float32, torch.bfloat16)], ids=str)
+def test_write_kv_stores_each_row_at_its_slot_as_the_cache_does(dtype, cache_dtype, keys_transposed):
     """The fast forward's K/V write equals KVCache.write (index_copy_, or indexing for K kept transposed) from
-    the k and v parts of qkv rows."""
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16, dtype=dtype)
+    the k and v parts of qkv rows; into a bf16 cache under fp32 rows (--kv-cache-dtype) rounded as torch
+    rounds."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16, dtype=cache_dtype)
     ours, theirs = (KVCache(spec, 8, BLOCK_SIZE, keys_transposed=keys_transposed) for _ in range(2))
     qkv = _random((5, (4 + 2 * 2) * 16), dtype, 10)
     k, v = qkv[:, 64:96].view(5, 2, 16), qkv[:, 96:].view(5, 2, 16)
@@ -94,7 +95,7 @@ def test_write_kv_stores_each_row_at_its_slot_as_the_cache_does(dtype, keys_tran
     layer_ops_cpu.write_kv(k, v, slots, ours.key_caches[0], ours.value_caches[0], keys_transposed)
     assert torch.equal(ours.key_caches[0], theirs.key_caches[0])
     assert torch.equal(ours.value_caches[0], theirs.value_caches[0])
-    assert torch.equal(theirs.keys(0).view(-1, 2, 16)[slots], k)  # each key at its slot, whatever the layout
+    assert torch.equal(theirs.keys(0).view(-1, 2, 16)[slots], k.to(cache_dtype))  # each key at its slot
 
 
 def test_a_cache_moves_its_slots_alike_in_either_layout():
@@ -240,3 +241,25 @@ def test_a_new_cache_is_the_one_the_layers_read(tiny_pair):
     for mine, theirs in zip(runner.kv_cache.key_caches + runner.kv_cache.value_caches,
                             fresh_runner.kv_cache.key_caches + fresh_runner.kv_cache.value_caches):  # fmt: skip
         assert torch.equal(mine, theirs)
+
+
+def test_a_bf16_kv_cache_under_an_fp32_model(tiny_pair):
+    """--kv-cache-dtype bfloat16: the fast forward keeps K/V in bf16 (half the bytes a block) under an fp32 or
+    q4_1 model, and its logits stay within bf16's rounding of the fp32 cache's (not equal: the cache is
+    rounded); a backend that cannot read such a cache, or a model in another dtype, is refused by name."""
+    path = tiny_pair.target_path
+    exact = ModelRunner(load_model(path, "float32"))
+    halved = ModelRunner(load_model(path, "float32"), kv_cache_dtype="bfloat16")
+    assert halved.kv_spec.dtype == torch.bfloat16
+    assert 2 * halved.kv_spec.bytes_per_block(BLOCK_SIZE) == exact.kv_spec.bytes_per_block(BLOCK_SIZE)
+    ours, theirs = _run(halved, 0), _run(exact, 0)
+    assert halved.kv_cache.key_caches[0].dtype == halved.kv_cache.value_caches[0].dtype == torch.bfloat16
+    for mine, reference in zip(ours, theirs):
+        torch.testing.assert_close(mine, reference, atol=4e-2 * reference.abs().max().item(), rtol=0)
+    assert not all(torch.equal(mine, reference) for mine, reference in zip(ours, theirs))
+    assert ModelRunner(load_model(path, "q4_1"), kv_cache_dtype="bfloat16").kv_spec.dtype == torch.bfloat16
+    assert ModelRunner(load_model(path, "bfloat16"), kv_cache_dtype="auto").kv_spec.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16 needs .* on the transformers forward"):
+        ModelRunner(load_model(path, "float32"), backend="transformers", kv_cache_dtype="bfloat16")
+    with pytest.raises(ValueError, match="--kv-cache-dtype float32 needs .* runs in bfloat16"):
+        ModelRunner(load_model(path, "bfloat16"), kv_cache_dtype="float32")

@@ -32,7 +32,8 @@ from worker_service.runtime.runner import ModelRunner
 from worker_service.speculation.config import WorkerConfig
 from worker_service.speculation.worker import Worker
 
-DTYPES = ["float32", "bfloat16", "q8_0", "q4_1"]  # q8_0 / q4_1: llama.cpp's weight blocks, int8 activations
+# q8_0 / q4_1: llama.cpp's weight blocks, int8 activations; "q4_1, bf16 KV": --kv-cache-dtype bfloat16
+DTYPES = ["float32", "bfloat16", "q8_0", "q4_1", "q4_1, bf16 KV"]
 QUESTIONS = [
     "Repeat after me: the cat sat on the mat, the cat sat on the mat.",
     "List three prime numbers.",
@@ -93,18 +94,26 @@ def runners():
     loaded.clear()
 
 
-def runner(runners: dict, role: str, path: pathlib.Path, dtype: str, device: str) -> ModelRunner:
+def dtypes(name: str) -> tuple[str, str]:
+    """A name of DTYPES as (--dtype, --kv-cache-dtype)."""
+    dtype, _, kv = name.partition(", ")
+    return dtype, "bfloat16" if kv == "bf16 KV" else "auto"
+
+
+def runner(runners: dict, role: str, path: pathlib.Path, name: str, device: str) -> ModelRunner:
     """A runner for a new Worker (the Worker allocates its KV cache afresh; the worker before it is done)."""
-    key = (role, str(path), dtype, device)
+    key = (role, str(path), name, device)
     if key not in runners:
-        runners[key] = ModelRunner(load_model(path, dtype, device))
+        dtype, kv_cache_dtype = dtypes(name)
+        runners[key] = ModelRunner(load_model(path, dtype, device), kv_cache_dtype=kv_cache_dtype)
     return runners[key]
 
 
 def make_worker(work: Workload, runners: dict, dtype: str, proposer: str = "none", k: int = 0) -> Worker:
     config = WorkerConfig(
         model=str(work.target_path),
-        dtype=dtype,
+        dtype=dtypes(dtype)[0],
+        kv_cache_dtype=dtypes(dtype)[1],
         proposer=proposer,
         num_speculative_tokens=k,
         draft_model=str(work.draft_path) if proposer == "draft" else None,
@@ -127,8 +136,8 @@ def mixed_ks(k: int) -> list[int]:
     return [k, 1, 0, min(3, k), max(k - 1, 1), k, min(2, k), k]
 
 
-def runs_on(dtype: str, device: str) -> bool:
-    return device == "cpu" or dtype not in QUANTIZED_DTYPES  # block weights: the CPU kernel's
+def runs_on(name: str, device: str) -> bool:
+    return device == "cpu" or dtypes(name)[0] not in QUANTIZED_DTYPES  # block weights: the CPU kernel's
 
 
 @pytest.fixture(scope="module")

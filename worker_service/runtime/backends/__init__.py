@@ -32,6 +32,7 @@ class ForwardBackend(Protocol):
 
     name: str
     transposed_keys: bool  # its attention reads K transposed where kv_cache.transposes_keys says a cache may be
+    bf16_cache_under_fp32: bool  # it writes and reads a bf16 KV cache under an fp32 model (--kv-cache-dtype)
 
     def __call__(
         self,

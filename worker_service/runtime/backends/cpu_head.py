@@ -146,8 +146,10 @@ class CpuHeadForward:
             threads,
         )
         key_cache, value_cache = cache.key_caches[0], cache.value_caches[0]
+        cache_code = DTYPE_CODES[cache.spec.dtype]
         ops.specdec_write_kv(
             code,
+            cache_code,
             q_ptr + q_width * size,
             q_ptr + (q_width + kv_width) * size,
             qkv_width,
@@ -195,6 +197,7 @@ class CpuHeadForward:
         act = torch.empty((num_tokens, self.intermediate), dtype=dtype)
         status = attention(
             code,
+            cache_code,
             q_ptr,
             q_stride,
             head_dim,

@@ -73,6 +73,7 @@ def _layer_args(layer: _Layer) -> layer_ops_cpu.LayerArgs:
 class CpuLlamaForward:
     name = "cpu_llama"
     transposed_keys = True  # its attention is the C kernel, which reads K transposed (kv_cache.py)
+    bf16_cache_under_fp32 = True  # its C K/V write rounds, its attention widens
 
     """model.model's forward (the hidden states after the final norm) for a packed CPU Llama.
 
@@ -167,7 +168,8 @@ class CpuLlamaForward:
         cos, sin = self.model.model.rotary_emb(residual[None], positions[None])  # [1, T, D] each
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         cache = meta.kv_cache
-        assert residual.is_contiguous() and residual.dtype == dtype == cache.spec.dtype and cos.dtype == dtype
+        assert residual.is_contiguous() and residual.dtype == dtype and cos.dtype == dtype
+        assert paged_attention_cpu.cache_dtype_fits(dtype, cache.spec.dtype)
         assert cache.block_size * self.num_kv_heads * self.head_dim == cache.value_caches[0][0].numel()
         tables, starts, lens, slots = (
             t.contiguous() for t in (meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.slot_mapping)
@@ -190,7 +192,8 @@ class CpuLlamaForward:
             *(t.data_ptr() for t in (residual, x, h, attn, qkv, gate_up, act, cos, sin, slots, tables)),
             tables.stride(0), tables.shape[0], cache.block_size, starts.data_ptr(), lens.data_ptr(),
             is_tree, prefix_lens, depths, paths, path_stride,
-            ctypes.addressof(key_caches), ctypes.addressof(value_caches), cache.keys_transposed,
+            ctypes.addressof(key_caches), ctypes.addressof(value_caches), DTYPE_CODES[cache.spec.dtype],
+            cache.keys_transposed,
             ctypes.cast(linear_function(), ctypes.c_void_p).value,
             ctypes.cast(paged_attention_cpu.kernel(), ctypes.c_void_p).value,
             aux.data_ptr() if aux is not None else None, ctypes.addressof(aux_indices), len(aux_layers),

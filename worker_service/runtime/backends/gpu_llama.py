@@ -94,6 +94,7 @@ class GpuLlamaForward:
     name = "gpu_llama"
     # Its attention is the Triton kernel, whatever the device (the interpreter's on the CPU): K in the usual layout.
     transposed_keys = False
+    bf16_cache_under_fp32 = False
 
     """model.model's forward (the hidden states after the final norm) for a Llama on a GPU whose linears and
     norms are the batch-invariant ones (invariant_layers.make_batch_invariant)."""

@@ -13,6 +13,7 @@ class TransformersForward:
     # Its attention is the dispatch (kernels/paged_attention.py): the C kernel on the CPU, where it reads K
     # transposed (kv_cache.transposes_keys says where).
     transposed_keys = True
+    bf16_cache_under_fp32 = False
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
