@@ -14,6 +14,8 @@ steps run on a gRPC thread) a SmolLM2 decode step took 55-76 ms instead of
 
 from concurrent import futures
 import logging
+import queue
+import threading
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -139,30 +141,65 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         )
 
     def _execute_steps(self, worker: Worker, session_id: str, request_iterator, context):
-        def execute(step_request):  # on the compute thread, after every step queued before it
-            self.sessions.check_current(session_id)
-            return worker.execute(step_request)
+        """The stream's steps, run in order on the compute thread, their results yielded in order. A thread of
+        the stream's own reads the requests and queues each step as it arrives: under async scheduling the next
+        step is here while one runs, and it starts as soon as that one ends, not after that one's result has
+        been converted and sent (~0.9 ms of a ~8 ms one-row step on two cores, which the worker sat idle)."""
+        stop = threading.Event()  # set once a step failed or the stream ends: the steps queued after it skip
 
-        for request in request_iterator:
+        def execute(step_request):  # on the compute thread, after every step queued before it
+            if stop.is_set() or not context.is_active() or self.is_stopping:
+                raise _NotRun()  # the stream is over, the scheduler left it, or SIGTERM came: see below
             try:
-                step_request = step_request_from_proto(request)
-            except ValueError as exc:  # the step dataclasses reject a field (e.g. sampling parameters)
-                logger.warning("rejected step %d: %s", request.step_id, exc)
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            if not context.is_active():
-                return  # the scheduler gave up on this stream (it left us): its queued steps must not run
-            if self.is_stopping:
-                logger.info("shutting down: step stream ended after the steps in flight")
-                return  # the scheduler moves this session's requests to other workers
+                self.sessions.check_current(session_id)
+                return worker.execute(step_request)
+            except BaseException:
+                stop.set()  # the compute thread reads it before the next queued step
+                raise
+
+        arrived: queue.Queue = queue.Queue()  # per request in order: (step id, its future), or (step id, error)
+
+        def read() -> None:
             try:
-                result = self.run_compute(execute, step_request)
-            except InvalidStepError as exc:
-                logger.warning("rejected step %d: %s", request.step_id, exc)
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except SessionError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            self.metrics.observe_step(result)
-            yield step_result_to_proto(result)
+                for request in request_iterator:
+                    if stop.is_set():
+                        return
+                    try:
+                        arrived.put((request.step_id, self.compute.submit(execute, step_request_from_proto(request))))
+                    except ValueError as exc:  # the step dataclasses reject a field (e.g. sampling parameters)
+                        arrived.put((request.step_id, exc))
+                        return
+            except Exception:  # noqa: BLE001 - the call ended (cancelled, or the scheduler's side closed it)
+                pass
+            finally:
+                arrived.put(None)
+
+        threading.Thread(target=read, name="step-reader", daemon=True).start()
+        try:
+            while (item := arrived.get()) is not None:
+                step_id, pending = item
+                if isinstance(pending, ValueError):
+                    logger.warning("rejected step %d: %s", step_id, pending)
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(pending))
+                try:
+                    result = pending.result()
+                except _NotRun:
+                    if self.is_stopping and context.is_active():
+                        logger.info("shutting down: step stream ended after the steps in flight")
+                    return  # the scheduler moves this session's requests to other workers
+                except InvalidStepError as exc:
+                    logger.warning("rejected step %d: %s", step_id, exc)
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                except SessionError as exc:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                self.metrics.observe_step(result)
+                yield step_result_to_proto(result)
+        finally:
+            stop.set()
+
+
+class _NotRun(Exception):
+    """A queued step that did not run: the stream ended, failed or was left before it, or the worker stops."""
 
 
 # Server-side keepalive: a scheduler that vanished without closing its connection (a lost node) is found

@@ -1,6 +1,8 @@
 """The Worker gRPC service on 127.0.0.1 (port 0): served in this process as `specdec worker` serves it
 (tests/serving.py), and in a real process for SIGTERM and a failed start."""
 
+import threading
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
@@ -13,6 +15,7 @@ from tests.processes import running
 from tests.serving import worker_in_process
 from tests.worker.driver import Driver
 from worker_service.runtime.loader import load_tokenizer
+from worker_service.serving import server
 
 # The default model is q4_1, whose int8 activations round what transformers computes in fp32: comparisons with
 # transformers serve it with exact (fp32) activations.
@@ -181,6 +184,44 @@ def test_one_scheduler_session_at_a_time(tiny_worker):
         assert other.execute(step.StepRequest(6), other_session).outputs == []
     finally:
         other.close()
+
+
+def test_a_queued_step_starts_while_the_result_before_it_is_sent(tiny_pair, monkeypatch):
+    """Async scheduling keeps two steps in flight: the worker starts the second as soon as the first ends, not
+    after the first's result has been converted and sent (that handoff left a one-row step's worker idle ~10%
+    of the time). Here converting the first result waits until the second step has begun: a worker that
+    reads the second step only after sending the first result waits out the timeout instead."""
+    second_began = threading.Event()
+    waited = []
+    convert = server.step_result_to_proto
+
+    def slow_convert(result):
+        if result.step_id == 1:
+            waited.append(second_began.wait(timeout=5.0))
+        return convert(result)
+
+    monkeypatch.setattr(server, "step_result_to_proto", slow_convert)
+    with worker_in_process(["--model", str(tiny_pair.target_path), "--num-threads", "1", "--proposer", "none"]) as w:
+        execute = w.servicer.worker.execute
+
+        def noting_execute(request):
+            if request.step_id == 2:
+                second_began.set()
+            return execute(request)
+
+        monkeypatch.setattr(w.servicer.worker, "execute", noting_execute)
+        client = SessionClient(w.address)
+        try:
+            stream = client.open_stream(client.new_session())
+            greedy = step.RequestSampling(temperature=0.0)
+            stream.send(step.StepRequest(1, new_requests=[step.NewRequest("a", [5, 6, 7], 3, greedy, [0], 3)]))
+            stream.send(step.StepRequest(2, cached_requests=[step.CachedRequest("a", [], 1, 1)]))
+            results = [stream.recv(), stream.recv()]
+            stream.finish()
+        finally:
+            client.close()
+    assert waited == [True]
+    assert [r.step_id for r in results] == [1, 2] and all(len(r.outputs[0].token_ids) == 1 for r in results)
 
 
 def test_sigterm_exits_cleanly(tiny_pair):
