@@ -3,7 +3,7 @@
 import re
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what a model runs in
-# llama.cpp's weight blocks (kernels/quantized.py's FORMATS): fp32 KV, the CPU only.
+# llama.cpp's weight blocks (kernels/quantized.py's FORMATS): fp32 KV by default, the CPU only.
 QUANTIZED_DTYPES = ("q8_0", "q4_1")
 # How their linear layers take their fp32 inputs (--quantized-activations; runtime/fast_linear.py): int8,
 # quantized per row and block of 32, integer dot products; fp32, exact (the fp32 model on the dequantised weights).
