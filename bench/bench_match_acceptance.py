@@ -12,7 +12,10 @@ verification). Grouped by the match behind the draft (n-gram: n; suffix: the
 policy's match class, 2-3, 4-7, ...): positions, P(first draft accepted),
 accepted and drafted tokens per position. This is what draft previews
 (`--draft-previews`, worker_service/speculation/proposers/preview.py) let the goodput
-policy learn. Prints the CPU's model name; saves JSON under bench/results/.
+policy learn. Then each answer is decoded step by step as greedy speculation at
+k would decode it (a step emits its accepted drafts and one token more): tokens
+per step is each proposer's ceiling over plain decoding, reached only where
+draft rows cost nothing. Prints the CPU's model name; saves JSON under bench/results/.
 """
 
 import argparse
@@ -74,9 +77,37 @@ def replay(pairs: list[tuple[list[int], list[int]]], k: int) -> dict[str, dict[i
     return {name: dict(sorted(groups.items())) for name, groups in stats.items()}
 
 
+def ceilings(pairs: list[tuple[list[int], list[int]]], k: int) -> dict[str, dict[str, float]]:
+    """Per proposer, decoding each answer step by step as greedy speculation would (a step emits its accepted
+    drafts and one token more): tokens per step, drafts per step, and the share of drafts accepted. Tokens per
+    step is the proposer's ceiling over plain decoding, reached only if draft rows cost nothing."""
+    totals = {name: [0, 0, 0, 0] for name in ("ngram", "suffix")}  # steps, tokens, drafted, accepted
+    for prompt, answer in pairs:
+        seq = prompt + answer
+        for name, row in totals.items():
+            index, t = suffix.TokenIndex(), len(prompt)
+            while t < len(seq):
+                context, truth = seq[:t], seq[t:]
+                if name == "ngram":
+                    tokens = propose_ngram(context, 1, 4, k)[0]
+                else:
+                    index.extend(0, context[index.num_tokens :])
+                    tokens = suffix.walk(index.candidates(context[-suffix.MAX_MATCH_TOKENS :]), k).token_ids
+                accepted = num_matching(tokens, truth)
+                emitted = min(accepted + 1, len(seq) - t)
+                row[0], row[1], row[2], row[3] = row[0] + 1, row[1] + emitted, row[2] + len(tokens), row[3] + accepted
+                t += emitted
+    return {
+        name: {"tokens_per_step": tokens / steps, "drafts_per_step": drafted / steps, "acceptance": accepted / drafted}
+        for name, (steps, tokens, drafted, accepted) in totals.items()
+    }
+
+
 def main(args) -> None:
     print(cpu_name())
-    stats = replay(answers(args.per_category, args.max_tokens), args.k)
+    pairs = answers(args.per_category, args.max_tokens)
+    limits = ceilings(pairs, args.k)
+    stats = replay(pairs, args.k)
     for name, groups in stats.items():
         print(f"{name} (group: {'n' if name == 'ngram' else 'match class'}; 0 = no draft)")
         for group, (positions, first, accepted, drafted) in groups.items():
@@ -84,7 +115,14 @@ def main(args) -> None:
                 f"  {group:3d}: positions {positions:5d}  P(first accepted) {first / positions:.2f}  "
                 f"accepted/position {accepted / positions:.2f}  drafted/position {drafted / positions:.2f}"
             )
-    print(f"saved {save('match-acceptance', {'args': vars(args), 'cpu': cpu_name(), 'stats': stats})}")
+    print(f"decoded step by step, k = {args.k} (tokens per step: the ceiling over plain decoding with free rows)")
+    for name, row in limits.items():
+        print(
+            f"  {name}: tokens/step {row['tokens_per_step']:.3f}  drafts/step {row['drafts_per_step']:.2f}  "
+            f"acceptance {row['acceptance']:.2f}"
+        )
+    payload = {"args": vars(args), "cpu": cpu_name(), "stats": stats, "ceilings": limits}
+    print(f"saved {save('match-acceptance', payload)}")
 
 
 if __name__ == "__main__":
