@@ -157,7 +157,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 stop.set()  # the compute thread reads it before the next queued step
                 raise
 
-        arrived: queue.Queue = queue.Queue()  # per request in order: (step id, its future), or (step id, error)
+        # In arrival order: (step id, its future); (step id, ValueError) for a request the step dataclasses reject
+        # (e.g. sampling parameters); (None, what ended the reading otherwise); then None.
+        arrived: queue.Queue = queue.Queue()
 
         def read() -> None:
             try:
@@ -165,12 +167,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     if stop.is_set():
                         return
                     try:
-                        arrived.put((request.step_id, self.compute.submit(execute, step_request_from_proto(request))))
-                    except ValueError as exc:  # the step dataclasses reject a field (e.g. sampling parameters)
+                        step_request = step_request_from_proto(request)
+                    except ValueError as exc:
                         arrived.put((request.step_id, exc))
                         return
-            except Exception:  # noqa: BLE001 - the call ended (cancelled, or the scheduler's side closed it)
-                pass
+                    arrived.put((request.step_id, self.compute.submit(execute, step_request)))
+            except BaseException as exc:  # noqa: BLE001 - the stream's thread decides what it means
+                arrived.put((None, exc))
             finally:
                 arrived.put(None)
 
@@ -178,9 +181,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         try:
             while (item := arrived.get()) is not None:
                 step_id, pending = item
-                if isinstance(pending, ValueError):
+                if isinstance(pending, ValueError) and step_id is not None:
                     logger.warning("rejected step %d: %s", step_id, pending)
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(pending))
+                if isinstance(pending, BaseException):
+                    if context.is_active():
+                        raise pending  # not the call ending: an error the stream reports, as before
+                    return  # the call ended: cancelled, or the scheduler's side closed it
                 try:
                     result = pending.result()
                 except _NotRun:
