@@ -100,6 +100,23 @@ int specdec_silu_mul(int dtype, const void *gate_up, int64_t gu_stride, int64_t 
     return 0;
 }
 
+/* n elements of src (src_dtype, from element offset at) into dst (dst_dtype, from element offset first, step
+ * apart): copied as they are in one dtype, rounded as torch rounds from fp32 to bf16. */
+static void copy_elements(int src_dtype, const void *src, int64_t at, int dst_dtype, void *dst, int64_t first,
+                          int64_t step, int64_t n) {
+    if (src_dtype != dst_dtype) {
+        for (int64_t e = 0; e < n; e++)
+            store_scalar(dst_dtype, dst, first + e * step, load_scalar(src_dtype, src, at + e));
+    } else if (step == 1) {
+        int64_t size = src_dtype == DTYPE_F32 ? 4 : 2;
+        memcpy((char *)dst + first * size, (const char *)src + at * size, n * size);
+    } else if (src_dtype == DTYPE_F32) {
+        for (int64_t e = 0; e < n; e++) ((float *)dst)[first + e * step] = ((const float *)src)[at + e];
+    } else {
+        for (int64_t e = 0; e < n; e++) ((uint16_t *)dst)[first + e * step] = ((const uint16_t *)src)[at + e];
+    }
+}
+
 /* Stores each row's K and V heads (kv_width = KVH head_dim elements each, at k and v in the row, dtype) at its
  * cache slot, in cache_dtype (dtype's, or bf16 from fp32: rounded to nearest-even, as torch rounds): value_cache
  * is [num_slots, kv_width], key_cache the same or, keys_transposed, [num_blocks, kv_width, block_size]
@@ -108,36 +125,13 @@ int specdec_silu_mul(int dtype, const void *gate_up, int64_t gu_stride, int64_t 
 int specdec_write_kv(int dtype, int cache_dtype, const void *k, const void *v, int64_t row_stride,
                      int64_t num_rows, int64_t kv_width, const int64_t *slot_mapping, void *key_cache,
                      void *value_cache, int64_t block_size, int keys_transposed) {
-    if (cache_dtype != dtype) {
-        for (int64_t r = 0; r < num_rows; r++) {
-            int64_t slot = slot_mapping[r], at = r * row_stride;
-            int64_t first = keys_transposed ? (slot / block_size) * kv_width * block_size + slot % block_size
-                                            : slot * kv_width;
-            int64_t step = keys_transposed ? block_size : 1;
-            for (int64_t e = 0; e < kv_width; e++) {
-                store_scalar(cache_dtype, value_cache, slot * kv_width + e, load_scalar(dtype, v, at + e));
-                store_scalar(cache_dtype, key_cache, first + e * step, load_scalar(dtype, k, at + e));
-            }
-        }
-        return 0;
-    }
-    int64_t size = dtype == DTYPE_F32 ? 4 : 2;
     for (int64_t r = 0; r < num_rows; r++) {
-        int64_t slot = slot_mapping[r];
-        memcpy((char *)value_cache + slot * kv_width * size, (const char *)v + r * row_stride * size, kv_width * size);
-        if (!keys_transposed) {
-            memcpy((char *)key_cache + slot * kv_width * size, (const char *)k + r * row_stride * size,
-                   kv_width * size);
-            continue;
-        }
-        /* element e = h head_dim + d of the slot's key: its block's [e][offset] */
-        int64_t first = (slot / block_size) * kv_width * block_size + slot % block_size, at = r * row_stride;
-        if (size == 4)
-            for (int64_t e = 0; e < kv_width; e++)
-                ((float *)key_cache)[first + e * block_size] = ((const float *)k)[at + e];
-        else
-            for (int64_t e = 0; e < kv_width; e++)
-                ((uint16_t *)key_cache)[first + e * block_size] = ((const uint16_t *)k)[at + e];
+        int64_t slot = slot_mapping[r], at = r * row_stride;
+        /* element e = h head_dim + d of the slot's key: slot * kv_width + e, or its block's [e][offset] */
+        int64_t first = keys_transposed ? (slot / block_size) * kv_width * block_size + slot % block_size
+                                        : slot * kv_width;
+        copy_elements(dtype, v, at, cache_dtype, value_cache, slot * kv_width, 1, kv_width);
+        copy_elements(dtype, k, at, cache_dtype, key_cache, first, keys_transposed ? block_size : 1, kv_width);
     }
     return 0;
 }
@@ -233,10 +227,10 @@ int specdec_llama_layers(struct StepArgs *s, const struct LayerArgs *layers, int
                          qkv_width, T, kv_width, s->slot_mapping, s->key_caches[index], s->value_caches[index],
                          s->block_size, (int)s->keys_transposed);
         status = s->attention(dtype, (int)s->cache_dtype, qkv, qkv_width, D, s->key_caches[index],
-                              s->value_caches[index], s->block_tables, s->bt_stride, s->query_start_loc, s->seq_lens, s->attn,
-                              (int)s->num_seqs, (int)s->num_heads, (int)s->num_kv_heads, (int)D, (int)s->block_size,
-                              l->scaling, s->is_tree, s->prefix_lens, s->depths, s->paths, s->path_stride,
-                              (int)s->keys_transposed, threads);
+                              s->value_caches[index], s->block_tables, s->bt_stride, s->query_start_loc,
+                              s->seq_lens, s->attn, (int)s->num_seqs, (int)s->num_heads, (int)s->num_kv_heads,
+                              (int)D, (int)s->block_size, l->scaling, s->is_tree, s->prefix_lens, s->depths,
+                              s->paths, s->path_stride, (int)s->keys_transposed, threads);
         if (status) return s->failed_status = status, 2;
         if ((status = project(s, &l->o, s->attn, s->h))) return s->failed_status = status, 1;
         specdec_add_rms_norm(dtype, s->h, hidden, s->residual, hidden, l->post_norm, s->x, hidden, T, hidden, s->eps,

@@ -214,10 +214,18 @@ static const float *load_key_tile(const struct Args *a, const struct Keys *where
                                   key_vector *kt, int64_t *stride) {
     const int D = a->head_dim;
     *stride = KEY_TILE;
-    if (a->keys_transposed && a->cache_dtype == DTYPE_F32 && a->block_size % KEY_TILE == 0 && j0 + KEY_TILE <= num_keys
+    if (a->keys_transposed && a->block_size % KEY_TILE == 0 && j0 + KEY_TILE <= num_keys
         && (!where->path || j0 + KEY_TILE <= where->prefix_len)) {
-        *stride = a->block_size; /* keys j0 .. j0 + 15: consecutive positions of one block, as below */
-        return (const float *)a->key_cache + key_offset(a, key_slot(a, where, j0), kv);
+        /* Keys j0 .. j0 + 15 are consecutive positions of one block (j0 is a multiple of KEY_TILE), so their
+         * dimension d lies in 16 consecutive elements: no transpose, and in fp32 no copy either. */
+        int64_t base = key_offset(a, key_slot(a, where, j0), kv);
+        if (a->cache_dtype == DTYPE_F32) {
+            *stride = a->block_size;
+            return (const float *)a->key_cache + base;
+        }
+        for (int d = 0; d < D; d++)
+            load_row(a->cache_dtype, a->key_cache, base + d * a->block_size, KEY_TILE, (float *)&kt[d]);
+        return (const float *)kt;
     }
 #if defined(__AVX512F__)
     if (!a->keys_transposed && j0 + KEY_TILE <= num_keys && D % 16 == 0 && a->cache_dtype != DTYPE_F16) {
@@ -240,15 +248,6 @@ static const float *load_key_tile(const struct Args *a, const struct Keys *where
         return (const float *)kt;
     }
 #endif
-    if (a->keys_transposed && a->block_size % KEY_TILE == 0 && j0 + KEY_TILE <= num_keys
-        && (!where->path || j0 + KEY_TILE <= where->prefix_len)) {
-        /* Keys j0 .. j0 + 15 are consecutive positions of one block (j0 is a multiple of KEY_TILE), so their
-         * dimension d lies in 16 consecutive elements: no transpose. */
-        int64_t base = key_offset(a, key_slot(a, where, j0), kv);
-        for (int d = 0; d < D; d++)
-            load_row(a->cache_dtype, a->key_cache, base + d * a->block_size, KEY_TILE, (float *)&kt[d]);
-        return (const float *)kt;
-    }
     const int64_t step = key_stride(a);
     for (int i = 0; i < KEY_TILE; i++) {
         int j = j0 + i;
