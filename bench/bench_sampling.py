@@ -108,6 +108,7 @@ def side_by_side(stubs: dict, requests: list[pb.GenerateRequest]) -> dict[str, l
     names = list(stubs)
     for i, request in enumerate(requests):
         for name in names[i % len(names) :] + names[: i % len(names)]:
+            wait_idle(stubs[name])
             runs[name].append(complete(stubs[name], request))
     return runs
 

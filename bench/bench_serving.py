@@ -38,12 +38,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
-from bench.common import load_questions, process_tree_cpu_s, save  # noqa: E402
+from bench.common import load_questions, process_tree_cpu_s, save, wait_quiet  # noqa: E402
 from specdec.v1 import generation_pb2 as pb  # noqa: E402
 from specdec.v1 import generation_pb2_grpc  # noqa: E402
 from tests.processes import running  # noqa: E402
 
 logger = logging.getLogger("bench.serving")
+SPAWNED: set[int] = set()  # the pids of the servers spawned_server has up, which wait_idle waits on
 
 
 def interleaved_prompts() -> list[str]:
@@ -119,14 +120,18 @@ def counter_deltas(before: pb.Counters, after: pb.Counters) -> dict:
 
 
 def wait_idle(stub, timeout_s: float = 60.0) -> pb.GetServerInfoResponse:
-    """Waits until no request runs and every KV block is free; returns the last info either way."""
+    """Waits until no request runs and every KV block is free, and until every server spawned here uses no CPU
+    (bench.common.wait_quiet: a server works on for a moment after its last answer); returns the last info
+    either way."""
     deadline = time.monotonic() + timeout_s
     while True:
         info = stub.GetServerInfo(pb.GetServerInfoRequest())
         is_idle = info.num_running == 0 and info.num_waiting == 0 and info.num_free_kv_blocks == info.num_kv_blocks
         if is_idle or time.monotonic() > deadline:
-            return info
+            break
         time.sleep(0.05)
+    wait_quiet(list(SPAWNED), timeout_s=max(deadline - time.monotonic(), 0.0))
+    return info
 
 
 def level_sizes(args) -> list[int]:
@@ -267,9 +272,11 @@ def spawned_server(flags: str):
     with running(["serve", "--port", "0", *shlex.split(flags)]) as process:
         address = process.address(who="scheduler ")
         process.wait_for("scheduler ready")
+        SPAWNED.add(process.proc.pid)
         try:
             yield address, process.proc.pid
         finally:
+            SPAWNED.discard(process.proc.pid)
             if process.proc.poll() is not None:
                 logger.error(
                     "server exited with %s; last output:\n%s", process.proc.poll(), "\n".join(process.lines[-20:])

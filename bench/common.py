@@ -71,6 +71,22 @@ def process_tree_cpu_s(pid: int) -> float:
     return total
 
 
+def wait_quiet(pids, window_s: float = 0.1, timeout_s: float = 30.0) -> float:
+    """Waits until the process trees of `pids` use no CPU for `window_s` (at most `timeout_s`); returns the
+    seconds waited. A server works on for a moment after its last answer (specdec's worker finishes the step it
+    had started ahead, which the ended request no longer needs), and a benchmark that times another server
+    meanwhile times both: on 2 cores, two teams of OpenMP threads spinning at their barriers slowed each other's
+    steps from ~10 ms to ~2 s here."""
+    start = time.monotonic()
+    used = sum(map(process_tree_cpu_s, pids))
+    while time.monotonic() - start < timeout_s:
+        time.sleep(window_s)
+        before, used = used, sum(map(process_tree_cpu_s, pids))
+        if used - before < 0.01:  # under one clock tick (10 ms) in the window
+            break
+    return time.monotonic() - start
+
+
 def median_time(fn, repeats: int) -> float:
     """Median wall time of fn() over `repeats` runs, in seconds."""
     times = []
