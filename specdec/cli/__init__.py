@@ -126,7 +126,13 @@ def _add_worker(worker: argparse.ArgumentParser) -> None:
     worker.add_argument("--port", type=int, default=50052, help="port to listen on; 0: any free port")
     _add_model_flag(worker, "checkpoint directory or .gguf file")
     worker_flags.add_flags(worker)
-    worker.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    worker.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch threads (default: $OMP_NUM_THREADS, else the CPUs the process may use: its affinity, capped "
+        "by its cgroup's CPU quota)",
+    )
     security.add_server_tls_flags(worker, "the worker port")
     worker.add_argument(
         "--metrics-port",
@@ -173,7 +179,11 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
         "--num-workers", type=int, default=1, metavar="N", help="worker processes; the CPU cores are split between them"
     )
     serve.add_argument(
-        "--num-threads", type=int, default=None, help="torch threads per worker (default: the cores / --num-workers)"
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch threads per worker (default: the CPUs the process may use, its affinity capped by its "
+        "cgroup's CPU quota, / --num-workers)",
     )
     serve.add_argument(
         "--worker-metrics-port",

@@ -15,7 +15,7 @@ import sys
 import threading
 
 from scheduler_service.process import flags as scheduler_flags
-from specdec import security
+from specdec import cpus, security
 from specdec.cli.parsing import flag_free_environ
 from worker_service.runtime import default_model as models
 from worker_service.serving import flags as worker_flags
@@ -106,8 +106,9 @@ class WorkerProcess:
 
 
 def worker_num_threads(args: argparse.Namespace) -> int:
-    """Each worker's torch threads: --num-threads, else the cores shared evenly among --num-workers."""
-    return args.num_threads or max(1, (os.cpu_count() or 1) // args.num_workers)
+    """Each worker's torch threads: --num-threads, else the CPUs this process may use (specdec.cpus: its
+    affinity, capped by its cgroup's CPU quota) shared evenly among --num-workers."""
+    return args.num_threads or max(1, cpus.usable_cpus() // args.num_workers)
 
 
 def _worker_argv(args: argparse.Namespace, model_dir: str) -> list[str]:

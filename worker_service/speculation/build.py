@@ -2,9 +2,11 @@
 
 from dataclasses import replace
 import logging
+import os
 
 import torch
 
+from specdec import cpus
 from worker_service.runtime import device as devices
 from worker_service.runtime.dtypes import resolve_dtype
 from worker_service.runtime.eagle3_head import TargetFacts, load_head
@@ -26,6 +28,8 @@ def build_worker(config: WorkerConfig) -> Worker:
     """
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    elif "OMP_NUM_THREADS" not in os.environ:  # torch's default counts the affinity mask, not a CPU quota
+        torch.set_num_threads(min(torch.get_num_threads(), cpus.usable_cpus()))
     device = devices.use_device(config.device)
     dtype = resolve_dtype(
         config.dtype,

@@ -201,3 +201,22 @@ def test_build_worker_places_the_models_and_sets_the_budget(tiny_pair, device):
         assert worker.config.kv_cache_memory_bytes == GIB // 4
     else:
         assert 0 < worker.config.kv_cache_memory_bytes < torch.cuda.get_device_properties(0).total_memory * 0.5
+
+
+def test_without_num_threads_the_worker_runs_at_most_the_usable_cpus(tiny_pair, monkeypatch):
+    """No --num-threads and no $OMP_NUM_THREADS: torch's default (the affinity mask) capped by the CPUs the
+    process may use (specdec.cpus: a cgroup quota below the mask, here 1 CPU), so no thread waits on a CPU
+    it does not get."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("specdec.cpus.usable_cpus", lambda: 1)
+    threads_before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        build_worker(WorkerConfig(model=str(tiny_pair.target_path), device="cpu"))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
+        build_worker(WorkerConfig(model=str(tiny_pair.target_path), device="cpu"))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads_before)
