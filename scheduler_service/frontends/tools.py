@@ -98,7 +98,7 @@ class ToolPlan:
         if self.mode == "function":
             return NamedCallReader(self.function)
         if self.mode == "required":
-            return JsonCallReader(self.is_parallel, content_allowed=False)
+            return RequiredCallReader(self.is_parallel)
         if self.mode == "auto":
             assert self.parser in TOOL_CALL_PARSERS
             return HermesCallReader(self.is_parallel) if self.parser == "hermes" else JsonCallReader(self.is_parallel)
@@ -228,16 +228,136 @@ class NamedCallReader(ToolCallReader):
         return "", deltas
 
 
+@dataclass
+class _PartialCall:
+    """A call RequiredCallReader is reading: the key whose value comes next (once its colon came), the string
+    being read, the name and id, and the text of the arguments (from `start`; up to `end` once they ended) with
+    how much of it was sent."""
+
+    key: str | None = None
+    colon: bool = False
+    string: str = ""
+    name: str | None = None
+    id: str | None = None
+    text: str = ""
+    start: int | None = None
+    end: int | None = None
+    sent: int = 0
+
+    def arguments(self) -> str:
+        return "" if self.start is None else self.text[self.start : self.end]
+
+
+class RequiredCallReader(ToolCallReader):
+    """ "required": the output is a list of calls `{"name": ..., "arguments": {...}}`, which the constraint
+    (ToolPlan.constraint) makes valid JSON of that shape. Each call's arguments stream as they are generated,
+    from the moment its name is known, as OpenAI streams them; a list cut short (max_tokens) leaves its last
+    call's arguments cut short too, as streamed.
+
+    It reads the JSON a character at a time: the list's items at depth 1, a call's keys and values at depth
+    2; the value of "arguments" is the text from its first character to where it ends (its closing bracket
+    back at depth 2, or the `,` or `}` after a scalar)."""
+
+    def __init__(self, is_parallel: bool = True):
+        super().__init__(is_parallel)
+        self._depth = 0
+        self._in_string = self._escaped = False
+        self._call: _PartialCall | None = None
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        deltas = []
+        for char in text:
+            deltas += self._read(char)
+        return "", deltas + self._send()
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        if self._call is not None and self._call.name is not None:  # cut short: its arguments as they are
+            self._end_call()
+        return "", []
+
+    def _read(self, char: str) -> list[CallDelta]:
+        """One character; the pieces of a call it ends (feed sends the rest once per text)."""
+        call = self._call
+        if call is not None and call.key == "arguments" and call.colon and call.end is None:
+            if call.start is None and not char.isspace():
+                call.start = len(call.text)
+            if call.start is not None and not self._in_string and self._depth == 2 and char in ",}":
+                call.end = len(call.text)  # a scalar's end (an object's or a list's: below)
+            else:
+                call.text += char
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\":
+                self._escaped = True
+            elif char == '"':
+                self._in_string = False
+                if call is not None and self._depth == 2:
+                    self._string_ended(call)
+                return []
+            if call is not None and self._depth == 2:
+                call.string += char
+            return []
+        if char == '"':
+            self._in_string = True
+            if call is not None and self._depth == 2:
+                call.string = ""
+        elif char in "[{":
+            self._depth += 1
+            if self._depth == 2 and char == "{":
+                self._call = _PartialCall()
+        elif char in "]}":
+            self._depth -= 1
+            if call is not None and self._depth == 2 and call.key == "arguments" and call.end is None:
+                call.end = len(call.text)  # the arguments' object or list closed
+            if call is not None and self._depth == 1:
+                deltas = self._send()
+                self._end_call()
+                return deltas
+        elif char == ":" and call is not None and self._depth == 2:
+            call.colon = True
+        elif char == "," and call is not None and self._depth == 2:
+            call.key, call.colon = None, False
+        return []
+
+    def _string_ended(self, call: _PartialCall) -> None:
+        """A string at the call's own depth: a key, or the value of "name"."""
+        if not call.colon:
+            call.key = call.string
+        elif call.key == "name" and call.name is None:
+            call.name = json.loads(f'"{call.string}"')
+
+    def _send(self) -> list[CallDelta]:
+        """The arguments' text not sent yet, once the call's name is known (the first piece: with its id)."""
+        call = self._call
+        if call is None or call.name is None or call.start is None or (self.calls and not self.is_parallel):
+            return []
+        piece = call.arguments()[call.sent :]
+        if call.id is None:
+            call.id = new_call_id()
+            call.sent += len(piece)
+            return [CallDelta(len(self.calls), piece, call.id, call.name)]
+        if not piece:
+            return []
+        call.sent += len(piece)
+        return [CallDelta(len(self.calls), piece)]
+
+    def _end_call(self) -> None:
+        call, self._call = self._call, None
+        if call is None or call.name is None or (self.calls and not self.is_parallel):
+            return
+        self.calls.append(ToolCall(call.id or new_call_id(), call.name, call.arguments()))
+
+
 class JsonCallReader(ToolCallReader):
     """The whole output is one call `{"name": ..., "arguments": {...}}` ("parameters" is read too) or a list
-    of them. Output that does not start like JSON is content, streamed as it comes; otherwise it is read at
-    the end, and is content if it is not calls (`content_allowed` False: always read at the end)."""
+    of them ("auto" with the json parser). Output that does not start like JSON is content, streamed as it
+    comes; otherwise it is read at the end, and is content if it is not calls."""
 
-    def __init__(self, is_parallel: bool = True, content_allowed: bool = True):
+    def __init__(self, is_parallel: bool = True):
         super().__init__(is_parallel)
-        self._content_allowed = content_allowed
         self._text: list[str] = []
-        self._is_content: bool | None = None if content_allowed else False
+        self._is_content: bool | None = None
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         if self._is_content:

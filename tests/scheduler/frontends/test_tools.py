@@ -13,6 +13,7 @@ from scheduler_service.frontends.tools import (
     HermesCallReader,
     JsonCallReader,
     NamedCallReader,
+    RequiredCallReader,
     ToolsError,
     plan_tools,
 )
@@ -169,6 +170,63 @@ def test_content_that_does_not_start_like_json_streams_at_once():
     assert reader.feed("  ") == ("", [])
     assert reader.feed("Hello") == ("  Hello", [])
     assert reader.feed(" there") == (" there", [])
+
+
+REQUIRED_OUTPUT = (
+    '[{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "unit": "C"}}, '
+    '{ "name" : "get_time" , "arguments" : { } } ]'
+)
+
+
+@pytest.mark.parametrize("step", ["whole", "streamed"])
+def test_required_calls_arguments_stream_as_they_are_generated(step):
+    """The arguments of each call go out as the characters come, from the moment the call's name is known:
+    what a client reassembles is the call's arguments exactly as generated (brackets and quotes inside strings
+    included)."""
+    reader = RequiredCallReader()
+    if step == "whole":
+        content, deltas = reader.feed(REQUIRED_OUTPUT)
+        more, last = reader.finish()
+        content, deltas = content + more, deltas + last
+    else:
+        content, deltas = streamed(reader, REQUIRED_OUTPUT)
+    assert content == ""
+    assert [(c.name, c.arguments) for c in reader.calls] == [
+        ("get_weather", '{"city": "Pa\\"ris}", "unit": "C"}'),
+        ("get_time", "{ }"),
+    ]
+    assert reassembled(deltas) == [(c.id, c.name, c.arguments) for c in reader.calls]
+    if step == "streamed":  # one piece per character of the arguments, the first with the id and name
+        assert len([d for d in deltas if d.index == 0]) == len(reader.calls[0].arguments)
+
+
+def test_required_sends_the_first_arguments_before_the_call_ends():
+    reader = RequiredCallReader()
+    assert reader.feed('[{"name": "get_weather"') == ("", [])  # no arguments yet
+    content, deltas = reader.feed(', "arguments": {"ci')
+    assert content == "" and [(d.index, d.name, d.arguments) for d in deltas] == [(0, "get_weather", '{"ci')]
+    assert deltas[0].id.startswith("call_") and reader.calls == []
+    assert reader.feed('ty": "Oslo"}') == ("", [CallDelta(0, 'ty": "Oslo"}')])
+    assert reader.feed("}]") == ("", [])
+    assert [(c.id, c.name, c.arguments) for c in reader.calls] == [(deltas[0].id, "get_weather", '{"city": "Oslo"}')]
+
+
+def test_required_arguments_before_the_name_go_out_once_the_name_is_known():
+    reader = RequiredCallReader()
+    assert reader.feed('[{"arguments": {"x": 1}, ') == ("", [])
+    content, deltas = reader.feed('"name": "f"}]')
+    assert [(d.name, d.arguments) for d in deltas] == [("f", '{"x": 1}')]
+    assert [(c.name, c.arguments) for c in reader.calls] == [("f", '{"x": 1}')]
+
+
+def test_required_cut_short_keeps_what_was_streamed_and_one_call_without_parallel_calls():
+    cut = RequiredCallReader()
+    _, deltas = streamed(cut, '[{"name": "get_weather", "arguments": {"city": "Os')
+    assert [(c.name, c.arguments) for c in cut.calls] == [("get_weather", '{"city": "Os')]
+    assert reassembled(deltas) == [(c.id, c.name, c.arguments) for c in cut.calls]
+    one = RequiredCallReader(is_parallel=False)
+    _, deltas = streamed(one, REQUIRED_OUTPUT)
+    assert [c.name for c in one.calls] == ["get_weather"] and {d.index for d in deltas} == {0}
 
 
 def test_a_named_functions_arguments_stream_as_they_come():
