@@ -19,7 +19,8 @@ cache or its outputs in the suffix proposer's.
    changes the text, and with it what a copying proposer finds to copy).
 2. Tool calls: each question with "Record this as a task." and one tool (`create_task`, its schema below),
    `tool_choice: required`, one call: batch 1, then --concurrency requests at a time (every question twice,
-   on fresh servers). Tokens/s and speedups (target >= 1.5x), whole and decode phase, calls valid against the
+   on fresh servers; --concurrent-rounds passes, the servers' order rotated, the speedup the geometric mean of
+   the passes' ratios). Tokens/s and speedups (target >= 1.5x), whole and decode phase, calls valid against the
    schema, outputs that differ, and the forced drafts (tokens the schema fixes, drafted for free).
 
 The servers' order rotates from request to request. Results: bench/results/sampling-*.json.
@@ -31,6 +32,7 @@ import contextlib
 import json
 import logging
 import pathlib
+import statistics
 import sys
 import time
 
@@ -180,13 +182,24 @@ def main(args) -> None:
         tools[name]["num_valid"] = sum(
             len(r["tool_calls"]) == 1 and _is_valid(r["tool_calls"][0].arguments) for r in result
         )
-    with fresh_servers(flags, configurations) as stubs:  # fresh again: the batch-1 pass left every call cached
-        for name, stub in stubs.items():
-            tools[name]["concurrent_tok_s"] = concurrent(stub, requests * 2, args.concurrency)
+    rounds: dict[str, list[float]] = {name: [] for name in configurations}
+    for round_index in range(args.concurrent_rounds):
+        with fresh_servers(flags, configurations) as stubs:  # fresh again: an earlier pass left every call cached
+            names = list(stubs)[round_index % len(stubs) :] + list(stubs)[: round_index % len(stubs)]
+            for name in names:
+                rounds[name].append(concurrent(stubs[name], requests * 2, args.concurrency))
+        logger.info("concurrency %d, round %d: %s", args.concurrency, round_index + 1, rounds)
     for name in tools:
-        tools[name]["concurrent_speedup"] = tools[name]["concurrent_tok_s"] / tools["plain"]["concurrent_tok_s"]
+        ratios = [tok_s / plain for tok_s, plain in zip(rounds[name], rounds["plain"])]
+        tools[name]["concurrent_tok_s"] = statistics.mean(rounds[name])
+        tools[name]["concurrent_speedup"] = statistics.geometric_mean(ratios)
+        tools[name]["concurrent_speedup_by_round"] = ratios
     results["tools"] = tools
-    results["tools_meta"] = {"num_requests": len(requests), "concurrency": args.concurrency}
+    results["tools_meta"] = {
+        "num_requests": len(requests),
+        "concurrency": args.concurrency,
+        "concurrent_rounds": args.concurrent_rounds,
+    }
     report(results)
     save("sampling", results)
 
@@ -219,6 +232,7 @@ def report(results: dict) -> None:
             f"{name:<16} {t['tok_s']:>8.1f} {t['speedup']:>7.2f}x {t['decode_speedup']:>6.2f}x "
             f"{t['concurrent_tok_s']:>8.1f} {t['concurrent_speedup']:>7.2f}x {t['num_valid']:>6} "
             f"{t['num_differ']:>6} {t['forced_drafts']:>7}"
+            + (f"  rounds: {' '.join(f'{r:.2f}' for r in t['concurrent_speedup_by_round'])}" if name != "plain" else "")
         )
 
 
@@ -227,6 +241,13 @@ if __name__ == "__main__":
     parser.add_argument("--per-category", type=int, default=1, help="Spec-Bench questions per category")
     parser.add_argument("--max-tokens", type=int, default=96, help="tokens per request in part 1")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--concurrent-rounds",
+        type=int,
+        default=1,
+        help="passes of the tool calls at --concurrency, each on fresh servers in a rotated order (the speedup: "
+        "the geometric mean of the passes' ratios)",
+    )
     parser.add_argument("--extra-flags", default="", help="more `specdec serve` flags for every server")
     parser.add_argument(
         "--tool-proposers",
