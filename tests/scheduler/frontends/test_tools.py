@@ -104,6 +104,16 @@ def streamed(reader, text: str) -> tuple[str, list]:
     return "".join(content) + c, deltas + d
 
 
+def read(reader, text: str, step: str) -> tuple[str, list]:
+    """`text` fed "whole" (one feed) or "streamed" (a character at a time), then finished: the content and
+    every call piece."""
+    if step == "streamed":
+        return streamed(reader, text)
+    content, deltas = reader.feed(text)
+    more, last = reader.finish()
+    return content + more, deltas + last
+
+
 def reassembled(deltas) -> list[tuple[str, str, str]]:
     """The calls OpenAI clients rebuild from the pieces: id and name from the first, arguments concatenated."""
     calls: dict[int, list] = {}
@@ -123,12 +133,7 @@ HERMES_OUTPUT = (
 @pytest.mark.parametrize("step", ["whole", "streamed"])
 def test_hermes_reads_calls_and_keeps_the_text_around_them(step):
     reader = HermesCallReader()
-    if step == "whole":
-        content, deltas = reader.feed(HERMES_OUTPUT)
-        more, last = reader.finish()
-        content, deltas = content + more, deltas + last
-    else:
-        content, deltas = streamed(reader, HERMES_OUTPUT)
+    content, deltas = read(reader, HERMES_OUTPUT, step)
     assert content == "Let me check.\n\n<tool_ca"  # a cut-off block start is content at the end
     assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == [
         ("get_weather", {"city": "Paris"}),
@@ -184,12 +189,7 @@ def test_required_calls_arguments_stream_as_they_are_generated(step):
     what a client reassembles is the call's arguments exactly as generated (brackets and quotes inside strings
     included)."""
     reader = RequiredCallReader()
-    if step == "whole":
-        content, deltas = reader.feed(REQUIRED_OUTPUT)
-        more, last = reader.finish()
-        content, deltas = content + more, deltas + last
-    else:
-        content, deltas = streamed(reader, REQUIRED_OUTPUT)
+    content, deltas = read(reader, REQUIRED_OUTPUT, step)
     assert content == ""
     assert [(c.name, c.arguments) for c in reader.calls] == [
         ("get_weather", '{"city": "Pa\\"ris}", "unit": "C"}'),
