@@ -197,10 +197,14 @@ class ToolCallReader:
     def finish(self) -> tuple[str, list[CallDelta]]:
         raise NotImplementedError
 
+    @property
+    def _is_full(self) -> bool:
+        """Past the first call without parallel calls: further calls are dropped."""
+        return bool(self.calls) and not self.is_parallel
+
     def _add(self, name: str, arguments) -> list[CallDelta]:
-        """A whole call read (its arguments as JSON text, or a value to serialise); past the first without
-        parallel calls, dropped."""
-        if self.calls and not self.is_parallel:
+        """A whole call read (its arguments as JSON text, or a value to serialise); dropped once `_is_full`."""
+        if self._is_full:
             return []
         text = arguments if isinstance(arguments, str) else json.dumps(arguments)
         call = ToolCall(new_call_id(), name, text)
@@ -330,7 +334,7 @@ class RequiredCallReader(ToolCallReader):
     def _send(self) -> list[CallDelta]:
         """The arguments' text not sent yet, once the call's name is known (the first piece: with its id)."""
         call = self._call
-        if call is None or call.name is None or call.start is None or (self.calls and not self.is_parallel):
+        if call is None or call.name is None or call.start is None or self._is_full:
             return []
         piece = call.arguments()[call.sent :]
         if call.id is None:
@@ -344,7 +348,7 @@ class RequiredCallReader(ToolCallReader):
 
     def _end_call(self) -> None:
         call, self._call = self._call, None
-        if call is None or call.name is None or (self.calls and not self.is_parallel):
+        if call is None or call.name is None or self._is_full:
             return
         self.calls.append(ToolCall(call.id or new_call_id(), call.name, call.arguments()))
 
