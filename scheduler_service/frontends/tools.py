@@ -4,8 +4,8 @@ back out of the output text, whole or as it streams.
 - "none": the tools are not rendered; the output is plain text.
 - "auto": the chat template renders the tools; the output is free, and the server's tool-call parser
   (--tool-call-parser) reads calls out of it: `hermes` (Hermes / Qwen: `<tool_call>{"name": ..., "arguments":
-  {...}}</tool_call>` blocks, text around them is content) or `json` (the whole output is one such object, or a
-  list of them).
+  {...}}</tool_call>` blocks, text around them is content; a call's arguments stream once its name is read)
+  or `json` (the whole output is one such object, or a list of them, read at its end).
 - "required": the output is constrained (structured outputs) to a JSON list of one or more calls
   `[{"name": ..., "arguments": {...}}]` valid against the tools' schemas (one call without
   parallel_tool_calls).
@@ -232,9 +232,12 @@ class NamedCallReader(ToolCallReader):
         return "", deltas
 
 
+ARGUMENT_KEYS = ("arguments", "parameters")  # a call's arguments, by either name (_calls_of reads both too)
+
+
 @dataclass
 class _PartialCall:
-    """A call RequiredCallReader is reading: the key whose value comes next (once its colon came), the string
+    """A call being read as it streams: the key whose value comes next (once its colon came), the string
     being read, the name and id, and the text of the arguments (from `start`; up to `end` once they ended) with
     how much of it was sent."""
 
@@ -252,40 +255,39 @@ class _PartialCall:
         return "" if self.start is None else self.text[self.start : self.end]
 
 
-class RequiredCallReader(ToolCallReader):
-    """ "required": the output is a list of calls `{"name": ..., "arguments": {...}}`, which the constraint
-    (ToolPlan.constraint) makes valid JSON of that shape. Each call's arguments stream as they are generated,
-    from the moment its name is known, as OpenAI streams them; a list cut short (max_tokens) leaves its last
-    call's arguments cut short too, as streamed.
+class _StreamedCalls(ToolCallReader):
+    """Reads JSON calls `{"name": ..., "arguments": {...}}` a character at a time (`_read`), each call's
+    arguments going out as they are generated from the moment its name is known, as OpenAI streams them. A
+    call is an object at depth `_call_depth` (2: the items of a list, 1: the object itself); the value of
+    "arguments" is the text from its first character to where it ends (its closing bracket back at the
+    call's depth, or the `,` or `}` after a scalar)."""
 
-    It reads the JSON a character at a time: the list's items at depth 1, a call's keys and values at depth
-    2; the value of "arguments" is the text from its first character to where it ends (its closing bracket
-    back at depth 2, or the `,` or `}` after a scalar)."""
+    _call_depth = 2
 
     def __init__(self, is_parallel: bool = True):
         super().__init__(is_parallel)
+        self._reset()
+
+    def _reset(self) -> None:
+        """Ready for a new JSON text."""
         self._depth = 0
         self._in_string = self._escaped = False
         self._call: _PartialCall | None = None
+        self._named = False  # some call of this text had its name read
 
-    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+    def _read_all(self, text: str) -> list[CallDelta]:
         deltas = []
         for char in text:
             deltas += self._read(char)
-        return "", deltas + self._send()
-
-    def finish(self) -> tuple[str, list[CallDelta]]:
-        if self._call is not None and self._call.name is not None:  # cut short: its arguments as they are
-            self._end_call()
-        return "", []
+        return deltas + self._send()
 
     def _read(self, char: str) -> list[CallDelta]:
-        """One character; the pieces of a call it ends (feed sends the rest once per text)."""
-        call = self._call
-        if call is not None and call.key == "arguments" and call.colon and call.end is None:
+        """One character; the pieces of a call it ends (the rest go out once per text, `_read_all`)."""
+        call, depth = self._call, self._call_depth
+        if call is not None and call.key in ARGUMENT_KEYS and call.colon and call.end is None:
             if call.start is None and not char.isspace():
                 call.start = len(call.text)
-            if call.start is not None and not self._in_string and self._depth == 2 and char in ",}":
+            if call.start is not None and not self._in_string and self._depth == depth and char in ",}":
                 call.end = len(call.text)  # a scalar's end (an object's or a list's: below)
             else:
                 call.text += char
@@ -296,31 +298,29 @@ class RequiredCallReader(ToolCallReader):
                 self._escaped = True
             elif char == '"':
                 self._in_string = False
-                if call is not None and self._depth == 2:
+                if call is not None and self._depth == depth:
                     self._string_ended(call)
                 return []
-            if call is not None and self._depth == 2:
+            if call is not None and self._depth == depth:
                 call.string += char
             return []
         if char == '"':
             self._in_string = True
-            if call is not None and self._depth == 2:
+            if call is not None and self._depth == depth:
                 call.string = ""
         elif char in "[{":
             self._depth += 1
-            if self._depth == 2 and char == "{":
+            if self._depth == depth and char == "{":
                 self._call = _PartialCall()
         elif char in "]}":
             self._depth -= 1
-            if call is not None and self._depth == 2 and call.key == "arguments" and call.end is None:
+            if call is not None and self._depth == depth and call.key in ARGUMENT_KEYS and call.end is None:
                 call.end = len(call.text)  # the arguments' object or list closed
-            if call is not None and self._depth == 1:
-                deltas = self._send()
-                self._end_call()
-                return deltas
-        elif char == ":" and call is not None and self._depth == 2:
+            if call is not None and self._depth == depth - 1:
+                return self._end_call(closed=True)
+        elif char == ":" and call is not None and self._depth == depth:
             call.colon = True
-        elif char == "," and call is not None and self._depth == 2:
+        elif char == "," and call is not None and self._depth == depth:
             call.key, call.colon = None, False
         return []
 
@@ -330,6 +330,7 @@ class RequiredCallReader(ToolCallReader):
             call.key = call.string
         elif call.key == "name" and call.name is None:
             call.name = json.loads(f'"{call.string}"')
+            self._named = True
 
     def _send(self) -> list[CallDelta]:
         """The arguments' text not sent yet, once the call's name is known (the first piece: with its id)."""
@@ -346,11 +347,29 @@ class RequiredCallReader(ToolCallReader):
         call.sent += len(piece)
         return [CallDelta(len(self.calls), piece)]
 
-    def _end_call(self) -> None:
+    def _end_call(self, closed: bool = False) -> list[CallDelta]:
+        """The call being read ends, its object `closed` or the text cut short: its last pieces, and it joins
+        `calls`. A closed call without arguments gets `{}`; one cut short before them, empty arguments."""
+        if self._call is not None and self._call.name is not None and self._call.start is None:
+            self._call.text, self._call.start = "{}" if closed else "", 0
+        deltas = self._send()
         call, self._call = self._call, None
         if call is None or call.name is None or self._is_full:
-            return
-        self.calls.append(ToolCall(call.id or new_call_id(), call.name, call.arguments()))
+            return []
+        self.calls.append(ToolCall(call.id, call.name, call.arguments()))
+        return deltas
+
+
+class RequiredCallReader(_StreamedCalls):
+    """ "required": the output is a list of calls `{"name": ..., "arguments": {...}}`, which the constraint
+    (ToolPlan.constraint) makes valid JSON of that shape; each call's arguments stream as they are generated.
+    A list cut short (max_tokens) leaves its last call's arguments cut short too, as streamed."""
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        return "", self._read_all(text)
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        return "", self._end_call()  # a call cut short: its arguments as they are
 
 
 class JsonCallReader(ToolCallReader):
@@ -384,41 +403,63 @@ class JsonCallReader(ToolCallReader):
         return "", [delta for name, arguments in calls for delta in self._add(name, arguments)]
 
 
-class HermesCallReader(ToolCallReader):
+class HermesCallReader(_StreamedCalls):
     """`<tool_call>{json}</tool_call>` blocks (Hermes, Qwen); the text around them is content. Text that may
-    be the start of a block is held back until it is not; a block that is not a call stays content."""
+    be the start of a block is held back until it is not. Inside a block the call's arguments stream as they
+    are generated once its name is known; a block in which no call's name is read stays content, sent when it
+    closes. A block cut short (max_tokens) keeps its call's arguments as they are, or is content without one."""
+
+    _call_depth = 1
 
     def __init__(self, is_parallel: bool = True):
         super().__init__(is_parallel)
-        self._pending = ""  # held back: maybe the start of a block, or inside one
+        self._pending = ""  # held back: maybe the start of a block's opening or closing tag
+        self._block: str | None = None  # inside a block: its text so far
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._pending += text
         content, deltas = [], []
         while True:
-            start = self._pending.find(HERMES_OPEN)
-            if start < 0:
-                keep = _held_back(self._pending, HERMES_OPEN)
-                content.append(self._pending[: len(self._pending) - keep])
-                self._pending = self._pending[len(self._pending) - keep :]
-                break
-            content.append(self._pending[:start])
-            end = self._pending.find(HERMES_CLOSE, start)
+            if self._block is None:
+                start = self._pending.find(HERMES_OPEN)
+                if start < 0:
+                    keep = _held_back(self._pending, HERMES_OPEN)
+                    content.append(self._pending[: len(self._pending) - keep])
+                    self._pending = self._pending[len(self._pending) - keep :]
+                    break
+                content.append(self._pending[:start])
+                self._pending = self._pending[start + len(HERMES_OPEN) :]
+                self._block = ""
+                self._reset()
+            end = self._pending.find(HERMES_CLOSE)
+            body = self._pending if end < 0 else self._pending[:end]
             if end < 0:
-                self._pending = self._pending[start:]
+                body = body[: len(body) - _held_back(body, HERMES_CLOSE)]
+            self._block += body
+            deltas += self._read_all(body)
+            if end < 0:
+                self._pending = self._pending[len(body) :]
                 break
-            block = self._pending[start : end + len(HERMES_CLOSE)]
             self._pending = self._pending[end + len(HERMES_CLOSE) :]
-            calls = _calls_of(block[len(HERMES_OPEN) : -len(HERMES_CLOSE)])
-            if calls is None or len(calls) != 1:
-                content.append(block)
-            else:
-                deltas += self._add(*calls[0])
+            more, last = self._close_block(HERMES_CLOSE)
+            content.append(more)
+            deltas += last
         return "".join(content), deltas
 
     def finish(self) -> tuple[str, list[CallDelta]]:
-        content, self._pending = self._pending, ""  # an unclosed block (the output was cut) is content
-        return content, []
+        if self._block is None:
+            content, self._pending = self._pending, ""
+            return content, []
+        content, deltas = self._close_block(self._pending)  # cut short inside a block
+        self._pending = ""
+        return content, deltas
+
+    def _close_block(self, close: str) -> tuple[str, list[CallDelta]]:
+        """The block ends (`close`: its closing tag, or what was held back of one where the output ended): the
+        content it leaves (all of it when no call's name was read) and its call's last pieces."""
+        block, self._block = self._block, None
+        deltas = self._end_call()
+        return ("" if self._named else HERMES_OPEN + block + close), deltas
 
 
 def _held_back(text: str, marker: str) -> int:

@@ -154,6 +154,47 @@ def test_hermes_holds_back_only_what_may_start_a_block():
     assert [c.name for c in one.calls] == ["get_weather"]  # parallel_tool_calls false: the first call only
 
 
+def test_hermes_streams_a_calls_arguments_before_its_block_closes():
+    """Under "auto" a call's arguments go out as they are generated once its name is known, as under
+    "required"; what a client reassembles is the call as generated."""
+    reader = HermesCallReader()
+    assert reader.feed('Sure. <tool_call>\n{"name": "get_weather", "argu') == ("Sure. ", [])
+    content, deltas = reader.feed('ments": {"city": "Os')
+    assert content == "" and [(d.index, d.name, d.arguments) for d in deltas] == [(0, "get_weather", '{"city": "Os')]
+    assert deltas[0].id.startswith("call_") and reader.calls == []
+    assert reader.feed('lo"}}\n</tool_') == ("", [CallDelta(0, 'lo"}')])
+    assert reader.feed("call> Done.") == (" Done.", [])
+    assert [(c.id, c.name, c.arguments) for c in reader.calls] == [(deltas[0].id, "get_weather", '{"city": "Oslo"}')]
+    _, streamed_deltas = streamed(HermesCallReader(), HERMES_OUTPUT)  # one piece per character of the arguments
+    assert len([d for d in streamed_deltas if d.index == 0]) == len('{"city": "Paris"}')
+
+
+@pytest.mark.parametrize(
+    "output, content, calls",
+    [
+        ('<tool_call>{"city": "Oslo"}</tool_call>', '<tool_call>{"city": "Oslo"}</tool_call>', []),  # no name
+        ('<tool_call>[{"name": "f", "arguments": {}}]</tool_call>',) * 2 + ([],),  # a list: not a Hermes call
+        ('<tool_call>{"name": "get_time"}</tool_call>', "", [("get_time", "{}")]),  # closed without arguments
+        (
+            '<tool_call>{"name": "get_weather", "parameters": {"city": "Oslo"}}</tool_call>',
+            "",
+            [("get_weather", '{"city": "Oslo"}')],
+        ),
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": "Os', "", [("get_weather", '{"city": "Os')]),
+        ('<tool_call>{"name": "get_time", "argu', "", [("get_time", "")]),  # cut before its arguments
+        ('<tool_call>{"nam', '<tool_call>{"nam', []),  # cut before a name: content
+        ('<tool_call>{"x": 1}</tool_c', '<tool_call>{"x": 1}</tool_c', []),
+    ],
+)
+@pytest.mark.parametrize("step", ["whole", "streamed"])
+def test_hermes_blocks_without_a_call_are_content_and_cut_calls_keep_what_was_streamed(output, content, calls, step):
+    reader = HermesCallReader()
+    got_content, deltas = read(reader, output, step)
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in reader.calls] == calls
+    assert reassembled(deltas) == [(c.id, c.name, c.arguments) for c in reader.calls]
+
+
 @pytest.mark.parametrize(
     "text, names, content",
     [
