@@ -329,7 +329,10 @@ class _StreamedCalls(ToolCallReader):
         if not call.colon:
             call.key = call.string
         elif call.key == "name" and call.name is None:
-            call.name = json.loads(f'"{call.string}"')
+            try:
+                call.name = json.loads(f'"{call.string}"')
+            except ValueError:  # not a JSON string (free output under "auto"): no name
+                return
             self._named = True
 
     def _send(self) -> list[CallDelta]:

@@ -183,6 +183,7 @@ def test_hermes_streams_a_calls_arguments_before_its_block_closes():
         ('<tool_call>{"name": "get_weather", "arguments": {"city": "Os', "", [("get_weather", '{"city": "Os')]),
         ('<tool_call>{"name": "get_time", "argu', "", [("get_time", "")]),  # cut before its arguments
         ('<tool_call>{"nam', '<tool_call>{"nam', []),  # cut before a name: content
+        ('<tool_call>{"name": "get\\qtime", "arguments": {}}</tool_call>',) * 2 + ([],),  # a bad escape: no name
         ('<tool_call>{"x": 1}</tool_c', '<tool_call>{"x": 1}</tool_c', []),
     ],
 )
