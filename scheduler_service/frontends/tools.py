@@ -232,7 +232,7 @@ class NamedCallReader(ToolCallReader):
         return "", deltas
 
 
-ARGUMENT_KEYS = ("arguments", "parameters")  # a call's arguments, by either name (_calls_of reads both too)
+ARGUMENT_KEYS = ("arguments", "parameters")  # a call's arguments, by either name (the first that is there)
 
 
 @dataclass
@@ -485,7 +485,7 @@ def _calls_of(text: str) -> list[tuple[str, object]] | None:
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
-        arguments = item.get("arguments", item.get("parameters", {}))
+        arguments = next((item[key] for key in ARGUMENT_KEYS if key in item), {})
         if not isinstance(arguments, (dict, str)):
             return None
         calls.append((item["name"], arguments))
