@@ -62,3 +62,17 @@ if HAS_TRITON:
             lo = tl.where(is_left, mid, lo)
             hi = tl.where(is_left, hi, mid)
         return lo
+
+    @triton.jit
+    def rounded_to(x, DTYPE: tl.constexpr):
+        """fp32 x rounded to DTYPE (to nearest, ties to even) and returned as fp32: where a kernel keeps
+        an intermediate in the model's dtype, as torch does. bf16 is rounded on the bits, because a compiler may
+        fold the pair of casts x.to(bf16).to(fp32) away (and then fuse the product and sum around it)."""
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+            return bits.to(tl.float32, bitcast=True)
+        elif DTYPE == tl.float32:
+            return x
+        else:
+            return x.to(DTYPE).to(tl.float32)

@@ -36,7 +36,7 @@ MIN_SPLIT_WEIGHTS = 1 << 21
 SPLIT_ROWS = BLOCK_M
 
 if HAS_TRITON:
-    from kernels._triton import tl, triton
+    from kernels._triton import rounded_to, tl, triton
 
     @triton.jit
     def _split_sum(
@@ -153,7 +153,7 @@ if HAS_TRITON:
         ok = cols < H
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_H]
         variance = tl.sum(x * x, axis=0) / H
-        normed = (x / tl.sqrt(variance + eps)).to(y_ptr.dtype.element_ty).to(tl.float32)
+        normed = rounded_to(x / tl.sqrt(variance + eps), y_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * stride_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=ok)
 

@@ -11,7 +11,7 @@ import torch
 from kernels._triton import HAS_TRITON
 
 if HAS_TRITON:
-    from kernels._triton import tl, triton
+    from kernels._triton import rounded_to, tl, triton
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -34,13 +34,12 @@ if HAS_TRITON:
         ok = cols < H
         x = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0)
         if HAS_H:
-            x = (x.to(tl.float32) + tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32)).to(
-                residual_ptr.dtype.element_ty
-            )
+            h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0)
+            x = rounded_to(x.to(tl.float32) + h.to(tl.float32), x.dtype).to(x.dtype)
             tl.store(residual_ptr + row * stride_r + cols, x, mask=ok)
         x = x.to(tl.float32)
         variance = tl.sum(x * x, axis=0) / H
-        normed = (x / tl.sqrt(variance + eps)).to(y_ptr.dtype.element_ty).to(tl.float32)
+        normed = rounded_to(x / tl.sqrt(variance + eps), y_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * stride_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=ok)
 
@@ -70,15 +69,15 @@ if HAS_TRITON:
         row = qkv_ptr + t * stride_qkv
         first = tl.load(row + heads * (2 * HALF) + d, mask=ok, other=0.0)  # [BH, BD]: x1
         second = tl.load(row + heads * (2 * HALF) + HALF + d, mask=ok, other=0.0)  # x2
-        dtype = first.dtype
         cos1 = tl.load(cos_ptr + t * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
         cos2 = tl.load(cos_ptr + t * stride_cos + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
         sin1 = tl.load(sin_ptr + t * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
         sin2 = tl.load(sin_ptr + t * stride_cos + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+        dtype = first.dtype
         x1, x2 = first.to(tl.float32), second.to(tl.float32)
         # rotate_half(x) = [-x2, x1]
-        out1 = ((x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)).to(dtype)
-        out2 = ((x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)).to(dtype)
+        out1 = rounded_to(rounded_to(x1 * cos1, dtype) + rounded_to(-x2 * sin1, dtype), dtype).to(dtype)
+        out2 = rounded_to(rounded_to(x2 * cos2, dtype) + rounded_to(x1 * sin2, dtype), dtype).to(dtype)
         is_q = heads < HEADS
         tl.store(row + heads * (2 * HALF) + d, out1, mask=ok & is_q)
         tl.store(row + heads * (2 * HALF) + HALF + d, out2, mask=ok & is_q)
@@ -103,7 +102,7 @@ if HAS_TRITON:
         gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=ok, other=0.0)
         up = tl.load(gate_up_ptr + row * stride_in + N + cols, mask=ok, other=0.0).to(tl.float32)
         g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+        silu = rounded_to(g / (1.0 + tl.exp(-g)), gate.dtype)
         tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
 
 

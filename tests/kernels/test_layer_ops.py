@@ -65,7 +65,10 @@ def test_rope_write_kv_rotates_as_apply_rotary_pos_emb_and_writes_the_cache(dtyp
     layer_ops.rope_write_kv_triton(got[0], *args, got[1], got[2])
     q_width = heads * head_dim
     for ours, theirs in ((got[0][:, :q_width], want[0][:, :q_width]), (got[1], want[1]), (got[2], want[2])):
-        assert_rounded_as(ours, theirs, triton_device)
+        if dtype == torch.float32 and triton_device == "cuda":  # a GPU may fuse the products and the sum (FMA)
+            torch.testing.assert_close(ours.cpu(), theirs, rtol=1e-6, atol=1e-6)
+        else:  # each product and the sum rounded to the dtype, as apply_rotary_pos_emb, whatever the compiler does
+            assert torch.equal(ours.cpu(), theirs)
     assert torch.equal(got[0][:, q_width:].cpu(), qkv[:, q_width:])  # keys and values stay as they were in qkv
     untouched = torch.ones(8 * block_size, dtype=torch.bool)
     untouched[slots] = False
