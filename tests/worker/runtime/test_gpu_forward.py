@@ -67,8 +67,8 @@ def test_the_joined_projections_leave_the_model_its_own_linears(tiny_pair, trito
     assert torch.equal(attn.v_proj.weight.cpu(), fresh.model.layers[0].self_attn.v_proj.weight)
 
 
-def test_the_runner_chooses_the_gpu_forward_only_over_the_invariant_layers(tiny_pair):
-    model = load_model(tiny_pair.target_path, "float32")
+def test_the_runner_chooses_the_gpu_forward_only_over_the_invariant_layers(tiny_pair, triton_device):
+    model = load_model(tiny_pair.target_path, "float32", triton_device)
     reason = GpuLlamaForward.supports(model)
     assert "not the batch-invariant ones" in reason  # the CPU model's own linears (or a GPU's cuBLAS ones)
     make_batch_invariant(model)
