@@ -135,10 +135,15 @@ def measure(
     dtypes: list[str],
     before: str | None = None,
     cflags: str = "",
+    split_keys: list[int] = (),
 ) -> list[dict]:
-    """Times every path on every case; prints a row per case and returns them."""
+    """Times every path on every case; prints a row per case and returns them. split_keys: the Triton kernel
+    again with its keys cut at each of these instead of SPLIT_KEYS (CUDA)."""
     functions = paths(device, cflags)
     on_cuda = device.startswith("cuda")
+    if "triton" in functions:
+        splits = {f"split {n}": functools.partial(paged_attention_triton, split_keys=n) for n in split_keys}
+        functions = {"triton": functions.pop("triton"), **splits, **functions}
     if before and on_cuda:
         functions = {"before": load_before(before), **functions}
     threads = torch.get_num_threads()
@@ -154,7 +159,7 @@ def measure(
                     inputs = make_inputs(num_seqs, q_len, context, dtype, device, shape)
                     times = {}
                     for name, function in functions.items():
-                        if function is paged_attention_triton:  # launched for the rows there are, as the worker does
+                        if name == "triton" or name.startswith("split"):  # launched for the rows there are
                             function = functools.partial(function, max_query_len=q_len)
                         # SDPA's path reads the lengths on the host: no graph can capture it
                         graphed = graph_time_per_call_us(function, inputs) if on_cuda and name != "sdpa" else None
@@ -178,13 +183,22 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--shape", choices=list(SHAPES), default="smollm2")
     parser.add_argument("--before", default=None, help="another revision's kernels/paged_attention.py (CUDA)")
+    parser.add_argument("--split-keys", type=ints, default=[], help="CUDA: also time Triton cut at these keys")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--cflags", default="", help="CPU: build the C kernel with these extra flags (space-separated)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = measure(
-        args.device, args.shape, args.seqs, args.q_lens, args.contexts, args.dtypes.split(","), args.before, args.cflags
+        args.device,
+        args.shape,
+        args.seqs,
+        args.q_lens,
+        args.contexts,
+        args.dtypes.split(","),
+        args.before,
+        args.cflags,
+        args.split_keys,
     )
     if args.json:
         with open(args.json, "w") as f:

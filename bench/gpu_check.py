@@ -361,6 +361,11 @@ def linears(args) -> None:
 # --- attention -------------------------------------------------------------------------------------------------
 
 
+# The attention kernel's keys cut at these too (the worker's SPLIT_KEYS is 512): a split per program, so shorter
+# ones put more programs on the GPU at batch 1; the phase times them to choose.
+ATTENTION_SPLITS = (128, 256)
+
+
 def attention(args) -> None:
     """The paged attention kernel per call (bench/bench_paged_attention.py, in CUDA graphs) at the 8B shape's
     heads: Triton against SDPA, and against another revision's kernel where --before names its file."""
@@ -371,16 +376,25 @@ def attention(args) -> None:
     phase.detail("before", before and str(args.before))
 
     def run():
-        rows = measure(args.device, args.shape, args.seqs, args.q_lens, args.contexts, ["bfloat16"], before)
+        rows = measure(
+            args.device,
+            args.shape,
+            args.seqs,
+            args.q_lens,
+            args.contexts,
+            ["bfloat16"],
+            before,
+            split_keys=ATTENTION_SPLITS,
+        )
         phase.detail("rows", rows)
         for row in rows:
             name = f"attention_{args.shape}_bs{row['seqs']}_q{row['q_len']}_ctx{row['context']}"
             us = row["us"]
             own = us[next(name for name in us if name != "before")]  # the worker's path: paths() lists it first
             phase.measure(f"{name}_us", round(own, 1))
-            for other in ("before", "sdpa"):
+            for other in ("before", "sdpa", *(f"split {n}" for n in ATTENTION_SPLITS)):
                 if other in us:
-                    phase.measure(f"{name}_vs_{other}", round(us[other] / own, 2))
+                    phase.measure(f"{name}_vs_{other.replace(' ', '')}", round(us[other] / own, 2))
 
     phase.attempt("attention", run)
 

@@ -347,10 +347,13 @@ def paged_attention_triton(
     scale: float,
     trees: DraftTrees | None = None,
     max_query_len: int | None = None,
+    split_keys: int = SPLIT_KEYS,
 ) -> torch.Tensor:  # [T, H, D]
     """Launch the Triton paged-attention kernel (see module docstring). max_query_len: the most query rows of
-    a sequence (a bound: the kernel is launched for that many; None: the number of rows in all)."""
+    a sequence (a bound: the kernel is launched for that many; None: the number of rows in all). split_keys:
+    where a row's keys are cut (the worker's is SPLIT_KEYS; bench/bench_paged_attention.py times others)."""
     assert HAS_TRITON, "triton is not importable"
+    assert split_keys % 64 == 0, "split_keys must be a multiple of the kernel's key blocks (64)"
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = block_tables.shape[0]
@@ -375,7 +378,7 @@ def paged_attention_triton(
     max_rows = num_tokens if max_query_len is None else max_query_len
     # a tree's rows have a tile each
     tiles = max_rows if trees is not None else -(-max_rows // rows_per_tile)
-    max_splits = -(-block_tables.shape[1] * block_size // SPLIT_KEYS)  # a bound of any row's splits
+    max_splits = -(-block_tables.shape[1] * block_size // split_keys)  # a bound of any row's splits
     # A program per split where the splits' partial sums fit PARALLEL_BYTES (decodes and verifies of long
     # contexts: their few rows would leave the GPU idle); else a program per tile does its splits in turn.
     parallel = max_splits > 1 and num_tokens * num_heads * max_splits * (head_dim + 2) * 4 <= PARALLEL_BYTES
@@ -424,7 +427,7 @@ def paged_attention_triton(
         BLOCK_D=block_d,
         # keys per step: a function of the model alone (K and V tiles of 16 KB at head_dim 128)
         BLOCK_N=32 if query.dtype == torch.float32 or head_dim > 128 else 64,
-        SPLIT_KEYS=SPLIT_KEYS,
+        SPLIT_KEYS=split_keys,
         IEEE=query.dtype == torch.float32 or upcast,
         UPCAST=upcast,
         # fp32's products run on FMA units: with 4 warps a split program spilled registers (ptxas, sm_90).

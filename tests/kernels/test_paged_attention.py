@@ -272,6 +272,21 @@ def test_triton_long_rows_are_the_same_split_in_programs_or_in_turn(dtype, trito
 
 
 @requires_triton
+def test_triton_keys_cut_shorter_merge_to_the_same_attention(triton_device, monkeypatch):
+    """split_keys (the benchmark's choice of where to cut): rows of 1..6 splits of 128 keys, a program per
+    split or one over all giving the same bits, near SDPA's result."""
+    rows = [(1, 700), (3, 129), (2, 128), (1, 30)]
+    case = make_case(rows, 16, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    args = case.args(triton_device)
+    parallel = pa.paged_attention_triton(*args, max_query_len=3, split_keys=128).cpu()
+    monkeypatch.setattr(pa, "PARALLEL_BYTES", 0)
+    assert torch.equal(pa.paged_attention_triton(*args, max_query_len=3, split_keys=128).cpu(), parallel)
+    assert (parallel.double() - dense_attention(case)).abs().max() <= 1e-4
+    with pytest.raises(AssertionError, match="multiple"):
+        pa.paged_attention_triton(*args, split_keys=100)
+
+
+@requires_triton
 def test_triton_bf16_matches_dense(triton_device):
     """bf16 caches and queries: products accumulated in fp32, the probabilities rounded to bf16."""
     case = make_case(CASES["mixed"], block_size=4, dtype=torch.bfloat16)
