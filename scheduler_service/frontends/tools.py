@@ -5,7 +5,8 @@ back out of the output text, whole or as it streams.
 - "auto": the chat template renders the tools; the output is free, and the server's tool-call parser
   (--tool-call-parser) reads calls out of it: `hermes` (Hermes / Qwen: `<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>` blocks, text around them is content; a call's arguments stream once its name is read)
-  or `json` (the whole output is one such object, or a list of them, read at its end).
+  or `json` (the whole output is one such object, or a list of them; a call's arguments stream once its name
+  is read).
 - "required": the output is constrained (structured outputs) to a JSON list of one or more calls
   `[{"name": ..., "arguments": {...}}]` valid against the tools' schemas (one call without
   parallel_tool_calls).
@@ -375,35 +376,52 @@ class RequiredCallReader(_StreamedCalls):
         return "", self._end_call()  # a call cut short: its arguments as they are
 
 
-class JsonCallReader(ToolCallReader):
+class JsonCallReader(_StreamedCalls):
     """The whole output is one call `{"name": ..., "arguments": {...}}` ("parameters" is read too) or a list
     of them ("auto" with the json parser). Output that does not start like JSON is content, streamed as it
-    comes; otherwise it is read at the end, and is content if it is not calls."""
+    comes. Otherwise each call's arguments stream as they are generated once its name is read, as with
+    hermes; a JSON value in which no call's name is read is content, sent when it ends (or the output does),
+    and so is the text after the value. A value cut short (max_tokens) keeps its calls as streamed."""
 
     def __init__(self, is_parallel: bool = True):
         super().__init__(is_parallel)
-        self._text: list[str] = []
-        self._is_content: bool | None = None
+        self._held = ""  # the output while no call's name is read: content if none is
+        self._state = "start"  # "start": only spaces so far; "json": in the value; "content": the rest
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
-        if self._is_content:
+        if self._state == "start":
+            start = len(text) - len(text.lstrip())
+            self._held += text[:start]
+            text = text[start:]
+            if not text:
+                return "", []
+            if text[0] not in "[{":
+                self._state = "content"
+                content, self._held = self._held + text, ""
+                return content, []
+            self._state, self._call_depth = "json", 2 if text[0] == "[" else 1
+        if self._state == "content":
             return text, []
-        self._text.append(text)
-        start = "".join(self._text).lstrip()
-        if self._is_content is None and start:
-            self._is_content = start[0] not in "[{"
-            if self._is_content:
-                return "".join(self._text), []
-        return "", []
+        deltas = []
+        for at, char in enumerate(text):
+            if not self._named:
+                self._held += char
+            deltas += self._read(char)
+            if self._depth == 0:  # the value ended: the rest is content
+                self._state = "content"
+                deltas += self._send()
+                held, self._held = ("", "") if self._named else (self._held, "")
+                return held + text[at + 1 :], deltas
+        return "", deltas + self._send()
 
     def finish(self) -> tuple[str, list[CallDelta]]:
-        if self._is_content:
-            return "", []
-        text = "".join(self._text)
-        calls = _calls_of(text)
-        if calls is None:
-            return text, []
-        return "", [delta for name, arguments in calls for delta in self._add(name, arguments)]
+        if self._state != "json":
+            held, self._held = self._held, ""  # only spaces, or nothing
+            return held, []
+        if not self._named:  # cut short before any call's name: content
+            held, self._held = self._held, ""
+            return held, []
+        return "", self._end_call()  # a call cut short: its arguments as they are
 
 
 class HermesCallReader(_StreamedCalls):
@@ -471,25 +489,6 @@ def _held_back(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
-
-
-def _calls_of(text: str) -> list[tuple[str, object]] | None:
-    """The calls a JSON text holds (an object with a string "name" and object "arguments" or "parameters", or a
-    non-empty list of them), else None."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return None
-        arguments = next((item[key] for key in ARGUMENT_KEYS if key in item), {})
-        if not isinstance(arguments, (dict, str)):
-            return None
-        calls.append((item["name"], arguments))
-    return calls or None
 
 
 class ToolOutputs:

@@ -1,8 +1,8 @@
 """Tool calling through `specdec serve` (in this process, tests/serving.py; the tiny byte-level model, which can
-spell any JSON, with the shipped ChatML tools template and the hermes parser; n-gram speculation): a two-turn
-tool loop with the official `openai` client for "required" and a named function (valid arguments every time,
-forced drafts in usage), "auto" read by the parser, streamed deltas that reassemble to the same calls, the gRPC
-API's calls, and bad tools refused while the server keeps serving."""
+spell any JSON, with the shipped ChatML tools template and the hermes parser, or the json one; n-gram
+speculation): a two-turn tool loop with the official `openai` client for "required" and a named function
+(valid arguments every time, forced drafts in usage), "auto" read by the parser, streamed deltas that
+reassemble to the same calls, the gRPC API's calls, and bad tools refused while the server keeps serving."""
 
 import json
 import pathlib
@@ -39,8 +39,7 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def serve_with_parser(tmp_path_factory, parser: str):
     pair = make_tiny_byte_pair(tmp_path_factory.mktemp("tools"), max_positions=2048)
     args = [
         "--http-port",
@@ -64,12 +63,22 @@ def server(tmp_path_factory):
         "--chat-template",
         str(TEMPLATE),
         "--tool-call-parser",
-        "hermes",
+        parser,
     ]
     with serve_in_process(args) as serving:
         serving.client = openai.OpenAI(base_url=f"http://{serving.http_address}/v1", api_key="none", max_retries=0)
         serving.tokenizer = ChatTokenizer(pair.target_path, TEMPLATE)
         yield serving
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from serve_with_parser(tmp_path_factory, "hermes")
+
+
+@pytest.fixture(scope="module")
+def json_server(tmp_path_factory):
+    yield from serve_with_parser(tmp_path_factory, "json")
 
 
 def chat(server, messages, **kwargs):
@@ -155,6 +164,26 @@ def test_auto_reads_calls_with_the_parser_whole_and_streamed(server):
     chunks = list(chat(server, QUESTION, tool_choice="auto", seed=1, extra_body=extra, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Checking.\n"
     assert reassemble(chunks) == [(c.function.name, c.function.arguments) for c in message.tool_calls]
+
+
+def test_auto_with_the_json_parser_streams_the_arguments(json_server):
+    """The json parser: an output that is a list of calls (a constraint makes the tiny model write one) is
+    read whole, and streamed its arguments come in pieces as they are generated, reassembling to the same."""
+    calls = '\\[\\{"name": "get_time", "arguments": \\{"zone": "CET"\\}\\}\\]'
+    extra = {"structured_outputs": {"regex": calls}}
+    whole = chat(json_server, QUESTION, tool_choice="auto", seed=1, extra_body=extra)
+    message = whole.choices[0].message
+    assert message.content is None and whole.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_time", {"zone": "CET"})
+    ]
+    chunks = list(chat(json_server, QUESTION, tool_choice="auto", seed=1, extra_body=extra, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert reassemble(chunks) == [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    pieces = [p for c in chunks for p in c.choices[0].delta.tool_calls or [] if p.function.arguments]
+    assert len(pieces) > 1  # the arguments went out as they were generated, not whole at the end
+    free = chat(json_server, QUESTION, seed=1, max_tokens=12)  # random text: content, no call
+    assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
 
 
 def reassemble(chunks) -> list[tuple[str, str]]:

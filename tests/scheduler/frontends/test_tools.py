@@ -212,6 +212,47 @@ def test_json_reads_a_call_or_a_list_else_content(text, names, content):
     assert reassembled(deltas) == [(c.id, c.name, c.arguments) for c in reader.calls]
 
 
+def test_json_streams_a_calls_arguments_once_its_name_is_read():
+    reader = JsonCallReader()
+    assert reader.feed(' {"name": "get_weather", "argu') == ("", [])
+    content, deltas = reader.feed('ments": {"city": "Os')
+    assert content == "" and [(d.index, d.name, d.arguments) for d in deltas] == [(0, "get_weather", '{"city": "Os')]
+    assert deltas[0].id.startswith("call_") and reader.calls == []
+    assert reader.feed('lo"}} Done') == (" Done", [CallDelta(0, 'lo"}')])  # after the value: content
+    assert reader.feed(".") == (".", [])
+    assert reader.finish() == ("", [])
+    assert [(c.id, c.name, c.arguments) for c in reader.calls] == [(deltas[0].id, "get_weather", '{"city": "Oslo"}')]
+    _, streamed_deltas = streamed(JsonCallReader(), '[{"name": "a", "arguments": {"x": 1}}, {"name": "b"}]')
+    assert len([d for d in streamed_deltas if d.index == 0]) == len('{"x": 1}')  # a piece per character
+
+
+@pytest.mark.parametrize(
+    "output, content, calls",
+    [
+        ('{"weather": "sunny"} ok', '{"weather": "sunny"} ok', []),  # a value without a call: content
+        ('[{"name": "get_weather", "arguments": {"city": "Os', "", [("get_weather", '{"city": "Os')]),  # cut short
+        ('{"name": "get_time", "argu', "", [("get_time", "")]),  # cut before its arguments
+        ('[{"nam', '[{"nam', []),  # cut before a name: content
+        ('{"name": "get\\qtime", "arguments": {}}',) * 2 + ([],),  # a bad escape: no name
+        ("  ", "  ", []),
+    ],
+)
+@pytest.mark.parametrize("step", ["whole", "streamed"])
+def test_json_values_without_a_call_are_content_and_cut_calls_keep_what_was_streamed(output, content, calls, step):
+    reader = JsonCallReader()
+    got_content, deltas = read(reader, output, step)
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in reader.calls] == calls
+    assert reassembled(deltas) == [(c.id, c.name, c.arguments) for c in reader.calls]
+
+
+def test_json_holds_a_value_without_a_name_until_it_ends():
+    reader = JsonCallReader()
+    assert reader.feed('{"weather": ') == ("", [])
+    assert reader.feed('"sunny"}\n') == ('{"weather": "sunny"}\n', [])
+    assert reader.feed("More.") == ("More.", [])
+
+
 def test_content_that_does_not_start_like_json_streams_at_once():
     reader = JsonCallReader()
     assert reader.feed("  ") == ("", [])
