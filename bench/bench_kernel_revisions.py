@@ -5,7 +5,7 @@
 Builds kernels/csrc (the linear and attention kernels) as the revision had it
 and as the working tree has it, and times the default model's forward with one
 build or the other swapped in (the kernels' callers look them up at every
-call), on the same packed weights and KV cache: rows 1, 2, 3, 5 and 8 of one
+call), on the same packed weights and KV cache: rows 1, 2, 3, 5 and 8 (--rows) of one
 sequence at --context cached tokens (a decode, and verifies of k = 1, 2, 4, 7).
 Every round runs every row count on both builds in turn; the median over the
 rounds is printed with the ratio (working tree / revision). Each build's
@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=25, help="timed forwards per row count, build and round")
+    parser.add_argument("--rows", type=lambda text: [int(n) for n in text.split(",")], default=list(ROWS))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,11 +79,11 @@ def main() -> None:
             "working tree": (linear_cpu.c_library(), paged_attention_cpu.kernel()),
         }
     runner = ModelRunner(load_model(fetch_default_model(), args.dtype))
-    blocks = -(-(args.context + max(ROWS)) // BLOCK_SIZE)
+    blocks = -(-(args.context + max(args.rows)) // BLOCK_SIZE)
     runner.init_cache(blocks, BLOCK_SIZE)
     table = list(range(blocks))
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, runner.vocab_size, (args.context + max(ROWS),), generator=generator).tolist()
+    tokens = torch.randint(3, runner.vocab_size, (args.context + max(args.rows),), generator=generator).tolist()
     runner.forward([SequenceChunk(tokens[: args.context], 0, table, num_logits=0)])
     print(
         f"{cpu_name()}, {torch.get_num_threads()} threads, SmolLM2-135M in {args.dtype}, context {args.context}; "
@@ -91,7 +92,7 @@ def main() -> None:
     samples: dict[tuple[int, str], list[float]] = {}
     logits: dict[tuple[int, str], torch.Tensor] = {}
     for _ in range(args.rounds):
-        for rows in ROWS:
+        for rows in args.rows:
             chunks = [SequenceChunk(tokens[args.context : args.context + rows], args.context, table, num_logits=rows)]
             for name, build in builds.items():
                 use(build)
@@ -102,7 +103,7 @@ def main() -> None:
                 samples.setdefault((rows, name), []).append((time.perf_counter() - start) / args.repeats * 1e3)
     results = []
     print(f"{'rows':>4} {args.rev + ' ms':>14} {'working tree ms':>16} {'ratio':>6}  same logits")
-    for rows in ROWS:
+    for rows in args.rows:
         old, new = (statistics.median(samples[rows, name]) for name in builds)
         same = torch.equal(logits[rows, args.rev], logits[rows, "working tree"])
         print(f"{rows:>4} {old:>14.2f} {new:>16.2f} {new / old:>6.2f}  {same}")
