@@ -6,7 +6,7 @@ Builds kernels/csrc (the linear and attention kernels) as the revision had it
 and as the working tree has it, and times the default model's forward with one
 build or the other swapped in (the kernels' callers look them up at every
 call), on the same packed weights and KV cache: rows 1, 2, 3, 5 and 8 (--rows) of one
-sequence at --context cached tokens (a decode, and verifies of k = 1, 2, 4, 7).
+sequence (of each of --seqs) at --context cached tokens (a decode, and verifies of k = 1, 2, 4, 7).
 Every round runs every row count on both builds in turn; the median over the
 rounds is printed with the ratio (working tree / revision). Each build's
 logits are checked equal: these kernels promise the same bits whatever
@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=25, help="timed forwards per row count, build and round")
     parser.add_argument("--rows", type=lambda text: [int(n) for n in text.split(",")], default=list(ROWS))
+    parser.add_argument("--seqs", type=int, default=1, help="sequences in each forward, each with those rows")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,21 +80,26 @@ def main() -> None:
             "working tree": (linear_cpu.c_library(), paged_attention_cpu.kernel()),
         }
     runner = ModelRunner(load_model(fetch_default_model(), args.dtype))
-    blocks = -(-(args.context + max(args.rows)) // BLOCK_SIZE)
-    runner.init_cache(blocks, BLOCK_SIZE)
-    table = list(range(blocks))
+    blocks = -(-(args.context + max(args.rows)) // BLOCK_SIZE)  # a sequence's
+    runner.init_cache(blocks * args.seqs, BLOCK_SIZE)
+    tables = [list(range(s * blocks, (s + 1) * blocks)) for s in range(args.seqs)]
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, runner.vocab_size, (args.context + max(args.rows),), generator=generator).tolist()
-    runner.forward([SequenceChunk(tokens[: args.context], 0, table, num_logits=0)])
+    length = args.context + max(args.rows)
+    tokens = [torch.randint(3, runner.vocab_size, (length,), generator=generator).tolist() for _ in tables]
+    for seq_tokens, table in zip(tokens, tables):
+        runner.forward([SequenceChunk(seq_tokens[: args.context], 0, table, num_logits=0)])
     print(
-        f"{cpu_name()}, {torch.get_num_threads()} threads, SmolLM2-135M in {args.dtype}, context {args.context}; "
-        f"ms per forward, median of {args.rounds} rounds x {args.repeats}"
+        f"{cpu_name()}, {torch.get_num_threads()} threads, SmolLM2-135M in {args.dtype}, {args.seqs} sequences of "
+        f"context {args.context}; ms per forward, median of {args.rounds} rounds x {args.repeats}"
     )
     samples: dict[tuple[int, str], list[float]] = {}
     logits: dict[tuple[int, str], torch.Tensor] = {}
     for _ in range(args.rounds):
         for rows in args.rows:
-            chunks = [SequenceChunk(tokens[args.context : args.context + rows], args.context, table, num_logits=rows)]
+            chunks = [
+                SequenceChunk(seq_tokens[args.context : args.context + rows], args.context, table, num_logits=rows)
+                for seq_tokens, table in zip(tokens, tables)
+            ]
             for name, build in builds.items():
                 use(build)
                 logits[rows, name] = runner.forward(chunks)  # warm-up; rewrites the same K/V
@@ -113,6 +119,7 @@ def main() -> None:
         {
             "cpu": cpu_name(),
             "rev": args.rev,
+            "seqs": args.seqs,
             "dtype": args.dtype,
             "context": args.context,
             "rounds": args.rounds,
