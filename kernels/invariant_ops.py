@@ -121,7 +121,8 @@ if HAS_TRITON:
             if HAS_BIAS:
                 total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             y = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-            tl.store(y, total.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            dtype = y_ptr.dtype.element_ty  # rounded on the bits, as _sum_splits_kernel rounds
+            tl.store(y, rounded_to(total, dtype).to(dtype), mask=row_ok[:, None] & col_ok[None, :])
         else:
             split = tl.program_id(2)
             acc = _split_sum(
@@ -143,7 +144,8 @@ if HAS_TRITON:
         col = index % N
         if HAS_BIAS:
             total += tl.load(b_ptr + col, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + (index // N) * stride_ym + col, total.to(y_ptr.dtype.element_ty), mask=ok)
+        dtype = y_ptr.dtype.element_ty  # rounded on the bits: the same as a consumer of the splits (layer_ops)
+        tl.store(y_ptr + (index // N) * stride_ym + col, rounded_to(total, dtype).to(dtype), mask=ok)
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, stride_x, stride_y, eps, BLOCK_H: tl.constexpr):
@@ -181,6 +183,18 @@ def k_splits(n: int, k: int) -> tuple[int, int]:
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w [N, K].T (+ b [N]) -> [..., N] in x's dtype; batch invariant (module docstring)."""
+    return _linear(x, w, b, sum_splits=True)
+
+
+def linear_split_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T as linear_triton computes it, but where it would add the splits' sums with a
+    second kernel, those sums themselves: [S, M, N] fp32, for a consumer that adds them in order, from zero, and
+    rounds the total to x's dtype, as that kernel does (layer_ops.add_rms_norm_triton); else y [M, N]."""
+    assert x.dim() == 2
+    return _linear(x, w, None, sum_splits=False)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, sum_splits: bool) -> torch.Tensor:
     assert HAS_TRITON, "triton is not importable"
     assert w.dim() == 2 and w.stride(1) == 1 and x.shape[-1] == w.shape[1]
     assert x.dtype == w.dtype and x.device == w.device
@@ -221,6 +235,8 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
         BLOCK_N=bn,
         BLOCK_K=BLOCK_K,
     )
+    if not all_splits and not sum_splits:
+        return part
     if not all_splits:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](

@@ -24,18 +24,28 @@ if HAS_TRITON:
         stride_r,
         stride_y,
         eps,
+        num_rows,
         HAS_H: tl.constexpr,
+        H_SPLITS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         """Row r: residual += h (rounded to the dtype, stored); y = w * (residual / sqrt(mean(residual^2) + eps)),
-        the normed row rounded to the dtype before the weight, as LlamaRMSNorm."""
+        the normed row rounded to the dtype before the weight, as LlamaRMSNorm. With H_SPLITS, h is a linear's
+        split sums (invariant_ops.linear_split_sums, [H_SPLITS, rows, H] fp32), added in order from zero and
+        rounded to the dtype first, as invariant_ops' _sum_splits_kernel would have stored h."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < H
         x = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0)
         if HAS_H:
-            h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0)
-            x = rounded_to(x.to(tl.float32) + h.to(tl.float32), x.dtype).to(x.dtype)
+            if H_SPLITS > 0:
+                total = tl.zeros((BLOCK,), dtype=tl.float32)
+                for split in range(0, H_SPLITS):
+                    total += tl.load(h_ptr + (split * num_rows + row) * stride_h + cols, mask=ok, other=0.0)
+                h = rounded_to(total, x.dtype)
+            else:
+                h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
+            x = rounded_to(x.to(tl.float32) + h, x.dtype).to(x.dtype)
             tl.store(residual_ptr + row * stride_r + cols, x, mask=ok)
         x = x.to(tl.float32)
         variance = tl.sum(x * x, axis=0) / H
@@ -113,12 +123,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def add_rms_norm_triton(h: torch.Tensor | None, residual: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += h in place (h None: the first layer's norm, residual unchanged); returns
-    LlamaRMSNorm(residual) with weight w. [T, hidden] each; a program per row."""
+    LlamaRMSNorm(residual) with weight w. [T, hidden] each; a program per row. h may also be a linear's split
+    sums, [splits, T, hidden] fp32 (invariant_ops.linear_split_sums): the same as adding the h they sum to."""
     assert HAS_TRITON, "triton is not importable"
     _rows(residual)
     num_rows, hidden = residual.shape
     assert w.shape == (hidden,) and w.device == residual.device
-    if h is not None:
+    splits = 0
+    if h is not None and h.dim() == 3:
+        splits = h.shape[0]
+        assert h.shape[1:] == residual.shape and h.dtype == torch.float32 and h.is_contiguous()
+        h = h.view(-1, hidden)
+    elif h is not None:
         assert _rows(h).shape == residual.shape and h.dtype == residual.dtype
     y = torch.empty_like(residual)
     block = triton.next_power_of_2(hidden)
@@ -133,7 +149,9 @@ def add_rms_norm_triton(h: torch.Tensor | None, residual: torch.Tensor, w: torch
             residual.stride(0),
             y.stride(0),
             eps,
+            num_rows,
             HAS_H=h is not None,
+            H_SPLITS=splits,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
         )

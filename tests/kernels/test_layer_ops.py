@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from kernels import layer_ops
+from kernels import invariant_ops, layer_ops
 from kernels._triton import HAS_TRITON
 from tests.tiny_models import tiny_llama
 
@@ -46,6 +46,29 @@ def test_add_rms_norm_is_the_residual_add_then_llama_rms_norm(dtype, triton_devi
     # each row alone: the first 5 rows by themselves give the same bits
     alone = layer_ops.add_rms_norm_triton(None, ours_residual[:5].clone(), w.to(triton_device), 1e-5)
     assert torch.equal(alone.cpu(), got[:5].cpu())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_rms_norm_adds_a_linears_split_sums_as_the_linear_would(dtype, triton_device, monkeypatch):
+    """The GPU forward hands o_proj's and down's split sums (a decode step's few rows) to the residual add: the
+    residual and the normed rows are bit for bit those of the linear's own sum, then the add; more rows than
+    one tile get the summed output, as from linear_triton."""
+    monkeypatch.setattr(invariant_ops, "MIN_SPLIT_WEIGHTS", 0)  # a small weight split as a large one is
+    assert invariant_ops.k_splits(96, 1030)[0] == 4
+    x, w = _random((70, 1030), dtype, 7).to(triton_device), _random((96, 1030), dtype, 8).to(triton_device)
+    norm, residual = _random((96,), dtype, 9).to(triton_device), _random((5, 96), dtype, 10, 4.0).to(triton_device)
+    parts = invariant_ops.linear_split_sums(x[:5], w)
+    assert parts.shape == (4, 5, 96) and parts.dtype == torch.float32
+    want_residual, got_residual = residual.clone(), residual.clone()
+    want = layer_ops.add_rms_norm_triton(invariant_ops.linear_triton(x[:5], w), want_residual, norm, 1e-5)
+    got = layer_ops.add_rms_norm_triton(parts, got_residual, norm, 1e-5)
+    assert torch.equal(got_residual.cpu(), want_residual.cpu()) and torch.equal(got.cpu(), want.cpu())
+    rows = torch.tensor([4, 1], device=triton_device)  # the last layer's: only the rows whose logits are wanted
+    h = invariant_ops.linear_triton(x[:5], w)
+    some = layer_ops.add_rms_norm_triton(parts.index_select(-2, rows), residual[rows], norm, 1e-5)
+    assert torch.equal(some.cpu(), layer_ops.add_rms_norm_triton(h[rows], residual[rows], norm, 1e-5).cpu())
+    many = invariant_ops.linear_split_sums(x, w)  # 70 rows: more than a tile, summed by the linear itself
+    assert torch.equal(many.cpu(), invariant_ops.linear_triton(x, w).cpu())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -5,7 +5,7 @@ runner chooses it. On the CPU in Triton's interpreter (the tiny model), on CUDA 
 import pytest
 import torch
 
-from kernels import layer_ops
+from kernels import invariant_ops, layer_ops
 from kernels._triton import HAS_TRITON
 from tests.worker.runtime.test_fast_forward import _run
 from tests.worker.runtime.test_forward_invariance import LAYOUT, SHORT_LAYOUT, rows_that_differ
@@ -14,7 +14,7 @@ from worker_service.runtime.backends import gpu_llama
 from worker_service.runtime.backends.gpu_llama import GpuLlamaForward
 from worker_service.runtime.invariant_layers import make_batch_invariant
 from worker_service.runtime.loader import load_model
-from worker_service.runtime.runner import ModelRunner
+from worker_service.runtime.runner import ModelRunner, SequenceChunk
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 
@@ -52,6 +52,29 @@ def test_the_gpu_forward_keeps_a_row_alone_equal_to_the_row_in_a_mixed_batch(tin
     runner = runner_with("gpu_llama", tiny_pair.target_path, dtype, triton_device)
     differ = rows_that_differ(runner, layout)
     assert differ == [], f"rows {differ} of the mixed step differ from the same rows decoded alone"
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.gpu)])
+def test_split_sums_added_by_the_residual_add_give_the_linears_own_bits(tiny_pair, triton_device, dtype, monkeypatch):
+    """Where a decode step's linear splits K, down's split sums go to the residual add's kernel instead of the
+    linear's second launch: the logits are bit for bit those of the linear's own sum."""
+    monkeypatch.setattr(invariant_ops, "MIN_SPLIT_WEIGHTS", 0)  # the tiny model's down splits as an 8B's does
+    monkeypatch.setattr(invariant_ops, "MIN_SPLIT_BLOCKS", 1)
+    config = load_model(tiny_pair.target_path, dtype).config
+    assert invariant_ops.k_splits(config.hidden_size, config.intermediate_size)[0] > 1
+
+    def steps() -> list[torch.Tensor]:  # a prefill of two sequences, then a decode of one beside a verify
+        runner = runner_with("gpu_llama", tiny_pair.target_path, dtype, triton_device)
+        runner.init_cache(num_blocks=8, block_size=4)
+        tokens = [[5 + 3 * i + j for i in range(12)] for j in range(2)]
+        prefill = [SequenceChunk(tokens[j][:8], 0, [4 * j + b for b in range(4)], 1) for j in range(2)]
+        step = [SequenceChunk(tokens[0][8:9], 8, [0, 1, 2, 3], 1), SequenceChunk(tokens[1][8:12], 8, [4, 5, 6, 7], 4)]
+        return [runner.forward(prefill), runner.forward(step)]
+
+    fused = steps()
+    monkeypatch.setattr(gpu_llama, "linear_split_sums", invariant_ops.linear_triton)
+    for got, want in zip(fused, steps()):
+        assert torch.equal(got.cpu(), want.cpu())
 
 
 def test_the_joined_projections_leave_the_model_its_own_linears(tiny_pair, triton_device):

@@ -14,6 +14,9 @@ nine launches (more where the linear splits K), every one batch invariant:
     x = add_rms_norm(h, residual)
     h = linear(silu_mul(linear(x, [gate; up])), down)
 
+Where a decode step's few rows make a linear split K, o's and down's split sums go to add_rms_norm, which
+adds them in the linear's own order: two launches a layer fewer, the same bits.
+
 The q/k/v and gate/up weights are joined once, and the model's own linears are made views of the joined
 tensors (no second copy). It rounds where `transformers` rounds, so its logits equal the `transformers`
 forward's up to the order of a few sums (tests/worker/runtime/test_gpu_forward.py); `transformers` stays the
@@ -28,7 +31,7 @@ from transformers import PreTrainedModel
 
 from kernels import layer_ops
 from kernels._triton import HAS_TRITON, INTERPRETED, TRITON_DEVICE_TYPES
-from kernels.invariant_ops import linear_triton
+from kernels.invariant_ops import linear_split_sums, linear_triton
 from kernels.paged_attention import paged_attention_triton
 from worker_service.runtime.attention import PagedMetadata
 from worker_service.runtime.invariant_layers import InvariantLinear, InvariantRMSNorm, mismatch
@@ -192,8 +195,11 @@ class GpuLlamaForward:
             attn = paged_attention_triton(
                 query, key_cache, value_cache, tables, starts, lens, layer.scaling, trees, meta.max_query_len
             )  # [T, H, D]
-            h = linear_triton(attn.view(num_tokens, q_width), layer.o_proj)
+            # o_proj and down: their split sums (a decode step's few rows) are added by the residual add's own
+            # kernel, not by a second launch of the linear's
+            h = linear_split_sums(attn.view(num_tokens, q_width), layer.o_proj)
             x = layer_ops.add_rms_norm_triton(h, residual, layer.post_norm, self.eps)
-            h = linear_triton(layer_ops.silu_mul_triton(linear_triton(x, layer.gate_up)), layer.down)
+            h = linear_split_sums(layer_ops.silu_mul_triton(linear_triton(x, layer.gate_up)), layer.down)
         # The last residual add and the final norm: only the rows whose logits are wanted.
-        return layer_ops.add_rms_norm_triton(h[rows], residual[rows], self.final_norm, self.eps), aux
+        last = h.index_select(-2, rows.to(h.device)) if h is not None else None
+        return layer_ops.add_rms_norm_triton(last, residual[rows], self.final_norm, self.eps), aux
