@@ -55,14 +55,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _rope_write_kv_kernel(
-        qkv_ptr,  # [T, (H + 2 KVH) D]: q heads rotated in place
+        qkv_ptr,  # [T, (H + 2 KVH) D], or a linear's split sums of it [SPLITS, T, (H + 2 KVH) D] fp32
+        q_ptr,  # [T, H D]: the rotated query heads (qkv itself when it is not split sums: in place)
         cos_ptr,  # [T, D]
         sin_ptr,  # [T, D]
         slots_ptr,  # [T] int64
         key_cache_ptr,  # [slots, KVH, D] (a paged cache's blocks, flat)
         value_cache_ptr,
         stride_qkv,
+        stride_q,
         stride_cos,
+        num_rows,
+        SPLITS: tl.constexpr,
         HEADS: tl.constexpr,  # query heads
         KV_HEADS: tl.constexpr,
         HALF: tl.constexpr,  # head_dim // 2
@@ -70,50 +74,76 @@ if HAS_TRITON:
         BLOCK_HALF: tl.constexpr,
     ):
         """Token t: its query and key heads rotated (q * cos + rotate_half(q) * sin, each product and the sum
-        rounded to the dtype, as apply_rotary_pos_emb); the queries back into qkv, the keys and values into the
-        cache at slots[t]."""
+        rounded to the dtype, as apply_rotary_pos_emb); the queries into q, the keys and values into the cache
+        at slots[t]. With SPLITS, qkv is a linear's split sums, added in order from zero and rounded to the
+        dtype first, as the linear's own second kernel would (invariant_ops.linear_split_sums)."""
         t = tl.program_id(0).to(tl.int64)
+        dtype = key_cache_ptr.dtype.element_ty
         heads = tl.arange(0, BLOCK_HEADS)[:, None]  # [BH, 1]: query heads, then key heads
         d = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BD]
         ok = (heads < HEADS + KV_HEADS) & (d < HALF)
-        row = qkv_ptr + t * stride_qkv
-        first = tl.load(row + heads * (2 * HALF) + d, mask=ok, other=0.0)  # [BH, BD]: x1
-        second = tl.load(row + heads * (2 * HALF) + HALF + d, mask=ok, other=0.0)  # x2
+        v_heads = tl.arange(0, BLOCK_HEADS)[:, None]  # the value heads
+        v_cols = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+        v_ok = (v_heads < KV_HEADS) & (v_cols < 2 * HALF)
+        first_at = heads * (2 * HALF) + d  # [BH, BD]: x1 of each head; x2 HALF further
+        v_at = (HEADS + KV_HEADS + v_heads) * (2 * HALF) + v_cols
+        if SPLITS > 0:
+            first_sum = tl.zeros((BLOCK_HEADS, BLOCK_HALF), dtype=tl.float32)
+            second_sum = tl.zeros((BLOCK_HEADS, BLOCK_HALF), dtype=tl.float32)
+            v_sum = tl.zeros((BLOCK_HEADS, 2 * BLOCK_HALF), dtype=tl.float32)
+            for split in range(0, SPLITS):
+                row = qkv_ptr + (split * num_rows + t) * stride_qkv
+                first_sum += tl.load(row + first_at, mask=ok, other=0.0)
+                second_sum += tl.load(row + first_at + HALF, mask=ok, other=0.0)
+                v_sum += tl.load(row + v_at, mask=v_ok, other=0.0)
+            x1, x2 = rounded_to(first_sum, dtype), rounded_to(second_sum, dtype)
+            v = rounded_to(v_sum, dtype).to(dtype)
+        else:
+            row = qkv_ptr + t * stride_qkv
+            x1 = tl.load(row + first_at, mask=ok, other=0.0).to(tl.float32)
+            x2 = tl.load(row + first_at + HALF, mask=ok, other=0.0).to(tl.float32)
+            v = tl.load(row + v_at, mask=v_ok, other=0.0)
         cos1 = tl.load(cos_ptr + t * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
         cos2 = tl.load(cos_ptr + t * stride_cos + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
         sin1 = tl.load(sin_ptr + t * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
         sin2 = tl.load(sin_ptr + t * stride_cos + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
-        dtype = first.dtype
-        x1, x2 = first.to(tl.float32), second.to(tl.float32)
         # rotate_half(x) = [-x2, x1]
         out1 = rounded_to(rounded_to(x1 * cos1, dtype) + rounded_to(-x2 * sin1, dtype), dtype).to(dtype)
         out2 = rounded_to(rounded_to(x2 * cos2, dtype) + rounded_to(x1 * sin2, dtype), dtype).to(dtype)
         is_q = heads < HEADS
-        tl.store(row + heads * (2 * HALF) + d, out1, mask=ok & is_q)
-        tl.store(row + heads * (2 * HALF) + HALF + d, out2, mask=ok & is_q)
+        tl.store(q_ptr + t * stride_q + first_at, out1, mask=ok & is_q)
+        tl.store(q_ptr + t * stride_q + first_at + HALF, out2, mask=ok & is_q)
         slot = tl.load(slots_ptr + t)
         kv = slot * (KV_HEADS * 2 * HALF) + (heads - HEADS) * (2 * HALF) + d  # [BH, BD] for the key heads
         is_k = ok & (heads >= HEADS)
         tl.store(key_cache_ptr + kv, out1, mask=is_k)
         tl.store(key_cache_ptr + kv + HALF, out2, mask=is_k)
-        # the value heads: a copy
-        v_heads = tl.arange(0, BLOCK_HEADS)[:, None]
-        v_cols = tl.arange(0, 2 * BLOCK_HALF)[None, :]
-        v_ok = (v_heads < KV_HEADS) & (v_cols < 2 * HALF)
-        v = tl.load(row + (HEADS + KV_HEADS + v_heads) * (2 * HALF) + v_cols, mask=v_ok, other=0.0)
         tl.store(value_cache_ptr + slot * (KV_HEADS * 2 * HALF) + v_heads * (2 * HALF) + v_cols, v, mask=v_ok)
 
     @triton.jit
-    def _silu_mul_kernel(gate_up_ptr, out_ptr, N, stride_in, stride_out, BLOCK: tl.constexpr):
-        """out[r] = silu(gate[r]) * up[r], gate_up = [gate | up]: silu rounded to the dtype, then the product."""
+    def _silu_mul_kernel(
+        gate_up_ptr, out_ptr, N, stride_in, stride_out, num_rows, SPLITS: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """out[r] = silu(gate[r]) * up[r], gate_up = [gate | up]: silu rounded to the dtype, then the product.
+        With SPLITS, gate_up is a linear's split sums ([SPLITS, rows, 2N] fp32, invariant_ops.linear_split_sums),
+        added in order from zero and rounded to the dtype first, as the linear's own second kernel would."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N
-        gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=ok, other=0.0)
-        up = tl.load(gate_up_ptr + row * stride_in + N + cols, mask=ok, other=0.0).to(tl.float32)
-        g = gate.to(tl.float32)
-        silu = rounded_to(g / (1.0 + tl.exp(-g)), gate.dtype)
-        tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
+        dtype = out_ptr.dtype.element_ty
+        if SPLITS > 0:
+            gate_sum = tl.zeros((BLOCK,), dtype=tl.float32)
+            up_sum = tl.zeros((BLOCK,), dtype=tl.float32)
+            for split in range(0, SPLITS):
+                part = gate_up_ptr + (split * num_rows + row) * stride_in
+                gate_sum += tl.load(part + cols, mask=ok, other=0.0)
+                up_sum += tl.load(part + N + cols, mask=ok, other=0.0)
+            g, up = rounded_to(gate_sum, dtype), rounded_to(up_sum, dtype)
+        else:
+            g = tl.load(gate_up_ptr + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
+            up = tl.load(gate_up_ptr + row * stride_in + N + cols, mask=ok, other=0.0).to(tl.float32)
+        silu = rounded_to(g / (1.0 + tl.exp(-g)), dtype)
+        tl.store(out_ptr + row * stride_out + cols, (silu * up).to(dtype), mask=ok)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -168,39 +198,55 @@ def add_rms_norm_ref(h: torch.Tensor | None, residual: torch.Tensor, w: torch.Te
 
 
 def rope_write_kv_triton(
-    qkv: torch.Tensor,  # [T, (H + 2 KVH) D]
+    qkv: torch.Tensor,  # [T, (H + 2 KVH) D], or a linear's split sums of it [splits, T, (H + 2 KVH) D] fp32
     cos: torch.Tensor,  # [T, D]
     sin: torch.Tensor,  # [T, D]
     num_heads: int,
     slots: torch.Tensor,  # [T] int64
     key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     value_cache: torch.Tensor,
-) -> None:
-    """RoPE on qkv's query heads in place; its rotated key heads and its value heads written into the cache
-    at `slots`. A program per token."""
+) -> torch.Tensor:  # [T, H D]
+    """RoPE on qkv's query heads; its rotated key heads and its value heads written into the cache at `slots`.
+    Returns the rotated queries: qkv's own columns, rotated in place, or from split sums (invariant_ops.
+    linear_split_sums) a new tensor in the cache's dtype. A program per token."""
     assert HAS_TRITON, "triton is not importable"
-    _rows(qkv)
     _, _, num_kv_heads, head_dim = key_cache.shape
-    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
-    assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == qkv.dtype
-    assert cos.shape == sin.shape == (qkv.shape[0], head_dim) and cos.stride(1) == 1 and cos.stride() == sin.stride()
-    assert slots.dtype == torch.int64 and slots.shape == (qkv.shape[0],)
-    if qkv.shape[0]:
-        _rope_write_kv_kernel[(qkv.shape[0],)](
+    width, q_width = (num_heads + 2 * num_kv_heads) * head_dim, num_heads * head_dim
+    splits = qkv.shape[0] if qkv.dim() == 3 else 0
+    if splits:
+        assert qkv.dtype == torch.float32 and qkv.is_contiguous()
+        num_tokens = qkv.shape[1]
+        query = torch.empty((num_tokens, q_width), dtype=key_cache.dtype, device=qkv.device)
+        qkv = qkv.view(-1, qkv.shape[2])
+    else:
+        assert key_cache.dtype == qkv.dtype
+        num_tokens, query = qkv.shape[0], qkv[:, :q_width]
+    _rows(qkv)
+    assert qkv.shape[1] == width and head_dim % 2 == 0
+    assert key_cache.is_contiguous() and value_cache.is_contiguous() and value_cache.dtype == key_cache.dtype
+    assert cos.shape == sin.shape == (num_tokens, head_dim) and cos.stride(1) == 1 and cos.stride() == sin.stride()
+    assert slots.dtype == torch.int64 and slots.shape == (num_tokens,)
+    if num_tokens:
+        _rope_write_kv_kernel[(num_tokens,)](
             qkv,
+            query,
             cos,
             sin,
             slots,
             key_cache,
             value_cache,
             qkv.stride(0),
+            query.stride(0),
             cos.stride(0),
+            num_tokens,
+            SPLITS=splits,
             HEADS=num_heads,
             KV_HEADS=num_kv_heads,
             HALF=head_dim // 2,
             BLOCK_HEADS=triton.next_power_of_2(num_heads + num_kv_heads),
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         )
+    return query
 
 
 def rope_write_kv_ref(
@@ -227,16 +273,24 @@ def rope_write_kv_ref(
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
 
-def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2N] = [gate | up] -> silu(gate) * up, [T, N]."""
+def silu_mul_triton(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[T, 2N] = [gate | up] -> silu(gate) * up, [T, N]. gate_up may also be a linear's split sums,
+    [splits, T, 2N] fp32 (invariant_ops.linear_split_sums), with the model's dtype: the same as from the
+    gate_up they sum to."""
     assert HAS_TRITON, "triton is not importable"
+    splits = 0
+    if gate_up.dim() == 3:
+        splits = gate_up.shape[0]
+        assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and dtype is not None
+        gate_up = gate_up.view(-1, gate_up.shape[2])
+    assert splits or dtype in (None, gate_up.dtype)
     _rows(gate_up)
-    num_rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((num_rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    num_rows, n = gate_up.shape[0] // max(splits, 1), gate_up.shape[1] // 2
+    out = torch.empty((num_rows, n), dtype=dtype or gate_up.dtype, device=gate_up.device)
     block = min(4096, triton.next_power_of_2(n))
     if num_rows:
         _silu_mul_kernel[(num_rows, triton.cdiv(n, block))](
-            gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block
+            gate_up, out, n, gate_up.stride(0), out.stride(0), num_rows, SPLITS=splits, BLOCK=block
         )
     return out
 

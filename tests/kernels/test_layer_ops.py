@@ -49,10 +49,11 @@ def test_add_rms_norm_is_the_residual_add_then_llama_rms_norm(dtype, triton_devi
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_add_rms_norm_adds_a_linears_split_sums_as_the_linear_would(dtype, triton_device, monkeypatch):
-    """The GPU forward hands o_proj's and down's split sums (a decode step's few rows) to the residual add: the
-    residual and the normed rows are bit for bit those of the linear's own sum, then the add; more rows than
-    one tile get the summed output, as from linear_triton."""
+def test_a_linears_split_sums_are_added_by_the_next_kernel_as_by_the_linear(dtype, triton_device, monkeypatch):
+    """The GPU forward hands a linear's split sums (a decode step's few rows) to the next kernel: o_proj's and
+    down's to the residual add, gate/up's to SiLU·mul, q/k/v's to RoPE and the K/V write. The results are bit
+    for bit those of the linear's own sum, then the op; more rows than one tile get the summed output, as from
+    linear_triton."""
     monkeypatch.setattr(invariant_ops, "MIN_SPLIT_WEIGHTS", 0)  # a small weight split as a large one is
     assert invariant_ops.k_splits(96, 1030)[0] == 4
     x, w = _random((70, 1030), dtype, 7).to(triton_device), _random((96, 1030), dtype, 8).to(triton_device)
@@ -69,6 +70,27 @@ def test_add_rms_norm_adds_a_linears_split_sums_as_the_linear_would(dtype, trito
     assert torch.equal(some.cpu(), layer_ops.add_rms_norm_triton(h[rows], residual[rows], norm, 1e-5).cpu())
     many = invariant_ops.linear_split_sums(x, w)  # 70 rows: more than a tile, summed by the linear itself
     assert torch.equal(many.cpu(), invariant_ops.linear_triton(x, w).cpu())
+    # gate/up's split sums into SiLU·mul: the same as from the gate_up they sum to
+    act = layer_ops.silu_mul_triton(parts, dtype)
+    assert act.shape == (5, 48) and act.dtype == dtype
+    assert torch.equal(act.cpu(), layer_ops.silu_mul_triton(invariant_ops.linear_triton(x[:5], w)).cpu())
+    # q/k/v's split sums into RoPE and the K/V write (4 query heads, 2 KV heads of 16): the same queries and
+    # caches as from the qkv they sum to, rotated in place
+    config = tiny_llama(0, 1, 64, 4, 2).config
+    cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=dtype), torch.arange(5)[None])
+    cos, sin = cos[0].contiguous().to(triton_device), sin[0].contiguous().to(triton_device)
+    w_qkv = _random((128, 1030), dtype, 11).to(triton_device)
+    assert invariant_ops.k_splits(128, 1030)[0] > 1
+    slots = torch.tensor([3, 0, 7, 5, 1], device=triton_device)
+    caches = [torch.zeros((2, 4, 2, 16), dtype=dtype, device=triton_device) for _ in range(4)]
+    qkv = invariant_ops.linear_triton(x[:5], w_qkv)
+    want_q = layer_ops.rope_write_kv_triton(qkv, cos, sin, 4, slots, caches[0], caches[1])
+    got_q = layer_ops.rope_write_kv_triton(
+        invariant_ops.linear_split_sums(x[:5], w_qkv), cos, sin, 4, slots, caches[2], caches[3]
+    )
+    assert want_q.data_ptr() == qkv.data_ptr() and got_q.shape == want_q.shape == (5, 64)
+    assert torch.equal(got_q.cpu(), want_q.cpu())
+    assert torch.equal(caches[2].cpu(), caches[0].cpu()) and torch.equal(caches[3].cpu(), caches[1].cpu())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -14,8 +14,9 @@ nine launches (more where the linear splits K), every one batch invariant:
     x = add_rms_norm(h, residual)
     h = linear(silu_mul(linear(x, [gate; up])), down)
 
-Where a decode step's few rows make a linear split K, o's and down's split sums go to add_rms_norm, which
-adds them in the linear's own order: two launches a layer fewer, the same bits.
+Where a decode step's few rows make a linear split K, each linear's split sums go to the next kernel
+(rope_write_kv, add_rms_norm, silu_mul), which adds them in the linear's own order: four launches a layer
+fewer, the same bits.
 
 The q/k/v and gate/up weights are joined once, and the model's own linears are made views of the joined
 tensors (no second copy). It rounds where `transformers` rounds, so its logits equal the `transformers`
@@ -31,7 +32,7 @@ from transformers import PreTrainedModel
 
 from kernels import layer_ops
 from kernels._triton import HAS_TRITON, INTERPRETED, TRITON_DEVICE_TYPES
-from kernels.invariant_ops import linear_split_sums, linear_triton
+from kernels.invariant_ops import linear_split_sums
 from kernels.paged_attention import paged_attention_triton
 from worker_service.runtime.attention import PagedMetadata
 from worker_service.runtime.invariant_layers import InvariantLinear, InvariantRMSNorm, mismatch
@@ -188,18 +189,18 @@ class GpuLlamaForward:
             x = layer_ops.add_rms_norm_triton(h, residual, layer.input_norm, self.eps)
             for slot in (j for j, i in enumerate(aux_layers) if i == index):  # the stream entering this layer
                 aux[:, slot * hidden : (slot + 1) * hidden] = residual
-            qkv = linear_triton(x, layer.qkv)  # [T, (H + 2 KVH) D]
+            qkv = linear_split_sums(x, layer.qkv)  # [T, (H + 2 KVH) D], or its split sums
             key_cache, value_cache = cache.key_caches[index], cache.value_caches[index]
-            layer_ops.rope_write_kv_triton(qkv, cos, sin, heads, slots, key_cache, value_cache)
-            query = qkv[:, :q_width].view(num_tokens, heads, self.head_dim)
+            query = layer_ops.rope_write_kv_triton(qkv, cos, sin, heads, slots, key_cache, value_cache)
+            query = query.view(num_tokens, heads, self.head_dim)
             attn = paged_attention_triton(
                 query, key_cache, value_cache, tables, starts, lens, layer.scaling, trees, meta.max_query_len
             )  # [T, H, D]
-            # o_proj and down: their split sums (a decode step's few rows) are added by the residual add's own
-            # kernel, not by a second launch of the linear's
+            # the split sums of a decode step's few rows are added by the next kernel, not by a second launch
             h = linear_split_sums(attn.view(num_tokens, q_width), layer.o_proj)
             x = layer_ops.add_rms_norm_triton(h, residual, layer.post_norm, self.eps)
-            h = linear_split_sums(layer_ops.silu_mul_triton(linear_triton(x, layer.gate_up)), layer.down)
+            act = layer_ops.silu_mul_triton(linear_split_sums(x, layer.gate_up), residual.dtype)
+            h = linear_split_sums(act, layer.down)
         # The last residual add and the final norm: only the rows whose logits are wanted.
         last = h.index_select(-2, rows.to(h.device)) if h is not None else None
         return layer_ops.add_rms_norm_triton(last, residual[rows], self.final_norm, self.eps), aux
