@@ -61,12 +61,21 @@ def kernels_fail(device: torch.device, dtype: torch.dtype) -> str | None:
         rope_ref, rope_got = qkv.clone(), qkv.clone()
         layer_ops.rope_write_kv_ref(rope_ref, cos, sin, 2, slots, caches[0], caches[1])
         layer_ops.rope_write_kv_triton(rope_got, cos, sin, 2, slots, caches[2], caches[3])
+        # the same ops fed a linear's split sums (two halves of each input, fp32), as a decode step feeds them
+        halves = [(t.float() / 2).expand(2, *t.shape).contiguous() for t in (h, gate_up, qkv)]
+        split_caches = [torch.zeros_like(caches[0]) for _ in range(2)]
+        split_q = layer_ops.rope_write_kv_triton(halves[2], cos, sin, 2, slots, *split_caches)
         return mismatch(
             (got, want),
             (layer_ops.silu_mul_triton(gate_up), layer_ops.silu_mul_ref(gate_up)),
             (rope_got, rope_ref),
             (caches[2], caches[0]),
             (caches[3], caches[1]),
+            (layer_ops.add_rms_norm_triton(halves[0], residual.clone(), weight, 1e-6), want),
+            (layer_ops.silu_mul_triton(halves[1], dtype), layer_ops.silu_mul_ref(gate_up)),
+            (split_q, rope_ref[:, : 2 * 16]),
+            (split_caches[0], caches[0]),
+            (split_caches[1], caches[1]),
         )
     except Exception as exc:  # noqa: BLE001 - whatever stops the kernels is reported, and the model keeps its forward
         return f"{type(exc).__name__}: {exc}"
