@@ -151,6 +151,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _linear_output(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A linear's output as the row kernels read it: (its rows, 2-D; how many split sums (0: none); rows per
+    split sum). [splits, T, N] fp32 split sums (invariant_ops.linear_split_sums) are read as [splits x T, N]."""
+    if t.dim() == 3:
+        assert t.dtype == torch.float32 and t.is_contiguous()
+        return t.view(-1, t.shape[2]), t.shape[0], t.shape[1]
+    return _rows(t), 0, t.shape[0]
+
+
 def add_rms_norm_triton(h: torch.Tensor | None, residual: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += h in place (h None: the first layer's norm, residual unchanged); returns
     LlamaRMSNorm(residual) with weight w. [T, hidden] each; a program per row. h may also be a linear's split
@@ -160,12 +169,9 @@ def add_rms_norm_triton(h: torch.Tensor | None, residual: torch.Tensor, w: torch
     num_rows, hidden = residual.shape
     assert w.shape == (hidden,) and w.device == residual.device
     splits = 0
-    if h is not None and h.dim() == 3:
-        splits = h.shape[0]
-        assert h.shape[1:] == residual.shape and h.dtype == torch.float32 and h.is_contiguous()
-        h = h.view(-1, hidden)
-    elif h is not None:
-        assert _rows(h).shape == residual.shape and h.dtype == residual.dtype
+    if h is not None:
+        h, splits, h_rows = _linear_output(h)
+        assert h_rows == num_rows and h.shape[1] == hidden and (splits or h.dtype == residual.dtype)
     y = torch.empty_like(residual)
     block = triton.next_power_of_2(hidden)
     if num_rows:
@@ -212,16 +218,12 @@ def rope_write_kv_triton(
     assert HAS_TRITON, "triton is not importable"
     _, _, num_kv_heads, head_dim = key_cache.shape
     width, q_width = (num_heads + 2 * num_kv_heads) * head_dim, num_heads * head_dim
-    splits = qkv.shape[0] if qkv.dim() == 3 else 0
+    qkv, splits, num_tokens = _linear_output(qkv)
     if splits:
-        assert qkv.dtype == torch.float32 and qkv.is_contiguous()
-        num_tokens = qkv.shape[1]
         query = torch.empty((num_tokens, q_width), dtype=key_cache.dtype, device=qkv.device)
-        qkv = qkv.view(-1, qkv.shape[2])
     else:
         assert key_cache.dtype == qkv.dtype
-        num_tokens, query = qkv.shape[0], qkv[:, :q_width]
-    _rows(qkv)
+        query = qkv[:, :q_width]
     assert qkv.shape[1] == width and head_dim % 2 == 0
     assert key_cache.is_contiguous() and value_cache.is_contiguous() and value_cache.dtype == key_cache.dtype
     assert cos.shape == sin.shape == (num_tokens, head_dim) and cos.stride(1) == 1 and cos.stride() == sin.stride()
@@ -278,14 +280,9 @@ def silu_mul_triton(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> 
     [splits, T, 2N] fp32 (invariant_ops.linear_split_sums), with the model's dtype: the same as from the
     gate_up they sum to."""
     assert HAS_TRITON, "triton is not importable"
-    splits = 0
-    if gate_up.dim() == 3:
-        splits = gate_up.shape[0]
-        assert gate_up.dtype == torch.float32 and gate_up.is_contiguous() and dtype is not None
-        gate_up = gate_up.view(-1, gate_up.shape[2])
-    assert splits or dtype in (None, gate_up.dtype)
-    _rows(gate_up)
-    num_rows, n = gate_up.shape[0] // max(splits, 1), gate_up.shape[1] // 2
+    gate_up, splits, num_rows = _linear_output(gate_up)
+    assert dtype is not None if splits else dtype in (None, gate_up.dtype)
+    n = gate_up.shape[1] // 2
     out = torch.empty((num_rows, n), dtype=dtype or gate_up.dtype, device=gate_up.device)
     block = min(4096, triton.next_power_of_2(n))
     if num_rows:
