@@ -203,15 +203,6 @@ class ToolCallReader:
         """Past the first call without parallel calls: further calls are dropped."""
         return bool(self.calls) and not self.is_parallel
 
-    def _add(self, name: str, arguments) -> list[CallDelta]:
-        """A whole call read (its arguments as JSON text, or a value to serialise); dropped once `_is_full`."""
-        if self._is_full:
-            return []
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments)
-        call = ToolCall(new_call_id(), name, text)
-        self.calls.append(call)
-        return [CallDelta(len(self.calls) - 1, call.arguments, call.id, call.name)]
-
 
 class NamedCallReader(ToolCallReader):
     """A named function's output: all of it is the call's arguments, streamed as they come."""
@@ -415,13 +406,10 @@ class JsonCallReader(_StreamedCalls):
         return "", deltas + self._send()
 
     def finish(self) -> tuple[str, list[CallDelta]]:
-        if self._state != "json":
-            held, self._held = self._held, ""  # only spaces, or nothing
-            return held, []
-        if not self._named:  # cut short before any call's name: content
-            held, self._held = self._held, ""
-            return held, []
-        return "", self._end_call()  # a call cut short: its arguments as they are
+        if self._state == "json" and self._named:
+            return "", self._end_call()  # a call cut short: its arguments as they are
+        held, self._held = self._held, ""  # only spaces, or a value cut short before any call's name: content
+        return held, []
 
 
 class HermesCallReader(_StreamedCalls):
