@@ -126,13 +126,14 @@ def add_rms_norm(
     residual: torch.Tensor,  # [N, dim], updated in place to residual + x
     weight: torch.Tensor,  # [dim]
     eps: float,
+    library: ctypes.CDLL | None = None,  # another build (bind()); default: this machine's
 ) -> torch.Tensor:  # [N, dim]: RMSNorm(residual) * weight
     """`residual += x` (rounded to the dtype), then the Llama RMSNorm of the sum."""
     assert _rows(residual) and weight.is_contiguous() and weight.dtype == residual.dtype
     assert x is None or (_rows(x) and x.shape == residual.shape and x.dtype == residual.dtype)
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     num_rows, dim = residual.shape
-    c_library().specdec_add_rms_norm(
+    (library or c_library()).specdec_add_rms_norm(
         DTYPE_CODES[residual.dtype],
         x.data_ptr() if x is not None else None,
         x.stride(0) if x is not None else 0,

@@ -16,24 +16,33 @@
 
 #define MIN_ELEMENTS_PER_THREAD 16384 /* below this, one thread: a fork costs more than the work */
 
+#define SUM_LANES 16 /* a row's sum of squares: lane l adds elements l, l + 16, ..., then a fixed tree */
+
 /* residual[r] = round(residual[r] + x[r]) when x is given (else residual is the input as it is), then
- * out[r] = round(w * round(residual[r] * rsqrt(mean(residual[r]^2) + eps))). */
+ * out[r] = round(w * round(residual[r] * rsqrt(mean(residual[r]^2) + eps))). The mean's sum runs in SUM_LANES
+ * independent chains (a serial chain of dependent adds cost ~1 us a row of 576) joined by a fixed tree: the
+ * same order on every build and for every number of rows. */
 int specdec_add_rms_norm(int dtype, const void *x, int64_t x_stride, void *residual, int64_t res_stride,
                          const void *weight, void *out, int64_t out_stride, int64_t num_rows, int64_t dim,
                          float eps, int num_threads) {
     int threads = num_rows * dim >= 2 * MIN_ELEMENTS_PER_THREAD ? num_threads : 1;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < num_rows; r++) {
-        float sum = 0.0f;
-        for (int64_t i = 0; i < dim; i++) {
-            float h = load_scalar(dtype, residual, r * res_stride + i);
-            if (x) {
-                h = round_to(dtype, h + load_scalar(dtype, x, r * x_stride + i));
-                store_scalar(dtype, residual, r * res_stride + i, h);
+        float lanes[SUM_LANES] = {0};
+        for (int64_t i0 = 0; i0 < dim; i0 += SUM_LANES) {
+            int64_t n = dim - i0 < SUM_LANES ? dim - i0 : SUM_LANES;
+            for (int64_t l = 0; l < n; l++) {
+                float h = load_scalar(dtype, residual, r * res_stride + i0 + l);
+                if (x) {
+                    h = round_to(dtype, h + load_scalar(dtype, x, r * x_stride + i0 + l));
+                    store_scalar(dtype, residual, r * res_stride + i0 + l, h);
+                }
+                lanes[l] = lanes[l] + h * h;
             }
-            sum += h * h;
         }
-        float inv_rms = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int width = SUM_LANES / 2; width > 0; width /= 2)
+            for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
+        float inv_rms = 1.0f / sqrtf(lanes[0] / (float)dim + eps);
         for (int64_t i = 0; i < dim; i++) {
             float h = load_scalar(dtype, residual, r * res_stride + i);
             float normed = round_to(dtype, h * inv_rms);

@@ -72,12 +72,16 @@ def test_silu_mul_is_silu_of_gate_times_up(dtype):
 
 @pytest.mark.parametrize("build", ["-march=x86-64-v3", "-march=x86-64"])  # AVX2, and scalar code
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_gives_the_same_bits_on_every_instruction_set(build, dtype):
-    """SiLU's exp is our polynomial, not libm's, so a build for a narrower CPU (whose loops the compiler
-    vectorises otherwise, or not at all) gives bitwise this build's rows."""
+def test_silu_mul_and_rms_norm_give_the_same_bits_on_every_instruction_set(build, dtype):
+    """SiLU's exp is our polynomial, not libm's, and RMSNorm's sum runs in fixed lanes, so a build for a
+    narrower CPU (whose loops the compiler vectorises otherwise, or not at all) gives bitwise this build's rows."""
     narrow = layer_ops_cpu.bind(cpu_build.load_library("layer_ops_cpu", (build,)))
     gate_up = _random((9, 2 * 1536), dtype, 5, scale=4.0)
     assert torch.equal(layer_ops_cpu.silu_mul(gate_up, narrow), layer_ops_cpu.silu_mul(gate_up))
+    x, residual, weight = _random((9, 579), dtype, 6), _random((9, 579), dtype, 7), _random((579,), dtype, 8)
+    ours, theirs = residual.clone(), residual.clone()
+    want = layer_ops_cpu.add_rms_norm(x, ours, weight, 1e-6)
+    assert torch.equal(layer_ops_cpu.add_rms_norm(x, theirs, weight, 1e-6, narrow), want) and torch.equal(theirs, ours)
 
 
 @pytest.mark.parametrize("keys_transposed", [False, True], ids=["keys", "transposed-keys"])
