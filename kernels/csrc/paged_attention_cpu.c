@@ -9,7 +9,7 @@
  * A row's keys 0..n-1 (n = its position + 1) are split at fixed positions
  * into parts of PART_KEYS keys (the split depends on n alone). Per part p,
  * over its keys j, two passes:
- *   s_j = sum_d (q_d * scale) k_jd             dimensions in order; 16 keys side by side
+ *   s_j = sum_d (q_d * scale) k_jd             fmaf over dimensions in order; 16 keys side by side
  *   m_p = max_j s_j;  l_p = sum_j e^(s_j - m_p)  16 lanes of every 16th key, then a fixed tree
  *   acc_p = sum_j e^(s_j - m_p) v_j             keys in order; dimensions side by side
  * then, parts in order: M = max m_p, w_p = e^(m_p - M),
@@ -261,28 +261,6 @@ static const float *load_key_tile(const struct Args *a, const struct Keys *where
     return (const float *)kt;
 }
 
-/* Rows q[0..num_rows) (num_rows <= SCORE_ROWS, a constant where inlined) against the two key tiles kt (keys
- * j0 ..): each score a sum over d in order, as in pass 1; stored for the tiles a row has keys in. */
-static inline __attribute__((always_inline)) void score_rows(int num_rows, int D, const float (*q)[MAX_HEAD_DIM],
-                                                             const float *const kt[2], const int64_t stride[2],
-                                                             const int *end, int j0, int k0, float *scores) {
-    reg_vector s[SCORE_ROWS][2 * HALVES]; /* [r][t * HALVES + h]: keys j0 + t * KEY_TILE + h * REG_LANES .. */
-    for (int r = 0; r < num_rows; r++)
-        for (int u = 0; u < 2 * HALVES; u++) s[r][u] = (reg_vector){0};
-    for (int d = 0; d < D; d++) {
-        reg_vector k[2 * HALVES];
-        for (int t = 0; t < 2; t++)
-            for (int h = 0; h < HALVES; h++) memcpy(&k[t * HALVES + h], kt[t] + d * stride[t] + h * REG_LANES,
-                                                    sizeof k[0]);
-        for (int r = 0; r < num_rows; r++)
-            for (int u = 0; u < 2 * HALVES; u++) s[r][u] = s[r][u] + q[r][d] * k[u];
-    }
-    for (int r = 0; r < num_rows; r++)
-        for (int t = 0; t < 2; t++)
-            if (j0 + t * KEY_TILE < end[r] && j0 + t * KEY_TILE < k0 + PART_KEYS)
-                memcpy(scores + r * PART_KEYS + (j0 + t * KEY_TILE - k0), &s[r][t * HALVES], sizeof(key_vector));
-}
-
 /* REG_LANES floats at p (any alignment) in one load. */
 static inline reg_vector load_vector(const float *p) {
 #if defined(__AVX512F__)
@@ -321,20 +299,44 @@ static inline reg_vector fma_vector(reg_vector a, reg_vector b, reg_vector c) {
 #endif
 }
 
-/* Value row j's dimensions d0 .. (fp32 in place, other dtypes from `values`: keys k0 .., D floats each). */
-static inline const float *value_row(const struct Args *a, const struct Keys *keys, int kv, int k0, int j, int d0,
-                                     const float *values) {
-    if (a->cache_dtype != DTYPE_F32) return values + (int64_t)(j - k0) * a->head_dim + d0;
-    return (const float *)a->value_cache + (key_slot(a, keys, j) * a->num_kv_heads + kv) * a->head_dim + d0;
+/* Rows q[0..num_rows) (num_rows <= SCORE_ROWS, a constant where inlined) against the two key tiles kt (keys
+ * j0 ..): each score a chain of fused multiply-adds over d in order, as in pass 1; stored for the tiles a row
+ * has keys in. */
+static inline __attribute__((always_inline)) void score_rows(int num_rows, int D, const float (*q)[MAX_HEAD_DIM],
+                                                             const float *const kt[2], const int64_t stride[2],
+                                                             const int *end, int j0, int k0, float *scores) {
+    reg_vector s[SCORE_ROWS][2 * HALVES]; /* [r][t * HALVES + h]: keys j0 + t * KEY_TILE + h * REG_LANES .. */
+    for (int r = 0; r < num_rows; r++)
+        for (int u = 0; u < 2 * HALVES; u++) s[r][u] = (reg_vector){0};
+    for (int d = 0; d < D; d++) {
+        reg_vector k[2 * HALVES];
+        for (int t = 0; t < 2; t++)
+            for (int h = 0; h < HALVES; h++) memcpy(&k[t * HALVES + h], kt[t] + d * stride[t] + h * REG_LANES,
+                                                    sizeof k[0]);
+        for (int r = 0; r < num_rows; r++)
+            for (int u = 0; u < 2 * HALVES; u++) s[r][u] = fma_vector(broadcast_float(q[r][d]), k[u], s[r][u]);
+    }
+    for (int r = 0; r < num_rows; r++)
+        for (int t = 0; t < 2; t++)
+            if (j0 + t * KEY_TILE < end[r] && j0 + t * KEY_TILE < k0 + PART_KEYS)
+                memcpy(scores + r * PART_KEYS + (j0 + t * KEY_TILE - k0), &s[r][t * HALVES], sizeof(key_vector));
+}
+
+/* Value row j (fp32 in place, other dtypes from `values`: keys k0 .., D floats each). */
+static const float *value_row(const struct Args *a, const struct Keys *keys, int kv, int k0, int j,
+                              const float *values) {
+    if (a->cache_dtype != DTYPE_F32) return values + (int64_t)(j - k0) * a->head_dim;
+    return (const float *)a->value_cache + (key_slot(a, keys, j) * a->num_kv_heads + kv) * a->head_dim;
 }
 
 /* Pass 2 for rows r < num_rows (a constant where inlined) and dimensions d0 .. d0 + VALUE_SLICE - 1:
  * acc[d] = fmaf(p_j, v_j[d], acc[d]) over the row's keys in order, from 0, the accumulators in registers
- * (first the keys every row has, without a branch, then each row's last ones). */
+ * (first the keys every row has, without a branch, then each row's last ones). rows[j - k0]: value row j
+ * (value_row's, found once per part). */
 static inline __attribute__((always_inline)) void accumulate_values(const struct Args *a, int num_rows,
-                                                                    const struct Keys *keys, int kv, int k0, int d0,
-                                                                    const float *values, const float *scores,
-                                                                    const int *end, float *partial) {
+                                                                    int k0, int d0, const float *const *rows,
+                                                                    const float *scores, const int *end,
+                                                                    float *partial) {
     enum { SLICE_VECTORS = VALUE_SLICE / REG_LANES };
     reg_vector acc[SCORE_ROWS][SLICE_VECTORS];
     int all_end = k0 + PART_KEYS, row_end = k0; /* keys k0 .. all_end - 1 every row has; some, up to row_end */
@@ -344,7 +346,7 @@ static inline __attribute__((always_inline)) void accumulate_values(const struct
         if (end[r] < all_end) all_end = end[r];
     }
     for (int j = k0; j < all_end; j++) {
-        const float *v = value_row(a, keys, kv, k0, j, d0, values);
+        const float *v = rows[j - k0] + d0;
         reg_vector vv[SLICE_VECTORS];
         for (int c = 0; c < SLICE_VECTORS; c++) vv[c] = load_vector(v + c * REG_LANES);
         for (int r = 0; r < num_rows; r++) {
@@ -353,7 +355,7 @@ static inline __attribute__((always_inline)) void accumulate_values(const struct
         }
     }
     for (int j = all_end > k0 ? all_end : k0; j < row_end; j++) {
-        const float *v = value_row(a, keys, kv, k0, j, d0, values);
+        const float *v = rows[j - k0] + d0;
         reg_vector vv[SLICE_VECTORS];
         for (int c = 0; c < SLICE_VECTORS; c++) vv[c] = load_vector(v + c * REG_LANES);
         for (int r = 0; r < num_rows; r++) {
@@ -445,9 +447,11 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
             load_row(a->cache_dtype, a->value_cache, (key_slot(a, &keys, j) * a->num_kv_heads + kv) * D, D,
                      values + (j - k0) * D);
     }
+    const float *rows[PART_KEYS];
+    for (int j = k0; j < max_end; j++) rows[j - k0] = value_row(a, &keys, kv, k0, j, values);
     if (D % VALUE_SLICE) { /* element by element: the same sums */
         for (int j = k0; j < max_end; j++) {
-            const float *v = value_row(a, &keys, kv, k0, j, 0, values);
+            const float *v = rows[j - k0];
             for (int r = 0; r < num_rows; r++) {
                 if (j >= end[r]) continue;
                 float p = scores[r * PART_KEYS + (j - k0)], *acc = partial + r * (D + 2) + 2;
@@ -462,11 +466,11 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
             float *out = partial + r * (D + 2);
             switch (num_rows - r < SCORE_ROWS ? num_rows - r : SCORE_ROWS) {
 #if SCORE_ROWS > 2
-                case 4: accumulate_values(a, 4, &keys, kv, k0, d0, values, s, end + r, out); break;
-                case 3: accumulate_values(a, 3, &keys, kv, k0, d0, values, s, end + r, out); break;
+                case 4: accumulate_values(a, 4, k0, d0, rows, s, end + r, out); break;
+                case 3: accumulate_values(a, 3, k0, d0, rows, s, end + r, out); break;
 #endif
-                case 2: accumulate_values(a, 2, &keys, kv, k0, d0, values, s, end + r, out); break;
-                default: accumulate_values(a, 1, &keys, kv, k0, d0, values, s, end + r, out); break;
+                case 2: accumulate_values(a, 2, k0, d0, rows, s, end + r, out); break;
+                default: accumulate_values(a, 1, k0, d0, rows, s, end + r, out); break;
             }
         }
 }
