@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_kernel_revisions.py --rev cd3eabb [--dtype q4_1] [--context 300] [--rounds 3]
 
-Builds kernels/csrc (the linear and attention kernels) as the revision had it
+Builds kernels/csrc (the linear, attention and layer-op kernels) as the revision had it
 and as the working tree has it, and times the default model's forward with one
 build or the other swapped in (the kernels' callers look them up at every
 call), on the same packed weights and KV cache: rows 1, 2, 3, 5 and 8 (--rows) of one
@@ -31,8 +31,8 @@ import torch  # noqa: E402
 
 from bench.bench_linear import cpu_name  # noqa: E402
 from bench.common import ROOT, save  # noqa: E402
-from kernels import linear_cpu, paged_attention_cpu  # noqa: E402
-from kernels.cpu_build import KernelBuildError, load_library  # noqa: E402
+from kernels import layer_ops_cpu, linear_cpu, paged_attention_cpu  # noqa: E402
+from kernels.cpu_build import SOURCE_DIR, KernelBuildError, load_library  # noqa: E402
 from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 from worker_service.runtime.loader import load_model  # noqa: E402
 from worker_service.runtime.runner import ModelRunner, SequenceChunk  # noqa: E402
@@ -42,21 +42,37 @@ BLOCK_SIZE = 16
 
 
 def builds_of(source_dir: pathlib.Path) -> tuple:
-    """(linear library, attention function) built from one copy of kernels/csrc. An attention kernel from before
-    its cache dtype argument (--kv-cache-dtype) has another signature than the one the working tree's layer loop
-    calls (and before e304d3b it could not read the transposed keys the caches keep): then the working tree's
-    attention is used for both, and said so."""
+    """(linear library, attention function, layer-ops library) built from one copy of kernels/csrc. An attention
+    kernel from before its cache dtype argument (--kv-cache-dtype) has another signature than the one the working
+    tree's layer loop calls (and before e304d3b it could not read the transposed keys the caches keep), and a
+    layer loop from before it takes other arguments: then the working tree's is used for both, and said so."""
     linear = linear_cpu.bind(load_library("linear_cpu", source_dir=source_dir))
     try:
-        return linear, paged_attention_cpu.bind(load_library("paged_attention_cpu", source_dir=source_dir))
+        attention = paged_attention_cpu.bind(load_library("paged_attention_cpu", source_dir=source_dir))
     except KernelBuildError as exc:
         print(f"the revision's attention kernel is not compared ({exc}): the working tree's runs in both")
-        return linear, paged_attention_cpu.kernel()
+        attention = paged_attention_cpu.kernel()
+    layers = layer_ops_cpu.bind(load_library("layer_ops_cpu", source_dir=source_dir))
+    if not hasattr(layers, "specdec_llama_layers") or layer_loop_differs(source_dir):
+        print("the revision's layer ops are not compared (another layer loop): the working tree's run in both")
+        layers = layer_ops_cpu.c_library()
+    return linear, attention, layers
+
+
+def layer_loop_differs(source_dir: pathlib.Path) -> bool:
+    """Whether a copy of kernels/csrc declares the layer loop's arguments otherwise than the working tree."""
+
+    def declarations(path: pathlib.Path) -> str:
+        text = path.read_text()
+        return text[text.index("struct LinearArgs") : text.index("static int project")]
+
+    return declarations(source_dir / "layer_ops_cpu.c") != declarations(SOURCE_DIR / "layer_ops_cpu.c")
 
 
 def use(build: tuple) -> None:
     linear_cpu.c_library = lambda: build[0]
     paged_attention_cpu.kernel = lambda: build[1]
+    layer_ops_cpu.c_library = lambda: build[2]
 
 
 def main() -> None:
@@ -77,7 +93,7 @@ def main() -> None:
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         builds = {
             args.rev: builds_of(pathlib.Path(tmp) / "kernels" / "csrc"),
-            "working tree": (linear_cpu.c_library(), paged_attention_cpu.kernel()),
+            "working tree": (linear_cpu.c_library(), paged_attention_cpu.kernel(), layer_ops_cpu.c_library()),
         }
     runner = ModelRunner(load_model(fetch_default_model(), args.dtype))
     blocks = -(-(args.context + max(args.rows)) // BLOCK_SIZE)  # a sequence's
