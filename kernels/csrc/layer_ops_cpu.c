@@ -10,6 +10,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "dtypes.h"
 #include "exp_poly.h"
@@ -17,6 +18,36 @@
 #define MIN_ELEMENTS_PER_THREAD 16384 /* below this, one thread: a fork costs more than the work */
 
 #define SUM_LANES 16 /* a row's sum of squares: lane l adds elements l, l + 16, ..., then a fixed tree */
+
+/* SUM_LANES floats as one GCC vector: element-wise arithmetic, so the compiler cannot reorder a sum. */
+typedef float lane_vector __attribute__((vector_size(SUM_LANES * sizeof(float))));
+
+/* The fp32 row of specdec_add_rms_norm, vectorised by hand (the generic loop's load_scalar and the residual's
+ * possible aliasing keep the compiler scalar): the same operations in the same order, so the same bits. */
+static void add_rms_norm_f32(const float *restrict x, float *restrict residual, const float *restrict weight,
+                             float *restrict out, int64_t dim, float eps) {
+    lane_vector lanes = {0};
+    int64_t whole = dim / SUM_LANES * SUM_LANES;
+    for (int64_t i = 0; i < whole; i += SUM_LANES) {
+        lane_vector h, add;
+        memcpy(&h, residual + i, sizeof h);
+        if (x) {
+            memcpy(&add, x + i, sizeof add);
+            h = h + add;
+            memcpy(residual + i, &h, sizeof h);
+        }
+        lanes = lanes + h * h;
+    }
+    for (int64_t i = whole; i < dim; i++) {
+        float h = residual[i];
+        if (x) residual[i] = h = h + x[i];
+        lanes[i - whole] = lanes[i - whole] + h * h;
+    }
+    for (int width = SUM_LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
+    float inv_rms = 1.0f / sqrtf(lanes[0] / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) out[i] = weight[i] * (residual[i] * inv_rms);
+}
 
 /* residual[r] = round(residual[r] + x[r]) when x is given (else residual is the input as it is), then
  * out[r] = round(w * round(residual[r] * rsqrt(mean(residual[r]^2) + eps))). The mean's sum runs in SUM_LANES
@@ -28,6 +59,11 @@ int specdec_add_rms_norm(int dtype, const void *x, int64_t x_stride, void *resid
     int threads = num_rows * dim >= 2 * MIN_ELEMENTS_PER_THREAD ? num_threads : 1;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < num_rows; r++) {
+        if (dtype == DTYPE_F32) {
+            add_rms_norm_f32(x ? (const float *)x + r * x_stride : NULL, (float *)residual + r * res_stride,
+                             weight, (float *)out + r * out_stride, dim, eps);
+            continue;
+        }
         float lanes[SUM_LANES] = {0};
         for (int64_t i0 = 0; i0 < dim; i0 += SUM_LANES) {
             int64_t n = dim - i0 < SUM_LANES ? dim - i0 : SUM_LANES;
@@ -52,6 +88,19 @@ int specdec_add_rms_norm(int dtype, const void *x, int64_t x_stride, void *resid
     return 0;
 }
 
+/* One fp32 row of specdec_rope, in two halves without a branch so that the compiler vectorises them: the same
+ * operations, so the same bits. */
+static void rope_f32(float *restrict x, int64_t num_heads, int64_t head_dim, const float *restrict c,
+                     const float *restrict s) {
+    const int64_t half = head_dim / 2;
+    float v[1024];
+    for (int64_t h = 0; h < num_heads; h++, x += head_dim) {
+        memcpy(v, x, sizeof(float) * head_dim);
+        for (int64_t i = 0; i < half; i++) x[i] = v[i] * c[i] + (-v[i + half]) * s[i];
+        for (int64_t i = half; i < head_dim; i++) x[i] = v[i] * c[i] + v[i - half] * s[i];
+    }
+}
+
 /* In place on num_heads heads of head_dim per row (q's heads then k's, as they lie in a fused qkv row):
  * x = round(round(x * cos) + round(rotate_half(x) * sin)), rotate_half(x) = (-x[D/2:], x[:D/2]);
  * cos and sin are [num_rows, head_dim] in the model's dtype. */
@@ -62,6 +111,11 @@ int specdec_rope(int dtype, void *x, int64_t x_stride, int64_t num_rows, int64_t
     int threads = num_rows * num_heads * head_dim >= 2 * MIN_ELEMENTS_PER_THREAD ? num_threads : 1;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < num_rows; r++) {
+        if (dtype == DTYPE_F32) {
+            rope_f32((float *)x + r * x_stride, num_heads, head_dim, (const float *)cos + r * cs_stride,
+                     (const float *)sin + r * cs_stride);
+            continue;
+        }
         float c[1024], s[1024], v[1024];
         for (int64_t i = 0; i < head_dim; i++) {
             c[i] = load_scalar(dtype, cos, r * cs_stride + i);
