@@ -373,6 +373,17 @@ static inline __attribute__((always_inline)) void rows_quantized(int num_rows, c
 static void store_rows(int num_rows, const float (*values)[GROUP_OUT], int64_t row0, int64_t out0,
                        int64_t out_features, const float *bias, int out_dtype, void *out, int64_t out_stride) {
     int64_t num_out = out_features - out0 < GROUP_OUT ? out_features - out0 : GROUP_OUT;
+    if (out_dtype == DTYPE_F32) { /* the same sums, in loops the compiler vectorises */
+        for (int r = 0; r < num_rows; r++) {
+            float *target = (float *)out + (row0 + r) * out_stride + out0;
+            if (!bias) {
+                memcpy(target, values[r], sizeof(float) * num_out);
+                continue;
+            }
+            for (int64_t o = 0; o < num_out; o++) target[o] = values[r][o] + bias[out0 + o];
+        }
+        return;
+    }
     for (int r = 0; r < num_rows; r++)
         for (int64_t o = 0; o < num_out; o++) {
             float value = bias ? values[r][o] + bias[out0 + o] : values[r][o];
