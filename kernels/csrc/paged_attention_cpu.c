@@ -416,8 +416,10 @@ static void attend_part(const struct Args *a, int b, int kv, int first_row, int 
     for (int r = 0; r < num_rows; r++) {
         float *s = scores + r * PART_KEYS, *out = partial + r * (D + 2), m = -INFINITY, lanes[KEY_TILE] = {0};
         const int n = end[r] - k0;
-        memset(out, 0, sizeof(float) * (D + 2));
         out[0] = -INFINITY;
+        out[1] = 0.0f;
+        if (n <= 0 || D % VALUE_SLICE) /* pass 2 stores a row's acc whole, except element by element */
+            memset(out + 2, 0, sizeof(float) * D);
         if (n <= 0) continue;
         /* The max as 16 running maxima, then across them (no chain of dependent compares): a max is the same
          * number in any order (at most the sign of a zero differs, which no e^(s - m) below can tell). */
