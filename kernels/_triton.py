@@ -76,3 +76,14 @@ if HAS_TRITON:
             return x
         else:
             return x.to(DTYPE).to(tl.float32)
+
+    @triton.jit
+    def split_sums_added(part_ptr, offsets, mask, num_splits, rows_apart, row_stride):
+        """((0 + part[0]) + part[1]) + ... in fp32 at `offsets` of part 0, part s starting rows_apart rows of
+        row_stride elements after part s - 1: the order in which invariant_ops adds a linear's split sums, so a
+        kernel that takes them (layer_ops) adds them as the linear's own second kernel would."""
+        total = tl.zeros_like(offsets).to(tl.float32)
+        part_size = (tl.zeros_like(offsets).to(tl.int64) + rows_apart) * row_stride  # in int64 lanes
+        for split in range(0, num_splits):
+            total += tl.load(part_ptr + split * part_size + offsets, mask=mask, other=0.0)
+        return total

@@ -36,7 +36,7 @@ MIN_SPLIT_WEIGHTS = 1 << 21
 SPLIT_ROWS = BLOCK_M
 
 if HAS_TRITON:
-    from kernels._triton import rounded_to, tl, triton
+    from kernels._triton import rounded_to, split_sums_added, tl, triton
 
     @triton.jit
     def _split_sum(
@@ -138,9 +138,7 @@ if HAS_TRITON:
         """y[m, n] = ((0 + part[0, m, n]) + part[1, m, n]) + ... (+ b[n]), _linear_kernel's ALL_SPLITS order."""
         index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = index < M * N
-        total = tl.zeros((BLOCK,), dtype=tl.float32)
-        for split in range(0, SPLITS):
-            total += tl.load(part_ptr + split * M * N + index, mask=ok, other=0.0)
+        total = split_sums_added(part_ptr, index, ok, SPLITS, M, N)
         col = index % N
         if HAS_BIAS:
             total += tl.load(b_ptr + col, mask=ok, other=0.0).to(tl.float32)

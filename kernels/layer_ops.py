@@ -11,7 +11,7 @@ import torch
 from kernels._triton import HAS_TRITON
 
 if HAS_TRITON:
-    from kernels._triton import rounded_to, tl, triton
+    from kernels._triton import rounded_to, split_sums_added, tl, triton
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -39,9 +39,7 @@ if HAS_TRITON:
         x = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0)
         if HAS_H:
             if H_SPLITS > 0:
-                total = tl.zeros((BLOCK,), dtype=tl.float32)
-                for split in range(0, H_SPLITS):
-                    total += tl.load(h_ptr + (split * num_rows + row) * stride_h + cols, mask=ok, other=0.0)
+                total = split_sums_added(h_ptr, row * stride_h + cols, ok, H_SPLITS, num_rows, stride_h)
                 h = rounded_to(total, x.dtype)
             else:
                 h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
@@ -88,16 +86,10 @@ if HAS_TRITON:
         first_at = heads * (2 * HALF) + d  # [BH, BD]: x1 of each head; x2 HALF further
         v_at = (HEADS + KV_HEADS + v_heads) * (2 * HALF) + v_cols
         if SPLITS > 0:
-            first_sum = tl.zeros((BLOCK_HEADS, BLOCK_HALF), dtype=tl.float32)
-            second_sum = tl.zeros((BLOCK_HEADS, BLOCK_HALF), dtype=tl.float32)
-            v_sum = tl.zeros((BLOCK_HEADS, 2 * BLOCK_HALF), dtype=tl.float32)
-            for split in range(0, SPLITS):
-                row = qkv_ptr + (split * num_rows + t) * stride_qkv
-                first_sum += tl.load(row + first_at, mask=ok, other=0.0)
-                second_sum += tl.load(row + first_at + HALF, mask=ok, other=0.0)
-                v_sum += tl.load(row + v_at, mask=v_ok, other=0.0)
-            x1, x2 = rounded_to(first_sum, dtype), rounded_to(second_sum, dtype)
-            v = rounded_to(v_sum, dtype).to(dtype)
+            row = t * stride_qkv
+            x1 = rounded_to(split_sums_added(qkv_ptr, row + first_at, ok, SPLITS, num_rows, stride_qkv), dtype)
+            x2 = rounded_to(split_sums_added(qkv_ptr, row + first_at + HALF, ok, SPLITS, num_rows, stride_qkv), dtype)
+            v = rounded_to(split_sums_added(qkv_ptr, row + v_at, v_ok, SPLITS, num_rows, stride_qkv), dtype).to(dtype)
         else:
             row = qkv_ptr + t * stride_qkv
             x1 = tl.load(row + first_at, mask=ok, other=0.0).to(tl.float32)
@@ -132,13 +124,9 @@ if HAS_TRITON:
         ok = cols < N
         dtype = out_ptr.dtype.element_ty
         if SPLITS > 0:
-            gate_sum = tl.zeros((BLOCK,), dtype=tl.float32)
-            up_sum = tl.zeros((BLOCK,), dtype=tl.float32)
-            for split in range(0, SPLITS):
-                part = gate_up_ptr + (split * num_rows + row) * stride_in
-                gate_sum += tl.load(part + cols, mask=ok, other=0.0)
-                up_sum += tl.load(part + N + cols, mask=ok, other=0.0)
-            g, up = rounded_to(gate_sum, dtype), rounded_to(up_sum, dtype)
+            at = row * stride_in + cols
+            g = rounded_to(split_sums_added(gate_up_ptr, at, ok, SPLITS, num_rows, stride_in), dtype)
+            up = rounded_to(split_sums_added(gate_up_ptr, at + N, ok, SPLITS, num_rows, stride_in), dtype)
         else:
             g = tl.load(gate_up_ptr + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
             up = tl.load(gate_up_ptr + row * stride_in + N + cols, mask=ok, other=0.0).to(tl.float32)
