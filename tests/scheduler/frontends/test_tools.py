@@ -124,6 +124,15 @@ def reassembled(deltas) -> list[tuple[str, str, str]]:
     return [tuple(calls[i]) for i in sorted(calls)]
 
 
+def assert_reads(reader, output: str, step: str, content: str, calls: list[tuple[str, str]]) -> None:
+    """`output` read (see read()) gives `content` and `calls` (name, arguments), and the pieces streamed
+    reassemble to the calls read."""
+    got_content, deltas = read(reader, output, step)
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in reader.calls] == calls
+    assert reassembled(deltas) == [(c.id, c.name, c.arguments) for c in reader.calls]
+
+
 HERMES_OUTPUT = (
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call><tool_ca'
@@ -189,11 +198,7 @@ def test_hermes_streams_a_calls_arguments_before_its_block_closes():
 )
 @pytest.mark.parametrize("step", ["whole", "streamed"])
 def test_hermes_blocks_without_a_call_are_content_and_cut_calls_keep_what_was_streamed(output, content, calls, step):
-    reader = HermesCallReader()
-    got_content, deltas = read(reader, output, step)
-    assert got_content == content
-    assert [(c.name, c.arguments) for c in reader.calls] == calls
-    assert reassembled(deltas) == [(c.id, c.name, c.arguments) for c in reader.calls]
+    assert_reads(HermesCallReader(), output, step, content, calls)
 
 
 @pytest.mark.parametrize(
@@ -239,11 +244,7 @@ def test_json_streams_a_calls_arguments_once_its_name_is_read():
 )
 @pytest.mark.parametrize("step", ["whole", "streamed"])
 def test_json_values_without_a_call_are_content_and_cut_calls_keep_what_was_streamed(output, content, calls, step):
-    reader = JsonCallReader()
-    got_content, deltas = read(reader, output, step)
-    assert got_content == content
-    assert [(c.name, c.arguments) for c in reader.calls] == calls
-    assert reassembled(deltas) == [(c.id, c.name, c.arguments) for c in reader.calls]
+    assert_reads(JsonCallReader(), output, step, content, calls)
 
 
 def test_json_holds_a_value_without_a_name_until_it_ends():
