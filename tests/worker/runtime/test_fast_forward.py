@@ -12,6 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from kernels import cpu_build, layer_ops_cpu
 from tests.tiny_models import tiny_llama
 from worker_service.runtime import backends
+from worker_service.runtime.backends.cpu_calls import RopeTable
 from worker_service.runtime.backends.cpu_llama import CpuLlamaForward
 from worker_service.runtime.backends.transformers_layers import TransformersForward
 from worker_service.runtime.kv_cache import KVCache, KVCacheSpec
@@ -60,6 +61,34 @@ def test_rope_rounds_as_apply_rotary_pos_emb(dtype):
         ours[:, heads * head_dim : (heads + kv_heads) * head_dim], k_ref[0].transpose(0, 1).reshape(tokens, -1)
     )
     assert torch.equal(ours[:, (heads + kv_heads) * head_dim :], qkv[:, (heads + kv_heads) * head_dim :])  # v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rope_table_gives_what_the_rotary_module_gives(dtype):
+    """Bitwise, for positions of one call in any order and past the table's end (it grows), as the module
+    computes them for a step's positions; a dynamic rope type asks the module at every call."""
+    config = tiny_llama(0, 1, 64, 4, 2).config
+    rotary = LlamaRotaryEmbedding(config)
+    table = RopeTable(rotary, dtype)
+    assert table.fixed
+    for positions in ([5], [0, 1, 2, 3, 4, 5, 6], [1023, 7, 300], [3000, 2999, 12], [1, 4096, 5000, 77]):
+        positions = torch.tensor(positions)
+        cos, sin = table(positions)
+        ref_cos, ref_sin = rotary(torch.zeros(1, dtype=dtype), positions[None])
+        assert cos.dtype == dtype and cos.is_contiguous() and sin.is_contiguous()
+        assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
+    assert table.cos.shape[0] == 8192  # grew past 1024, then 4096 positions
+
+    config.rope_parameters = {**config.rope_parameters, "rope_type": "dynamic", "factor": 2.0}
+    config.max_position_embeddings = 64
+    dynamic = LlamaRotaryEmbedding(config)
+    table = RopeTable(dynamic, dtype)
+    assert not table.fixed
+    positions = torch.tensor([3, 200])  # past max_position_embeddings: the module rescales its frequencies
+    cos, _ = table(positions)
+    ref_cos, _ = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=dtype), positions[None])
+    assert torch.equal(cos, ref_cos[0])
+    assert table.cos.numel() == 0  # no table
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

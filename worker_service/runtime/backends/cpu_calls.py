@@ -74,3 +74,35 @@ def project(layer: KernelLinear, source: torch.Tensor, target: torch.Tensor, tar
     )
     if status != 0:
         raise MemoryError(f"linear_cpu failed (status {status}) for {source.shape[0]} rows")
+
+
+class RopeTable:
+    """A rotary embedding's cos and sin by position, as `rotary` (transformers' LlamaRotaryEmbedding) gives
+    them: computed by the module over positions 0 .. n - 1 once, then indexed, so ten torch ops (~50 us a
+    call on two cores) become two index_selects. Each element is the module's elementwise math on its own
+    position (position x frequency, then cos and sin), so a row of the table is what calling the module on
+    that position gives (tests/worker/runtime/test_fast_forward.py). The table doubles when a position
+    passes its end. Rope types whose frequencies change with the longest position of a call ("dynamic" NTK,
+    "longrope") call the module every time."""
+
+    MIN_POSITIONS = 1024
+
+    def __init__(self, rotary: torch.nn.Module, dtype: torch.dtype):
+        self.rotary, self.dtype = rotary, dtype
+        rope_type = getattr(rotary, "rope_type", None)
+        self.fixed = isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
+        self.cos = self.sin = torch.empty((0, 0), dtype=dtype)
+
+    def _module(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.empty((1, 1, 1), dtype=self.dtype)  # the module reads only its dtype and device
+        cos, sin = self.rotary(probe, positions[None])
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of `positions` ([T] int64 on the CPU): [T, head_dim] each, contiguous."""
+        if not self.fixed:
+            return self._module(positions)
+        end = int(positions.max()) + 1 if positions.numel() else 0
+        if end > self.cos.shape[0]:
+            self.cos, self.sin = self._module(torch.arange(max(self.MIN_POSITIONS, 1 << (end - 1).bit_length())))
+        return self.cos[positions], self.sin[positions]

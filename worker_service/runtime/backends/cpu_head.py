@@ -5,7 +5,7 @@ import torch
 from kernels import layer_ops_cpu, linear_cpu, paged_attention_cpu
 from kernels.cpu_build import DTYPE_CODES
 from worker_service.runtime.attention import PagedMetadata
-from worker_service.runtime.backends.cpu_calls import KernelLinear, project
+from worker_service.runtime.backends.cpu_calls import KernelLinear, RopeTable, project
 from worker_service.runtime.fast_linear import PackedLinear, SharedInputLinears
 
 
@@ -42,6 +42,7 @@ class CpuHeadForward:
         self.kv = KernelLinear.outputs(attn.q_proj_k_proj_v_proj.fused, q_width, self.qkv.out_features)
         self.gate_up, self.down = KernelLinear.of(mlp.gate_proj_up_proj.fused), KernelLinear.of(mlp.down_proj)
         self.intermediate = self.gate_up.out_features // 2
+        self.rope = RopeTable(head.rotary_emb, torch.float32)
         self.norms = tuple(
             n.weight.detach().float().contiguous()
             for n in (head.input_layernorm, head.hidden_norm, head.post_attention_layernorm, head.norm)
@@ -86,8 +87,7 @@ class CpuHeadForward:
         qkv_width = q_width + 2 * kv_width
         embeds = self.head.embed_tokens(input_ids).to(dtype).contiguous()  # the target's embedding may be bf16
         residual = features.to(dtype).contiguous()  # a copy of it becomes the pre-norm output, in place
-        cos, sin = self.head.rotary_emb(embeds[None], positions[None])
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        cos, sin = self.rope(positions)
         cache = meta.kv_cache
         assert cache.spec.dtype == dtype and cos.dtype == dtype
         tables, starts, lens, slots = (

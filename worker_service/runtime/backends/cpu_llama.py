@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 from kernels import layer_ops_cpu, linear_cpu, paged_attention_cpu
 from kernels.cpu_build import DTYPE_CODES
 from worker_service.runtime.attention import PagedMetadata
-from worker_service.runtime.backends.cpu_calls import KernelLinear
+from worker_service.runtime.backends.cpu_calls import KernelLinear, RopeTable
 from worker_service.runtime.fast_linear import PackedLinear, SharedInputLinears
 from worker_service.runtime.kv_cache import KVCacheSpec
 
@@ -105,6 +105,7 @@ class CpuLlamaForward:
                 )
             )
         self.final_norm = model.model.norm.weight.detach().contiguous()
+        self.rope = RopeTable(model.model.rotary_emb, model.dtype)
         self.intermediate = self.layers[0].gate_up.out_features // 2
         self.layer_args = (layer_ops_cpu.LayerArgs * len(self.layers))(*map(_layer_args, self.layers))
         self._addresses: tuple | None = None  # (a weak reference to a KVCache, its K and V addresses as C arrays)
@@ -165,8 +166,7 @@ class CpuLlamaForward:
         q_width = self.num_heads * self.head_dim
         qkv_width = q_width + 2 * self.num_kv_heads * self.head_dim
         residual = self.model.model.embed_tokens(input_ids)  # [T, hidden], a fresh tensor: updated in place
-        cos, sin = self.model.model.rotary_emb(residual[None], positions[None])  # [1, T, D] each
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        cos, sin = self.rope(positions)  # [T, D] each
         cache = meta.kv_cache
         assert residual.is_contiguous() and residual.dtype == dtype and cos.dtype == dtype
         assert paged_attention_cpu.cache_dtype_fits(dtype, cache.spec.dtype)
