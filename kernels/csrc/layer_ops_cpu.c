@@ -22,6 +22,14 @@
 /* SUM_LANES floats as one GCC vector: element-wise arithmetic, so the compiler cannot reorder a sum. */
 typedef float lane_vector __attribute__((vector_size(SUM_LANES * sizeof(float))));
 
+/* 1 / sqrt(mean + eps) of a row's squares summed in SUM_LANES lanes: the lanes joined by a fixed tree, the
+ * one order of every build and dtype. */
+static inline float inv_rms_of(float lanes[SUM_LANES], int64_t dim, float eps) {
+    for (int width = SUM_LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
+    return 1.0f / sqrtf(lanes[0] / (float)dim + eps);
+}
+
 /* The fp32 row of specdec_add_rms_norm, vectorised by hand (the generic loop's load_scalar and the residual's
  * possible aliasing keep the compiler scalar): the same operations in the same order, so the same bits. */
 static void add_rms_norm_f32(const float *restrict x, float *restrict residual, const float *restrict weight,
@@ -43,9 +51,9 @@ static void add_rms_norm_f32(const float *restrict x, float *restrict residual, 
         if (x) residual[i] = h = h + x[i];
         lanes[i - whole] = lanes[i - whole] + h * h;
     }
-    for (int width = SUM_LANES / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
-    float inv_rms = 1.0f / sqrtf(lanes[0] / (float)dim + eps);
+    float sums[SUM_LANES];
+    memcpy(sums, &lanes, sizeof sums);
+    float inv_rms = inv_rms_of(sums, dim, eps);
     for (int64_t i = 0; i < dim; i++) out[i] = weight[i] * (residual[i] * inv_rms);
 }
 
@@ -76,9 +84,7 @@ int specdec_add_rms_norm(int dtype, const void *x, int64_t x_stride, void *resid
                 lanes[l] = lanes[l] + h * h;
             }
         }
-        for (int width = SUM_LANES / 2; width > 0; width /= 2)
-            for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
-        float inv_rms = 1.0f / sqrtf(lanes[0] / (float)dim + eps);
+        float inv_rms = inv_rms_of(lanes, dim, eps);
         for (int64_t i = 0; i < dim; i++) {
             float h = load_scalar(dtype, residual, r * res_stride + i);
             float normed = round_to(dtype, h * inv_rms);
