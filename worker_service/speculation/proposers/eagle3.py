@@ -250,13 +250,13 @@ class Eagle3Proposer(Proposer):
             normed, prenorm = self._run(head_chunks, features, last_rows=True)
             if not len(normed):  # no sequence drafts after these positions yet (a prompt still prefilling)
                 return
-            if self.tree_width == 1:
+            if self.tree_width > 1:  # one pass of the head's output layer; a chain's first draft is the likeliest
+                tops, top_probabilities = self.head.top_draft_tokens(normed, self.tree_width)
+                tokens, probabilities = [row[0] for row in tops], [row[0] for row in top_probabilities]
+            else:
                 tokens, probabilities = self.head.draft_tokens(normed)
         if self.tree_width == 1:
             tops, top_probabilities = [[t] for t in tokens], [[p] for p in probabilities]
-        else:  # one pass of the head's output layer; a chain's first draft is the likeliest of a tree's
-            tops, top_probabilities = self.head.top_draft_tokens(normed, self.tree_width)
-            tokens, probabilities = [row[0] for row in tops], [row[0] for row in top_probabilities]
         drafting = [state for state, chunk in zip(states, head_chunks) if chunk.num_logits]
         for row, state in enumerate(drafting):
             self._next[state.request_id] = _Next(
