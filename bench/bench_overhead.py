@@ -71,7 +71,7 @@ def served_round(stub, server_pid: int, max_tokens: int) -> dict:
         "tpot_ms": result["tpot_s"] * 1e3,
         "num_tokens": n,
         "scheduler_cpu_ms_per_token": sum(used[server_pid]) / n * 1e3,
-        "worker_threads_cpu_ms_per_token": [round(s / n * 1e3, 3) for s in worker[:2]] + [sum(worker[2:]) / n * 1e3],
+        "worker_threads_cpu_ms_per_token": [s / n * 1e3 for s in worker[:2]] + [sum(worker[2:]) / n * 1e3],
     }
 
 
