@@ -121,3 +121,28 @@ def test_a_batch_mixing_chains_and_trees_equals_plain_decoding(tiny_pair, head_d
         assert trees and all(parents is not None for parents in trees)
         most = max(max(parents.count(row) for row in set(parents)) for parents in trees)
         assert most <= (width or WIDTH) and (width == 2 or most > 2)
+
+
+def test_a_trees_catch_up_runs_the_heads_output_layer_once(tiny_pair, head_dir):
+    """The head's top W at the last committed position give both a tree's first level and a chain's first
+    draft: one pass of its output layer per catch-up (not an argmax pass and a top-W pass); greedy output is
+    plain decoding's."""
+    plain = Driver(make_worker(tiny_pair).execute, BLOCK_SIZE, NUM_BLOCKS).generate(PROMPTS, 12)
+    worker = tree_worker(tiny_pair, head_dir, k=4)
+    passes, per_catch_up = [], []
+    hook = worker.head.lm_head.register_forward_hook(lambda module, args, out: passes.append(len(out)))
+    catch_up = worker.proposer._catch_up
+
+    def counted(states):
+        before = len(passes)
+        catch_up(states)
+        if states:
+            per_catch_up.append(len(passes) - before)
+
+    worker.proposer._catch_up = counted
+    try:
+        driver = Driver(worker.execute, BLOCK_SIZE, NUM_BLOCKS)
+        assert driver.generate(PROMPTS, 12, num_speculative_tokens=4) == plain
+    finally:
+        hook.remove()
+    assert per_catch_up and max(per_catch_up) == 1
