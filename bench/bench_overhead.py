@@ -14,13 +14,13 @@ running the in-process decode is idle while the server is timed.
 
 Also the CPU each process took per token during the served decode (Linux /proc): the scheduler process
 (`specdec serve`), and the worker's threads, busiest first (the compute thread, then the OpenMP team's
-other thread, which spins between the step's kernels, then the gRPC threads). Prints the CPU's model name;
-saves JSON under bench/results/.
+other thread, which spins between the step's kernels, then the gRPC threads), and the context switches per
+token: each process's, and how often the model's two threads were preempted. Prints the CPU's model name;
+saves JSON under bench/results/. `bench/bench_transport.py` measures the step stream alone, without a model.
 """
 
 import argparse
 import logging
-import os
 import pathlib
 import statistics
 import sys
@@ -34,7 +34,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from bench.bench_linear import cpu_name  # noqa: E402
 from bench.bench_serving import chat_request, spawned_server, stream_timed  # noqa: E402
-from bench.common import chat_ids, process_tree, save, wait_quiet  # noqa: E402
+from bench.common import chat_ids, process_tree, save, thread_counters, wait_quiet  # noqa: E402
 from specdec.v1 import generation_pb2_grpc  # noqa: E402
 from worker_service.runtime.default_model import fetch_default_model  # noqa: E402
 from worker_service.runtime.loader import load_model  # noqa: E402
@@ -44,34 +44,30 @@ BLOCK_SIZE = 16
 PROMPT = "Write a long story about a dragon who learns to read."
 
 
-def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds so far of each thread of `pid`, by thread id."""
-    ticks, out = os.sysconf("SC_CLK_TCK"), {}
-    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        out[task.name] = (int(fields[11]) + int(fields[12])) / ticks
-    return out
-
-
 def served_round(stub, server_pid: int, max_tokens: int) -> dict:
-    """One timed request; its TPOT and the CPU per token of the scheduler and of the worker's threads."""
+    """One timed request; its TPOT, and per token the CPU and context switches of the scheduler and of the
+    worker's threads."""
     worker_pid = next(p for p in process_tree(server_pid) if p != server_pid)
-    before = {pid: thread_cpu_s(pid) for pid in (server_pid, worker_pid)}
+    before = {pid: thread_counters(pid) for pid in (server_pid, worker_pid)}
     result = stream_timed(stub, chat_request(PROMPT, max_tokens), timeout_s=600)
     used = {}
     for pid, start in before.items():
-        now = thread_cpu_s(pid)
-        used[pid] = sorted((now[t] - start.get(t, 0.0) for t in now), reverse=True)
+        now = thread_counters(pid)
+        zero = (0.0, 0, 0)
+        # per thread: (CPU s, voluntary, involuntary switches) during the request, busiest thread first
+        used[pid] = sorted((tuple(a - b for a, b in zip(now[t], start.get(t, zero))) for t in now), key=lambda c: -c[0])
     n = result["num_tokens"]
-    worker = used[worker_pid]
+    scheduler, worker = used[server_pid], used[worker_pid]
     return {
         "tpot_ms": result["tpot_s"] * 1e3,
         "num_tokens": n,
-        "scheduler_cpu_ms_per_token": sum(used[server_pid]) / n * 1e3,
-        "worker_threads_cpu_ms_per_token": [s / n * 1e3 for s in worker[:2]] + [sum(worker[2:]) / n * 1e3],
+        "scheduler_cpu_ms_per_token": sum(c[0] for c in scheduler) / n * 1e3,
+        "worker_threads_cpu_ms_per_token": [c[0] / n * 1e3 for c in worker[:2]]
+        + [sum(c[0] for c in worker[2:]) / n * 1e3],
+        "scheduler_switches_per_token": sum(c[1] + c[2] for c in scheduler) / n,
+        "worker_switches_per_token": sum(c[1] + c[2] for c in worker) / n,
+        # the model's OpenMP team (the compute thread and its partner) preempted by other threads
+        "model_threads_preempted_per_token": sum(c[2] for c in worker[:2]) / n,
     }
 
 
@@ -106,19 +102,32 @@ def main(args) -> None:
             print(
                 f"round {i + 1}: served {served['tpot_ms']:.2f} ms/token, in-process {alone['ms_per_token']:.2f}"
                 f" ({ratio:.2f}x); CPU per token: scheduler {served['scheduler_cpu_ms_per_token']:.2f} ms, worker"
-                f" threads {', '.join(f'{v:.2f}' for v in served['worker_threads_cpu_ms_per_token'])} ms",
+                f" threads {', '.join(f'{v:.2f}' for v in served['worker_threads_cpu_ms_per_token'])} ms; context"
+                f" switches per token: scheduler {served['scheduler_switches_per_token']:.1f}, worker"
+                f" {served['worker_switches_per_token']:.1f} (the model's two threads preempted"
+                f" {served['model_threads_preempted_per_token']:.1f})",
                 flush=True,
             )
     summary = {
         key: statistics.median(r[key] for r in rounds)
-        for key in ("tpot_ms", "in_process_ms_per_token", "ratio", "scheduler_cpu_ms_per_token")
+        for key in (
+            "tpot_ms",
+            "in_process_ms_per_token",
+            "ratio",
+            "scheduler_cpu_ms_per_token",
+            "scheduler_switches_per_token",
+            "worker_switches_per_token",
+            "model_threads_preempted_per_token",
+        )
     }
     print(
         f"\n{cpu_name()}, {torch.get_num_threads()} threads in-process; `specdec serve {args.flags}`; "
         f"{args.max_tokens} tokens after a {len(prompt)}-token prompt; medians of {args.rounds} rounds:\n"
         f"  served {summary['tpot_ms']:.2f} ms/token, in-process {summary['in_process_ms_per_token']:.2f} "
         f"ms/token: {summary['ratio']:.2f}x; the scheduler process took "
-        f"{summary['scheduler_cpu_ms_per_token']:.2f} CPU-ms per token"
+        f"{summary['scheduler_cpu_ms_per_token']:.2f} CPU-ms per token; context switches per token: scheduler "
+        f"{summary['scheduler_switches_per_token']:.1f}, worker {summary['worker_switches_per_token']:.1f}, of which "
+        f"the model's two threads preempted {summary['model_threads_preempted_per_token']:.1f}"
     )
     save("overhead", {"args": vars(args), "cpu": cpu_name(), "rounds": rounds, "summary": summary})
 

@@ -71,6 +71,26 @@ def process_tree_cpu_s(pid: int) -> float:
     return total
 
 
+def thread_counters(pid: int) -> dict[str, tuple[float, int, int]]:
+    """Per thread of `pid` (by thread id): (CPU seconds, voluntary, involuntary context switches) so far (Linux
+    /proc). A voluntary switch is a thread that blocked (and later woke); an involuntary one, a thread the
+    kernel preempted for another."""
+    ticks, out = os.sysconf("SC_CLK_TCK"), {}
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            status = (task / "status").read_text()
+        except FileNotFoundError:
+            continue
+        switches = dict(line.split(":\t") for line in status.splitlines() if "ctxt_switches" in line)
+        out[task.name] = (
+            (int(stat[11]) + int(stat[12])) / ticks,
+            int(switches["voluntary_ctxt_switches"]),
+            int(switches["nonvoluntary_ctxt_switches"]),
+        )
+    return out
+
+
 def wait_quiet(pids, window_s: float = 0.1, timeout_s: float = 30.0) -> float:
     """Waits until the process trees of `pids` use no CPU for `window_s` (at most `timeout_s`); returns the
     seconds waited. A server works on for a moment after its last answer (specdec's worker finishes the step it
