@@ -50,10 +50,9 @@ def served_round(stub, server_pid: int, max_tokens: int) -> dict:
     worker_pid = next(p for p in process_tree(server_pid) if p != server_pid)
     before = {pid: thread_counters(pid) for pid in (server_pid, worker_pid)}
     result = stream_timed(stub, chat_request(PROMPT, max_tokens), timeout_s=600)
-    used = {}
+    used, zero = {}, (0.0, 0, 0)
     for pid, start in before.items():
         now = thread_counters(pid)
-        zero = (0.0, 0, 0)
         # per thread: (CPU s, voluntary, involuntary switches) during the request, busiest thread first
         used[pid] = sorted((tuple(a - b for a, b in zip(now[t], start.get(t, zero))) for t in now), key=lambda c: -c[0])
     n = result["num_tokens"]

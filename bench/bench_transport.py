@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
@@ -40,7 +41,7 @@ class SleepingWorker:
 
     def __init__(self, step_ms: float):
         self.step_s = step_ms / 1e3
-        self.config = type("Config", (), {"kv_cache_memory_bytes": 1 << 30})()
+        self.config = types.SimpleNamespace(kv_cache_memory_bytes=1 << 30)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return 1 << 16
@@ -154,4 +155,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child process
     parsed = parser.parse_args()
-    serve(parsed.step_ms) if parsed.serve else main(parsed)
+    if parsed.serve:
+        serve(parsed.step_ms)
+    else:
+        main(parsed)
