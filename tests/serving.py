@@ -1,5 +1,5 @@
-"""`specdec serve` in the test process: real Workers behind real gRPC servers, and `run_scheduler`, each on
-127.0.0.1 port 0 (HTTP and metrics where their flags ask).
+"""`specdec serve` in the test process: real Workers behind real gRPC servers (and step sockets, as serve's
+workers have), and `run_scheduler`, each on 127.0.0.1 port 0 (HTTP and metrics where their flags ask).
 
 For the tests whose subject is what is served, not the process: the flags are parsed by `specdec serve`'s own
 parser and turned into the scheduler's options and the workers' config as it does, but no process is started
@@ -18,25 +18,30 @@ import torch
 from scheduler_service.process import flags as scheduler_flags
 from scheduler_service.process import main as scheduler_main
 from specdec.cli import build_parser
-from specdec.cli.serve import worker_num_threads
+from specdec.cli.serve import worker_num_threads, worker_step_port
 from specdec.metrics_server import start_metrics_server
 from tests.e2e.client import Server
 from worker_service.runtime import default_model as models
 from worker_service.serving import flags as worker_flags
 from worker_service.serving.server import create_server
+from worker_service.serving.step_socket import StepSocketServer
 from worker_service.speculation.build import build_worker
 
 STOP_TIMEOUT_S = 120.0  # the scheduler's drain (its --shutdown-grace-period) and the servers' stop
 
 
 class InProcessWorker:
-    """A Worker served over gRPC as `specdec worker` serves it (model on the compute thread)."""
+    """A Worker served over gRPC as `specdec worker` serves it (model on the compute thread), and on a step
+    socket at step_port (None: none) as its --step-port."""
 
-    def __init__(self, config, metrics_port: int = 0):
+    def __init__(self, config, metrics_port: int = 0, step_port: int | None = None):
         self.server, self.servicer, port = create_server("127.0.0.1", 0)
         self.address = f"127.0.0.1:{port}"
-        self.metrics_server = None
+        self.metrics_server = self.step_server = None
         try:
+            if step_port is not None:
+                self.step_server = StepSocketServer("127.0.0.1", step_port, self.servicer.run_session)
+                self.servicer.step_port = self.step_server.port
             self.servicer.set_worker(self.servicer.run_compute(build_worker, config), config.model)
             if metrics_port:
                 self.metrics_server = start_metrics_server(
@@ -50,6 +55,8 @@ class InProcessWorker:
         """As run_worker on SIGTERM: no new step, the step in flight finishes, the server stops."""
         self.servicer.begin_shutdown()
         self.servicer.compute.submit(lambda: None).result(timeout=STOP_TIMEOUT_S)
+        if self.step_server is not None:
+            self.step_server.stop()
         self.server.stop(grace=1).wait()
         self.servicer.close()
         self.servicer.worker = None  # the KV cache goes now, not when the gRPC server's threads let go
@@ -119,7 +126,7 @@ def worker_in_process(argv: list[str]):
     config = worker_flags.config_from_args(args, str(models.resolve_model(args.model)), args.num_threads)
     threads_before = torch.get_num_threads()
     try:
-        worker = InProcessWorker(config, args.metrics_port)
+        worker = InProcessWorker(config, args.metrics_port, args.step_port)
         try:
             yield worker
         finally:
@@ -142,7 +149,7 @@ def serve_in_process(argv: list[str]):
     try:
         for index in range(args.num_workers):
             metrics_port = args.worker_metrics_port + index if args.worker_metrics_port else 0
-            workers.append(InProcessWorker(config, metrics_port))
+            workers.append(InProcessWorker(config, metrics_port, worker_step_port(args)))
         with _scheduling(replace(options, worker_addresses=tuple(w.address for w in workers)), workers) as server:
             yield server
     finally:

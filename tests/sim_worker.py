@@ -22,7 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from specdec.convert import step_request_from_proto, step_result_to_proto
 from specdec.step import SequenceOutput, StepRequest, StepResult
 from specdec.v1 import worker_pb2, worker_pb2_grpc
-from worker_service.serving.session import SessionError, SessionGate, session_stream
+from worker_service.serving.session import SessionError, SessionGate, StepAbort, grpc_step_stream, session_stream
+from worker_service.serving.step_socket import StepSocketServer
 
 VOCAB_SIZE = 50
 PIECES = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMN"  # one character per token id
@@ -166,6 +167,7 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.worker: FakeWorker | None = None
         self.sessions = SessionGate()  # the real worker's: one scheduler session at a time
         self.num_steps = 0
+        self.step_port = 0  # SimWorkerServer's step socket, when it has one
         self.is_frozen = threading.Event()  # set: steps hang and health says NOT_SERVING
         self.lock = threading.Lock()
 
@@ -184,6 +186,7 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             max_num_speculative_tokens=self.num_speculative_tokens,
             scorer="multi_query",
             device="cpu",
+            step_port=self.step_port,
         )
 
     def InitCache(self, request, context):
@@ -202,22 +205,26 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.InitCacheResponse(kv_cache_bytes=1024 * request.num_blocks, session_id=session_id)
 
     def ExecuteModel(self, request_iterator, context):
-        yield from session_stream(
-            self.sessions, context, lambda session_id: self._execute_steps(session_id, request_iterator, context)
+        yield from grpc_step_stream(self.run_session, request_iterator, context)
+
+    def run_session(self, session_id, requests, is_active):
+        """The real servicer's contract (both transports call it), steps read and run on the stream's thread."""
+        return session_stream(
+            self.sessions, session_id, lambda session_id: self._execute_steps(session_id, requests, is_active)
         )
 
-    def _execute_steps(self, session_id: str, request_iterator, context):
+    def _execute_steps(self, session_id: str, request_iterator, is_active):
         for request in request_iterator:
             start = time.perf_counter()
-            while self.is_frozen.is_set() and context.is_active():
+            while self.is_frozen.is_set() and is_active():
                 time.sleep(0.05)
-            if not context.is_active():
+            if not is_active():
                 return  # the scheduler gave up on this stream: its steps must not run any more
             with self.lock:
                 try:
                     self.sessions.check_current(session_id)
                 except SessionError as exc:
-                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                    raise StepAbort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
                 result = self.worker.execute(step_request_from_proto(request))
             self.num_steps += 1
             time.sleep(max(0.0, self.step_time_s - (time.perf_counter() - start)))
@@ -241,7 +248,7 @@ class SimWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
 class SimWorkerServer:
     """A SimWorkerServicer on 127.0.0.1 (port 0, or a given port to come back at the same address); TLS with
-    `credentials`."""
+    `credentials`; with `step_socket`, its step stream on a step socket too (the worker's --step-port 0)."""
 
     def __init__(
         self,
@@ -254,6 +261,7 @@ class SimWorkerServer:
         is_checking_kv: bool = True,
         model_id: str = "sim",
         credentials: grpc.ServerCredentials | None = None,
+        step_socket: bool = False,
     ):
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)])
         health_servicer = health.HealthServicer()
@@ -275,11 +283,17 @@ class SimWorkerServer:
         )
         assert self.port, f"cannot listen on 127.0.0.1:{port}"
         self.address = f"127.0.0.1:{self.port}"
+        self.step_server = StepSocketServer("127.0.0.1", 0, self.servicer.run_session) if step_socket else None
+        if self.step_server is not None:
+            self.servicer.step_port = self.step_server.port
         self.server.start()
 
     def stop(self) -> None:
         """Stops at once: open step streams fail, as when the process is killed."""
+        if self.step_server is not None:
+            self.step_server.stop(grace_s=0)
         self.server.stop(grace=None).wait()
+        self.servicer.is_frozen.clear()  # a frozen step ends (its stream is gone: the step fails to answer)
 
 
 def partial_acceptance(step_id: int, request_id: str) -> int:

@@ -125,14 +125,16 @@ def test_parsing_no_flags_gives_the_fields_defaults():
 
 
 # Worker flags that are not settings `serve` forwards: it sets where the worker listens, its model path
-# (resolved), its share of the cores, its metrics port (one per worker) and the pipe that ends it itself; its
-# loopback workers stay plaintext (its --ssl-* flags are the client port's); --log-* go before the subcommand.
+# (resolved), its share of the cores, its metrics port (one per worker), its step socket (from the scheduler's
+# --step-transport) and the pipe that ends it itself; its loopback workers stay plaintext (its --ssl-* flags are
+# the client port's); --log-* go before the subcommand.
 NOT_FORWARDED = {
     "host",
     "port",
     "model",
     "num_threads",
     "metrics_port",
+    "step_port",
     "parent_fd",
     "ssl_certfile",
     "ssl_keyfile",

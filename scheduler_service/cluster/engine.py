@@ -31,7 +31,7 @@ import grpc
 
 from scheduler_service.cluster.options import SchedulerOptions
 from scheduler_service.cluster.pipeline import BusyStats, StepPipeline
-from scheduler_service.cluster.worker_client import WorkerClient
+from scheduler_service.cluster.worker_client import SocketStepStream, WorkerClient
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.detokenizer import Tokenizer
 from scheduler_service.core.request import Request, RequestOutput
@@ -209,7 +209,9 @@ class WorkerEngine:
             self.last_error = f"cannot join: {exc}"
             self._sleep(10 * JOIN_RETRY_S)
             return False
-        stream = self.client.open_stream(self.session_id)
+        opts = self._hooks.options
+        uses_step_socket = opts.step_transport == "auto" and not opts.worker_tls.is_enabled
+        stream = self.client.open_stream(self.session_id, info.step_port if uses_step_socket else 0)
         with self._lock:
             if self._is_stopped:
                 stream.close()
@@ -219,13 +221,14 @@ class WorkerEngine:
             self._stream, self._leave_reason = stream, None
             self.state = WorkerState.SERVING
             logger.info(
-                "worker %s serves on %s: %d KV blocks of %d tokens, k=%d, %s scheduling",
+                "worker %s serves on %s: %d KV blocks of %d tokens, k=%d, %s scheduling, steps over %s",
                 self.address,
                 info.device or "an unnamed device",
                 config.num_kv_blocks,
                 config.block_size,
                 config.num_speculative_tokens,
                 config.scheduling,
+                "its step socket" if isinstance(stream, SocketStepStream) else "gRPC",
             )
             self._hooks.on_serving(self)
         return True

@@ -8,7 +8,8 @@ from specdec.metrics_server import check_metrics_port
 from specdec.security import TlsFiles
 
 MAX_DEFAULT_KV_BLOCKS = 4096
-TOOL_CALL_PARSERS = ("hermes", "json")  # frontends/tools.py's readers of tool_choice "auto"
+TOOL_CALL_PARSERS = ("hermes", "json")
+STEP_TRANSPORTS = ("auto", "grpc")  # frontends/tools.py's readers of tool_choice "auto"
 
 
 _CORE_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}
@@ -96,6 +97,13 @@ class SchedulerOptions:
         "a worker whose step has no result for this long is treated as failed; its requests move",
         flag="--worker-step-timeout",
         metavar="SECONDS",
+    )
+    step_transport: str = setting(
+        "auto",
+        "how the steps go to each worker: auto, over the worker's step socket when it offers one (`specdec worker "
+        "--step-port`; `specdec serve` starts its workers with one) and the workers are plaintext, else over gRPC; "
+        "grpc, always over the worker's gRPC port",
+        choices=STEP_TRANSPORTS,
     )
     take_over_workers: bool = setting(
         False,
@@ -190,6 +198,10 @@ class SchedulerOptions:
             raise ValueError(f"--structured-output-timeout must be > 0, got {self.structured_output_timeout_s}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if self.step_transport not in STEP_TRANSPORTS:
+            raise ValueError(
+                f"--step-transport must be one of {', '.join(STEP_TRANSPORTS)}, got {self.step_transport!r}"
+            )
         if self.routing_max_imbalance < 0:
             raise ValueError(f"--routing-max-imbalance must be >= 0, got {self.routing_max_imbalance}")
         if self.worker_server_name and not self.worker_tls.is_enabled:

@@ -1,16 +1,23 @@
 """A client of the Worker service: describe, init the cache, and a step stream (no torch)."""
 
+import contextlib
+import logging
 import queue
+import socket
 
+from google.protobuf.message import DecodeError
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec import step
+from specdec import step, step_wire
 from specdec.convert import step_request_to_proto, step_result_from_proto
 from specdec.security import channel_options
 from specdec.v1 import worker_pb2, worker_pb2_grpc
 
+logger = logging.getLogger(__name__)
+
 _CLOSE = object()
+STEP_SOCKET_CONNECT_TIMEOUT_S = 5.0
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 SESSION_METADATA_KEY = "specdec-session-id"  # the step stream's session (worker.proto, ExecuteModel)
 
@@ -41,6 +48,65 @@ class StepStream:
         self._outbox.put(_CLOSE)
         for _ in self._responses:
             pass
+
+
+class SocketStepStream:
+    """StepStream's calls over a worker's step socket (specdec/step_wire.py): the same messages without gRPC's
+    threads. Errors are raised as the gRPC stream raises them (grpc.RpcError with code() and details(), and
+    StopIteration when the worker ends the stream), so the engine loop handles both alike."""
+
+    def __init__(self, sock: socket.socket, session_id: str):
+        self._sock = sock
+        self._reader = step_wire.FrameReader(sock)
+        self._write(step_wire.HELLO, (step_wire.HELLO_PREFIX + (session_id or "")).encode())
+
+    def send(self, request: step.StepRequest) -> None:
+        self._write(step_wire.STEP, step_request_to_proto(request).SerializeToString())
+
+    def recv(self) -> step.StepResult:
+        """The next step's result; raises grpc.RpcError when the worker rejected a step or the connection
+        failed, StopIteration when the worker ended the stream, ValueError for a result that does not parse."""
+        try:
+            frame = self._reader.read()
+        except OSError as exc:
+            raise step_wire.StepStreamError(grpc.StatusCode.UNAVAILABLE, f"the step socket failed: {exc}") from None
+        except step_wire.WireError as exc:
+            raise ValueError(f"the step socket's framing broke: {exc}") from None
+        if frame is None:
+            raise StopIteration
+        kind, payload = frame
+        if kind == step_wire.ERROR:
+            raise step_wire.error_from_payload(payload)
+        if kind != step_wire.RESULT:
+            raise ValueError(f"expected a step result on the step socket, got frame kind {kind}")
+        try:
+            response = worker_pb2.ExecuteModelResponse.FromString(payload)
+        except DecodeError as exc:
+            raise ValueError(f"a step result that does not parse: {exc}") from None
+        return step_result_from_proto(response)
+
+    def close(self) -> None:
+        """Gives up on the stream at once (steps in flight are dropped); a recv in progress ends."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+    def finish(self) -> None:
+        """Ends the stream gracefully: returns once the worker has ended it (its results are discarded)."""
+        try:
+            self._write(step_wire.END)
+            while self._reader.read() is not None:
+                pass
+        except (OSError, step_wire.WireError, grpc.RpcError):
+            pass  # the worker ended it already
+        finally:
+            self.close()
+
+    def _write(self, kind: int, payload: bytes = b"") -> None:
+        try:
+            step_wire.write_frame(self._sock, kind, payload)
+        except OSError as exc:
+            raise step_wire.StepStreamError(grpc.StatusCode.UNAVAILABLE, f"the step socket failed: {exc}") from None
 
 
 class WorkerClient:
@@ -89,7 +155,23 @@ class WorkerClient:
         )
         return reply.session_id
 
-    def open_stream(self, session_id: str) -> StepStream:
+    def open_stream(self, session_id: str, step_port: int = 0) -> StepStream | SocketStepStream:
+        """The session's step stream: on the worker's step socket at step_port (DescribeResponse.step_port;
+        0: none) when it can connect, else (and with a warning when it could not) over gRPC."""
+        if step_port:
+            host = self.address.rsplit(":", 1)[0].strip("[]")
+            try:
+                sock = socket.create_connection((host, step_port), timeout=STEP_SOCKET_CONNECT_TIMEOUT_S)
+                sock.settimeout(None)
+                step_wire.configure(sock)
+                return SocketStepStream(sock, session_id)
+            except (OSError, grpc.RpcError) as exc:
+                logger.warning(
+                    "worker %s: cannot reach its step socket (port %d): %s; its steps go over gRPC",
+                    self.address,
+                    step_port,
+                    exc,
+                )
         return StepStream(self.stub, session_id)
 
     def execute(self, request: step.StepRequest, session_id: str) -> step.StepResult:

@@ -41,6 +41,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         credentials = security.server_credentials(security.server_tls_from_args(args))  # before the model
         config = worker_flags.config_from_args(args, str(models.resolve_model(args.model)), args.num_threads)
         check_metrics_port(args.metrics_port)
+        if args.step_port is not None and not 0 <= args.step_port <= 65535:
+            raise ValueError(f"--step-port must be a port in 0..65535 (0: any free port), got {args.step_port}")
         return run_worker(
             config,
             args.host,
@@ -48,6 +50,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             credentials=credentials,
             metrics_port=args.metrics_port,
             parent_fd=args.parent_fd,
+            step_port=args.step_port,
         )
     except (ValueError, OSError, RuntimeError) as exc:  # a ModelLoadError is a RuntimeError
         print(f"specdec worker: error: {exc}", file=sys.stderr)
@@ -140,6 +143,15 @@ def _add_worker(worker: argparse.ArgumentParser) -> None:
         default=0,
         metavar="PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics; 0: off",
+    )
+    worker.add_argument(
+        "--step-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve the step stream (the scheduler's steps and their results) on a bare TCP socket at "
+        "--host:PORT, which the scheduler finds through Describe and prefers (less CPU per step than gRPC's "
+        "stream); 0: any free port; plaintext only (default: off, steps go over the gRPC port)",
     )
     worker.add_argument(
         "--parent-fd",

@@ -111,7 +111,14 @@ def worker_num_threads(args: argparse.Namespace) -> int:
     return args.num_threads or max(1, cpus.usable_cpus() // args.num_workers)
 
 
+def worker_step_port(args: argparse.Namespace) -> int | None:
+    """Each worker's --step-port: its steps on a socket of its own (any free port, on loopback like its gRPC
+    port), unless the scheduler would not use it (--step-transport grpc)."""
+    return None if args.step_transport == "grpc" else 0
+
+
 def _worker_argv(args: argparse.Namespace, model_dir: str) -> list[str]:
+    step_port = worker_step_port(args)
     return [
         "--log-level",
         args.log_level,
@@ -125,6 +132,7 @@ def _worker_argv(args: argparse.Namespace, model_dir: str) -> list[str]:
         "--num-threads",
         str(worker_num_threads(args)),
         *worker_flags.forwarded_argv(args),
+        *([] if step_port is None else ["--step-port", str(step_port)]),
     ]
 
 

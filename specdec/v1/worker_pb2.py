@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\"%\n\x0f\x44\x65scribeRequest\x12\x12\n\nblock_size\x18\x01 \x01(\r\"\xba\x02\n\x10\x44\x65scribeResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x1a\n\x12kv_bytes_per_block\x18\x04 \x01(\x04\x12\x1b\n\x13num_blocks_capacity\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x10\n\x08proposer\x18\x08 \x01(\t\x12\"\n\x1amax_num_speculative_tokens\x18\t \x01(\x05\x12\x16\n\x0e\x64raft_model_id\x18\n \x01(\t\x12\x0e\n\x06scorer\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x1c\n\x14max_draft_tree_width\x18\r \x01(\x05\"j\n\x10InitCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x1b\n\x13previous_session_id\x18\x03 \x01(\t\x12\x11\n\ttake_over\x18\x04 \x01(\x08\"?\n\x11InitCacheResponse\x12\x16\n\x0ekv_cache_bytes\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\"\xa2\x03\n\x0fRequestSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x01\x88\x01\x01\x12>\n\nlogit_bias\x18\n \x03(\x0b\x32*.specdec.v1.RequestSampling.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"7\n\x10TopTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x90\x02\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.RequestSampling\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x16\n\x0enum_new_tokens\x18\x06 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x08 \x01(\x05\x12\x0f\n\x07grammar\x18\t \x01(\t\x12\x18\n\x10\x64raft_tree_width\x18\n \x01(\x05\"\xc1\x01\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\x12\x17\n\x0fnum_blocks_kept\x18\x03 \x01(\x05\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\x05\x12\x1a\n\x12\x66orced_drafts_only\x18\x06 \x01(\x08\x12\x18\n\x10\x64raft_tree_width\x18\x07 \x01(\x05\"\xdb\x01\n\x13\x45xecuteModelRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x16.specdec.v1.NewRequest\x12\x32\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x19.specdec.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\tJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x13num_lookahead_slotsR\x12running_queue_size\"\xeb\x02\n\x0eSequenceOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x05\x12\x1d\n\x15num_kv_written_tokens\x18\x06 \x01(\x05\x12\x10\n\x08proposer\x18\x07 \x01(\t\x12\x1e\n\x16num_forced_tokens_next\x18\x08 \x01(\x05\x12,\n\nnext_draft\x18\t \x01(\x0b\x32\x18.specdec.v1.DraftPreview\x12\x18\n\x10\x64raft_tree_depth\x18\n \x01(\x05\x12\x1c\n\x14\x61\x63\x63\x65pted_draft_ranks\x18\x0b \x03(\x05\x12\x32\n\x0ctop_logprobs\x18\x0c \x03(\x0b\x32\x1c.specdec.v1.TopTokenLogprobs\"8\n\x0c\x44raftPreview\x12\x12\n\nnum_drafts\x18\x01 \x01(\x05\x12\x14\n\x0cmatch_length\x18\x02 \x01(\x05\"t\n\tStepStats\x12\x12\n\npropose_ms\x18\x01 \x01(\x01\x12\x10\n\x08score_ms\x18\x02 \x01(\x01\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x1c\n\x14num_speculating_seqs\x18\x05 \x01(\x05\"z\n\x14\x45xecuteModelResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x07outputs\x18\x02 \x03(\x0b\x32\x1a.specdec.v1.SequenceOutput\x12$\n\x05stats\x18\x03 \x01(\x0b\x32\x15.specdec.v1.StepStats2\xf7\x01\n\rWorkerService\x12\x45\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x1c.specdec.v1.DescribeResponse\x12H\n\tInitCache\x12\x1c.specdec.v1.InitCacheRequest\x1a\x1d.specdec.v1.InitCacheResponse\x12U\n\x0c\x45xecuteModel\x12\x1f.specdec.v1.ExecuteModelRequest\x1a .specdec.v1.ExecuteModelResponse(\x01\x30\x01\x42W\n\x0e\x64\x65v.specdec.v1B\x0bWorkerProtoP\x01Z6github.com/specdec/specdec/gen/go/specdec/v1;specdecv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\"%\n\x0f\x44\x65scribeRequest\x12\x12\n\nblock_size\x18\x01 \x01(\r\"\xcd\x02\n\x10\x44\x65scribeResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x1a\n\x12kv_bytes_per_block\x18\x04 \x01(\x04\x12\x1b\n\x13num_blocks_capacity\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x10\n\x08proposer\x18\x08 \x01(\t\x12\"\n\x1amax_num_speculative_tokens\x18\t \x01(\x05\x12\x16\n\x0e\x64raft_model_id\x18\n \x01(\t\x12\x0e\n\x06scorer\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x1c\n\x14max_draft_tree_width\x18\r \x01(\x05\x12\x11\n\tstep_port\x18\x0e \x01(\r\"j\n\x10InitCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x1b\n\x13previous_session_id\x18\x03 \x01(\t\x12\x11\n\ttake_over\x18\x04 \x01(\x08\"?\n\x11InitCacheResponse\x12\x16\n\x0ekv_cache_bytes\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\"\xa2\x03\n\x0fRequestSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x01\x88\x01\x01\x12>\n\nlogit_bias\x18\n \x03(\x0b\x32*.specdec.v1.RequestSampling.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"7\n\x10TopTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x90\x02\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.RequestSampling\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x16\n\x0enum_new_tokens\x18\x06 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x08 \x01(\x05\x12\x0f\n\x07grammar\x18\t \x01(\t\x12\x18\n\x10\x64raft_tree_width\x18\n \x01(\x05\"\xc1\x01\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\x12\x17\n\x0fnum_blocks_kept\x18\x03 \x01(\x05\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\x05\x12\x1a\n\x12\x66orced_drafts_only\x18\x06 \x01(\x08\x12\x18\n\x10\x64raft_tree_width\x18\x07 \x01(\x05\"\xdb\x01\n\x13\x45xecuteModelRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x16.specdec.v1.NewRequest\x12\x32\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x19.specdec.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\tJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x13num_lookahead_slotsR\x12running_queue_size\"\xeb\x02\n\x0eSequenceOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x05\x12\x1d\n\x15num_kv_written_tokens\x18\x06 \x01(\x05\x12\x10\n\x08proposer\x18\x07 \x01(\t\x12\x1e\n\x16num_forced_tokens_next\x18\x08 \x01(\x05\x12,\n\nnext_draft\x18\t \x01(\x0b\x32\x18.specdec.v1.DraftPreview\x12\x18\n\x10\x64raft_tree_depth\x18\n \x01(\x05\x12\x1c\n\x14\x61\x63\x63\x65pted_draft_ranks\x18\x0b \x03(\x05\x12\x32\n\x0ctop_logprobs\x18\x0c \x03(\x0b\x32\x1c.specdec.v1.TopTokenLogprobs\"8\n\x0c\x44raftPreview\x12\x12\n\nnum_drafts\x18\x01 \x01(\x05\x12\x14\n\x0cmatch_length\x18\x02 \x01(\x05\"t\n\tStepStats\x12\x12\n\npropose_ms\x18\x01 \x01(\x01\x12\x10\n\x08score_ms\x18\x02 \x01(\x01\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12\x1c\n\x14num_speculating_seqs\x18\x05 \x01(\x05\"z\n\x14\x45xecuteModelResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x07outputs\x18\x02 \x03(\x0b\x32\x1a.specdec.v1.SequenceOutput\x12$\n\x05stats\x18\x03 \x01(\x0b\x32\x15.specdec.v1.StepStats2\xf7\x01\n\rWorkerService\x12\x45\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x1c.specdec.v1.DescribeResponse\x12H\n\tInitCache\x12\x1c.specdec.v1.InitCacheRequest\x1a\x1d.specdec.v1.InitCacheResponse\x12U\n\x0c\x45xecuteModel\x12\x1f.specdec.v1.ExecuteModelRequest\x1a .specdec.v1.ExecuteModelResponse(\x01\x30\x01\x42W\n\x0e\x64\x65v.specdec.v1B\x0bWorkerProtoP\x01Z6github.com/specdec/specdec/gen/go/specdec/v1;specdecv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,31 +37,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=39
   _globals['_DESCRIBEREQUEST']._serialized_end=76
   _globals['_DESCRIBERESPONSE']._serialized_start=79
-  _globals['_DESCRIBERESPONSE']._serialized_end=393
-  _globals['_INITCACHEREQUEST']._serialized_start=395
-  _globals['_INITCACHEREQUEST']._serialized_end=501
-  _globals['_INITCACHERESPONSE']._serialized_start=503
-  _globals['_INITCACHERESPONSE']._serialized_end=566
-  _globals['_REQUESTSAMPLING']._serialized_start=569
-  _globals['_REQUESTSAMPLING']._serialized_end=987
-  _globals['_REQUESTSAMPLING_LOGITBIASENTRY']._serialized_start=907
-  _globals['_REQUESTSAMPLING_LOGITBIASENTRY']._serialized_end=955
-  _globals['_TOPTOKENLOGPROBS']._serialized_start=989
-  _globals['_TOPTOKENLOGPROBS']._serialized_end=1044
-  _globals['_NEWREQUEST']._serialized_start=1047
-  _globals['_NEWREQUEST']._serialized_end=1319
-  _globals['_CACHEDREQUEST']._serialized_start=1322
-  _globals['_CACHEDREQUEST']._serialized_end=1515
-  _globals['_EXECUTEMODELREQUEST']._serialized_start=1518
-  _globals['_EXECUTEMODELREQUEST']._serialized_end=1737
-  _globals['_SEQUENCEOUTPUT']._serialized_start=1740
-  _globals['_SEQUENCEOUTPUT']._serialized_end=2103
-  _globals['_DRAFTPREVIEW']._serialized_start=2105
-  _globals['_DRAFTPREVIEW']._serialized_end=2161
-  _globals['_STEPSTATS']._serialized_start=2163
-  _globals['_STEPSTATS']._serialized_end=2279
-  _globals['_EXECUTEMODELRESPONSE']._serialized_start=2281
-  _globals['_EXECUTEMODELRESPONSE']._serialized_end=2403
-  _globals['_WORKERSERVICE']._serialized_start=2406
-  _globals['_WORKERSERVICE']._serialized_end=2653
+  _globals['_DESCRIBERESPONSE']._serialized_end=412
+  _globals['_INITCACHEREQUEST']._serialized_start=414
+  _globals['_INITCACHEREQUEST']._serialized_end=520
+  _globals['_INITCACHERESPONSE']._serialized_start=522
+  _globals['_INITCACHERESPONSE']._serialized_end=585
+  _globals['_REQUESTSAMPLING']._serialized_start=588
+  _globals['_REQUESTSAMPLING']._serialized_end=1006
+  _globals['_REQUESTSAMPLING_LOGITBIASENTRY']._serialized_start=926
+  _globals['_REQUESTSAMPLING_LOGITBIASENTRY']._serialized_end=974
+  _globals['_TOPTOKENLOGPROBS']._serialized_start=1008
+  _globals['_TOPTOKENLOGPROBS']._serialized_end=1063
+  _globals['_NEWREQUEST']._serialized_start=1066
+  _globals['_NEWREQUEST']._serialized_end=1338
+  _globals['_CACHEDREQUEST']._serialized_start=1341
+  _globals['_CACHEDREQUEST']._serialized_end=1534
+  _globals['_EXECUTEMODELREQUEST']._serialized_start=1537
+  _globals['_EXECUTEMODELREQUEST']._serialized_end=1756
+  _globals['_SEQUENCEOUTPUT']._serialized_start=1759
+  _globals['_SEQUENCEOUTPUT']._serialized_end=2122
+  _globals['_DRAFTPREVIEW']._serialized_start=2124
+  _globals['_DRAFTPREVIEW']._serialized_end=2180
+  _globals['_STEPSTATS']._serialized_start=2182
+  _globals['_STEPSTATS']._serialized_end=2298
+  _globals['_EXECUTEMODELRESPONSE']._serialized_start=2300
+  _globals['_EXECUTEMODELRESPONSE']._serialized_end=2422
+  _globals['_WORKERSERVICE']._serialized_start=2425
+  _globals['_WORKERSERVICE']._serialized_end=2672
 # @@protoc_insertion_point(module_scope)

@@ -13,7 +13,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, block_size: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_model_len", "kv_bytes_per_block", "num_blocks_capacity", "eos_token_ids", "dtype", "proposer", "max_num_speculative_tokens", "draft_model_id", "scorer", "device", "max_draft_tree_width")
+    __slots__ = ("model_id", "vocab_size", "max_model_len", "kv_bytes_per_block", "num_blocks_capacity", "eos_token_ids", "dtype", "proposer", "max_num_speculative_tokens", "draft_model_id", "scorer", "device", "max_draft_tree_width", "step_port")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class DescribeResponse(_message.Message):
     SCORER_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    STEP_PORT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_model_len: int
@@ -40,7 +41,8 @@ class DescribeResponse(_message.Message):
     scorer: str
     device: str
     max_draft_tree_width: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., num_blocks_capacity: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., proposer: _Optional[str] = ..., max_num_speculative_tokens: _Optional[int] = ..., draft_model_id: _Optional[str] = ..., scorer: _Optional[str] = ..., device: _Optional[str] = ..., max_draft_tree_width: _Optional[int] = ...) -> None: ...
+    step_port: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., num_blocks_capacity: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., proposer: _Optional[str] = ..., max_num_speculative_tokens: _Optional[int] = ..., draft_model_id: _Optional[str] = ..., scorer: _Optional[str] = ..., device: _Optional[str] = ..., max_draft_tree_width: _Optional[int] = ..., step_port: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
     __slots__ = ("num_blocks", "block_size", "previous_session_id", "take_over")

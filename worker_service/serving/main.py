@@ -11,6 +11,7 @@ from specdec.announce import announce
 from specdec.metrics_server import start_metrics_server
 from specdec.stop_signals import StopSignals
 from worker_service.serving.server import create_server
+from worker_service.serving.step_socket import StepSocketServer
 from worker_service.speculation.build import build_worker
 from worker_service.speculation.config import WorkerConfig
 
@@ -28,23 +29,34 @@ def run_worker(
     credentials: grpc.ServerCredentials | None = None,
     metrics_port: int = 0,
     parent_fd: int | None = None,
+    step_port: int | None = None,
 ) -> int:
     """Serves until SIGTERM/SIGINT. Prints `worker listening on HOST:PORT` once bound.
 
     credentials: TLS on the port (specdec.security.server_credentials; with a CA only clients with a
     certificate it signed get in); None: plaintext. metrics_port: Prometheus metrics at
     http://HOST:PORT/metrics (0: off). parent_fd: the read end of a pipe that the parent process holds
-    open (`specdec serve`); end of file on it means the parent is gone, and the worker exits.
+    open (`specdec serve`); end of file on it means the parent is gone, and the worker exits. step_port: also
+    serve the step stream on a bare socket at HOST:step_port (0: any free port; step_socket.py), plaintext
+    only; None: not.
     """
     if parent_fd is not None:
         os.fstat(parent_fd)  # OSError (EBADF) at once for a descriptor this process did not inherit
+    if step_port is not None and credentials is not None:
+        raise ValueError("--step-port serves the step stream in plaintext: it cannot go with TLS (--ssl-*)")
     server, servicer, bound_port = create_server(host, port, credentials=credentials)
     logger.info("%s on %s:%d", "plaintext" if credentials is None else "TLS", host, bound_port)
+    step_server = metrics_server = None
     try:
-        metrics_server = (
-            start_metrics_server(servicer.metrics.registry, host, metrics_port, "worker") if metrics_port else None
-        )
+        if step_port is not None:
+            step_server = StepSocketServer(host, step_port, servicer.run_session)
+            servicer.step_port = step_server.port
+            logger.info("step stream also on a bare socket at %s:%d", host, step_server.port)
+        if metrics_port:
+            metrics_server = start_metrics_server(servicer.metrics.registry, host, metrics_port, "worker")
     except OSError:
+        if step_server is not None:
+            step_server.stop()
         server.stop(grace=None)
         raise
     announce(f"worker listening on {host}:{bound_port}")
@@ -55,6 +67,8 @@ def run_worker(
     try:
         worker = servicer.run_compute(build_worker, config)  # torch stays on the compute thread
     except Exception:
+        if step_server is not None:
+            step_server.stop()
         server.stop(grace=None)
         raise
     servicer.set_worker(worker, config.model)
@@ -68,7 +82,9 @@ def run_worker(
         servicer.compute.submit(lambda: None).result(timeout=SHUTDOWN_STEP_WAIT_S)  # the step in flight is done
     except TimeoutError:
         logger.warning("the step in flight did not finish within %.0f s", SHUTDOWN_STEP_WAIT_S)
-    server.stop(grace=1).wait()  # its result goes out; the scheduler then moves the session's requests
+    if step_server is not None:
+        step_server.stop()  # its result goes out; the scheduler then moves the session's requests
+    server.stop(grace=1).wait()  # the same for a gRPC stream
     servicer.close()
     if metrics_server is not None:
         metrics_server.shutdown()

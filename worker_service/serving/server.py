@@ -16,6 +16,7 @@ from concurrent import futures
 import logging
 import queue
 import threading
+from typing import Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from specdec.convert import step_request_from_proto, step_result_to_proto
 from specdec.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.serving.metrics import WorkerMetrics
-from worker_service.serving.session import SessionError, SessionGate, session_stream
+from worker_service.serving.session import SessionError, SessionGate, StepAbort, grpc_step_stream, session_stream
 from worker_service.speculation.request_state import InvalidStepError
 from worker_service.speculation.worker import Worker
 
@@ -44,6 +45,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.sessions = SessionGate()
         self.is_stopping = False  # SIGTERM: finish the step in flight, then end the step stream
+        self.step_port = 0  # the port of a step_socket.StepSocketServer serving run_session (0: none)
 
     def run_compute(self, fn, *args):
         """Runs fn(*args) on the compute thread and returns its result (or raises its exception)."""
@@ -93,6 +95,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             scorer=config.scorer,
             device=config.device,
             max_draft_tree_width=worker.max_draft_tree_width,
+            step_port=self.step_port,
         )
 
     def InitCache(self, request, context):
@@ -133,14 +136,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def ExecuteModel(self, request_iterator, context):
         """Executes the session's steps in order; one response per request."""
-        worker = self._require_worker(context)
-        yield from session_stream(
-            self.sessions,
-            context,
-            lambda session_id: self._execute_steps(worker, session_id, request_iterator, context),
+        yield from grpc_step_stream(self.run_session, request_iterator, context)
+
+    def run_session(self, session_id: str | None, requests, is_active) -> Iterator[worker_pb2.ExecuteModelResponse]:
+        """A step stream, whichever transport carries it (gRPC's ExecuteModel, or step_socket.py): the results
+        of `requests` (ExecuteModelRequest messages, read on a thread of the stream's own) in order, while
+        is_active() (False: the scheduler abandoned the stream, and the steps not started are dropped). Raises
+        StepAbort for a stream that must end with an error status."""
+        if self.worker is None:
+            raise StepAbort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
+        worker = self.worker
+        return session_stream(
+            self.sessions, session_id, lambda sid: self._execute_steps(worker, sid, requests, is_active)
         )
 
-    def _execute_steps(self, worker: Worker, session_id: str, request_iterator, context):
+    def _execute_steps(self, worker: Worker, session_id: str, request_iterator, is_active):
         """The stream's steps, run in order on the compute thread, their results yielded in order. A thread of
         the stream's own reads the requests and queues each step as it arrives: under async scheduling the next
         step is here while one runs, and it starts as soon as that one ends, not after that one's result has
@@ -148,7 +158,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         stop = threading.Event()  # set once a step failed or the stream ends: the steps queued after it skip
 
         def execute(step_request):  # on the compute thread, after every step queued before it
-            if stop.is_set() or not context.is_active() or self.is_stopping:
+            if stop.is_set() or not is_active() or self.is_stopping:
                 raise _NotRun()  # the stream is over, the scheduler left it, or SIGTERM came: see below
             try:
                 self.sessions.check_current(session_id)
@@ -183,22 +193,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 step_id, pending = item
                 if isinstance(pending, ValueError) and step_id is not None:
                     logger.warning("rejected step %d: %s", step_id, pending)
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(pending))
+                    raise StepAbort(grpc.StatusCode.INVALID_ARGUMENT, str(pending))
                 if isinstance(pending, BaseException):
-                    if context.is_active():
+                    if is_active():
                         raise pending  # not the call ending: an error the stream reports, as before
                     return  # the call ended: cancelled, or the scheduler's side closed it
                 try:
                     result = pending.result()
                 except _NotRun:
-                    if self.is_stopping and context.is_active():
+                    if self.is_stopping and is_active():
                         logger.info("shutting down: step stream ended after the steps in flight")
                     return  # the scheduler moves this session's requests to other workers
                 except InvalidStepError as exc:
                     logger.warning("rejected step %d: %s", step_id, exc)
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    raise StepAbort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
                 except SessionError as exc:
-                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                    raise StepAbort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
                 self.metrics.observe_step(result)
                 yield step_result_to_proto(result)
         finally:

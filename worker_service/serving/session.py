@@ -82,15 +82,32 @@ def session_id_of(metadata) -> str | None:
     return next((value for key, value in metadata if key == SESSION_METADATA_KEY), None)
 
 
-def session_stream(gate: SessionGate, context: grpc.ServicerContext, run_steps: Callable[[str], Iterator]) -> Iterator:
-    """ExecuteModel's body: admits the call as its session's one step stream (FAILED_PRECONDITION otherwise),
-    yields from run_steps(session_id), and closes the stream however it ends."""
-    session_id = session_id_of(context.invocation_metadata())
+class StepAbort(Exception):
+    """Ends a step stream with a status (gRPC's, whichever transport carries the stream) and a message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def session_stream(gate: SessionGate, session_id: str | None, run_steps: Callable[[str], Iterator]) -> Iterator:
+    """A step stream's body: admits it as its session's one step stream (StepAbort FAILED_PRECONDITION
+    otherwise), yields from run_steps(session_id), and closes the stream however it ends."""
     try:
         gate.open_stream(session_id)
     except SessionError as exc:
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        raise StepAbort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
     try:
         yield from run_steps(session_id)
     finally:
         gate.close_stream(session_id)
+
+
+def grpc_step_stream(run_session: Callable[..., Iterator], request_iterator, context: grpc.ServicerContext) -> Iterator:
+    """ExecuteModel's body: run_session(session id from the call's metadata, the requests, is the call still
+    active) as a gRPC stream, a StepAbort ending it with its status."""
+    session_id = session_id_of(context.invocation_metadata())
+    try:
+        yield from run_session(session_id, request_iterator, context.is_active)
+    except StepAbort as exc:
+        context.abort(exc.code, exc.message)

@@ -113,8 +113,21 @@ def fast_health(monkeypatch):
     monkeypatch.setattr(watchdog, "HEALTH_TIMEOUT_S", 1.0)
 
 
-def test_requests_spread_over_workers_by_headroom():
-    workers = [SimWorkerServer(step_time_s=0.002, num_accepted=partial_acceptance) for _ in range(2)]
+# The workers' step streams over gRPC, or over their step sockets (what `specdec serve`'s workers offer).
+TRANSPORTS = pytest.mark.parametrize("step_socket", [False, True], ids=["grpc", "step-socket"])
+
+
+def assert_transport(workers: list[SimWorkerServer], step_socket: bool) -> None:
+    """The steps went where the test meant: each worker's step socket served streams only when it had one."""
+    for worker in workers:
+        assert (worker.step_server is not None and worker.step_server.num_streams > 0) == step_socket
+
+
+@TRANSPORTS
+def test_requests_spread_over_workers_by_headroom(step_socket):
+    workers = [
+        SimWorkerServer(step_time_s=0.002, num_accepted=partial_acceptance, step_socket=step_socket) for _ in range(2)
+    ]
     cluster = make_cluster([w.address for w in workers])
     try:
         wait_until(lambda: len(serving(cluster)) == 2, what="both workers to serve")
@@ -125,14 +138,32 @@ def test_requests_spread_over_workers_by_headroom():
         placed = [w.stats.num_requests for w in snap.workers]
         assert sum(placed) == 8 and min(placed) >= 2  # by headroom: both take a share
         assert snap.num_requests == 8 and snap.stats.num_requests == 8 and snap.num_moved_requests == 0
+        assert_transport(workers, step_socket)
     finally:
         cluster.stop()
         for w in workers:
             w.stop()
 
 
-def test_a_failed_worker_s_requests_move_and_it_rejoins_at_the_same_address():
-    workers = [SimWorkerServer(step_time_s=0.01, num_accepted=partial_acceptance) for _ in range(2)]
+def test_step_transport_grpc_leaves_the_step_socket_alone():
+    workers = [SimWorkerServer(step_time_s=0.002, step_socket=True)]
+    cluster = make_cluster([workers[0].address], step_transport="grpc")
+    try:
+        wait_until(lambda: serving(cluster), what="the worker to serve")
+        streams = Streams(cluster, prompts(2), max_tokens=10)
+        streams.join()
+        streams.assert_complete_and_exact()
+        assert_transport(workers, False)
+    finally:
+        cluster.stop()
+        workers[0].stop()
+
+
+@TRANSPORTS
+def test_a_failed_worker_s_requests_move_and_it_rejoins_at_the_same_address(step_socket):
+    workers = [
+        SimWorkerServer(step_time_s=0.01, num_accepted=partial_acceptance, step_socket=step_socket) for _ in range(2)
+    ]
     cluster = make_cluster([w.address for w in workers], scheduling="async")
     try:
         wait_until(lambda: len(serving(cluster)) == 2, what="both workers to serve")
@@ -146,12 +177,14 @@ def test_a_failed_worker_s_requests_move_and_it_rejoins_at_the_same_address():
         survivor = next(w for w in snap.workers if w.address == workers[1].address)
         assert survivor.state is WorkerState.SERVING and survivor.num_total_blocks > 0
 
-        comeback = SimWorkerServer(step_time_s=0.01, port=workers[0].port)  # a restarted pod, same address
+        # A restarted pod, same address (a step socket on another port: the scheduler asks Describe again).
+        comeback = SimWorkerServer(step_time_s=0.01, port=workers[0].port, step_socket=step_socket)
         wait_until(lambda: len(serving(cluster)) == 2, what="the restarted worker to rejoin")
         again = Streams(cluster, {f"new{i}": [i + 1, i + 2] for i in range(4)}, max_tokens=10)
         again.join()
         again.assert_complete_and_exact()
         assert comeback.servicer.num_steps > 0  # it takes work again
+        assert_transport([*workers, comeback], step_socket)
         comeback.stop()
     finally:
         cluster.stop()
@@ -250,11 +283,12 @@ def test_discovery_adds_and_removes_workers_and_removed_workers_requests_move():
             w.stop()
 
 
+@TRANSPORTS
 @pytest.mark.parametrize(("is_health_failing", "why"), [(True, "health checks failed"), (False, "no step result")])
-def test_a_hung_worker_leaves(monkeypatch, fast_health, is_health_failing, why):
+def test_a_hung_worker_leaves(monkeypatch, fast_health, is_health_failing, why, step_socket):
     """Like SIGSTOP (no result, no error, health checks fail), or a wedged compute thread (health still
     SERVING, caught by the step timeout)."""
-    workers = [SimWorkerServer(step_time_s=0.01) for _ in range(2)]
+    workers = [SimWorkerServer(step_time_s=0.01, step_socket=step_socket) for _ in range(2)]
     cluster = make_cluster([w.address for w in workers], worker_step_timeout_s=120.0 if is_health_failing else 0.5)
     try:
         wait_until(lambda: len(serving(cluster)) == 2, what="both workers to serve")
@@ -265,6 +299,7 @@ def test_a_hung_worker_leaves(monkeypatch, fast_health, is_health_failing, why):
         streams.assert_complete_and_exact()
         status = {w.address: w for w in cluster.snapshot().workers}[workers[0].address]
         assert why in status.last_error and status.num_failures == 1
+        assert_transport(workers, step_socket)
     finally:
         cluster.stop()
         for w in workers:
@@ -294,8 +329,9 @@ def test_a_request_whose_workers_keep_failing_stops_moving(monkeypatch):
             w.stop()
 
 
-def test_a_worker_that_left_alive_is_told_to_drop_the_old_requests_when_it_rejoins(fast_health):
-    worker = SimWorkerServer(step_time_s=0.01)
+@TRANSPORTS
+def test_a_worker_that_left_alive_is_told_to_drop_the_old_requests_when_it_rejoins(fast_health, step_socket):
+    worker = SimWorkerServer(step_time_s=0.01, step_socket=step_socket)
     cluster = make_cluster([worker.address])
     try:
         wait_until(lambda: serving(cluster) == [worker.address], what="the worker to serve")
@@ -307,6 +343,7 @@ def test_a_worker_that_left_alive_is_told_to_drop_the_old_requests_when_it_rejoi
         streams.join()
         streams.assert_complete_and_exact()
         assert cluster.snapshot().num_worker_failures == 1  # a NewRequest for an id it held would fail again
+        assert_transport([worker], step_socket)
     finally:
         cluster.stop()
         worker.stop()

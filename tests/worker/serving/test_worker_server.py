@@ -30,20 +30,37 @@ def health_status(address: str, service: str = "") -> int:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
 
 
-@pytest.fixture(scope="module")
-def tiny_worker(tiny_pair):
+@pytest.fixture(scope="module", params=["grpc", "step-socket"])
+def tiny_worker(tiny_pair, request):
+    """A worker with a step socket (--step-port 0) and a client whose step streams go over gRPC, or over the
+    step socket (as the scheduler's, which finds its port through Describe)."""
     with worker_in_process(
-        ["--model", str(tiny_pair.target_path), "--num-threads", "1", "--proposer", "none"]
+        ["--model", str(tiny_pair.target_path), "--num-threads", "1", "--proposer", "none", "--step-port", "0"]
     ) as worker:
         assert health_status(worker.address) == health_pb2.HealthCheckResponse.NOT_SERVING  # no cache yet
         client = SessionClient(worker.address)
+        assert client.describe(BLOCK_SIZE).step_port == worker.step_server.port
+        if request.param == "step-socket":
+            client.step_port = worker.step_server.port
         client.new_session()
         yield client
         client.close()
+        assert (worker.step_server.num_streams > 0) == bool(client.step_port)  # the streams went where they should
 
 
-class SessionClient(WorkerClient):
-    """A WorkerClient that remembers its session (a test starts a new one whenever it needs a clean worker)."""
+class TransportClient(WorkerClient):
+    """A WorkerClient whose step streams go over the worker's step socket at step_port (0: over gRPC)."""
+
+    def __init__(self, address: str, step_port: int = 0):
+        super().__init__(address)
+        self.step_port = step_port
+
+    def open_stream(self, session_id: str, step_port: int = 0):
+        return super().open_stream(session_id, step_port or self.step_port)
+
+
+class SessionClient(TransportClient):
+    """A TransportClient that remembers its session (a test starts a new one whenever it needs a clean worker)."""
 
     session_id: str | None = None
 
@@ -156,7 +173,7 @@ def test_one_scheduler_session_at_a_time(tiny_worker):
     live = client.open_stream(session_id)
     live.send(step.StepRequest(1, new_requests=[step.NewRequest("a", [5, 6, 7], 3, greedy, [0], 3)]))
     first = live.recv().outputs[0].token_ids
-    other = WorkerClient(client.address)
+    other = TransportClient(client.address, client.step_port)
     try:
         expect_session_refused(lambda: other.init_cache(NUM_BLOCKS, BLOCK_SIZE), "another scheduler")
         expect_session_refused(lambda: other.execute(step.StepRequest(9), session_id), "already open")
