@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_overhead.py                       # ~3 min on 2 cores
     .venv/bin/python bench/bench_overhead.py --flags "--proposer none --scheduling sync" --max-tokens 400
+    .venv/bin/python bench/bench_overhead.py --versus "--step-transport grpc" --rounds 10   # two servers in turns
 
 Starts `specdec serve --port 0 FLAGS` (default: plain decoding, the default dtype) and loads the same model
 in this process. Each round, in turns: one greedy request of --max-tokens tokens (ignore_eos) to the server
@@ -17,9 +18,14 @@ Also the CPU each process took per token during the served decode (Linux /proc):
 other thread, which spins between the step's kernels, then the gRPC threads), and the context switches per
 token: each process's, and how often the model's two threads were preempted. Prints the CPU's model name;
 saves JSON under bench/results/. `bench/bench_transport.py` measures the step stream alone, without a model.
+
+`--versus FLAGS2` starts a second server, `specdec serve --port 0 FLAGS FLAGS2`, and times it in the same
+rounds, each server quiet before the other is timed: per round, its TPOT over the first's (above 1: slower),
+and the median of those paired ratios, which a drifting machine moves far less than either server's times.
 """
 
 import argparse
+import contextlib
 import logging
 import pathlib
 import statistics
@@ -41,6 +47,13 @@ from worker_service.runtime.loader import load_model  # noqa: E402
 from worker_service.runtime.runner import ModelRunner, SequenceChunk  # noqa: E402
 
 BLOCK_SIZE = 16
+SUMMARY_KEYS = (  # of a served round, medians in the summary
+    "tpot_ms",
+    "scheduler_cpu_ms_per_token",
+    "scheduler_switches_per_token",
+    "worker_switches_per_token",
+    "model_threads_preempted_per_token",
+)
 PROMPT = "Write a long story about a dragon who learns to read."
 
 
@@ -84,40 +97,42 @@ def main(args) -> None:
     path = fetch_default_model()
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompt = chat_ids(tokenizer, PROMPT)
-    rounds = []
-    with spawned_server(args.flags) as (address, server_pid):
+    rounds, versus_rounds = [], []
+    with contextlib.ExitStack() as servers:
+        address, server_pid = servers.enter_context(spawned_server(args.flags))
         stub = generation_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(address))
+        stream_timed(stub, chat_request(PROMPT, 16), timeout_s=600)  # warm-up
+        pids = [server_pid]
+        if args.versus is not None:
+            versus_address, versus_pid = servers.enter_context(spawned_server(f"{args.flags} {args.versus}"))
+            versus_stub = generation_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(versus_address))
+            stream_timed(versus_stub, chat_request(PROMPT, 16), timeout_s=600)
+            pids.append(versus_pid)
         runner = ModelRunner(load_model(path, args.dtype))
         runner.init_cache(-(-(len(prompt) + args.max_tokens) // BLOCK_SIZE), BLOCK_SIZE)
         in_process_round(runner, prompt, 16)  # warm-up
-        stream_timed(stub, chat_request(PROMPT, 16), timeout_s=600)
         for i in range(args.rounds):
-            wait_quiet([server_pid])
+            wait_quiet(pids)
             served = served_round(stub, server_pid, args.max_tokens)
-            wait_quiet([server_pid])
+            wait_quiet(pids)
             alone = in_process_round(runner, prompt, args.max_tokens)
             ratio = served["tpot_ms"] / alone["ms_per_token"]
             rounds.append({**served, "in_process_ms_per_token": alone["ms_per_token"], "ratio": ratio})
             print(
-                f"round {i + 1}: served {served['tpot_ms']:.2f} ms/token, in-process {alone['ms_per_token']:.2f}"
-                f" ({ratio:.2f}x); CPU per token: scheduler {served['scheduler_cpu_ms_per_token']:.2f} ms, worker"
-                f" threads {', '.join(f'{v:.2f}' for v in served['worker_threads_cpu_ms_per_token'])} ms; context"
-                f" switches per token: scheduler {served['scheduler_switches_per_token']:.1f}, worker"
-                f" {served['worker_switches_per_token']:.1f} (the model's two threads preempted"
-                f" {served['model_threads_preempted_per_token']:.1f})",
+                f"round {i + 1}: served {served_line(served)}; in-process {alone['ms_per_token']:.2f} ms/token "
+                f"({ratio:.2f}x)",
                 flush=True,
             )
+            if args.versus is not None:
+                wait_quiet(pids)
+                other = served_round(versus_stub, versus_pid, args.max_tokens)
+                versus_rounds.append({**other, "versus_ratio": other["tpot_ms"] / served["tpot_ms"]})
+                print(
+                    f"  versus: {served_line(other)}; {versus_rounds[-1]['versus_ratio']:.3f}x the first's TPOT",
+                    flush=True,
+                )
     summary = {
-        key: statistics.median(r[key] for r in rounds)
-        for key in (
-            "tpot_ms",
-            "in_process_ms_per_token",
-            "ratio",
-            "scheduler_cpu_ms_per_token",
-            "scheduler_switches_per_token",
-            "worker_switches_per_token",
-            "model_threads_preempted_per_token",
-        )
+        key: statistics.median(r[key] for r in rounds) for key in ("in_process_ms_per_token", "ratio", *SUMMARY_KEYS)
     }
     print(
         f"\n{cpu_name()}, {torch.get_num_threads()} threads in-process; `specdec serve {args.flags}`; "
@@ -128,7 +143,36 @@ def main(args) -> None:
         f"{summary['scheduler_switches_per_token']:.1f}, worker {summary['worker_switches_per_token']:.1f}, of which "
         f"the model's two threads preempted {summary['model_threads_preempted_per_token']:.1f}"
     )
-    save("overhead", {"args": vars(args), "cpu": cpu_name(), "rounds": rounds, "summary": summary})
+    if versus_rounds:
+        ratios = [r["versus_ratio"] for r in versus_rounds]
+        summary["versus"] = {
+            "tpot_ratio": statistics.median(ratios),
+            **{
+                key: statistics.median(r[key] for r in versus_rounds) for key in SUMMARY_KEYS if key in versus_rounds[0]
+            },
+        }
+        v = summary["versus"]
+        print(
+            f"  `specdec serve {args.flags} {args.versus}`: its TPOT {v['tpot_ratio']:.3f}x the first's (median of "
+            f"{len(ratios)} paired rounds, {min(ratios):.3f}-{max(ratios):.3f}); {v['tpot_ms']:.2f} ms/token, the "
+            f"scheduler {v['scheduler_cpu_ms_per_token']:.2f} CPU-ms per token; context switches per token: "
+            f"scheduler {v['scheduler_switches_per_token']:.1f}, worker {v['worker_switches_per_token']:.1f}, the "
+            f"model's two threads preempted {v['model_threads_preempted_per_token']:.1f}"
+        )
+    save(
+        "overhead",
+        {"args": vars(args), "cpu": cpu_name(), "rounds": rounds, "versus_rounds": versus_rounds, "summary": summary},
+    )
+
+
+def served_line(served: dict) -> str:
+    return (
+        f"{served['tpot_ms']:.2f} ms/token; CPU per token: scheduler {served['scheduler_cpu_ms_per_token']:.2f} ms, "
+        f"worker threads {', '.join(f'{v:.2f}' for v in served['worker_threads_cpu_ms_per_token'])} ms; context "
+        f"switches per token: scheduler {served['scheduler_switches_per_token']:.1f}, worker "
+        f"{served['worker_switches_per_token']:.1f} (the model's two threads preempted "
+        f"{served['model_threads_preempted_per_token']:.1f})"
+    )
 
 
 if __name__ == "__main__":
@@ -142,4 +186,10 @@ if __name__ == "__main__":
     )
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--versus",
+        default=None,
+        metavar="FLAGS2",
+        help='also time `specdec serve FLAGS FLAGS2` in the same rounds, in turns (e.g. "--step-transport grpc")',
+    )
     main(parser.parse_args())

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_transport.py                  # ~1 min
     .venv/bin/python bench/bench_transport.py --step-ms 0 --steps 2000
-    .venv/bin/python bench/bench_transport.py --transport socket   # the floor: the same messages on a bare socket
+    .venv/bin/python bench/bench_transport.py --transport socket   # the worker's step socket (--step-port)
 
 Starts the worker's real gRPC server (`worker_service.serving.server.create_server`: the session gate, the
 step-reader thread, the compute thread, the step metrics, the proto conversions) in a child process, with a
@@ -17,18 +17,16 @@ and the wall time per step beside --step-ms. On a two-core machine serving a mod
 wants both cores; every CPU-millisecond and every wake-up here is taken from it (docs/benchmarks.md, "What
 serving adds at batch 1"). Prints the CPU's model name; saves JSON under bench/results/.
 
-`--transport socket` is a yardstick, not a transport we serve: the same protobuf messages, each behind its
-length, on one TCP socket; the worker's side a reader thread and the compute thread (which writes each result
-itself), the scheduler's side this thread alone. What gRPC's machinery costs is the difference.
+`--transport socket` drives the same server's step socket (worker_service/serving/step_socket.py, what a
+worker started with --step-port serves and `specdec serve`'s scheduler uses): the same messages, framed on
+one TCP socket, through the same session gate and compute thread. What gRPC's machinery costs is the
+difference.
 """
 
 import argparse
-from concurrent import futures
 import os
 import pathlib
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import time
@@ -39,13 +37,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from bench.bench_linear import cpu_name  # noqa: E402
 from bench.common import save, thread_counters  # noqa: E402
 from specdec import step  # noqa: E402
-from specdec.convert import (  # noqa: E402
-    step_request_from_proto,
-    step_request_to_proto,
-    step_result_from_proto,
-    step_result_to_proto,
-)
-from specdec.v1 import worker_pb2  # noqa: E402
 
 REQUEST_ID = "r0"
 BLOCK_SIZE = 16
@@ -73,72 +64,19 @@ class SleepingWorker:
         return step.StepResult(request.step_id, outputs, step.StepStats(total_ms=self.step_s * 1e3))
 
 
-def serve(step_ms: float, transport: str) -> None:
-    """The child: a Worker server on a free port (printed), until stdin closes (gRPC) or the stream ends."""
-    worker = SleepingWorker(step_ms)
-    if transport == "socket":
-        serve_socket(worker)
-        return
+def serve(step_ms: float) -> None:
+    """The child: a Worker server and its step socket on free ports (printed), until stdin closes."""
     from worker_service.serving.server import create_server
+    from worker_service.serving.step_socket import StepSocketServer
 
     server, servicer, port = create_server("127.0.0.1", 0)
-    servicer.set_worker(worker, "stand-in")
-    print(port, flush=True)
+    step_server = StepSocketServer("127.0.0.1", 0, servicer.run_session)
+    servicer.step_port = step_server.port
+    servicer.set_worker(SleepingWorker(step_ms), "stand-in")
+    print(port, step_server.port, flush=True)
     sys.stdin.read()
+    step_server.stop()
     server.stop(0)
-
-
-HEADER = struct.Struct("<I")  # a message's length in bytes
-
-
-def read_message(stream, message_type):
-    """The next length-prefixed message of `stream` (a socket's file), or None at its end."""
-    header = stream.read(HEADER.size)
-    if len(header) < HEADER.size:
-        return None
-    return message_type.FromString(stream.read(HEADER.unpack(header)[0]))
-
-
-def framed(message) -> bytes:
-    data = message.SerializeToString()
-    return HEADER.pack(len(data)) + data
-
-
-def serve_socket(worker: SleepingWorker) -> None:
-    """One connection: this thread reads the steps and queues them on a compute thread, which runs each and
-    writes its result."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    print(listener.getsockname()[1], flush=True)
-    conn, _ = listener.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    compute = futures.ThreadPoolExecutor(max_workers=1)
-
-    def run(request: step.StepRequest) -> None:
-        conn.sendall(framed(step_result_to_proto(worker.execute(request))))
-
-    incoming = conn.makefile("rb")
-    while (message := read_message(incoming, worker_pb2.ExecuteModelRequest)) is not None:
-        compute.submit(run, step_request_from_proto(message))
-    compute.shutdown(wait=True)
-
-
-class SocketStream:
-    """StepStream's send and recv over serve_socket's connection."""
-
-    def __init__(self, port: int):
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.incoming = self.sock.makefile("rb")
-
-    def send(self, request: step.StepRequest) -> None:
-        self.sock.sendall(framed(step_request_to_proto(request)))
-
-    def recv(self) -> step.StepResult:
-        return step_result_from_proto(read_message(self.incoming, worker_pb2.ExecuteModelResponse))
-
-    def close(self) -> None:
-        self.incoming.close()  # the file holds the socket open too
-        self.sock.close()
 
 
 def totals(pid: int) -> tuple[float, int, int]:
@@ -176,18 +114,16 @@ def main(args) -> None:
     from scheduler_service.cluster.worker_client import WorkerClient
 
     child = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--step-ms", str(args.step_ms), "--transport", args.transport],
+        [sys.executable, __file__, "--serve", "--step-ms", str(args.step_ms)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
-        port = int(child.stdout.readline())
-        if args.transport == "socket":
-            client, stream = None, SocketStream(port)
-        else:
-            client = WorkerClient(f"127.0.0.1:{port}")
-            stream = client.open_stream(client.init_cache(64, BLOCK_SIZE, timeout=30))
+        port, step_port = map(int, child.stdout.readline().split())
+        client = WorkerClient(f"127.0.0.1:{port}")
+        session_id = client.init_cache(64, BLOCK_SIZE, timeout=30)
+        stream = client.open_stream(session_id, step_port if args.transport == "socket" else 0)
         timed_round(stream, 0, 50, child.pid)  # warm-up
         rounds = []
         for i in range(args.rounds):
@@ -203,8 +139,7 @@ def main(args) -> None:
                 flush=True,
             )
         stream.close()
-        if client is not None:
-            client.close()
+        client.close()
     finally:
         child.stdin.close()
         child.wait(timeout=30)
@@ -234,11 +169,11 @@ if __name__ == "__main__":
         "--transport",
         choices=("grpc", "socket"),
         default="grpc",
-        help="grpc: the worker's server and the scheduler's client; socket: the yardstick (see above)",
+        help="grpc: the worker's ExecuteModel stream; socket: its step socket (specdec/step_wire.py)",
     )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child process
     parsed = parser.parse_args()
     if parsed.serve:
-        serve(parsed.step_ms, parsed.transport)
+        serve(parsed.step_ms)
     else:
         main(parsed)
