@@ -106,6 +106,8 @@ def test_compose_runs_two_workers_found_by_dns():
     scheduler = build_parser().parse_args(scheduler_service["command"])
     assert (worker.command, worker.host, worker.port) == ("worker", "0.0.0.0", 50052)
     assert (worker.proposer, worker.num_speculative_tokens) == (DEFAULT_PROPOSER, DEFAULT_K)  # serve's defaults
+    # The step socket, which the scheduler finds through Describe, on the compose network like the gRPC port.
+    assert worker.step_port and {str(worker.port), str(worker.step_port)} <= set(worker_service["expose"])
     # Replicas: no fixed container name or host port, which would clash.
     assert (worker_service.get("deploy") or {}).get("replicas", worker_service.get("scale")) == 2
     assert "container_name" not in worker_service and not worker_service.get("ports")

@@ -55,6 +55,7 @@ def _base_objects() -> dict[tuple[str, str], dict]:
 
 
 OBJECT_SETS = {"base": _base_objects, "tls": overlay_objects}
+STEP_PORT = 50053  # the workers' --step-port in deploy/k8s/worker.yaml
 
 
 def _workloads(objects: dict) -> list[dict]:
@@ -240,7 +241,8 @@ def test_network_policy_lets_only_the_scheduler_reach_the_workers(objects):
     (policy,) = [doc for (kind, _), doc in docs.items() if kind == "NetworkPolicy"]
     workers, scheduler = docs[("StatefulSet", "specdec-worker")], docs[("Deployment", "specdec-scheduler")]
     worker_container = workers["spec"]["template"]["spec"]["containers"][0]
-    worker_port = build_parser().parse_args(worker_container["args"]).port
+    worker_args = build_parser().parse_args(worker_container["args"])
+    worker_port = worker_args.port
     spec = policy["spec"]
     # It selects the worker pods; an ingress-only policy: what it does not allow is dropped.
     assert spec["podSelector"]["matchLabels"].items() <= workers["spec"]["template"]["metadata"]["labels"].items()
@@ -250,5 +252,9 @@ def test_network_policy_lets_only_the_scheduler_reach_the_workers(objects):
     assert set(peer) == {"podSelector"}  # the scheduler pods of this namespace, nothing else
     assert peer["podSelector"]["matchLabels"].items() <= scheduler["spec"]["template"]["metadata"]["labels"].items()
     assert not peer["podSelector"]["matchLabels"].items() <= workers["spec"]["template"]["metadata"]["labels"].items()
-    assert rule["ports"] == [{"protocol": "TCP", "port": worker_port}]
+    # The gRPC port and the step socket's (the base's workers have one; the tls overlay's do not listen there).
+    assert rule["ports"] == [{"protocol": "TCP", "port": worker_port}, {"protocol": "TCP", "port": STEP_PORT}]
+    assert worker_args.step_port == (STEP_PORT if objects == "base" else None)
+    if worker_args.step_port:
+        assert {"name": "steps", "containerPort": STEP_PORT} in worker_container["ports"]
     assert docs[("Service", "specdec-worker")]["spec"]["ports"][0]["port"] == worker_port

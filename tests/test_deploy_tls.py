@@ -95,6 +95,13 @@ def _file_args(argv: list[str]) -> list[str]:
     return [value for flag, value in zip(argv, argv[1:]) if flag.endswith(("file", "-certs"))]
 
 
+def _without_step_port(command: list[str]) -> list[str]:
+    if "--step-port" not in command:
+        return command
+    i = command.index("--step-port")
+    return command[:i] + command[i + 2 :]
+
+
 def test_compose_tls_override_is_valid_and_mounts_every_file_it_names():
     files = ("compose.yaml", "compose.tls.yaml")
     assert _docker_compose("config", "-q", files=files).returncode == 0
@@ -114,11 +121,14 @@ def test_compose_tls_override_is_valid_and_mounts_every_file_it_names():
         assert "--ca-file" in service["healthcheck"]["test"]
     assert "--cert-file" in services["worker"]["healthcheck"]["test"]  # its port requires a client certificate
     assert all(secret["file"].startswith(str(ROOT / "certs")) for secret in config["secrets"].values())
-    # The default setup stays plaintext and open; TLS only adds flags to its commands (k, metrics port, ...).
+    # The default setup stays plaintext and open; TLS only adds flags to its commands (k, metrics port, ...),
+    # and takes away the workers' step socket, which is plaintext (the worker refuses it with TLS).
     plain = json.loads(_docker_compose("config", "--format", "json").stdout)["services"]
     assert not any("--ssl" in " ".join(s["command"]) or s.get("secrets") for s in plain.values())
+    assert worker.step_port is None and build_parser().parse_args(plain["worker"]["command"]).step_port
     for name, service in services.items():
-        assert service["command"][: len(plain[name]["command"])] == plain[name]["command"], name
+        plain_command = _without_step_port(plain[name]["command"])
+        assert service["command"][: len(plain_command)] == plain_command, name
 
 
 def test_k8s_tls_overlay_validates_and_mounts_every_file_it_names(tmp_path):
@@ -143,6 +153,7 @@ def test_k8s_tls_overlay_validates_and_mounts_every_file_it_names(tmp_path):
             assert path in mounted, (kind, path)
         if kind == "StatefulSet":
             assert tls.requires_client_cert and all("--cert-file" in c for c in probes)
+            assert args.step_port is None  # plaintext: the worker refuses it with TLS
             assert ANSWERS not in probes[0]  # Ready = SERVING, as with the grpc: probe it replaces
         else:
             assert args.api_key_file in mounted and args.worker_ssl_server_name == "specdec-worker"
