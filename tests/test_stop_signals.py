@@ -13,9 +13,12 @@ from specdec.stop_signals import StopSignals
 @pytest.fixture
 def restore_handlers():
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    wakeup_fd = signal.set_wakeup_fd(-1)  # reads it (and sets it back below)
+    signal.set_wakeup_fd(wakeup_fd)
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
+    signal.set_wakeup_fd(wakeup_fd)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -49,3 +52,18 @@ def test_off_the_main_thread_no_handler_is_installed(restore_handlers):
     thread.start()
     thread.join()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_off_the_main_thread_the_other_stop_ends_the_wait(restore_handlers):
+    stop, done = threading.Event(), threading.Event()
+
+    def wait() -> None:
+        StopSignals().wait(stop)
+        done.set()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    assert not done.wait(0.3)  # it waits for the stop
+    stop.set()
+    thread.join(10)
+    assert done.is_set()
