@@ -8,8 +8,8 @@ from specdec.metrics_server import check_metrics_port
 from specdec.security import TlsFiles
 
 MAX_DEFAULT_KV_BLOCKS = 4096
-TOOL_CALL_PARSERS = ("hermes", "json")
-STEP_TRANSPORTS = ("auto", "grpc")  # frontends/tools.py's readers of tool_choice "auto"
+TOOL_CALL_PARSERS = ("hermes", "json")  # frontends/tools.py's readers of tool_choice "auto"
+STEP_TRANSPORTS = ("auto", "grpc")  # engine.py: the worker's step socket where it has one, or gRPC always
 
 
 _CORE_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}

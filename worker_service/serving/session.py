@@ -1,8 +1,8 @@
 """One scheduler at a time: the worker's session gate.
 
 A scheduler starts a session with InitCache and gets a fresh random session
-id; every ExecuteModel stream must carry it (metadata `specdec-session-id`).
-Starting a session drops every request the worker holds, so two schedulers
+id; every step stream must carry it (an ExecuteModel call as metadata
+`specdec-session-id`, a step socket's stream in its hello). Starting a session drops every request the worker holds, so two schedulers
 never share request state or KV blocks, and a request id can never reach
 state another scheduler left behind.
 
