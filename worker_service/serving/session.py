@@ -2,9 +2,10 @@
 
 A scheduler starts a session with InitCache and gets a fresh random session
 id; every step stream must carry it (an ExecuteModel call as metadata
-`specdec-session-id`, a step socket's stream in its hello). Starting a session drops every request the worker holds, so two schedulers
-never share request state or KV blocks, and a request id can never reach
-state another scheduler left behind.
+`specdec-session-id`, a step socket's stream in its hello). Starting a
+session drops every request the worker holds, so two schedulers never share
+request state or KV blocks, and a request id can never reach state another
+scheduler left behind.
 
 Rules (all checked under one lock):
 - a session may start while no other session's step stream is open, or when
