@@ -239,16 +239,21 @@ class WorkerEngine:
         stream = self._stream
         try:
             while True:
+                outgoing: list = []
                 with self._lock:
                     while True:
                         if self._leave_reason is not None:
                             return self._leave_reason, False
-                        pipeline.send_ready(stream.send)
+                        pipeline.send_ready(outgoing.append)
                         if pipeline.num_in_flight:
                             break
                         self._wakeup.wait(WAIT_POLL_S)
                 self.waiting_since = time.monotonic()
-                result = stream.recv()  # outside the lock: clients submit and other workers run meanwhile
+                # Sent and received outside the lock: clients submit and other workers run meanwhile, and a send
+                # that blocks (a step socket whose worker stopped reading) can be ended by leave().
+                for request in outgoing:
+                    stream.send(request)
+                result = stream.recv()
                 with self._lock:
                     self.waiting_since = None
                     self._hooks.dispatch(pipeline.apply(result))
@@ -257,7 +262,7 @@ class WorkerEngine:
         except StopIteration:
             return self._leave_reason or "it ended its step stream", False
         except ValueError as exc:  # the scheduler rejected a result: the worker broke the protocol
-            return f"it sent an invalid step result: {exc}", False
+            return self._leave_reason or f"it sent an invalid step result: {exc}", False
         except Exception as exc:  # noqa: BLE001 - a bug must not strand the requests: they fail, we rejoin
             logger.exception("worker %s: the engine loop failed", self.address)
             with self._lock:
