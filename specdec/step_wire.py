@@ -33,12 +33,19 @@ HELLO_PREFIX = "specdec-step/1 "
 
 HELLO, STEP, END, RESULT, ERROR = 1, 2, 3, 4, 5
 
-# TCP keepalive: a peer gone without closing (a lost node) is found within ~20 s, as the gRPC channels find it.
+# A peer gone without closing (a lost node) is found within ~20 s, as the gRPC channels' keepalive finds it:
+# by keepalive probes on an idle connection, and by TCP_USER_TIMEOUT while sent data goes unacknowledged (a
+# result written to a scheduler that vanished meanwhile), which keepalive does not cover.
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 2
+USER_TIMEOUT_MS = 20_000
 
 
 class WireError(Exception):
-    """The peer broke the framing (a bad kind, a frame over the limit, a connection closed mid-frame)."""
+    """The peer broke the framing (a bad kind, a frame over the limit)."""
+
+
+class ClosedMidFrame(WireError):
+    """The connection ended inside a frame: the peer is gone (it died, or gave up on the stream)."""
 
 
 class StepStreamError(grpc.RpcError):
@@ -64,6 +71,7 @@ def configure(sock: socket.socket) -> None:
         ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
         ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
         ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+        ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS),
     ):
         if hasattr(socket, option):  # Linux; elsewhere the system's keepalive timing
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
@@ -101,17 +109,17 @@ class FrameReader:
         self._buffer = bytearray()
 
     def read(self) -> tuple[int, bytes] | None:
-        """The next frame as (kind, payload); None when the connection ends between frames. WireError for a
-        frame over the limit or cut short; OSError from the socket."""
+        """The next frame as (kind, payload); None when the connection ends between frames. ClosedMidFrame when
+        it ends inside one, WireError for a frame over the limit; OSError from the socket."""
         if not self._fill(HEADER.size):
             if self._buffer:
-                raise WireError("the connection closed mid-frame")
+                raise ClosedMidFrame("the connection closed mid-frame")
             return None
         length, kind = HEADER.unpack_from(self._buffer)
         if length > MAX_PAYLOAD_BYTES:
             raise WireError(f"a frame of {length} bytes exceeds the limit of {MAX_PAYLOAD_BYTES}")
         if not self._fill(HEADER.size + length):
-            raise WireError("the connection closed mid-frame")
+            raise ClosedMidFrame("the connection closed mid-frame")
         payload = bytes(self._buffer[HEADER.size : HEADER.size + length])
         del self._buffer[: HEADER.size + length]
         return kind, payload

@@ -4,6 +4,7 @@ import contextlib
 import logging
 import queue
 import socket
+import threading
 
 from google.protobuf.message import DecodeError
 import grpc
@@ -18,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 _CLOSE = object()
 STEP_SOCKET_CONNECT_TIMEOUT_S = 5.0
+CLOSE_WAIT_S = 5.0  # how long close() waits for a recv to let go of the socket before it leaves it open
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 SESSION_METADATA_KEY = "specdec-session-id"  # the step stream's session (worker.proto, ExecuteModel)
 
@@ -53,11 +55,19 @@ class StepStream:
 class SocketStepStream:
     """StepStream's calls over a worker's step socket (specdec/step_wire.py): the same messages without gRPC's
     threads. Errors are raised as the gRPC stream raises them (grpc.RpcError with code() and details(), and
-    StopIteration when the worker ends the stream), so the engine loop handles both alike."""
+    StopIteration when the worker ends the stream), so the engine loop handles both alike.
+
+    A failed send is not raised: the worker may have closed the stream with an ERROR frame (a refused session,
+    a rejected step), which the next recv reads and raises; a connection that just failed raises there too.
+    close() may come from another thread while recv waits: it shuts the socket down, which ends the wait, and
+    closes it once no recv is reading it (a descriptor closed under a reader could be reused meanwhile).
+    """
 
     def __init__(self, sock: socket.socket, session_id: str):
         self._sock = sock
         self._reader = step_wire.FrameReader(sock)
+        self._reading = threading.Lock()  # held by recv while it reads
+        self._send_error: OSError | None = None
         self._write(step_wire.HELLO, (step_wire.HELLO_PREFIX + (session_id or "")).encode())
 
     def send(self, request: step.StepRequest) -> None:
@@ -66,13 +76,11 @@ class SocketStepStream:
     def recv(self) -> step.StepResult:
         """The next step's result; raises grpc.RpcError when the worker rejected a step or the connection
         failed, StopIteration when the worker ended the stream, ValueError for a result that does not parse."""
-        try:
-            frame = self._reader.read()
-        except OSError as exc:
-            raise step_wire.StepStreamError(grpc.StatusCode.UNAVAILABLE, f"the step socket failed: {exc}") from None
-        except step_wire.WireError as exc:
-            raise ValueError(f"the step socket's framing broke: {exc}") from None
+        with self._reading:
+            frame = self._read()
         if frame is None:
+            if self._send_error is not None:
+                raise self._unavailable(self._send_error)
             raise StopIteration
         kind, payload = frame
         if kind == step_wire.ERROR:
@@ -89,24 +97,43 @@ class SocketStepStream:
         """Gives up on the stream at once (steps in flight are dropped); a recv in progress ends."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        if self._reading.acquire(timeout=CLOSE_WAIT_S):  # a recv in progress returns now: the socket is shut
+            try:
+                self._sock.close()
+            finally:
+                self._reading.release()
 
     def finish(self) -> None:
         """Ends the stream gracefully: returns once the worker has ended it (its results are discarded)."""
         try:
             self._write(step_wire.END)
-            while self._reader.read() is not None:
-                pass
-        except (OSError, step_wire.WireError, grpc.RpcError):
+            with self._reading:
+                while self._read() is not None:
+                    pass
+        except (grpc.RpcError, ValueError):
             pass  # the worker ended it already
         finally:
             self.close()
 
+    def _read(self) -> tuple[int, bytes] | None:
+        try:
+            return self._reader.read()
+        except (OSError, step_wire.ClosedMidFrame) as exc:
+            raise self._unavailable(exc) from None
+        except step_wire.WireError as exc:
+            raise ValueError(f"the step socket's framing broke: {exc}") from None
+
     def _write(self, kind: int, payload: bytes = b"") -> None:
+        if self._send_error is not None:
+            return
         try:
             step_wire.write_frame(self._sock, kind, payload)
         except OSError as exc:
-            raise step_wire.StepStreamError(grpc.StatusCode.UNAVAILABLE, f"the step socket failed: {exc}") from None
+            self._send_error = exc  # recv raises what the worker said, or this
+
+    @staticmethod
+    def _unavailable(exc: Exception) -> step_wire.StepStreamError:
+        return step_wire.StepStreamError(grpc.StatusCode.UNAVAILABLE, f"the step socket failed: {exc}")
 
 
 class WorkerClient:
@@ -160,18 +187,22 @@ class WorkerClient:
         0: none) when it can connect, else (and with a warning when it could not) over gRPC."""
         if step_port:
             host = self.address.rsplit(":", 1)[0].strip("[]")
+            sock = None
             try:
                 sock = socket.create_connection((host, step_port), timeout=STEP_SOCKET_CONNECT_TIMEOUT_S)
                 sock.settimeout(None)
                 step_wire.configure(sock)
-                return SocketStepStream(sock, session_id)
-            except (OSError, grpc.RpcError) as exc:
+            except OSError as exc:
+                if sock is not None:
+                    sock.close()
                 logger.warning(
                     "worker %s: cannot reach its step socket (port %d): %s; its steps go over gRPC",
                     self.address,
                     step_port,
                     exc,
                 )
+            else:
+                return SocketStepStream(sock, session_id)  # a failed hello shows at the first recv
         return StepStream(self.stub, session_id)
 
     def execute(self, request: step.StepRequest, session_id: str) -> step.StepResult:

@@ -35,8 +35,12 @@ class StepSocketServer:
     """Listens on host:port (0: any free port; `port` is the bound one) and serves step streams until stop()."""
 
     def __init__(self, host: str, port: int, run_session: RunSession):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family)
+        host = host.strip("[]")  # gRPC's "[::]" is socket's "::"
+        if ":" in host:  # on "::" both IPv6 and IPv4, as gRPC's port listens
+            dualstack = host == "::" and socket.has_dualstack_ipv6()
+            self._listener = socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=dualstack)
+        else:
+            self._listener = socket.create_server((host, port))
         self.port = self._listener.getsockname()[1]
         self._run_session = run_session
         self._lock = threading.Lock()
@@ -58,7 +62,8 @@ class StepSocketServer:
         deadline = time.monotonic() + grace_s
         for conn, thread in connections.items():
             thread.join(max(0.0, deadline - time.monotonic()))
-            _hang_up(conn)
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # its thread ends the stream and closes it
 
     def _accept(self) -> None:
         while True:
@@ -75,9 +80,10 @@ class StepSocketServer:
             thread.start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
+        reading = threading.Lock()  # held while a thread reads conn: it is closed only when none does
         try:
             step_wire.configure(conn)
-            self._stream(conn)
+            self._stream(conn, reading)
         except StepAbort as exc:
             _send_error(conn, exc.code, exc.message)
         except step_wire.WireError as exc:
@@ -91,12 +97,13 @@ class StepSocketServer:
         finally:
             with self._lock:
                 self._connections.pop(conn, None)
-            _hang_up(conn)
+            _hang_up(conn, reading)
 
-    def _stream(self, conn: socket.socket) -> None:
+    def _stream(self, conn: socket.socket, reading: threading.Lock) -> None:
         reader = step_wire.FrameReader(conn)
         conn.settimeout(HELLO_TIMEOUT_S)
-        frame = reader.read()
+        with reading:
+            frame = reader.read()
         conn.settimeout(None)
         if frame is None:
             return
@@ -108,9 +115,13 @@ class StepSocketServer:
             self.num_streams += 1
         abandoned = threading.Event()  # the scheduler closed the connection without END
 
+        def read() -> tuple[int, bytes] | None:
+            with reading:
+                return reader.read()
+
         def requests() -> Iterator[worker_pb2.ExecuteModelRequest]:  # on the servicer's step-reader thread
             try:
-                while (frame := reader.read()) is not None:
+                while (frame := read()) is not None:
                     kind, payload = frame
                     if kind == step_wire.END:
                         return
@@ -121,8 +132,8 @@ class StepSocketServer:
                     except DecodeError as exc:
                         raise step_wire.WireError(f"a step that does not parse: {exc}") from None
                     yield request
-            except OSError:
-                pass  # reset, or a keepalive timeout: as good as closed
+            except (OSError, step_wire.ClosedMidFrame):
+                pass  # reset, a keepalive timeout, or closed mid-frame: the scheduler is gone
             abandoned.set()
 
         for response in self._run_session(session_id, requests(), lambda: not abandoned.is_set()):
@@ -134,8 +145,14 @@ def _send_error(conn: socket.socket, code: grpc.StatusCode, message: str) -> Non
         step_wire.write_frame(conn, step_wire.ERROR, step_wire.error_payload(code, message))
 
 
-def _hang_up(conn: socket.socket) -> None:
-    """Closes a connection that another thread may be reading (shutdown wakes it: close alone would not)."""
+def _hang_up(conn: socket.socket, reading: threading.Lock) -> None:
+    """Closes a connection that another thread may be reading: shutdown wakes that thread (close alone would
+    not), and the descriptor is closed once it has let go (closed under a reader, its number could be reused by
+    the next connection meanwhile). A reader that comes after finds the socket closed (OSError): the end."""
     with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_RDWR)
-    conn.close()
+    if reading.acquire(timeout=STOP_GRACE_S):
+        try:
+            conn.close()
+        finally:
+            reading.release()

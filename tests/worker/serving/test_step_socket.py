@@ -17,6 +17,7 @@ from specdec.cli import build_parser
 from tests.certs import TestCA
 from tests.e2e.client import expect_status
 from tests.serving import worker_in_process
+from worker_service.serving.step_socket import StepSocketServer
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
@@ -173,3 +174,40 @@ def test_a_step_port_cannot_go_with_tls(tmp_path, capsys):
     )
     assert args.func(args) == 1
     assert "--step-port serves the step stream in plaintext: it cannot go with TLS" in capsys.readouterr().err
+
+
+def test_the_worker_s_error_wins_over_a_send_that_failed_after_it(worker, client):
+    """A stale session's stream is refused and closed by the worker; steps the scheduler sent meanwhile fail to
+    send, and the error it sees is still the worker's (FAILED_PRECONDITION), not a broken pipe."""
+    client.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    stream = client.open_stream("0" * 32, worker.step_server.port)
+    for step_id in range(1, 50):  # the worker hangs up after the hello: a send soon fails
+        stream.send(step.StepRequest(step_id))
+        time.sleep(0.002)
+    expect_status(stream.recv, grpc.StatusCode.FAILED_PRECONDITION, "stale session")
+    stream.close()
+
+
+@pytest.mark.parametrize("host", ["[::1]", "::1"])
+def test_an_ipv6_host_as_grpc_writes_it(host):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    served = []
+
+    def run_session(session_id, requests, is_active):
+        served.append(session_id)
+        return iter(())
+
+    server = StepSocketServer(host, 0, run_session)
+    try:
+        sock = socket.create_connection(("::1", server.port), timeout=30)
+        step_wire.write_frame(sock, step_wire.HELLO, (step_wire.HELLO_PREFIX + "s1").encode())
+        assert step_wire.FrameReader(sock).read() is None  # an empty stream: it ends at once
+        sock.close()
+        assert served == ["s1"]
+    finally:
+        server.stop()
