@@ -17,7 +17,7 @@ speculation state) and a thread that runs
 
 and then joins again (a worker restarted at the same address comes back),
 unless it was stopped. Everything that touches the scheduler holds the
-cluster's lock; the step stream is read outside it.
+cluster's lock; the step stream is written and read outside it.
 """
 
 from dataclasses import dataclass, replace
