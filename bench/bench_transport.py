@@ -67,11 +67,10 @@ class SleepingWorker:
 def serve(step_ms: float) -> None:
     """The child: a Worker server and its step socket on free ports (printed), until stdin closes."""
     from worker_service.serving.server import create_server
-    from worker_service.serving.step_socket import StepSocketServer
+    from worker_service.serving.step_socket import serve_steps
 
     server, servicer, port = create_server("127.0.0.1", 0)
-    step_server = StepSocketServer("127.0.0.1", 0, servicer.run_session)
-    servicer.step_port = step_server.port
+    step_server = serve_steps(servicer, "127.0.0.1", 0)
     servicer.set_worker(SleepingWorker(step_ms), "stand-in")
     print(port, step_server.port, flush=True)
     sys.stdin.read()

@@ -24,7 +24,7 @@ from tests.e2e.client import Server
 from worker_service.runtime import default_model as models
 from worker_service.serving import flags as worker_flags
 from worker_service.serving.server import create_server
-from worker_service.serving.step_socket import StepSocketServer
+from worker_service.serving.step_socket import serve_steps
 from worker_service.speculation.build import build_worker
 
 STOP_TIMEOUT_S = 120.0  # the scheduler's drain (its --shutdown-grace-period) and the servers' stop
@@ -40,8 +40,7 @@ class InProcessWorker:
         self.metrics_server = self.step_server = None
         try:
             if step_port is not None:
-                self.step_server = StepSocketServer("127.0.0.1", step_port, self.servicer.run_session)
-                self.servicer.step_port = self.step_server.port
+                self.step_server = serve_steps(self.servicer, "127.0.0.1", step_port)
             self.servicer.set_worker(self.servicer.run_compute(build_worker, config), config.model)
             if metrics_port:
                 self.metrics_server = start_metrics_server(

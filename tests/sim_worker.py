@@ -23,7 +23,7 @@ from specdec.convert import step_request_from_proto, step_result_to_proto
 from specdec.step import SequenceOutput, StepRequest, StepResult
 from specdec.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.serving.session import SessionError, SessionGate, StepAbort, grpc_step_stream, session_stream
-from worker_service.serving.step_socket import StepSocketServer
+from worker_service.serving.step_socket import serve_steps
 
 VOCAB_SIZE = 50
 PIECES = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMN"  # one character per token id
@@ -283,9 +283,7 @@ class SimWorkerServer:
         )
         assert self.port, f"cannot listen on 127.0.0.1:{port}"
         self.address = f"127.0.0.1:{self.port}"
-        self.step_server = StepSocketServer("127.0.0.1", 0, self.servicer.run_session) if step_socket else None
-        if self.step_server is not None:
-            self.servicer.step_port = self.step_server.port
+        self.step_server = serve_steps(self.servicer, "127.0.0.1", 0) if step_socket else None
         self.server.start()
 
     def stop(self) -> None:

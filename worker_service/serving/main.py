@@ -11,7 +11,7 @@ from specdec.announce import announce
 from specdec.metrics_server import start_metrics_server
 from specdec.stop_signals import StopSignals
 from worker_service.serving.server import create_server
-from worker_service.serving.step_socket import StepSocketServer
+from worker_service.serving.step_socket import serve_steps
 from worker_service.speculation.build import build_worker
 from worker_service.speculation.config import WorkerConfig
 
@@ -49,8 +49,7 @@ def run_worker(
     step_server = metrics_server = None
     try:
         if step_port is not None:
-            step_server = StepSocketServer(host, step_port, servicer.run_session)
-            servicer.step_port = step_server.port
+            step_server = serve_steps(servicer, host, step_port)
             logger.info("step stream also on a bare socket at %s:%d", host, step_server.port)
         if metrics_port:
             metrics_server = start_metrics_server(servicer.metrics.registry, host, metrics_port, "worker")

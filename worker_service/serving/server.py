@@ -45,7 +45,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.sessions = SessionGate()
         self.is_stopping = False  # SIGTERM: finish the step in flight, then end the step stream
-        self.step_port = 0  # the port of a step_socket.StepSocketServer serving run_session (0: none)
+        self.step_port = 0  # the port of a step socket serving run_session (step_socket.serve_steps; 0: none)
 
     def run_compute(self, fn, *args):
         """Runs fn(*args) on the compute thread and returns its result (or raises its exception)."""

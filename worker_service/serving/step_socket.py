@@ -140,6 +140,14 @@ class StepSocketServer:
             step_wire.write_frame(conn, step_wire.RESULT, response.SerializeToString())
 
 
+def serve_steps(servicer, host: str, port: int) -> StepSocketServer:
+    """A StepSocketServer on host:port (0: any free port) for `servicer.run_session`, its bound port set as
+    `servicer.step_port`, which Describe advertises."""
+    server = StepSocketServer(host, port, servicer.run_session)
+    servicer.step_port = server.port
+    return server
+
+
 def _send_error(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
     with contextlib.suppress(OSError):
         step_wire.write_frame(conn, step_wire.ERROR, step_wire.error_payload(code, message))
