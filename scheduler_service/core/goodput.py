@@ -243,17 +243,13 @@ class StepCostModel:
     def _solve(self) -> list[float]:
         active = list(range(self.NUM_FEATURES))  # the intercept (0) is never fixed
         while True:
+            a = []
+            for i in active:  # the normal equations of the active features, each diagonal ridged
+                row = [self.xtx[i][j] for j in active]
+                row[len(a)] = row[len(a)] + (self.RIDGE * self.xtx[i][i] + 1e-12)
+                a.append(row)
             theta = [0.0] * self.NUM_FEATURES
-            for i, value in zip(
-                active,
-                _solve_linear(
-                    [
-                        [self.xtx[i][j] + (self.RIDGE * self.xtx[i][i] + 1e-12 if i == j else 0.0) for j in active]
-                        for i in active
-                    ],
-                    [self.xty[i] for i in active],
-                ),
-            ):
+            for i, value in zip(active, _solve_linear(a, [self.xty[i] for i in active])):
                 theta[i] = value
             negative = [i for i in active[1:] if theta[i] < 0]
             if not negative:
@@ -262,22 +258,32 @@ class StepCostModel:
 
 
 def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
-    """x with a x = b (Gaussian elimination with partial pivoting; a is small and positive definite)."""
+    """x with a x = b (Gaussian elimination with partial pivoting; a is small and positive definite). Plain
+    loops: the scheduler solves once a step while it speculates, and generators and lambdas doubled its time."""
     n = len(b)
-    m = [row[:] + [v] for row, v in zip(a, b)]
+    m = [row + [v] for row, v in zip(a, b)]
     for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        pivot, largest = col, abs(m[col][col])
+        for r in range(col + 1, n):
+            if abs(m[r][col]) > largest:
+                pivot, largest = r, abs(m[r][col])
         m[col], m[pivot] = m[pivot], m[col]
-        if m[col][col] == 0.0:
+        top = m[col]
+        if top[col] == 0.0:
             continue
         for r in range(col + 1, n):
-            factor = m[r][col] / m[col][col]
+            row = m[r]
+            factor = row[col] / top[col]
             for c in range(col, n + 1):
-                m[r][c] -= factor * m[col][c]
+                row[c] -= factor * top[c]
     x = [0.0] * n
     for r in range(n - 1, -1, -1):
-        if m[r][r] != 0.0:
-            x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+        row = m[r]
+        if row[r] != 0.0:
+            total = 0
+            for c in range(r + 1, n):
+                total += row[c] * x[c]
+            x[r] = (row[n] - total) / row[r]
     return x
 
 

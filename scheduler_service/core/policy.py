@@ -313,9 +313,16 @@ class SpeculationPolicy:
         if proposer:
             request.last_proposer = proposer
 
+    @property
+    def prices_drafts(self) -> bool:
+        """Whether the policy prices drafts with its step-cost model: goodput, with drafts to price."""
+        return self.is_goodput and self.num_speculative_tokens > 0
+
     def observe_step(self, shape: StepShape, step_ms: float) -> float | None:
-        """A step's measured time; returns what the model predicted for it beforehand (None: no model yet)."""
-        if step_ms <= 0:  # a worker that does not measure (simulated workers)
+        """A step's measured time; returns what the model predicted for it beforehand (None: no model yet, or
+        a policy that prices nothing, whose model is never fitted: a fit and a prediction per step cost the
+        scheduler ~0.05 ms of Python at every step)."""
+        if step_ms <= 0 or not self.prices_drafts:  # step_ms 0: a worker that does not measure (simulated)
             return None
         features = (shape.num_rows, shape.num_prefill_rows, shape.num_seqs, shape.num_attended)
         predicted = self.cost_model.predict_ms(*features)
