@@ -171,6 +171,19 @@ def test_one_slow_prefill_does_not_make_draft_rows_free():
     assert 600 < model.predict_ms(0, 400, 1, 0) < 1200
 
 
+@pytest.mark.parametrize("k, policy_name", [(0, "goodput"), (K, "fixed")])
+def test_a_policy_that_prices_no_drafts_fits_no_cost_model(k, policy_name):
+    """Without drafts to price (no proposer, or the fixed policy) the step-cost model is neither fitted nor asked
+    for a prediction: that was a solve of the normal equations per step for nothing."""
+    policy = SpeculationPolicy(k, None, policy_name)
+    for rows in (1, 3, 6, 2, 5, 1, 4, 6):
+        assert policy.observe_step(StepShape(rows, 0, 1, rows * 100), 10.0 + rows) is None
+    assert policy.cost_model.num_observations == 0
+    speculating = SpeculationPolicy(K, None, "goodput")
+    predictions = [speculating.observe_step(StepShape(rows, 0, 1, rows * 100), 10.0 + rows) for rows in range(1, 9)]
+    assert predictions[-1] == pytest.approx(18.0, rel=0.05) and speculating.cost_model.num_observations == 8
+
+
 def fitted_policy(cost: CostCoefficients, probe_interval: int = 4, max_draft_tree_width: int = 1) -> SpeculationPolicy:
     policy = SpeculationPolicy(
         K, None, "goodput", probe_interval=probe_interval, max_draft_tree_width=max_draft_tree_width
