@@ -42,6 +42,7 @@ num_emitted - 1).
 import torch
 
 from kernels._triton import HAS_TRITON, use_triton
+from kernels.reductions import argmax_last
 
 PAD_TOKEN_ID = -1
 
@@ -57,7 +58,7 @@ def race(dist: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     sampling rule every path uses.
     """
     score = torch.where(dist > 0, dist / noise, torch.full_like(dist, -1.0))  # [..., V]
-    return score.argmax(dim=-1)  # [...]
+    return argmax_last(score)  # [...]
 
 
 def _accepted_prefix(is_accepted: torch.Tensor) -> torch.Tensor:  # [B] int64
@@ -94,7 +95,7 @@ def rejection_sample_ref(
     positions = torch.arange(num_spec, device=device)  # [K]
     is_draft = positions < num_draft_tokens.unsqueeze(1)  # [B, K]
     draft_ids = torch.where(is_draft, draft_token_ids, 0)  # [B, K], padding made a safe index
-    target_argmax = target_probs.argmax(dim=-1)  # [B, K+1]
+    target_argmax = argmax_last(target_probs)  # [B, K+1]
     if draft_probs is None:
         target_tokens = torch.where(is_greedy.unsqueeze(1), target_argmax, race(target_probs, exp_noise))
         return _match_ref(target_tokens, draft_ids, is_draft)  # [B, K+1], [B]
@@ -330,7 +331,7 @@ def rejection_sample_triton(
     device = target_probs.device
     output = torch.full((num_seqs, num_pos), PAD_TOKEN_ID, dtype=torch.int64, device=device)  # [B, K+1]
     num_accepted = torch.zeros(num_seqs, dtype=torch.int64, device=device)  # [B]
-    target_tokens = target_probs.argmax(dim=-1)  # [B, K+1], y_i of greedy rows
+    target_tokens = argmax_last(target_probs)  # [B, K+1], y_i of greedy rows
     block_b, block_v = _block_sizes(num_vocab)
     grid = (triton.cdiv(num_seqs, block_b),)
     draft_stride = max(draft_token_ids.stride(0), 1)  # K == 0: never read

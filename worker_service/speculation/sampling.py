@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.reductions import argmax_last
 from kernels.rejection_sampler import race
 from specdec.step import RequestSampling
 from worker_service.speculation.keyed_random import keyed_exponential
@@ -56,7 +57,7 @@ def logits_to_probs(
     else:
         probs = torch.softmax(scaled, dim=-1)  # [N, V]
     if bool(is_greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # [N, V]
+        one_hot = torch.zeros_like(probs).scatter_(1, argmax_last(logits).unsqueeze(1), 1.0)  # [N, V]
         probs = torch.where(is_greedy.unsqueeze(1), one_hot, probs)  # [N, V]
     return probs
 

@@ -19,6 +19,7 @@ import itertools
 
 import torch
 
+from kernels.reductions import argmax_last
 from kernels.rejection_sampler import race
 from kernels.tree_acceptance import accept_tree
 from specdec.step import TopLogprobs
@@ -75,7 +76,7 @@ def _accept_trees(
     tree_parents = [[-1, *p] for p in draft_parents]
     depths = [row_depths(p) for p in draft_parents]
     row_params = [s.sampling for s, p in zip(states, tree_parents) for _ in p]
-    targets = logits.argmax(dim=-1)  # [N]
+    targets = argmax_last(logits)  # [N]
     sampled = [i for i, params in enumerate(row_params) if not params.is_greedy]
     if sampled:
         row_states = [s for s, p in zip(states, tree_parents) for _ in p]
@@ -106,7 +107,7 @@ def _greedy(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
     the recovered token is argmax q at the first mismatch, the bonus token
     argmax q after the last draft), without building vocabulary-sized tensors.
     """
-    targets = logits.argmax(dim=-1).tolist()  # [N]
+    targets = argmax_last(logits).tolist()  # [N]
     token_ids, offset = [], 0
     for draft in drafts:
         emitted = []
