@@ -42,7 +42,7 @@ num_emitted - 1).
 import torch
 
 from kernels._triton import HAS_TRITON, use_triton
-from kernels.reductions import argmax_last
+from kernels.sampling_cpu import argmax_last, race_rows
 
 PAD_TOKEN_ID = -1
 
@@ -57,8 +57,7 @@ def race(dist: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     returns [...] int64. With noise keyed per position this is the one
     sampling rule every path uses.
     """
-    score = torch.where(dist > 0, dist / noise, torch.full_like(dist, -1.0))  # [..., V]
-    return argmax_last(score)  # [...]
+    return race_rows(dist, noise)  # [...]: on the CPU one C pass (kernels/sampling_cpu.py)
 
 
 def _accepted_prefix(is_accepted: torch.Tensor) -> torch.Tensor:  # [B] int64

@@ -44,6 +44,7 @@ import functools
 import numpy as np
 import torch
 
+from kernels import sampling_cpu
 from specdec.step import MAX_SEED
 
 STREAM_TOKEN = 0
@@ -147,15 +148,20 @@ def _keyed_floats(seeds, positions, stream, num_cols, device, finish) -> torch.T
 
     On a CPU the ~17 elementwise passes are memory-bound: over 48 rows of a
     49152-token vocabulary (9 MB per pass) they took 2-3x longer per value
-    than in chunks of 5 rows (1 MB).
+    than in chunks of 5 rows (1 MB). Where the C kernel builds, the bits and
+    the uniform are one pass of it (the same values), and only ``finish`` is torch's.
     """
     device = torch.device(device)
     keys = _device_keys(seeds, positions, stream, device)  # [N]
     out = torch.empty((len(keys), num_cols), dtype=torch.float32, device=device)  # [N, C]
     rows_per_chunk = len(keys) if device.type != "cpu" else max(1, _CPU_CHUNK_ELEMENTS // max(num_cols, 1))
+    library = sampling_cpu.c_library() if device.type == "cpu" else None
     for start in range(0, len(keys), rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
-        finish(uniform_from_bits(_bits(keys[rows], num_cols), out[rows]))
+        if library is not None:  # the same values in one C pass (kernels/sampling_cpu.py)
+            finish(sampling_cpu.keyed_uniform_rows(keys[rows], _column_hashes(num_cols, device), out[rows], library))
+        else:
+            finish(uniform_from_bits(_bits(keys[rows], num_cols), out[rows]))
     return out
 
 

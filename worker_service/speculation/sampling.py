@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.reductions import argmax_last
 from kernels.rejection_sampler import race
+from kernels.sampling_cpu import argmax_last
 from specdec.step import RequestSampling
 from worker_service.speculation.keyed_random import keyed_exponential
 

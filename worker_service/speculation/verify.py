@@ -19,8 +19,8 @@ import itertools
 
 import torch
 
-from kernels.reductions import argmax_last
 from kernels.rejection_sampler import race
+from kernels.sampling_cpu import argmax_last
 from kernels.tree_acceptance import accept_tree
 from specdec.step import TopLogprobs
 from worker_service.speculation.keyed_random import STREAM_TOKEN, keyed_exponential

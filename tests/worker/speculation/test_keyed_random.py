@@ -47,6 +47,29 @@ def test_bits_match_the_integer_reference(device):
                 assert int(bits[row, col]) & MASK == reference_bits(seed, position, stream, col)
 
 
+@pytest.mark.parametrize("build", ["native", "scalar"])
+def test_the_c_pass_gives_the_torch_passes_values(build, monkeypatch):
+    """On the CPU the bits and the uniform are one C pass (kernels/sampling_cpu.py): bitwise the values of the
+    torch passes, and of the integer reference, extreme keys included, on a plain x86-64 build too."""
+    from kernels import cpu_build, sampling_cpu
+
+    seeds = [0, 1, 2**32 - 1, 2**63, 2**64 - 1, 0x0123456789ABCDEF]
+    positions = [0, 7, 2**31, 2**32 - 1, 100, 12345]
+    if build == "scalar":
+        scalar = sampling_cpu.bind(cpu_build.load_library("sampling_cpu", ("-march=x86-64",)))
+        monkeypatch.setattr(sampling_cpu, "c_library", lambda: scalar)
+    assert sampling_cpu.c_library() is not None
+    with_c = {stream: keyed_uniform(seeds, positions, stream, 49152) for stream in (STREAM_TOKEN, STREAM_DRAFT)}
+    exponential_c = keyed_exponential(seeds, positions, STREAM_TOKEN, 1000)
+    monkeypatch.setattr(sampling_cpu, "c_library", lambda: None)
+    for stream, values in with_c.items():
+        assert torch.equal(values, keyed_uniform(seeds, positions, stream, 49152))
+        bits = [reference_bits(seeds[1], positions[1], stream, col) for col in (0, 4099, 49151)]
+        want = [((b - (1 << 32) if b >= 1 << 31 else b) >> 9) + 2**22 + 0.5 for b in bits]
+        assert values[1, [0, 4099, 49151]].tolist() == [w * 2**-23 for w in want]
+    assert torch.equal(exponential_c, keyed_exponential(seeds, positions, STREAM_TOKEN, 1000))
+
+
 def test_uniform_is_strictly_inside_0_1_at_the_extremes():
     extremes = torch.tensor([-1, 0, 2**31 - 1, -(2**31), 511, -512], dtype=torch.int32)  # all-ones, zeros, ...
     u = uniform_from_bits(extremes.clone())

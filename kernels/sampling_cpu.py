@@ -1,0 +1,112 @@
+"""The sampler's vocabulary-wide passes on the CPU, where torch's kernels are slow.
+
+`argmax_last(x)` is `x.argmax(dim=-1)`: per row, the index of the first maximum, a NaN counting as the
+maximum. torch 2.x's CPU argmax walks a row element by element: on the Intel kind (`lscpu` family 6 model
+167, 2 threads) it took 157 µs for one 49,152-token row of logits, 0.93 ms for the 6 rows of a verify step
+and 4.6 ms for 48 (8 sequences of k = 5), against 31.5 µs for 6 rows through numpy's vectorised argmax, which
+gives the same indices (ties, NaN, infinities and signed zeros alike; tests/kernels/test_sampling_cpu.py). So
+on the CPU the rows go through numpy (bf16 and fp16 widened to fp32 first, exactly); elsewhere, torch's.
+Each row's index depends on that row alone, so it is batch invariant either way.
+
+`keyed_uniform_rows` computes worker_service/speculation/keyed_random.py's keyed uniforms (the sampling noise
+before its log) in one pass where torch took ~15 elementwise ones: bitwise the same values.
+
+`race_rows(dist, noise)` is kernels/rejection_sampler.py's race, `argmax(where(dist > 0, dist / noise, -1))`:
+a sampled token. On the CPU (fp32) it runs as one C pass (kernels/csrc/sampling_cpu.c): the reference's four
+vocabulary-wide temporaries and torch's argmax made it the largest part of a sampled verify step.
+"""
+
+import ctypes
+import functools
+import logging
+
+import numpy as np
+import torch
+
+from kernels.cpu_build import KernelBuildError, load_library
+
+logger = logging.getLogger(__name__)
+
+
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` (int64, shape x.shape[:-1]); x a floating tensor with a non-empty last dim."""
+    if x.device.type != "cpu" or x.shape[-1] == 0:
+        return x.argmax(dim=-1)
+    values = x.detach()
+    if values.dtype not in (torch.float32, torch.float64):
+        values = values.float()  # numpy has no bfloat16; widening is exact
+    return torch.from_numpy(np.asarray(values.numpy().argmax(axis=-1)))
+
+
+@functools.lru_cache(maxsize=1)
+def c_library() -> ctypes.CDLL | None:
+    """The race's C library, or None when it cannot be built here (logged once: torch's ops are used)."""
+    try:
+        return bind(load_library("sampling_cpu"))
+    except (KernelBuildError, OSError) as exc:
+        logger.warning("the CPU race kernel is unavailable; using torch's ops: %s", exc)
+        return None
+
+
+def bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    """Declares the argument types of a build of kernels/csrc/sampling_cpu.c (this machine's, or a test's narrower
+    one)."""
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.specdec_race_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    library.specdec_race_rows.restype = ctypes.c_int
+    library.specdec_keyed_uniform_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ctypes.c_int]
+    library.specdec_keyed_uniform_rows.restype = ctypes.c_int
+    return library
+
+
+def race_rows(dist: torch.Tensor, noise: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``argmax(where(dist > 0, dist / noise, -1), dim=-1)`` (int64, shape dist.shape[:-1]); dist [..., V]
+    non-negative, noise [..., V] positive and finite. `library`: another build (bind())."""
+    if dist.device.type != "cpu" or dist.dtype != torch.float32 or noise.dtype != torch.float32:
+        library = None
+    elif library is None:
+        library = c_library()
+    if library is None or dist.shape != noise.shape or dist.shape[-1] == 0:
+        return argmax_last(torch.where(dist > 0, dist / noise, torch.full_like(dist, -1.0)))
+    vocab = dist.shape[-1]
+    rows_of_dist = dist.detach().reshape(-1, vocab)
+    rows_of_noise = noise.detach().reshape(-1, vocab)
+    if rows_of_dist.stride(1) != 1:
+        rows_of_dist = rows_of_dist.contiguous()
+    if rows_of_noise.stride(1) != 1:
+        rows_of_noise = rows_of_noise.contiguous()
+    out = torch.empty(rows_of_dist.shape[0], dtype=torch.int64)
+    library.specdec_race_rows(
+        rows_of_dist.data_ptr(),
+        rows_of_dist.stride(0),
+        rows_of_noise.data_ptr(),
+        rows_of_noise.stride(0),
+        rows_of_dist.shape[0],
+        vocab,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out.reshape(dist.shape[:-1])
+
+
+def keyed_uniform_rows(
+    row_keys: torch.Tensor,  # [N] int32: uint32 bit patterns
+    column_hashes: torch.Tensor,  # [C] int32: uint32 bit patterns
+    out: torch.Tensor,  # [N, C] float32, its rows contiguous
+    library: ctypes.CDLL,
+) -> torch.Tensor:
+    """worker_service/speculation/keyed_random.py's uniforms of (row key, column) into `out`, in one C pass:
+    bitwise its torch passes' values (exact integer hashing and float operations). Returns `out`."""
+    assert row_keys.dtype == column_hashes.dtype == torch.int32 and out.dtype == torch.float32
+    assert out.shape == (row_keys.numel(), column_hashes.numel()) and out.stride(1) == 1
+    row_keys, column_hashes = row_keys.contiguous(), column_hashes.contiguous()
+    library.specdec_keyed_uniform_rows(
+        row_keys.data_ptr(),
+        row_keys.numel(),
+        column_hashes.data_ptr(),
+        column_hashes.numel(),
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    return out
