@@ -3,10 +3,11 @@
 `argmax_last(x)` is `x.argmax(dim=-1)`: per row, the index of the first maximum, a NaN counting as the
 maximum. torch 2.x's CPU argmax walks a row element by element: on the Intel kind (`lscpu` family 6 model
 167, 2 threads) it took 157 µs for one 49,152-token row of logits, 0.93 ms for the 6 rows of a verify step
-and 4.6 ms for 48 (8 sequences of k = 5), against 31.5 µs for 6 rows through numpy's vectorised argmax, which
-gives the same indices (ties, NaN, infinities and signed zeros alike; tests/kernels/test_sampling_cpu.py). So
-on the CPU the rows go through numpy (bf16 and fp16 widened to fp32 first, exactly); elsewhere, torch's.
-Each row's index depends on that row alone, so it is batch invariant either way.
+and 4.6 ms for 48 (8 sequences of k = 5), where numpy's vectorised argmax took 31.5 µs for 6 rows. On the CPU
+the rows go through a C pass instead (bf16 and fp16 widened to fp32 first, exactly), which gives torch's
+indices (ties, NaN, infinities and signed zeros alike; tests/kernels/test_sampling_cpu.py); elsewhere,
+torch's. Not numpy's: reading a tensor into numpy is what a GPU's host read looks like to
+tests/worker/runtime/test_host_reads.py. Each row's index depends on that row alone: batch invariant.
 
 `keyed_uniform_rows` computes worker_service/speculation/keyed_random.py's keyed uniforms (the sampling noise
 before its log) in one pass where torch took ~15 elementwise ones: bitwise the same values.
@@ -20,7 +21,6 @@ import ctypes
 import functools
 import logging
 
-import numpy as np
 import torch
 
 from kernels.cpu_build import KernelBuildError, load_library
@@ -28,14 +28,23 @@ from kernels.cpu_build import KernelBuildError, load_library
 logger = logging.getLogger(__name__)
 
 
-def argmax_last(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=-1)` (int64, shape x.shape[:-1]); x a floating tensor with a non-empty last dim."""
-    if x.device.type != "cpu" or x.shape[-1] == 0:
+def argmax_last(x: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """`x.argmax(dim=-1)` (int64, shape x.shape[:-1]); x a floating tensor with a non-empty last dim. `library`:
+    another build (bind())."""
+    if x.device.type != "cpu" or x.shape[-1] == 0 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return x.argmax(dim=-1)
-    values = x.detach()
-    if values.dtype not in (torch.float32, torch.float64):
-        values = values.float()  # numpy has no bfloat16; widening is exact
-    return torch.from_numpy(np.asarray(values.numpy().argmax(axis=-1)))
+    if library is None:
+        library = c_library()
+    if library is None:
+        return x.argmax(dim=-1)
+    rows = x.detach().float().reshape(-1, x.shape[-1])  # bf16 and fp16 widened exactly
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    library.specdec_argmax_rows(
+        rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], out.data_ptr(), torch.get_num_threads()
+    )
+    return out.reshape(x.shape[:-1])
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,6 +65,8 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.specdec_race_rows.restype = ctypes.c_int
     library.specdec_keyed_uniform_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ctypes.c_int]
     library.specdec_keyed_uniform_rows.restype = ctypes.c_int
+    library.specdec_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
+    library.specdec_argmax_rows.restype = ctypes.c_int
     return library
 
 

@@ -1,5 +1,8 @@
 /* The sampler's vocabulary-wide passes on the CPU (kernels/sampling_cpu.py).
  *
+ * specdec_argmax_rows: out[r] = the first index of the largest value of row r, or of its first NaN (a NaN counts
+ * as the largest, as in torch's argmax): the same index whatever the build.
+ *
  * specdec_race_rows, the exponential race over rows of fp32 distributions and their noise (race_rows):
  *
  *   out[r] = the first v with the largest score[v],   score[v] = dist[r, v] > 0 ? dist[r, v] / noise[r, v] : -1
@@ -82,5 +85,48 @@ int specdec_keyed_uniform_rows(const uint32_t *row_keys, int64_t num_rows, const
             row[c] = ((float)top + 4194304.5f) * 0x1p-23f;
         }
     }
+    return 0;
+}
+
+static int64_t argmax_row(const float *x, int64_t n) {
+    int64_t v = 0, best_index = 0;
+    float best = -INFINITY;
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 best_lanes = _mm512_set1_ps(-INFINITY);
+        __m512i index_lanes = _mm512_setzero_si512(), lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                                                  11, 12, 13, 14, 15);
+        for (; v + 16 <= n; v += 16) {
+            __m512 values = _mm512_loadu_ps(x + v);
+            if (_mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q)) /* a NaN: the first one is the answer */
+                for (int64_t j = 0; j < v + 16; j++)
+                    if (x[j] != x[j]) return j;
+            __mmask16 larger = _mm512_cmp_ps_mask(values, best_lanes, _CMP_GT_OQ);
+            best_lanes = _mm512_mask_mov_ps(best_lanes, larger, values);
+            index_lanes = _mm512_mask_mov_epi32(index_lanes, larger,
+                                                _mm512_add_epi32(lanes, _mm512_set1_epi32((int32_t)v)));
+        }
+        float values[16];
+        int32_t indices[16];
+        _mm512_storeu_ps(values, best_lanes);
+        _mm512_storeu_si512(indices, index_lanes);
+        best = values[0], best_index = indices[0];
+        for (int lane = 1; lane < 16; lane++)
+            if (values[lane] > best || (values[lane] == best && indices[lane] < best_index))
+                best = values[lane], best_index = indices[lane];
+    }
+#endif
+    for (; v < n; v++) {
+        if (x[v] != x[v]) return v; /* NaN */
+        if (x[v] > best || (v == 0 && best_index == 0)) best = x[v], best_index = v;
+    }
+    return best_index;
+}
+
+/* out[r] for rows r of x (row stride in elements, each row's n values contiguous). Returns 0. */
+int specdec_argmax_rows(const float *x, int64_t x_stride, int64_t num_rows, int64_t n, int64_t *out,
+                        int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows > 1)
+    for (int64_t r = 0; r < num_rows; r++) out[r] = argmax_row(x + r * x_stride, n);
     return 0;
 }

@@ -1,4 +1,5 @@
-"""argmax_last against torch's argmax: the same indices, the CPU path through numpy included."""
+"""The sampler's CPU passes (kernels/sampling_cpu.py) against torch: argmax_last's indices, the race's tokens
+and (in tests/worker/speculation/test_keyed_random.py) the keyed uniforms' values, on every build."""
 
 import pytest
 import torch
@@ -7,31 +8,51 @@ from kernels import cpu_build, sampling_cpu
 from kernels.sampling_cpu import argmax_last, race_rows
 
 NAN, INF = float("nan"), float("inf")
+NARROWER_BUILDS = {"avx2": ("-march=x86-64-v3",), "scalar": ("-march=x86-64",)}
+# Ties (the first maximum wins), NaN (it counts as the maximum: its first one), infinities, an all -inf row (0)
+# and signed zeros (equal: the first), and torch's argmax of each row.
+EDGE_ROWS = torch.tensor(
+    [
+        [1.0, 3.0, 3.0, 2.0],
+        [5.0, 5.0, 5.0, 5.0],
+        [1.0, NAN, 3.0, NAN],
+        [INF, 2.0, INF, NAN],
+        [1.0, INF, INF, -INF],
+        [-INF, -INF, -INF, -INF],
+        [-0.0, 0.0, -0.0, 0.0],
+    ]
+)
+EDGE_ARGMAX = [1, 0, 1, 3, 1, 0, 0]
 
 
+def build_library(build: str | None):
+    """This machine's build of kernels/csrc/sampling_cpu.c (None), or a narrower one."""
+    if build is None:
+        return None
+    return sampling_cpu.bind(cpu_build.load_library("sampling_cpu", NARROWER_BUILDS[build]))
+
+
+@pytest.mark.parametrize("build", [None, *NARROWER_BUILDS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
-@pytest.mark.parametrize("shape", [(49152,), (1, 49152), (6, 4099), (2, 3, 257), (0, 11)], ids=str)
-def test_the_indices_of_torch_argmax(dtype, shape):
+@pytest.mark.parametrize("shape", [(49152,), (1, 49152), (6, 4099), (2, 3, 257), (5, 16), (3, 7), (0, 11)], ids=str)
+def test_the_indices_of_torch_argmax(build, dtype, shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).to(dtype)
-    got = argmax_last(x)
+    got = argmax_last(x, library=build_library(build))
     assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1))
 
 
-def test_ties_nan_infinities_and_signed_zeros_as_torch():
-    """Ties go to the first maximum, a NaN counts as the maximum (its first one), -inf rows give 0."""
-    x = torch.tensor(
-        [
-            [1.0, 3.0, 3.0, 2.0],
-            [5.0, 5.0, 5.0, 5.0],
-            [1.0, NAN, 3.0, NAN],
-            [INF, 2.0, INF, NAN],
-            [1.0, INF, INF, -INF],
-            [-INF, -INF, -INF, -INF],
-            [-0.0, 0.0, -0.0, 0.0],
-        ]
-    )
-    assert argmax_last(x).tolist() == x.argmax(dim=-1).tolist() == [1, 0, 1, 3, 1, 0, 0]
-    assert argmax_last(x.to(torch.bfloat16)).tolist() == [1, 0, 1, 3, 1, 0, 0]
+@pytest.mark.parametrize("build", [None, *NARROWER_BUILDS])
+def test_ties_nan_infinities_and_signed_zeros_as_torch(build):
+    """The edge rows alone (the scalar loop), repeated to 42 values (two vectors, then the tail), and after 38
+    values of -inf (the NaN or the maximum in the tail)."""
+    library = build_library(build)
+    wide = torch.cat([EDGE_ROWS.repeat(1, 10), torch.full((7, 2), -INF)], dim=1)
+    wide[0, 5] = wide[0, 21] = 7.0  # ties in two vectors' lanes 5: the first vector's wins
+    tail = torch.cat([torch.full((7, 38), -INF), EDGE_ROWS], dim=1)
+    assert argmax_last(EDGE_ROWS, library=library).tolist() == EDGE_ROWS.argmax(dim=-1).tolist() == EDGE_ARGMAX
+    for rows in (wide, tail):
+        assert argmax_last(rows, library=library).tolist() == rows.argmax(dim=-1).tolist()
+    assert argmax_last(EDGE_ROWS.to(torch.bfloat16), library=library).tolist() == EDGE_ARGMAX
 
 
 def test_strided_rows_and_a_row_alone():
@@ -60,17 +81,12 @@ def race_inputs(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.
     return dist, noise
 
 
-NARROWER_BUILDS = {"avx2": ("-march=x86-64-v3",), "scalar": ("-march=x86-64",)}
-
-
 @pytest.mark.parametrize("build", [None, *NARROWER_BUILDS])
 @pytest.mark.parametrize("shape", [(49152,), (6, 49152), (2, 3, 1000), (4, 7), (5, 16), (3, 33), (0, 9)], ids=str)
 def test_race_rows_picks_the_references_token(build, shape):
     """The C race gives the reference's index on every build (the AVX-512 lanes' first maxima, the scalar loop),
     ties, zero mass, NaN and underflow included."""
-    library = None
-    if build is not None:
-        library = sampling_cpu.bind(cpu_build.load_library("sampling_cpu", NARROWER_BUILDS[build]))
+    library = build_library(build)
     dist, noise = race_inputs(shape, seed=len(shape) + shape[-1])
     got = race_rows(dist, noise, library=library)
     assert got.dtype == torch.int64 and torch.equal(got, race_reference(dist, noise))
