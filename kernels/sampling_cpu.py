@@ -49,11 +49,11 @@ def argmax_last(x: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Te
 
 @functools.lru_cache(maxsize=1)
 def c_library() -> ctypes.CDLL | None:
-    """The race's C library, or None when it cannot be built here (logged once: torch's ops are used)."""
+    """The sampler's C library, or None when it cannot be built here (logged once: torch's ops are used)."""
     try:
         return bind(load_library("sampling_cpu"))
     except (KernelBuildError, OSError) as exc:
-        logger.warning("the CPU race kernel is unavailable; using torch's ops: %s", exc)
+        logger.warning("the sampler's CPU kernels are unavailable; using torch's ops: %s", exc)
         return None
 
 

@@ -19,6 +19,23 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512F__)
+/* The first maximum over 16 lanes that each hold the first maximum of their own elements (a lane moves only to a
+ * strictly larger value): the largest value, and the smallest index among the lanes holding it. */
+static inline int64_t first_of_lanes(__m512 best_lanes, __m512i index_lanes, float *best) {
+    float values[16];
+    int32_t indices[16];
+    _mm512_storeu_ps(values, best_lanes);
+    _mm512_storeu_si512(indices, index_lanes);
+    int64_t best_index = indices[0];
+    *best = values[0];
+    for (int lane = 1; lane < 16; lane++)
+        if (values[lane] > *best || (values[lane] == *best && indices[lane] < best_index))
+            *best = values[lane], best_index = indices[lane];
+    return best_index;
+}
+#endif
+
 static int64_t race_row(const float *dist, const float *noise, int64_t vocab) {
     int64_t v = 0, best_index = 0;
     float best = -INFINITY;
@@ -36,14 +53,7 @@ static int64_t race_row(const float *dist, const float *noise, int64_t vocab) {
             index_lanes = _mm512_mask_mov_epi32(index_lanes, larger,
                                                 _mm512_add_epi32(lanes, _mm512_set1_epi32((int32_t)v)));
         }
-        float scores[16];
-        int32_t indices[16];
-        _mm512_storeu_ps(scores, best_lanes);
-        _mm512_storeu_si512(indices, index_lanes);
-        best = scores[0], best_index = indices[0];
-        for (int lane = 1; lane < 16; lane++)
-            if (scores[lane] > best || (scores[lane] == best && indices[lane] < best_index))
-                best = scores[lane], best_index = indices[lane];
+        best_index = first_of_lanes(best_lanes, index_lanes, &best);
     }
 #endif
     for (; v < vocab; v++) {
@@ -106,14 +116,7 @@ static int64_t argmax_row(const float *x, int64_t n) {
             index_lanes = _mm512_mask_mov_epi32(index_lanes, larger,
                                                 _mm512_add_epi32(lanes, _mm512_set1_epi32((int32_t)v)));
         }
-        float values[16];
-        int32_t indices[16];
-        _mm512_storeu_ps(values, best_lanes);
-        _mm512_storeu_si512(indices, index_lanes);
-        best = values[0], best_index = indices[0];
-        for (int lane = 1; lane < 16; lane++)
-            if (values[lane] > best || (values[lane] == best && indices[lane] < best_index))
-                best = values[lane], best_index = indices[lane];
+        best_index = first_of_lanes(best_lanes, index_lanes, &best);
     }
 #endif
     for (; v < n; v++) {

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from kernels import cpu_build, sampling_cpu
 from worker_service.speculation.keyed_random import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -51,8 +52,6 @@ def test_bits_match_the_integer_reference(device):
 def test_the_c_pass_gives_the_torch_passes_values(build, monkeypatch):
     """On the CPU the bits and the uniform are one C pass (kernels/sampling_cpu.py): bitwise the values of the
     torch passes, and of the integer reference, extreme keys included, on a plain x86-64 build too."""
-    from kernels import cpu_build, sampling_cpu
-
     seeds = [0, 1, 2**32 - 1, 2**63, 2**64 - 1, 0x0123456789ABCDEF]
     positions = [0, 7, 2**31, 2**32 - 1, 100, 12345]
     if build == "scalar":
