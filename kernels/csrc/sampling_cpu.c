@@ -34,6 +34,14 @@ static inline int64_t first_of_lanes(__m512 best_lanes, __m512i index_lanes, flo
             *best = values[lane], best_index = indices[lane];
     return best_index;
 }
+
+/* Lanes whose value beats their best so far take it and its index v + lane. */
+static inline void update_lanes(__m512 values, int64_t v, __m512 *best_lanes, __m512i *index_lanes) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 larger = _mm512_cmp_ps_mask(values, *best_lanes, _CMP_GT_OQ);
+    *best_lanes = _mm512_mask_mov_ps(*best_lanes, larger, values);
+    *index_lanes = _mm512_mask_mov_epi32(*index_lanes, larger, _mm512_add_epi32(lanes, _mm512_set1_epi32((int32_t)v)));
+}
 #endif
 
 static int64_t race_row(const float *dist, const float *noise, int64_t vocab) {
@@ -42,16 +50,12 @@ static int64_t race_row(const float *dist, const float *noise, int64_t vocab) {
 #if defined(__AVX512F__)
     if (vocab >= 16) {
         __m512 best_lanes = _mm512_set1_ps(-INFINITY), minus_one = _mm512_set1_ps(-1.0f);
-        __m512i index_lanes = _mm512_setzero_si512(), lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                                                  11, 12, 13, 14, 15);
+        __m512i index_lanes = _mm512_setzero_si512();
         for (; v + 16 <= vocab; v += 16) {
             __m512 d = _mm512_loadu_ps(dist + v);
             __mmask16 has_mass = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ);
-            __m512 score = _mm512_mask_div_ps(minus_one, has_mass, d, _mm512_loadu_ps(noise + v));
-            __mmask16 larger = _mm512_cmp_ps_mask(score, best_lanes, _CMP_GT_OQ);
-            best_lanes = _mm512_mask_mov_ps(best_lanes, larger, score);
-            index_lanes = _mm512_mask_mov_epi32(index_lanes, larger,
-                                                _mm512_add_epi32(lanes, _mm512_set1_epi32((int32_t)v)));
+            update_lanes(_mm512_mask_div_ps(minus_one, has_mass, d, _mm512_loadu_ps(noise + v)), v, &best_lanes,
+                         &index_lanes);
         }
         best_index = first_of_lanes(best_lanes, index_lanes, &best);
     }
@@ -104,17 +108,13 @@ static int64_t argmax_row(const float *x, int64_t n) {
 #if defined(__AVX512F__)
     if (n >= 16) {
         __m512 best_lanes = _mm512_set1_ps(-INFINITY);
-        __m512i index_lanes = _mm512_setzero_si512(), lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                                                  11, 12, 13, 14, 15);
+        __m512i index_lanes = _mm512_setzero_si512();
         for (; v + 16 <= n; v += 16) {
             __m512 values = _mm512_loadu_ps(x + v);
             if (_mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q)) /* a NaN: the first one is the answer */
                 for (int64_t j = 0; j < v + 16; j++)
                     if (x[j] != x[j]) return j;
-            __mmask16 larger = _mm512_cmp_ps_mask(values, best_lanes, _CMP_GT_OQ);
-            best_lanes = _mm512_mask_mov_ps(best_lanes, larger, values);
-            index_lanes = _mm512_mask_mov_epi32(index_lanes, larger,
-                                                _mm512_add_epi32(lanes, _mm512_set1_epi32((int32_t)v)));
+            update_lanes(values, v, &best_lanes, &index_lanes);
         }
         best_index = first_of_lanes(best_lanes, index_lanes, &best);
     }
