@@ -107,3 +107,46 @@ def test_ties_go_to_the_first_token_where_the_scores_are_equal():
     assert race_rows(dist, noise).tolist() == [5, 5]
     dist[1, 50] = 0.6
     assert race_rows(dist, noise).tolist() == [5, 50]
+
+
+@pytest.mark.parametrize("build", [None, *NARROWER_BUILDS])
+@pytest.mark.parametrize(
+    "top_k, top_p",
+    [(0, 0.5), (0, 0.9), (0, 0.99), (0, 0.999999), (1, 1.0), (5, 1.0), (50, 0.9), (1000, 0.95), (49152, 0.8), (0, 1.0)],
+)
+def test_top_k_top_p_rows_keep_the_references_tokens(build, top_k, top_p):
+    """The tokens of sampling.py's sort-based reference and, to rounding, its probabilities: on rows whose mass
+    sits in a few tokens (the first candidates suffice), on flat ones (they grow to the whole row) and on rows
+    with -inf (min_p's cut). Where top_p's boundary falls in a tail of tokens each far below a float's rounding
+    of the mass above them, the two roundings may cut it at different tokens: then both sets are the row's most
+    likely tokens, one holds the other, and the extra tokens weigh less than 1e-5 together."""
+    from worker_service.speculation.sampling import _top_k_top_p_probs
+
+    generator = torch.Generator().manual_seed(top_k + int(top_p * 1000))
+    scaled = torch.randn(6, 49152, generator=generator) * torch.tensor([[8.0], [3.0], [1.0], [0.3], [0.01], [2.0]])
+    scaled[5, ::3] = -INF
+    top_ks, top_ps = torch.full((6,), top_k), torch.full((6,), top_p)
+    got = sampling_cpu.top_k_top_p_rows(scaled, top_ks, top_ps, library=build_library(build))
+    want = _top_k_top_p_probs(scaled, top_ks, top_ps)
+    full = torch.softmax(scaled.double(), dim=-1)
+    for row in range(6):
+        kept, kept_there = got[row] > 0, want[row] > 0
+        if not torch.equal(kept, kept_there):  # one set holds the other, and the extra tokens weigh nothing
+            smaller, larger = (kept, kept_there) if kept.sum() < kept_there.sum() else (kept_there, kept)
+            assert bool((larger | ~smaller).all()) and top_p < 1
+            assert float(scaled[row][larger & ~smaller].max()) <= float(scaled[row][smaller].min())
+            assert float(full[row][larger & ~smaller].sum()) < 1e-5
+            continue
+        assert torch.equal(kept, kept_there)
+        torch.testing.assert_close(got[row], want[row], rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(got.sum(dim=-1), torch.ones(6))
+
+
+def test_top_k_top_p_rows_break_ties_by_the_lower_index():
+    """Equal logits rank by index: top-k 3 of a flat row keeps tokens 0, 1 and 2, and top-p 0.5 of 10 equal
+    tokens the first 5 (the mass above the 6th, 5 x 0.1, reaches 0.5)."""
+    flat = torch.zeros(2, 10)
+    got = sampling_cpu.top_k_top_p_rows(flat, torch.tensor([3, 0]), torch.tensor([1.0, 0.5]))
+    assert (got[0] > 0).tolist() == [True] * 3 + [False] * 7
+    assert (got[1] > 0).sum().item() in (5, 6)  # the 6th's mass above is 0.5 give or take a rounding
+    assert (got[1] > 0).tolist()[:5] == [True] * 5 and not bool((got[1, 6:] > 0).any())

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.rejection_sampler import race
-from kernels.sampling_cpu import argmax_last
+from kernels.sampling_cpu import argmax_last, top_k_top_p_rows
 from specdec.step import RequestSampling
 from worker_service.speculation.keyed_random import keyed_exponential
 
@@ -53,7 +53,9 @@ def logits_to_probs(
     if min_p is not None and bool((min_p > 0).any()):
         scaled = _drop_below_min_p(scaled, min_p)  # [N, V]
     if bool(((top_k > 0) | (top_p < 1)).any()):
-        probs = _top_k_top_p_probs(scaled, top_k, top_p)  # [N, V]
+        probs = top_k_top_p_rows(scaled, top_k, top_p)  # [N, V]: the CPU's, without sorting the rows
+        if probs is None:
+            probs = _top_k_top_p_probs(scaled, top_k, top_p)  # [N, V]
     else:
         probs = torch.softmax(scaled, dim=-1)  # [N, V]
     if bool(is_greedy.any()):
