@@ -45,6 +45,9 @@ def logits_to_probs(
     min-p drops the tokens less likely than ``min_p`` times the likeliest
     token (after temperature); top-p keeps the smallest set of most likely
     tokens whose mass is at least ``top_p`` (always at least the top token).
+    On the CPU top-k and top-p are one C pass per row that sorts no row
+    (kernels/sampling_cpu.py; equal logits rank by index); elsewhere the
+    sort below.
     """
     logits = logits.float()  # [N, V]
     is_greedy = temperature == 0  # [N]
