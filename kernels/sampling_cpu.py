@@ -34,20 +34,29 @@ logger = logging.getLogger(__name__)
 def argmax_last(x: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
     """`x.argmax(dim=-1)` (int64, shape x.shape[:-1]); x a floating tensor with a non-empty last dim. `library`:
     another build (bind())."""
-    if x.device.type != "cpu" or x.shape[-1] == 0 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    library = _library_for(library, x, dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    if library is None or x.shape[-1] == 0:
         return x.argmax(dim=-1)
-    if library is None:
-        library = c_library()
-    if library is None:
-        return x.argmax(dim=-1)
-    rows = x.detach().float().reshape(-1, x.shape[-1])  # bf16 and fp16 widened exactly
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x.float())  # bf16 and fp16 widened exactly
     out = torch.empty(rows.shape[0], dtype=torch.int64)
     library.specdec_argmax_rows(
         rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], out.data_ptr(), torch.get_num_threads()
     )
     return out.reshape(x.shape[:-1])
+
+
+def _library_for(library: ctypes.CDLL | None, *tensors: torch.Tensor, dtypes=(torch.float32,)) -> ctypes.CDLL | None:
+    """The build to run on `tensors` (`library` if given, else this machine's), or None where torch's ops must:
+    a tensor not on the CPU or not of `dtypes`, or no build here."""
+    if any(t.device.type != "cpu" or t.dtype not in dtypes for t in tensors):
+        return None
+    return library if library is not None else c_library()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] as [R, V] rows, each contiguous (the kernels' layout; a copy only where it is not)."""
+    rows = x.detach().reshape(-1, x.shape[-1])
+    return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,19 +87,11 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
 def race_rows(dist: torch.Tensor, noise: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
     """``argmax(where(dist > 0, dist / noise, -1), dim=-1)`` (int64, shape dist.shape[:-1]); dist [..., V]
     non-negative, noise [..., V] positive and finite. `library`: another build (bind())."""
-    if dist.device.type != "cpu" or dist.dtype != torch.float32 or noise.dtype != torch.float32:
-        library = None
-    elif library is None:
-        library = c_library()
+    library = _library_for(library, dist, noise)
     if library is None or dist.shape != noise.shape or dist.shape[-1] == 0:
         return argmax_last(torch.where(dist > 0, dist / noise, torch.full_like(dist, -1.0)))
     vocab = dist.shape[-1]
-    rows_of_dist = dist.detach().reshape(-1, vocab)
-    rows_of_noise = noise.detach().reshape(-1, vocab)
-    if rows_of_dist.stride(1) != 1:
-        rows_of_dist = rows_of_dist.contiguous()
-    if rows_of_noise.stride(1) != 1:
-        rows_of_noise = rows_of_noise.contiguous()
+    rows_of_dist, rows_of_noise = _rows(dist), _rows(noise)
     out = torch.empty(rows_of_dist.shape[0], dtype=torch.int64)
     library.specdec_race_rows(
         rows_of_dist.data_ptr(),
@@ -137,13 +138,10 @@ def top_k_top_p_rows(
     """worker_service/speculation/sampling.py's top-k then top-p distribution per row, without sorting the
     vocabulary (kernels/csrc/sampling_cpu.c); None where it does not apply (not the CPU's fp32, no C library):
     the caller's torch path then. `library`: another build (bind())."""
-    if scaled.device.type != "cpu" or scaled.dtype != torch.float32 or scaled.dim() != 2:
+    library = _library_for(library, scaled)
+    if library is None or scaled.dim() != 2:
         return None
-    if library is None:
-        library = c_library()
-    if library is None:
-        return None
-    rows = scaled.detach() if scaled.stride(1) == 1 else scaled.detach().contiguous()
+    rows = _rows(scaled)
     top_k = top_k.to(device="cpu", dtype=torch.int64).contiguous()
     top_p = top_p.to(device="cpu", dtype=torch.float32).contiguous()
     out = torch.empty(rows.shape, dtype=torch.float32)

@@ -182,14 +182,9 @@ static float nth_largest(float *values, int64_t count, int64_t n) {
     return values[n];
 }
 
-/* The tokens of x ranked first, at most `limit` of them (all those above the limit-th largest value, then as many
- * of its ties as fit, lowest indices first), sorted, into out; returns how many. scratch: vocab floats. */
+/* The first `limit` (< vocab) tokens of x in rank order (all those above the limit-th largest value, then as
+ * many of its ties as fit, lowest indices first), sorted, into out; returns how many. scratch: vocab floats. */
 static int64_t top_ranked(const float *x, int64_t vocab, int64_t limit, float *scratch, ranked *out) {
-    if (limit >= vocab) {
-        for (int64_t v = 0; v < vocab; v++) out[v].value = x[v], out[v].index = (int32_t)v;
-        qsort(out, (size_t)vocab, sizeof *out, compare_ranked);
-        return vocab;
-    }
     memcpy(scratch, x, (size_t)vocab * sizeof(float));
     float threshold = nth_largest(scratch, vocab, limit - 1);
     int64_t count = 0;
