@@ -3,9 +3,9 @@
 After the forward, a step picks its tokens: the target's argmax per row (greedy), or per sampled row an
 exponential race of its probabilities against keyed Exp(1) noise (worker_service/speculation/verify.py,
 kernels/rejection_sampler.py). On the CPU those vocabulary-wide passes go through kernels/sampling_cpu.py (an
-argmax, the race, the noise's uniforms and top-k / top-p as C passes); the "torch" runs take the same
-steps with torch's ops instead (the C library switched off in this process), the sampler's code before
-those kernels. Both give the same tokens (checked here), except that top-p's cut may fall a tail token
+argmax, the softmax, top-k / top-p, the noise, the race, and a sampled row as one pass); the "torch" runs
+take the same steps with torch's ops instead (the C library switched off in this process), the sampler's
+code before those kernels. Both give the same tokens (checked here), except that top-p's cut may fall a tail token
 apart (a rounding of the mass above it), which changes a sampled token now and then.
 
 Drives the in-process worker (SmolLM2, --dtype, an n-gram proposer at k = --k) over Spec-Bench prompts from

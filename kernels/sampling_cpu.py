@@ -9,8 +9,17 @@ indices (ties, NaN, infinities and signed zeros alike; tests/kernels/test_sampli
 torch's. Not numpy's: reading a tensor into numpy is what a GPU's host read looks like to
 tests/worker/runtime/test_host_reads.py. Each row's index depends on that row alone: batch invariant.
 
-`keyed_uniform_rows` computes worker_service/speculation/keyed_random.py's keyed uniforms (the sampling noise
-before its log) in one pass where torch took ~15 elementwise ones: bitwise the same values.
+`keyed_uniform_rows` computes worker_service/speculation/keyed_random.py's keyed uniforms in one pass where
+torch took ~15 elementwise ones: bitwise the same values. With `exponential=True` it gives the sampling noise
+-log u, the log our own polynomial (no division; within 3e-7 of the exact value, the same bits on every build).
+
+`softmax_last` is torch's softmax with our own exp (kernels/csrc/exp_poly.h) and a fixed order of summation:
+within a few ulp of torch's, the same bits on every build.
+
+`keyed_race_rows` samples a token per row in one pass with no [rows, vocabulary] temporaries: the softmax's
+weights at the row's temperature (or a given distribution), the keyed noise and the race. A sampled verify
+step of 8 sequences at k = 5 took ~9 ms in torch's softmax, its division by the temperature, torch's log and
+these passes one by one, and ~4 ms so (bench/bench_verify.py).
 
 `top_k_top_p_rows` is worker_service/speculation/sampling.py's top-k / top-p distribution without sorting
 each row: torch's sort took 2.6 ms a row of 49,152 (21 ms for a verify step's 6 rows, 175 ms for 48).
@@ -81,6 +90,14 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.specdec_argmax_rows.restype = ctypes.c_int
     library.specdec_top_k_top_p_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
     library.specdec_top_k_top_p_rows.restype = ctypes.c_int
+    library.specdec_keyed_exponential_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ctypes.c_int]
+    library.specdec_keyed_exponential_rows.restype = ctypes.c_int
+    library.specdec_neg_log_unit.argtypes = [ptr, i64, ptr]
+    library.specdec_neg_log_unit.restype = ctypes.c_int
+    library.specdec_softmax_rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
+    library.specdec_softmax_rows.restype = ctypes.c_int
+    library.specdec_keyed_race_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
+    library.specdec_keyed_race_rows.restype = ctypes.c_int
     return library
 
 
@@ -111,13 +128,17 @@ def keyed_uniform_rows(
     column_hashes: torch.Tensor,  # [C] int32: uint32 bit patterns
     out: torch.Tensor,  # [N, C] float32, its rows contiguous
     library: ctypes.CDLL,
+    exponential: bool = False,
 ) -> torch.Tensor:
     """worker_service/speculation/keyed_random.py's uniforms of (row key, column) into `out`, in one C pass:
-    bitwise its torch passes' values (exact integer hashing and float operations). Returns `out`."""
+    bitwise its torch passes' values (exact integer hashing and float operations). `exponential`: -log of
+    them instead, the log our own polynomial (within 3e-7 of the exact value; the same bits on every build).
+    Returns `out`."""
     assert row_keys.dtype == column_hashes.dtype == torch.int32 and out.dtype == torch.float32
     assert out.shape == (row_keys.numel(), column_hashes.numel()) and out.stride(1) == 1
     row_keys, column_hashes = row_keys.contiguous(), column_hashes.contiguous()
-    library.specdec_keyed_uniform_rows(
+    kernel = library.specdec_keyed_exponential_rows if exponential else library.specdec_keyed_uniform_rows
+    kernel(
         row_keys.data_ptr(),
         row_keys.numel(),
         column_hashes.data_ptr(),
@@ -127,6 +148,69 @@ def keyed_uniform_rows(
         torch.get_num_threads(),
     )
     return out
+
+
+def neg_log_unit(u: torch.Tensor, library: ctypes.CDLL) -> torch.Tensor:
+    """-log u (u: float32 in (0, 1)) by the polynomial the keyed exponentials use (its tests look at it)."""
+    u = u.contiguous()
+    out = torch.empty_like(u)
+    library.specdec_neg_log_unit(u.data_ptr(), u.numel(), out.data_ptr())
+    return out
+
+
+def softmax_last(x: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """`torch.softmax(x, dim=-1)`; on the CPU (fp32) one C pass per row with our own exp and a fixed order of
+    summation, so every build gives the same bits (within a few ulp of torch's values). `library`: another
+    build (bind())."""
+    library = _library_for(library, x)
+    if library is None or x.shape[-1] == 0:
+        return torch.softmax(x, dim=-1)
+    rows = _rows(x)
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    library.specdec_softmax_rows(
+        rows.data_ptr(),
+        rows.stride(0),
+        rows.shape[0],
+        rows.shape[1],
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    return out.reshape(x.shape)
+
+
+def keyed_race_rows(
+    values: torch.Tensor,  # [N, V] float32: logits (temperature > 0) or a distribution (temperature 0)
+    temperature: torch.Tensor,  # [N] float32
+    row_keys: torch.Tensor,  # [N] int32: the noise's row keys (uint32 bit patterns)
+    column_hashes: torch.Tensor,  # [V] int32: its column hashes
+    library: ctypes.CDLL | None = None,
+) -> torch.Tensor | None:  # [N] int64
+    """Each row's sampled token in one C pass, with no [N, V] temporaries: the race of its distribution
+    (`softmax_last(values / temperature)` where the temperature is above 0, else the row itself) against the
+    keyed Exp(1) noise that `keyed_uniform_rows(..., exponential=True)` computes, bitwise `race_rows` of those.
+    None where it does not apply (not the CPU's fp32, no C library): the caller's passes then. `library`:
+    another build (bind())."""
+    library = _library_for(library, values)
+    if library is None or values.dim() != 2 or values.shape[-1] == 0:
+        return None
+    assert row_keys.dtype == column_hashes.dtype == torch.int32 and column_hashes.numel() == values.shape[1]
+    rows = _rows(values)
+    temperature = temperature.to(device="cpu", dtype=torch.float32).contiguous()
+    row_keys, column_hashes = row_keys.contiguous(), column_hashes.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    status = library.specdec_keyed_race_rows(
+        rows.data_ptr(),
+        rows.stride(0),
+        rows.shape[0],
+        rows.shape[1],
+        temperature.data_ptr(),
+        row_keys.data_ptr(),
+        column_hashes.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out if status == 0 else None
 
 
 def top_k_top_p_rows(

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "exp_poly.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -100,6 +102,59 @@ int specdec_keyed_uniform_rows(const uint32_t *row_keys, int64_t num_rows, const
             int32_t top = (int32_t)fmix32(key ^ column_hashes[c]) >> 9; /* arithmetic: -2^22 .. 2^22 - 1 */
             row[c] = ((float)top + 4194304.5f) * 0x1p-23f;
         }
+    }
+    return 0;
+}
+
+/* -log(u) for u in (0, 1) (the keyed uniforms: 2^-24 <= u <= 1 - 2^-24), our own polynomial, so every build
+ * gives the same bits, and with no division: u = 2^e m with m in [sqrt(1/2), sqrt(2)), t = m - 1 (exact), and
+ * log m = t - t^2/2 + t^3 P(t), P a least-squares fit of degree 7 (relative error < 1e-7 over the interval; near
+ * u = 1, m = u, so tiny -log u keep their relative precision). */
+static inline float neg_log_unit(float u) {
+    uint32_t bits;
+    memcpy(&bits, &u, sizeof bits);
+    int32_t e = (int32_t)(bits >> 23) - 127;
+    uint32_t mantissa_bits = (bits & 0x007FFFFFu) | 0x3F800000u; /* m in [1, 2) */
+    float m;
+    memcpy(&m, &mantissa_bits, sizeof m);
+    int is_high = m > 1.41421354f;
+    m = is_high ? m * 0.5f : m;
+    e = is_high ? e + 1 : e;
+    float t = m - 1.0f;
+    float p = -0.07362867891788483f;
+    p = fmaf(p, t, 0.1262032687664032f);
+    p = fmaf(p, t, -0.13202103972434998f);
+    p = fmaf(p, t, 0.14227114617824554f);
+    p = fmaf(p, t, -0.16621370613574982f);
+    p = fmaf(p, t, 0.19999825954437256f);
+    p = fmaf(p, t, -0.2500085234642029f);
+    p = fmaf(p, t, 0.3333335518836975f);
+    float log_m = fmaf(t * t, fmaf(t, p, -0.5f), t);
+    float fe = (float)e;
+    return -fmaf(fe, 0.693145752f, fmaf(fe, 1.42860677e-6f, log_m)); /* ln 2 in two parts: fe * high is exact */
+}
+
+/* out[i] = -log u[i] by neg_log_unit (its tests call this). Returns 0. */
+int specdec_neg_log_unit(const float *u, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = neg_log_unit(u[i]);
+    return 0;
+}
+
+/* The keyed Exp(1) noise of (row key, column hash): -log of keyed_random.py's uniform. */
+static inline float keyed_exponential(uint32_t key, uint32_t column_hash) {
+    int32_t top = (int32_t)fmix32(key ^ column_hash) >> 9; /* arithmetic: -2^22 .. 2^22 - 1 */
+    return neg_log_unit(((float)top + 4194304.5f) * 0x1p-23f);
+}
+
+/* specdec_keyed_exponential_rows: out[r, c] = -log u for the uniforms of specdec_keyed_uniform_rows, the log our
+ * polynomial (neg_log_unit). Returns 0. */
+int specdec_keyed_exponential_rows(const uint32_t *row_keys, int64_t num_rows, const uint32_t *column_hashes,
+                                   int64_t num_cols, float *out, int64_t out_stride, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows > 1)
+    for (int64_t r = 0; r < num_rows; r++) {
+        uint32_t key = row_keys[r];
+        float *row = out + r * out_stride;
+        for (int64_t c = 0; c < num_cols; c++) row[c] = keyed_exponential(key, column_hashes[c]);
     }
     return 0;
 }
@@ -301,6 +356,103 @@ int specdec_top_k_top_p_rows(const float *x, int64_t x_stride, int64_t num_rows,
         }
         free(scratch);
         free(order);
+    }
+    return failed;
+}
+
+/* The sum of x[0..n) in a fixed order whatever the build: 16 running sums (element v into sum v mod 16), then
+ * those added in order. */
+static float ordered_sum(const float *x, int64_t n) {
+    float lanes[16] = {0};
+    int64_t v = 0;
+    for (; v + 16 <= n; v += 16)
+        for (int lane = 0; lane < 16; lane++) lanes[lane] += x[v + lane];
+    for (; v < n; v++) lanes[v % 16] += x[v];
+    float total = 0.0f;
+    for (int lane = 0; lane < 16; lane++) total += lanes[lane];
+    return total;
+}
+
+/* A row's softmax weights at a temperature t > 0: w[v] = exp(x[v] / t - max_u x[u] / t), the exp our polynomial
+ * (exp_poly.h: 0 below e^-87). (The max of x / t is max(x) / t: a correctly rounded division is monotone; t = 1
+ * divides by nothing.) */
+static void softmax_weights(const float *x, int64_t vocab, float temperature, float *w) {
+    float most = x[argmax_row(x, vocab)];
+    if (temperature == 1.0f) {
+        for (int64_t v = 0; v < vocab; v++) w[v] = exp_nonpositive(x[v] - most);
+    } else {
+        most = most / temperature;
+        for (int64_t v = 0; v < vocab; v++) w[v] = exp_nonpositive(x[v] / temperature - most);
+    }
+}
+
+/* specdec_softmax_rows: out[r] = softmax(x[r]): softmax_weights over their sum in a fixed order, the same bits
+ * on every build; each row's values depend on that row alone. Returns 0. */
+int specdec_softmax_rows(const float *x, int64_t x_stride, int64_t num_rows, int64_t vocab, float *out,
+                         int64_t out_stride, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows > 1)
+    for (int64_t r = 0; r < num_rows; r++) {
+        float *row = out + r * out_stride;
+        softmax_weights(x + r * x_stride, vocab, 1.0f, row);
+        float scale = 1.0f / ordered_sum(row, vocab);
+        for (int64_t v = 0; v < vocab; v++) row[v] = row[v] * scale;
+    }
+    return 0;
+}
+
+/* The first index of the largest score[v] = p[v] > 0 ? p[v] / E[v] : -1 over a row, E the keyed noise of
+ * (key, column_hashes[v]): the race, chunk by chunk through a small buffer. */
+#define RACE_CHUNK 1024
+static int64_t keyed_race_row(const float *p, int64_t vocab, uint32_t key, const uint32_t *column_hashes) {
+    float scores[RACE_CHUNK], best = -INFINITY;
+    int64_t best_index = 0;
+    for (int64_t c0 = 0; c0 < vocab; c0 += RACE_CHUNK) {
+        int64_t n = vocab - c0 < RACE_CHUNK ? vocab - c0 : RACE_CHUNK;
+        const float *q = p + c0;
+        const uint32_t *hashes = column_hashes + c0;
+        for (int64_t j = 0; j < n; j++) scores[j] = keyed_exponential(key, hashes[j]);
+        for (int64_t j = 0; j < n; j++) { /* two loops: as one, GCC does not vectorise the selection */
+            float score = q[j] / scores[j];
+            scores[j] = q[j] > 0.0f ? score : -1.0f;
+        }
+        int64_t j = argmax_row(scores, n); /* scores are never NaN */
+        if (scores[j] > best) best = scores[j], best_index = c0 + j;
+    }
+    return best_index;
+}
+
+/* specdec_keyed_race_rows: a sampled token per row, with no [rows, vocab] temporaries:
+ *
+ *   p = temperature[r] > 0 ? softmax_weights(values[r], temperature[r]) (the softmax before its normalisation,
+ *                            which moves no argmax but for rounding)
+ *                          : values[r] (a distribution, any scale)
+ *   out[r] = the first v with the largest p[v] > 0 ? p[v] / E[v] : -1,   E[v] = the keyed Exp(1) noise of
+ *            (row_keys[r], column_hashes[v]) as specdec_keyed_exponential_rows computes it
+ *
+ * With temperature[r] = 0 that is bitwise race_rows(values, keyed exponentials). Returns 0, or 1 when scratch
+ * memory cannot be had. */
+int specdec_keyed_race_rows(const float *values, int64_t stride, int64_t num_rows, int64_t vocab,
+                            const float *temperature, const uint32_t *row_keys, const uint32_t *column_hashes,
+                            int64_t *out, int num_threads) {
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) if (num_rows > 1)
+    {
+        float *weights = malloc((size_t)vocab * sizeof(float));
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < num_rows; r++) {
+            const float *p = values + r * stride;
+            if (temperature[r] > 0.0f) {
+                if (!weights) {
+                    #pragma omp atomic write
+                    failed = 1;
+                    continue;
+                }
+                softmax_weights(p, vocab, temperature[r], weights);
+                p = weights;
+            }
+            out[r] = keyed_race_row(p, vocab, row_keys[r], column_hashes);
+        }
+        free(weights);
     }
     return failed;
 }

@@ -150,3 +150,99 @@ def test_top_k_top_p_rows_break_ties_by_the_lower_index():
     assert (got[0] > 0).tolist() == [True] * 3 + [False] * 7
     assert (got[1] > 0).sum().item() in (5, 6)  # the 6th's mass above is 0.5 give or take a rounding
     assert (got[1] > 0).tolist()[:5] == [True] * 5 and not bool((got[1, 6:] > 0).any())
+
+
+def keyed_inputs(num_rows: int, vocab: int, seed: int):
+    """Logits with a few strong tokens and a long tail, -inf entries and a fully masked row; the noise keys of
+    distinct (seed, position) rows."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, vocab, generator=generator) * 3  # [R, V]
+    logits[:, :: max(vocab // 7, 1)] = -INF  # masked tokens (a grammar's, a bias's)
+    logits[0, :] = -INF
+    logits[0, vocab // 2] = 1.0  # one token left: always it
+    row_keys = torch.randint(-(2**31), 2**31 - 1, (num_rows,), dtype=torch.int32, generator=generator)
+    column_hashes = torch.randint(-(2**31), 2**31 - 1, (vocab,), dtype=torch.int32, generator=generator)
+    return logits, row_keys, column_hashes
+
+
+def keyed_exponentials(row_keys, column_hashes, library=None):
+    """The keyed Exp(1) noise of (row key, column hash), as keyed_random.py's C pass computes it."""
+    out = torch.empty(row_keys.numel(), column_hashes.numel())
+    return sampling_cpu.keyed_uniform_rows(
+        row_keys, column_hashes, out, library or sampling_cpu.c_library(), exponential=True
+    )
+
+
+@pytest.mark.parametrize("build", [None, *NARROWER_BUILDS])
+@pytest.mark.parametrize("shape", [(1, 49152), (48, 4099), (5, 16), (3, 7)], ids=str)
+def test_keyed_race_rows_on_a_distribution_is_the_race_against_the_keyed_noise(build, shape):
+    """temperature 0: the values are a distribution, and the token is bitwise race_rows' against the noise of
+    keyed_uniform_rows(exponential=True), on every build; the noise is the same on every build."""
+    library = build_library(build) or sampling_cpu.c_library()
+    logits, row_keys, column_hashes = keyed_inputs(*shape, seed=shape[0] + shape[1])
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # [R, V]: the masked row's NaN as no mass
+    noise = keyed_exponentials(row_keys, column_hashes, library)
+    assert torch.equal(noise, keyed_exponentials(row_keys, column_hashes))  # the same noise on every build
+    got = sampling_cpu.keyed_race_rows(probs, torch.zeros(shape[0]), row_keys, column_hashes, library)
+    assert torch.equal(got, race_reference(probs, noise))
+
+
+@pytest.mark.parametrize("build", [None, *NARROWER_BUILDS])
+@pytest.mark.parametrize("temperature", [1.0, 0.8, 0.05, 2.5])
+def test_keyed_race_rows_on_logits_samples_torchs_softmax_at_the_temperature(build, temperature):
+    """temperature > 0: the values are logits, the distribution their softmax at that temperature (our exp,
+    unnormalised): the token torch's softmax and the same noise give on every row of this data (they could
+    differ only where two scores are within rounding), the same tokens on every build, and the masked row's
+    one token."""
+    library = build_library(build) or sampling_cpu.c_library()
+    logits, row_keys, column_hashes = keyed_inputs(64, 4099, seed=int(temperature * 100))
+    temperatures = torch.full((64,), temperature)
+    got = sampling_cpu.keyed_race_rows(logits, temperatures, row_keys, column_hashes, library)
+    reference = race_reference(torch.softmax(logits / temperature, dim=-1), keyed_exponentials(row_keys, column_hashes))
+    assert torch.equal(got, reference)
+    assert torch.equal(got, sampling_cpu.keyed_race_rows(logits, temperatures, row_keys, column_hashes))
+    assert int(got[0]) == 4099 // 2
+    assert len(set(got.tolist())) > 32  # really sampled: different rows, different tokens
+
+
+def test_keyed_race_rows_mixes_logit_rows_and_distribution_rows():
+    """Each row is read as its own temperature says, whatever the other rows are; a row alone samples the token
+    it samples in the batch."""
+    logits, row_keys, column_hashes = keyed_inputs(6, 1000, seed=5)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    temperature = torch.tensor([0.7, 0.0, 1.0, 0.0, 1.3, 0.7])
+    values = torch.where((temperature > 0).unsqueeze(1), logits, probs)  # [R, V]
+    got = sampling_cpu.keyed_race_rows(values, temperature, row_keys, column_hashes)
+    for row in range(6):
+        alone = sampling_cpu.keyed_race_rows(
+            values[row : row + 1], temperature[row : row + 1], row_keys[row : row + 1], column_hashes
+        )
+        assert int(alone[0]) == int(got[row])
+    noise = keyed_exponentials(row_keys, column_hashes)
+    assert got[[1, 3]].tolist() == race_reference(probs[[1, 3]], noise[[1, 3]]).tolist()
+
+
+def test_keyed_race_rows_follows_the_softmax():
+    """Over many keys, the tokens' frequencies are the softmax's at the temperature (4 tokens, 40,000 rows)."""
+    num_rows, temperature = 40_000, 0.7
+    logits = torch.tensor([1.0, -INF, 2.0, 1.5]).expand(num_rows, 4).contiguous()
+    row_keys = torch.arange(num_rows, dtype=torch.int32) * 7919 + 13  # distinct keys
+    column_hashes = torch.tensor([0x1234567, -0x7654321, 0x2468ACE, -0x1357BDF], dtype=torch.int32)
+    tokens = sampling_cpu.keyed_race_rows(logits, torch.full((num_rows,), temperature), row_keys, column_hashes)
+    empirical = torch.bincount(tokens, minlength=4).double() / num_rows
+    want = torch.softmax(logits[0].double() / temperature, dim=-1)
+    assert float(empirical[1]) == 0.0
+    assert float((empirical - want).abs().max()) < 5 * (0.25 / num_rows) ** 0.5
+
+
+@pytest.mark.parametrize("build", [None, *NARROWER_BUILDS])
+def test_softmax_last_is_torchs_within_rounding_and_the_same_on_every_build(build):
+    library = build_library(build) or sampling_cpu.c_library()
+    logits, _, _ = keyed_inputs(8, 49152, seed=11)
+    logits[0] = torch.randn(49152)  # no masked row here: torch gives NaN for it, and so do we (below)
+    got = sampling_cpu.softmax_last(logits, library=library)
+    torch.testing.assert_close(got, torch.softmax(logits, dim=-1), rtol=2e-6, atol=1e-9)
+    assert torch.equal(got, sampling_cpu.softmax_last(logits))
+    assert bool((got[1:, :: 49152 // 7] == 0).all())  # -inf logits: no mass
+    masked = torch.full((1, 16), -INF)
+    assert bool(sampling_cpu.softmax_last(masked, library=library).isnan().all())

@@ -143,25 +143,36 @@ def uniform_from_bits(bits: torch.Tensor, out: torch.Tensor | None = None) -> to
     return out.mul_(2.0**-_UNIFORM_BITS)
 
 
-def _keyed_floats(seeds, positions, stream, num_cols, device, finish) -> torch.Tensor:  # [N, num_cols] float32
-    """bits -> uniform -> ``finish`` (in place), in chunks of rows that stay in a CPU's cache.
+def noise_keys(seeds, positions, stream: int, num_cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row keys ([N]) and column hashes ([num_cols]) of those rows' noise, int32 bit patterns on `device`:
+    what the CPU's C passes hash (kernels/sampling_cpu.py)."""
+    device = torch.device(device)
+    return _device_keys(seeds, positions, stream, device), _column_hashes(num_cols, device)
+
+
+def _keyed_floats(seeds, positions, stream, num_cols, device, exponential: bool) -> torch.Tensor:  # [N, num_cols]
+    """bits -> uniform (-> ``-log``, in place), in chunks of rows that stay in a CPU's cache.
 
     On a CPU the ~17 elementwise passes are memory-bound: over 48 rows of a
     49152-token vocabulary (9 MB per pass) they took 2-3x longer per value
-    than in chunks of 5 rows (1 MB). Where the C kernel builds, the bits and
-    the uniform are one pass of it (the same values), and only ``finish`` is torch's.
+    than in chunks of 5 rows (1 MB). Where the C kernel builds, the whole is one
+    pass of it: the same uniforms, and for the exponentials a log of our own
+    (kernels/csrc/sampling_cpu.c: within 3e-7 of torch's, the same bits on
+    every build), which every CPU sampling path shares.
     """
     device = torch.device(device)
     keys = _device_keys(seeds, positions, stream, device)  # [N]
     out = torch.empty((len(keys), num_cols), dtype=torch.float32, device=device)  # [N, C]
-    rows_per_chunk = len(keys) if device.type != "cpu" else max(1, _CPU_CHUNK_ELEMENTS // max(num_cols, 1))
     library = sampling_cpu.c_library() if device.type == "cpu" else None
+    if library is not None:  # one C pass
+        return sampling_cpu.keyed_uniform_rows(keys, _column_hashes(num_cols, device), out, library, exponential)
+    rows_per_chunk = len(keys) if device.type != "cpu" else max(1, _CPU_CHUNK_ELEMENTS // max(num_cols, 1))
     for start in range(0, len(keys), rows_per_chunk):
-        rows = slice(start, start + rows_per_chunk)
-        if library is not None:  # the same values in one C pass (kernels/sampling_cpu.py)
-            finish(sampling_cpu.keyed_uniform_rows(keys[rows], _column_hashes(num_cols, device), out[rows], library))
-        else:
-            finish(uniform_from_bits(_bits(keys[rows], num_cols), out[rows]))
+        uniform = uniform_from_bits(
+            _bits(keys[start : start + rows_per_chunk], num_cols), out[start : start + rows_per_chunk]
+        )
+        if exponential:
+            uniform.log_().neg_()
     return out
 
 
@@ -173,7 +184,7 @@ def keyed_uniform(
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:  # [N, num_cols] float32 in (0, 1)
     """U(0, 1) samples keyed by (seed, position, stream, column); never exactly 0 or 1."""
-    return _keyed_floats(seeds, positions, stream, num_cols, device, lambda u: u)  # [N, C]
+    return _keyed_floats(seeds, positions, stream, num_cols, device, exponential=False)  # [N, C]
 
 
 def keyed_exponential(
@@ -184,4 +195,4 @@ def keyed_exponential(
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:  # [N, num_cols] float32, finite and > 0
     """Exp(1) samples keyed like :func:`keyed_uniform`: ``-log u``."""
-    return _keyed_floats(seeds, positions, stream, num_cols, device, lambda u: u.log_().neg_())  # [N, C]
+    return _keyed_floats(seeds, positions, stream, num_cols, device, exponential=True)  # [N, C]

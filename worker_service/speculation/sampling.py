@@ -14,10 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import sampling_cpu
 from kernels.rejection_sampler import race
-from kernels.sampling_cpu import argmax_last, top_k_top_p_rows
+from kernels.sampling_cpu import argmax_last, softmax_last, top_k_top_p_rows
 from specdec.step import RequestSampling
-from worker_service.speculation.keyed_random import keyed_exponential
+from worker_service.speculation.keyed_random import keyed_exponential, noise_keys
 
 
 def sampling_tensors(
@@ -45,9 +46,8 @@ def logits_to_probs(
     min-p drops the tokens less likely than ``min_p`` times the likeliest
     token (after temperature); top-p keeps the smallest set of most likely
     tokens whose mass is at least ``top_p`` (always at least the top token).
-    On the CPU top-k and top-p are one C pass per row that sorts no row
-    (kernels/sampling_cpu.py; equal logits rank by index); elsewhere the
-    sort below.
+    On the CPU the softmax, and top-k and top-p, are C passes (kernels/sampling_cpu.py: our own exp; top-k
+    and top-p sort no row, equal logits rank by index); elsewhere torch's softmax and the sort below.
     """
     logits = logits.float()  # [N, V]
     is_greedy = temperature == 0  # [N]
@@ -60,7 +60,7 @@ def logits_to_probs(
         if probs is None:
             probs = _top_k_top_p_probs(scaled, top_k, top_p)  # [N, V]
     else:
-        probs = torch.softmax(scaled, dim=-1)  # [N, V]
+        probs = softmax_last(scaled)  # [N, V]
     if bool(is_greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(1, argmax_last(logits).unsqueeze(1), 1.0)  # [N, V]
         probs = torch.where(is_greedy.unsqueeze(1), one_hot, probs)  # [N, V]
@@ -119,3 +119,41 @@ def sample_from_probs(
                 [seeds[i] for i in rows], [positions[i] for i in rows], stream, probs.shape[-1], probs.device
             )
     return race(probs.float(), noise)  # [N]
+
+
+def sample_rows(
+    logits: torch.Tensor,  # [N, V]
+    params: Sequence[RequestSampling],  # N, none greedy
+    seeds: Sequence[int],  # N request seeds
+    positions: Sequence[int],  # N absolute positions of the sampled tokens
+    stream: int,
+) -> torch.Tensor:  # [N] int64
+    """Each row's keyed sample: ``race(logits_to_probs(row), E(seed, position))``, the rows all sampled.
+
+    On the CPU one C pass per row (kernels/sampling_cpu.py's keyed_race_rows) computes the distribution, the
+    noise and the race with no [N, V] temporaries. A row with top-k, top-p or min-p gets its distribution from
+    logits_to_probs first, and its token is bitwise the passes'; a row with a temperature alone races the
+    softmax's weights before their normalisation, which could move its token from the passes' only where two
+    scores are within rounding. Each row's token depends on that row alone.
+    """
+    library = sampling_cpu.c_library() if logits.device.type == "cpu" else None
+    tokens = None if library is None else _sample_rows_in_c(logits.float(), params, seeds, positions, stream, library)
+    if tokens is None:  # the passes one by one
+        probs = logits_to_probs(logits, *sampling_tensors(params, logits.device))  # [N, V]
+        tokens = race(probs, keyed_exponential(seeds, positions, stream, logits.shape[-1], logits.device))
+    return tokens  # [N]
+
+
+def _sample_rows_in_c(logits, params, seeds, positions, stream, library) -> torch.Tensor | None:  # [N] int64
+    """sample_rows through keyed_race_rows: logits and a temperature per row, or the row's distribution (and
+    temperature 0) where logits_to_probs filters it; None if the pass could not run."""
+    filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1 or p.min_p > 0]
+    values = logits  # [N, V]
+    if filtered:
+        index = torch.tensor(filtered)  # [F]
+        probs = logits_to_probs(logits[index], *sampling_tensors([params[i] for i in filtered]))  # [F, V]
+        values = probs if len(filtered) == len(params) else logits.index_copy(0, index, probs)  # [N, V]
+    temperature = torch.tensor([p.temperature for p in params])  # [N]
+    temperature[filtered] = 0.0
+    row_keys, column_hashes = noise_keys(seeds, positions, stream, logits.shape[-1], logits.device)
+    return sampling_cpu.keyed_race_rows(values, temperature, row_keys, column_hashes, library)

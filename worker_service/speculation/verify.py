@@ -19,15 +19,14 @@ import itertools
 
 import torch
 
-from kernels.rejection_sampler import race
 from kernels.sampling_cpu import argmax_last
 from kernels.tree_acceptance import accept_tree
 from specdec.step import TopLogprobs
-from worker_service.speculation.keyed_random import STREAM_TOKEN, keyed_exponential
+from worker_service.speculation.keyed_random import STREAM_TOKEN
 from worker_service.speculation.proposers.trees import row_depths
 from worker_service.speculation.rejection_sampler import RejectionSampler
 from worker_service.speculation.request_state import RequestState
-from worker_service.speculation.sampling import logits_to_probs, sampling_tensors
+from worker_service.speculation.sampling import logits_to_probs, sample_rows, sampling_tensors
 
 _sampler = RejectionSampler()
 
@@ -50,16 +49,15 @@ def verify(
     """`logits` holds 1 + len(drafts[i]) rows per sequence, in order (`[N, V]`); `parents[i]`, where given, the
     parent row (0: the root, the sequence's first row) of each of drafts[i]: a tree."""
     rows_per_seq = [len(d) + 1 for d in drafts]
-    if parents is not None and any(p is not None for p in parents):
-        assert draft_probs is None, "tree drafts are one-hot"
-        token_ids, paths = _accept_trees(states, logits, drafts, parents)
+    if draft_probs is None or all(s.sampling.is_greedy for s in states):
+        # One-hot drafts (chains and trees; greedy rows read no draft probabilities): each row's sample, then
+        # the path it accepts.
+        token_ids, paths = _accept_one_hot(states, logits, drafts, parents)
     else:
-        if all(s.sampling.is_greedy for s in states):
-            token_ids = _greedy(logits, drafts)
-        else:
-            row_params = [s.sampling for s, n in zip(states, rows_per_seq) for _ in range(n)]
-            probs = logits_to_probs(logits, *sampling_tensors(row_params, logits.device))  # [N, V]
-            token_ids = _rejection_sample(states, probs, drafts, draft_probs)
+        assert parents is None or all(p is None for p in parents), "tree drafts are one-hot"
+        row_params = [s.sampling for s, n in zip(states, rows_per_seq) for _ in range(n)]
+        probs = logits_to_probs(logits, *sampling_tensors(row_params, logits.device))  # [N, V]
+        token_ids = _rejection_sample(states, probs, drafts, draft_probs)
         paths = [list(range(1, len(t))) for t in token_ids]
     logprobs, top_logprobs = [[] for _ in states], [[] for _ in states]
     if any(s.return_logprobs for s in states):
@@ -67,57 +65,60 @@ def verify(
     return VerifyResult(token_ids, logprobs, top_logprobs, paths)
 
 
-def _accept_trees(
-    states: list[RequestState], logits: torch.Tensor, drafts: list[list[int]], parents: list[list[int] | None]
+def _accept_one_hot(
+    states: list[RequestState],
+    logits: torch.Tensor,
+    drafts: list[list[int]],
+    parents: list[list[int] | None] | None,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Every row's keyed sample y (argmax for greedy), at its position num_tokens + depth; then each sequence's
-    accepted path (a chain is the tree whose parents are the previous rows)."""
-    draft_parents = [p if p is not None else list(range(len(d))) for d, p in zip(drafts, parents)]
-    tree_parents = [[-1, *p] for p in draft_parents]
-    depths = [row_depths(p) for p in draft_parents]
+    accepted path: a chain accepts drafts while they equal y, a tree follows y from the root.
+
+    This is the accept rule for one-hot drafts (kernels/rejection_sampler.py) computed on the rows themselves,
+    so no [B, K+1, V] padding is built, and only the sampled rows get noise."""
+    tree_parents = [
+        [-1, *p] if p is not None else list(range(-1, len(d)))
+        for d, p in zip(drafts, parents if parents is not None else [None] * len(drafts))
+    ]
     row_params = [s.sampling for s, p in zip(states, tree_parents) for _ in p]
-    targets = argmax_last(logits)  # [N]
     sampled = [i for i, params in enumerate(row_params) if not params.is_greedy]
+    targets = argmax_last(logits) if len(sampled) < len(row_params) else None  # [N]: the greedy rows' y
     if sampled:
         row_states = [s for s, p in zip(states, tree_parents) for _ in p]
-        depth_of_row = [d for seq_depths in depths for d in seq_depths]
+        depth_of_row = [d for seq_parents in tree_parents for d in row_depths(seq_parents[1:])]
         index = torch.tensor(sampled, device=logits.device)  # [R]
-        probs = logits_to_probs(logits[index], *sampling_tensors([row_params[i] for i in sampled], logits.device))
-        noise = keyed_exponential(
+        samples = sample_rows(
+            logits if targets is None else logits[index],
+            [row_params[i] for i in sampled],
             [row_states[i].sampling.seed for i in sampled],
             [row_states[i].num_tokens + depth_of_row[i] for i in sampled],
             STREAM_TOKEN,
-            logits.shape[-1],
-            logits.device,
-        )  # [R, V]
-        targets[index] = race(probs, noise)  # [R]
-    targets_host, token_ids, paths, offset = targets.tolist(), [], [], 0
+        )  # [R]
+        if targets is None:
+            targets = samples  # [N]
+        else:
+            targets[index] = samples
+    targets_host, token_ids, paths, offset = targets.tolist(), [], [], 0  # one copy to the host
     for draft, seq_parents in zip(drafts, tree_parents):
-        path, emitted = accept_tree(targets_host[offset : offset + len(seq_parents)], [None, *draft], seq_parents)
+        rows = targets_host[offset : offset + len(seq_parents)]
+        if parents is None or seq_parents[1:] == list(range(len(draft))):  # a chain
+            emitted = _accepted_chain(rows, draft)
+            path = list(range(1, len(emitted)))
+        else:
+            path, emitted = accept_tree(rows, [None, *draft], seq_parents)
         token_ids.append(emitted)
         paths.append(path)
         offset += len(seq_parents)
     return token_ids, paths
 
 
-def _greedy(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
-    """Temperature 0: accept drafts while they equal the target argmax; then emit the argmax.
-
-    This is the rejection rule with one-hot q and p (accept iff x == argmax q;
-    the recovered token is argmax q at the first mismatch, the bonus token
-    argmax q after the last draft), without building vocabulary-sized tensors.
-    """
-    targets = argmax_last(logits).tolist()  # [N]
-    token_ids, offset = [], 0
-    for draft in drafts:
-        emitted = []
-        for j, target in enumerate(targets[offset : offset + len(draft) + 1]):
-            emitted.append(target)
-            if j == len(draft) or draft[j] != target:
-                break
-        token_ids.append(emitted)
-        offset += len(draft) + 1
-    return token_ids
+def _accepted_chain(targets: list[int], draft: list[int]) -> list[int]:
+    """The emitted tokens of a chain: y_j while draft j equals it, then the y where they differ (or the bonus
+    y after the last draft)."""
+    for j, target in enumerate(targets):
+        if j == len(draft) or draft[j] != target:
+            return targets[: j + 1]
+    raise AssertionError("a chain has one more row than drafts")
 
 
 def _rejection_sample(

@@ -8,7 +8,8 @@ without a `device`) and what is computed only from them, the tensors that stay o
 C kernels write through pointers, out of torch's sight, so what they fill counts as the device's: it is.
 
 Decided (the tests below hold them; a new read fails them until it is added here, with why it is needed):
-- one read per step, of the emitted tokens (greedy: `verify._greedy`; sampled: `verify._rejection_sample`);
+- one read per step, of the emitted tokens (one-hot drafts and greedy rows: `verify._accept_one_hot`; sampled
+  rows with a draft model's probabilities: `verify._rejection_sample`);
 - one more where a request asks for logprobs (`verify._logprobs`: the emitted tokens' and the top ones
   together), after the first: which rows' logprobs to read depends on the tokens;
 - the draft model's proposer, one per draft position (each next draft is the argmax of the last, read to
@@ -137,11 +138,13 @@ def step_reads(worker, sampling: step.RequestSampling, k: int) -> collections.Co
     return reads.sites
 
 
-def expected_reads(sampling: step.RequestSampling) -> collections.Counter:
-    """The decided reads of a step's verification (module docstring)."""
+def expected_reads(sampling: step.RequestSampling, model_drafts: bool = False) -> collections.Counter:
+    """The decided reads of a step's verification (module docstring); `model_drafts`: a draft model's drafts
+    with their probabilities were verified."""
     if sampling is GREEDY:
-        return collections.Counter({("tolist", "verify.py:_greedy"): 1})
-    return collections.Counter({("tolist", "verify.py:_rejection_sample"): 1, ("tolist", "verify.py:_logprobs"): 1})
+        return collections.Counter({("tolist", "verify.py:_accept_one_hot"): 1})
+    accept = "verify.py:_rejection_sample" if model_drafts else "verify.py:_accept_one_hot"
+    return collections.Counter({("tolist", accept): 1, ("tolist", "verify.py:_logprobs"): 1})
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -153,7 +156,7 @@ def test_a_decode_step_reads_the_host_once_and_once_more_for_logprobs(tiny_pair,
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_a_verify_step_reads_as_a_decode_step_does_beside_its_proposer(tiny_pair, sampling):
     worker = test_speculative.make_worker(tiny_pair, "draft", 3)
-    assert step_reads(worker, sampling, 3) == expected_reads(sampling) + collections.Counter(
+    assert step_reads(worker, sampling, 3) == expected_reads(sampling, model_drafts=True) + collections.Counter(
         {("tolist", "draft.py:propose"): 3}
     )
 
@@ -181,5 +184,5 @@ def gpu_forward_worker(pair, proposer: str, k: int) -> Worker:
 def test_the_gpu_forwards_steps_read_the_host_as_the_others_do(tiny_pair, sampling):
     assert step_reads(gpu_forward_worker(tiny_pair, "ngram", 3), sampling, 0) == expected_reads(sampling)
     assert step_reads(gpu_forward_worker(tiny_pair, "draft", 3), sampling, 3) == expected_reads(
-        sampling
+        sampling, model_drafts=True
     ) + collections.Counter({("tolist", "draft.py:propose"): 3})

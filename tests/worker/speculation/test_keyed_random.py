@@ -51,22 +51,45 @@ def test_bits_match_the_integer_reference(device):
 @pytest.mark.parametrize("build", ["native", "scalar"])
 def test_the_c_pass_gives_the_torch_passes_values(build, monkeypatch):
     """On the CPU the bits and the uniform are one C pass (kernels/sampling_cpu.py): bitwise the values of the
-    torch passes, and of the integer reference, extreme keys included, on a plain x86-64 build too."""
+    torch passes, and of the integer reference, extreme keys included, on a plain x86-64 build too. The
+    exponentials' log is the C pass's own: within 3e-7 of torch's, bitwise the same on every build."""
     seeds = [0, 1, 2**32 - 1, 2**63, 2**64 - 1, 0x0123456789ABCDEF]
     positions = [0, 7, 2**31, 2**32 - 1, 100, 12345]
+    native_exponential = keyed_exponential(seeds, positions, STREAM_TOKEN, 49152)
     if build == "scalar":
         scalar = sampling_cpu.bind(cpu_build.load_library("sampling_cpu", ("-march=x86-64",)))
         monkeypatch.setattr(sampling_cpu, "c_library", lambda: scalar)
     assert sampling_cpu.c_library() is not None
     with_c = {stream: keyed_uniform(seeds, positions, stream, 49152) for stream in (STREAM_TOKEN, STREAM_DRAFT)}
-    exponential_c = keyed_exponential(seeds, positions, STREAM_TOKEN, 1000)
+    exponential_c = keyed_exponential(seeds, positions, STREAM_TOKEN, 49152)
+    assert torch.equal(exponential_c, native_exponential)
     monkeypatch.setattr(sampling_cpu, "c_library", lambda: None)
     for stream, values in with_c.items():
         assert torch.equal(values, keyed_uniform(seeds, positions, stream, 49152))
         bits = [reference_bits(seeds[1], positions[1], stream, col) for col in (0, 4099, 49151)]
         want = [((b - (1 << 32) if b >= 1 << 31 else b) >> 9) + 2**22 + 0.5 for b in bits]
         assert values[1, [0, 4099, 49151]].tolist() == [w * 2**-23 for w in want]
-    assert torch.equal(exponential_c, keyed_exponential(seeds, positions, STREAM_TOKEN, 1000))
+    exact = -torch.log(with_c[STREAM_TOKEN].double())
+    assert float(((exponential_c.double() - exact).abs() / exact).max()) < 3e-7
+    assert (
+        float(((keyed_exponential(seeds, positions, STREAM_TOKEN, 49152).double() - exact).abs() / exact).max()) < 3e-7
+    )
+
+
+@pytest.mark.parametrize("build", ["native", "scalar"])
+def test_the_c_log_at_the_uniforms_extremes_and_every_binade(build):
+    """-log u by the C passes' polynomial for every u the keyed uniforms can take near 0 and 1, and around each
+    power of two between: finite, > 0, within 3e-7 of the exact value, the same bits on both builds."""
+    flags = ("-march=x86-64",) if build == "scalar" else ()
+    library = sampling_cpu.bind(cpu_build.load_library("sampling_cpu", flags))
+    k = [*range(4096), *range(2**23 - 4096, 2**23), *(2**shift + d for shift in range(23) for d in range(-3, 4))]
+    k = torch.cat([torch.tensor(k).clamp(0, 2**23 - 1), torch.randint(0, 2**23, (100_000,))])
+    u = (k.double() + 0.5) * 2**-23  # the uniforms' values, exact in float32
+    e = sampling_cpu.neg_log_unit(u.float(), library)
+    exact = -torch.log(u)
+    assert bool((torch.isfinite(e) & (e > 0)).all())
+    assert float(((e.double() - exact).abs() / exact).max()) < 3e-7
+    assert torch.equal(e, sampling_cpu.neg_log_unit(u.float(), sampling_cpu.c_library()))
 
 
 def test_uniform_is_strictly_inside_0_1_at_the_extremes():

@@ -1,15 +1,18 @@
-"""logits_to_probs / sample_from_probs / RequestSampling on hand-made inputs."""
+"""logits_to_probs / sample_from_probs / sample_rows / RequestSampling on hand-made inputs."""
 
 import math
 
 import pytest
 import torch
 
+from kernels import sampling_cpu
+from kernels.rejection_sampler import race
 from specdec.step import RequestSampling
-from worker_service.speculation.keyed_random import STREAM_DRAFT, STREAM_TOKEN
+from worker_service.speculation.keyed_random import STREAM_DRAFT, STREAM_TOKEN, keyed_exponential
 from worker_service.speculation.sampling import (
     logits_to_probs,
     sample_from_probs,
+    sample_rows,
     sampling_tensors,
 )
 
@@ -153,3 +156,52 @@ def test_params_defaults_and_greedy():
     assert RequestSampling(seed=2**64 - 1).seed == 2**64 - 1  # the whole uint64 range
     with pytest.raises(AttributeError):
         RequestSampling().temperature = 0.5  # frozen: validated once, never changed
+
+
+ROW_PARAMS = [  # plain temperatures, and rows whose distribution logits_to_probs filters
+    RequestSampling(temperature=0.8, seed=1),
+    RequestSampling(temperature=1.0, top_p=0.9, seed=2),
+    RequestSampling(temperature=1.0, seed=3),
+    RequestSampling(temperature=0.6, top_k=40, seed=4),
+    RequestSampling(temperature=1.2, min_p=0.05, seed=5),
+    RequestSampling(temperature=0.3, seed=6),
+]
+
+
+def the_passes(logits, params, seeds, positions):
+    """sample_rows' definition, pass by pass: the distribution, the keyed noise, the race."""
+    probs = logits_to_probs(logits, *sampling_tensors(params))
+    return race(probs, keyed_exponential(seeds, positions, STREAM_TOKEN, logits.shape[-1]))
+
+
+@pytest.mark.parametrize("with_c", [True, False], ids=["c-pass", "torch-passes"])
+def test_sample_rows_is_the_race_of_each_rows_distribution(with_c, monkeypatch):
+    """sample_rows (on the CPU one C pass a row, or torch's passes without the C library) gives the tokens of
+    logits_to_probs, the keyed noise and the race (here on every row of this data: they could differ only
+    where two scores are within rounding), and a row's token does not depend on the others."""
+    if not with_c:
+        monkeypatch.setattr(sampling_cpu, "c_library", lambda: None)
+    logits = torch.randn(len(ROW_PARAMS) * 4, 5000, generator=torch.Generator().manual_seed(3)) * 4  # [N, V]
+    params = ROW_PARAMS * 4
+    seeds = [p.seed for p in params]
+    positions = [100 + i // len(ROW_PARAMS) for i in range(len(params))]
+    tokens = sample_rows(logits, params, seeds, positions, STREAM_TOKEN)
+    assert tokens.tolist() == the_passes(logits, params, seeds, positions).tolist()
+    for row in (0, 1, 5, 22):
+        alone = sample_rows(
+            logits[row : row + 1], params[row : row + 1], seeds[row : row + 1], positions[row : row + 1], STREAM_TOKEN
+        )
+        assert int(alone[0]) == int(tokens[row])
+    filtered_alone = sample_rows(logits[1::2], params[1::2], seeds[1::2], positions[1::2], STREAM_TOKEN)
+    assert filtered_alone.tolist() == tokens[1::2].tolist()  # the filtered rows alone: their distributions only
+    assert len(set(tokens.tolist())) > 12  # really sampled
+
+
+def test_sample_rows_follows_the_temperatures_distribution():
+    num_rows = 40_000
+    logits = LOGITS.expand(num_rows, 4).contiguous()  # [N, V]
+    params = [RequestSampling(temperature=0.5, seed=7)] * num_rows
+    tokens = sample_rows(logits, params, [7] * num_rows, range(num_rows), STREAM_TOKEN)  # one request
+    empirical = torch.bincount(tokens, minlength=4).double() / num_rows
+    want = torch.softmax(LOGITS.double() / 0.5, dim=-1)
+    assert float((empirical - want).abs().max()) < 5 * (0.25 / num_rows) ** 0.5
