@@ -3,10 +3,13 @@
 Row j of a sequence samples the token at absolute position ``num_tokens + j``
 (``num_tokens``: prompt + every token emitted so far): a plain step samples
 position n, a verify step with k drafts positions n..n+k. Each row's
-randomness is keyed by (request seed, that position), and the accept rule
-(worker_service/speculation/rejection_sampler.py) emits, for n-gram drafts, exactly the
-tokens a plain step would have sampled; so a seeded request's tokens depend
-neither on the batch nor on n-gram speculation.
+randomness is keyed by (request seed, that position). Drafts without probabilities
+(n-gram, suffix, EAGLE-3: one-hot) are accepted while they equal the row's own sample,
+which is the accept rule of kernels/rejection_sampler.py for one-hot drafts:
+every emitted token is the one a plain step would have sampled, so a seeded
+request's tokens depend neither on the batch nor on that speculation. A draft
+model's drafts with their probabilities go through the rejection sampler
+(worker_service/speculation/rejection_sampler.py).
 
 A sequence's drafts may form a tree (`parents`): row j then samples position
 ``num_tokens + depth(j)``, and the accepted path follows those samples from

@@ -94,7 +94,7 @@ def test_every_step_tensor_is_on_the_models_device(tiny_pair, tiny_eagle3_head, 
     driver = Driver(execute, BLOCK_SIZE, NUM_BLOCKS)
     driver.generate(PROMPTS[:3], 12, sampling=samplings, num_speculative_tokens=3)
     assert sum(o.num_draft_tokens for r in driver.results for o in r.outputs) > 0  # the verify path ran
-    assert len(recorder.placements) > 1000  # the mode saw the steps' ops
+    assert len(recorder.placements) > 500  # the mode saw the steps' ops (the CPU's C passes are out of its sight)
     assert recorder.off_device(worker.target.device) == []
 
 
