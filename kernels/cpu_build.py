@@ -107,3 +107,13 @@ def load_library(name: str, extra_cflags: tuple[str, ...] = (), source_dir: path
             raise KernelBuildError(f"{compiler} failed to build {source_path.name}:\n{result.stderr.strip()}")
         partial.replace(target)  # atomic: another process may build the same file meanwhile
     return ctypes.CDLL(str(target))
+
+
+def optional_library(name: str, bind, instead: str) -> ctypes.CDLL | None:
+    """`bind(load_library(name))` (bind declares the functions' argument types), or None where the kernel cannot
+    be built or loaded here, with a warning that says what runs `instead`. Each kernel module caches its own."""
+    try:
+        return bind(load_library(name))
+    except (KernelBuildError, OSError) as exc:
+        logger.warning("the C kernels of %s are unavailable; using %s: %s", name, instead, exc)
+        return None

@@ -12,13 +12,10 @@ them).
 
 import ctypes
 import functools
-import logging
 
 import torch
 
-from kernels.cpu_build import DTYPE_CODES, KernelBuildError, load_library
-
-logger = logging.getLogger(__name__)
+from kernels.cpu_build import DTYPE_CODES, optional_library
 
 
 @functools.lru_cache(maxsize=1)
@@ -26,11 +23,7 @@ def c_library():
     """The C library (its argument types declared), or None when it cannot be built here (logged once).
     Callers that validated their tensors once may call its functions directly
     (worker_service/runtime/backends/cpu_llama.py)."""
-    try:
-        return bind(load_library("layer_ops_cpu"))
-    except (KernelBuildError, OSError) as exc:
-        logger.warning("the CPU decoder-layer kernels are unavailable; using the transformers forward: %s", exc)
-        return None
+    return optional_library("layer_ops_cpu", bind, "the transformers forward")
 
 
 class LinearArgs(ctypes.Structure):

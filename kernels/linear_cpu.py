@@ -15,27 +15,18 @@ compiler ``available()`` is False and callers use ``F.linear``.
 
 import ctypes
 import functools
-import logging
 
 import torch
 
-from kernels.cpu_build import DTYPE_CODES, KernelBuildError, load_library
-
-logger = logging.getLogger(__name__)
+from kernels.cpu_build import DTYPE_CODES, optional_library
 
 
 @functools.lru_cache(maxsize=1)
 def c_library():
     """The C library, or None when it cannot be built here (logged once)."""
-    try:
-        return bind(load_library("linear_cpu"))
-    except (KernelBuildError, OSError) as exc:
-        logger.warning(
-            "the batch-invariant CPU linear kernel is unavailable, so greedy speculation may differ "
-            "from plain decoding; using torch's linear instead: %s",
-            exc,
-        )
-        return None
+    return optional_library(
+        "linear_cpu", bind, "torch's linear (greedy speculation may then differ from plain decoding)"
+    )
 
 
 def bind(library: ctypes.CDLL) -> ctypes.CDLL:

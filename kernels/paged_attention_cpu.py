@@ -16,14 +16,11 @@ compiler ``available()`` is False and the dispatcher falls back to SDPA.
 
 import ctypes
 import functools
-import logging
 
 import torch
 
-from kernels.cpu_build import DTYPE_CODES, KernelBuildError, load_library
+from kernels.cpu_build import DTYPE_CODES, KernelBuildError, optional_library
 from kernels.draft_tree import DraftTrees
-
-logger = logging.getLogger(__name__)
 
 MAX_HEAD_DIM = 256  # kernels/csrc/paged_attention_cpu.c keeps rows of this many floats on the stack
 KEY_TILE = 16  # keys the C kernel scores side by side: a block_size multiple of it reads transposed keys whole
@@ -32,15 +29,9 @@ KEY_TILE = 16  # keys the C kernel scores side by side: a block_size multiple of
 @functools.lru_cache(maxsize=1)
 def kernel():
     """The C function, or None when it cannot be built here (logged once)."""
-    try:
-        return bind(load_library("paged_attention_cpu"))
-    except (KernelBuildError, OSError) as exc:
-        logger.warning(
-            "the batch-invariant CPU attention kernel is unavailable, so greedy speculation in "
-            "bf16/fp16 may differ from plain decoding; using SDPA instead: %s",
-            exc,
-        )
-        return None
+    return optional_library(
+        "paged_attention_cpu", bind, "SDPA (greedy speculation in bf16/fp16 may then differ from plain decoding)"
+    )
 
 
 def bind(library: ctypes.CDLL):

@@ -31,13 +31,10 @@ vocabulary-wide temporaries and torch's argmax made it the largest part of a sam
 
 import ctypes
 import functools
-import logging
 
 import torch
 
-from kernels.cpu_build import KernelBuildError, load_library
-
-logger = logging.getLogger(__name__)
+from kernels.cpu_build import optional_library
 
 
 def argmax_last(x: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -71,11 +68,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=1)
 def c_library() -> ctypes.CDLL | None:
     """The sampler's C library, or None when it cannot be built here (logged once: torch's ops are used)."""
-    try:
-        return bind(load_library("sampling_cpu"))
-    except (KernelBuildError, OSError) as exc:
-        logger.warning("the sampler's CPU kernels are unavailable; using torch's ops: %s", exc)
-        return None
+    return optional_library("sampling_cpu", bind, "torch's ops")
 
 
 def bind(library: ctypes.CDLL) -> ctypes.CDLL:

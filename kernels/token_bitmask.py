@@ -10,23 +10,16 @@ the kernel reads each row's words once, 0.022 ms (bench/bench_constraint.py prin
 
 import ctypes
 import functools
-import logging
 
 import torch
 
-from kernels.cpu_build import KernelBuildError, load_library
-
-logger = logging.getLogger(__name__)
+from kernels.cpu_build import optional_library
 
 
 @functools.lru_cache(maxsize=1)
 def c_library():
     """The C library, or None when it cannot be built here (logged once: the reference is used)."""
-    try:
-        return bind(load_library("token_bitmask_cpu"))
-    except (KernelBuildError, OSError) as exc:
-        logger.warning("the CPU token-mask kernel is unavailable; using the PyTorch reference: %s", exc)
-        return None
+    return optional_library("token_bitmask_cpu", bind, "the PyTorch reference")
 
 
 def bind(library: ctypes.CDLL) -> ctypes.CDLL:

@@ -1,5 +1,7 @@
 """The CPU's C attention kernel: the same numbers as dense attention, and bitwise batch invariance."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -186,6 +188,24 @@ def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
             cpu_build.load_library("paged_attention_cpu")
     finally:
         cpu_build.load_library.cache_clear()
+
+
+@pytest.mark.parametrize("module", ["linear_cpu", "layer_ops_cpu", "sampling_cpu", "token_bitmask"])
+def test_without_a_compiler_each_kernel_module_falls_back_and_says_to_what(module, monkeypatch, tmp_path, caplog):
+    """cpu_build.optional_library: no library (the module's fallback runs) and one warning naming the kernel and
+    what runs instead."""
+    kernel_module = importlib.import_module(f"kernels.{module}")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    cpu_build.load_library.cache_clear()
+    kernel_module.c_library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="kernels.cpu_build"):
+            assert kernel_module.c_library() is None
+        assert len(caplog.records) == 1 and "are unavailable; using" in caplog.text and "does not run" in caplog.text
+    finally:
+        cpu_build.load_library.cache_clear()
+        kernel_module.c_library.cache_clear()
 
 
 def test_builds_once_per_source_into_the_cache(monkeypatch, tmp_path):
