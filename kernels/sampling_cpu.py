@@ -77,14 +77,12 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     library.specdec_race_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
     library.specdec_race_rows.restype = ctypes.c_int
-    library.specdec_keyed_uniform_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ctypes.c_int]
-    library.specdec_keyed_uniform_rows.restype = ctypes.c_int
+    library.specdec_keyed_noise_rows.argtypes = [ptr, i64, ptr, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
+    library.specdec_keyed_noise_rows.restype = ctypes.c_int
     library.specdec_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
     library.specdec_argmax_rows.restype = ctypes.c_int
     library.specdec_top_k_top_p_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
     library.specdec_top_k_top_p_rows.restype = ctypes.c_int
-    library.specdec_keyed_exponential_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ctypes.c_int]
-    library.specdec_keyed_exponential_rows.restype = ctypes.c_int
     library.specdec_neg_log_unit.argtypes = [ptr, i64, ptr]
     library.specdec_neg_log_unit.restype = ctypes.c_int
     library.specdec_softmax_rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
@@ -130,12 +128,12 @@ def keyed_uniform_rows(
     assert row_keys.dtype == column_hashes.dtype == torch.int32 and out.dtype == torch.float32
     assert out.shape == (row_keys.numel(), column_hashes.numel()) and out.stride(1) == 1
     row_keys, column_hashes = row_keys.contiguous(), column_hashes.contiguous()
-    kernel = library.specdec_keyed_exponential_rows if exponential else library.specdec_keyed_uniform_rows
-    kernel(
+    library.specdec_keyed_noise_rows(
         row_keys.data_ptr(),
         row_keys.numel(),
         column_hashes.data_ptr(),
         column_hashes.numel(),
+        int(exponential),
         out.data_ptr(),
         out.stride(0),
         torch.get_num_threads(),

@@ -88,24 +88,6 @@ static inline uint32_t fmix32(uint32_t h) {
     return h ^ (h >> 16);
 }
 
-/* specdec_keyed_uniform_rows: out[r, c] = u(fmix32(row_keys[r] ^ column_hashes[c])) for c < num_cols, where
- * u(bits) = ((bits as int32 >> 9) + 2^22 + 0.5) * 2^-23 (keyed_random.py's uniform_from_bits): integer hashing
- * and float operations that are exact, so the values are bitwise those of its torch passes, in one pass. out's
- * rows are out_stride floats apart. Returns 0. */
-int specdec_keyed_uniform_rows(const uint32_t *row_keys, int64_t num_rows, const uint32_t *column_hashes,
-                               int64_t num_cols, float *out, int64_t out_stride, int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows > 1)
-    for (int64_t r = 0; r < num_rows; r++) {
-        uint32_t key = row_keys[r];
-        float *row = out + r * out_stride;
-        for (int64_t c = 0; c < num_cols; c++) {
-            int32_t top = (int32_t)fmix32(key ^ column_hashes[c]) >> 9; /* arithmetic: -2^22 .. 2^22 - 1 */
-            row[c] = ((float)top + 4194304.5f) * 0x1p-23f;
-        }
-    }
-    return 0;
-}
-
 /* -log(u) for u in (0, 1) (the keyed uniforms: 2^-24 <= u <= 1 - 2^-24), our own polynomial, so every build
  * gives the same bits, and with no division: u = 2^e m with m in [sqrt(1/2), sqrt(2)), t = m - 1 (exact), and
  * log m = t - t^2/2 + t^3 P(t), P a least-squares fit of degree 7 (relative error < 1e-7 over the interval; near
@@ -140,21 +122,31 @@ int specdec_neg_log_unit(const float *u, int64_t n, float *out) {
     return 0;
 }
 
-/* The keyed Exp(1) noise of (row key, column hash): -log of keyed_random.py's uniform. */
-static inline float keyed_exponential(uint32_t key, uint32_t column_hash) {
+/* keyed_random.py's uniform of (row key, column hash): u(bits) = ((bits as int32 >> 9) + 2^22 + 0.5) * 2^-23
+ * (its uniform_from_bits) of bits = fmix32(key ^ column_hash): integer hashing and float operations that are
+ * exact, so the values are bitwise those of its torch passes. */
+static inline float keyed_uniform(uint32_t key, uint32_t column_hash) {
     int32_t top = (int32_t)fmix32(key ^ column_hash) >> 9; /* arithmetic: -2^22 .. 2^22 - 1 */
-    return neg_log_unit(((float)top + 4194304.5f) * 0x1p-23f);
+    return ((float)top + 4194304.5f) * 0x1p-23f;
 }
 
-/* specdec_keyed_exponential_rows: out[r, c] = -log u for the uniforms of specdec_keyed_uniform_rows, the log our
- * polynomial (neg_log_unit). Returns 0. */
-int specdec_keyed_exponential_rows(const uint32_t *row_keys, int64_t num_rows, const uint32_t *column_hashes,
-                                   int64_t num_cols, float *out, int64_t out_stride, int num_threads) {
+/* The keyed Exp(1) noise of (row key, column hash): -log of its uniform, the log our polynomial. */
+static inline float keyed_exponential(uint32_t key, uint32_t column_hash) {
+    return neg_log_unit(keyed_uniform(key, column_hash));
+}
+
+/* specdec_keyed_noise_rows: out[r, c] = keyed_uniform(row_keys[r], column_hashes[c]) for c < num_cols, or with
+ * `exponential` keyed_exponential, in one pass; out's rows are out_stride floats apart. Returns 0. */
+int specdec_keyed_noise_rows(const uint32_t *row_keys, int64_t num_rows, const uint32_t *column_hashes,
+                             int64_t num_cols, int exponential, float *out, int64_t out_stride, int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows > 1)
     for (int64_t r = 0; r < num_rows; r++) {
         uint32_t key = row_keys[r];
         float *row = out + r * out_stride;
-        for (int64_t c = 0; c < num_cols; c++) row[c] = keyed_exponential(key, column_hashes[c]);
+        if (exponential)
+            for (int64_t c = 0; c < num_cols; c++) row[c] = keyed_exponential(key, column_hashes[c]);
+        else
+            for (int64_t c = 0; c < num_cols; c++) row[c] = keyed_uniform(key, column_hashes[c]);
     }
     return 0;
 }
@@ -200,7 +192,8 @@ int specdec_argmax_rows(const float *x, int64_t x_stride, int64_t num_rows, int6
  * around its k-th largest) and only its k tokens are sorted; top-p alone finds its crossing token by radix
  * selection over the values' bits, weighted by their mass (top_p_radix). torch's sort of 49,152 values took
  * 2.6 ms a row.
- * Only the row's values decide its probabilities: batch invariant. Denormals aside, exp is the C library's. */
+ * Only the row's values decide its probabilities: batch invariant. exp is our polynomial (exp_poly.h) and the
+ * row's mass a sum in a fixed order, so every build gives the same bits. */
 typedef struct {
     float value;
     int32_t index;
@@ -266,7 +259,7 @@ static inline uint32_t ordered_bits(float value) {
  * then of the next 12 within the bucket that crosses, then exactly among the few tokens left (sorted).
  * Writes e / (mass kept) for the kept tokens (out is zero elsewhere). e: the row's exps. */
 static void top_p_radix(const float *x, const float *e, int64_t vocab, double target, float *out, ranked *order) {
-    static __thread double mass[RADIX_BUCKETS];
+    double mass[RADIX_BUCKETS]; /* on the stack: a thread-local array cost a TLS lookup per access */
     double above = 0.0; /* mass of the tokens in the buckets above the crossing one */
     uint32_t prefix = 0;
     for (int level = 0; level < 2; level++) { /* bits 31..20, then 19..8, of the tokens matching the prefix */
@@ -300,14 +293,26 @@ static void top_p_radix(const float *x, const float *e, int64_t vocab, double ta
     }
 }
 
+/* The sum of x[0..n) in double, in a fixed order whatever the build: 16 running sums (element v into sum
+ * v mod 16), then those added in order. */
+static double ordered_sum(const float *x, int64_t n) {
+    double lanes[16] = {0};
+    int64_t v = 0;
+    for (; v + 16 <= n; v += 16)
+        for (int lane = 0; lane < 16; lane++) lanes[lane] += (double)x[v + lane];
+    for (; v < n; v++) lanes[v % 16] += (double)x[v];
+    double total = 0.0;
+    for (int lane = 0; lane < 16; lane++) total += lanes[lane];
+    return total;
+}
+
 static void top_k_top_p_row(const float *x, int64_t vocab, int64_t top_k, float top_p, float *out, float *scratch,
                             ranked *order) {
     int64_t k = top_k > 0 && top_k < vocab ? top_k : vocab;
-    float most = -INFINITY;
-    for (int64_t v = 0; v < vocab; v++) most = x[v] > most ? x[v] : most;
+    float most = x[argmax_row(x, vocab)];
     if (k == vocab) { /* top-p alone: the row's exps, then the crossing token by radix selection */
-        double total = 0.0;
-        for (int64_t v = 0; v < vocab; v++) total += scratch[v] = expf(x[v] - most);
+        for (int64_t v = 0; v < vocab; v++) scratch[v] = exp_nonpositive(x[v] - most);
+        double total = ordered_sum(scratch, vocab);
         if (top_p >= 1.0f) {
             float denominator = (float)total;
             for (int64_t v = 0; v < vocab; v++) out[v] = scratch[v] / denominator;
@@ -319,14 +324,14 @@ static void top_k_top_p_row(const float *x, int64_t vocab, int64_t top_k, float 
     /* top-k: its k tokens ranked (selection, then a sort of k), their softmax, then top-p along them */
     int64_t num_ranked = top_ranked(x, vocab, k, scratch, order);
     double total = 0.0;
-    for (int64_t r = 0; r < num_ranked; r++) total += expf(order[r].value - most);
+    for (int64_t r = 0; r < num_ranked; r++) total += exp_nonpositive(order[r].value - most);
     float denominator = (float)total;
     memset(out, 0, (size_t)vocab * sizeof(float));
     double mass = 0.0; /* of the kept tokens: in double, as torch's CPU cumsum accumulates floats */
     int64_t kept = 0;
     for (int64_t r = 0; r < num_ranked; r++) {
         if (r > 0 && top_p < 1.0f && (float)mass >= top_p) break;
-        float p = expf(order[r].value - most) / denominator;
+        float p = exp_nonpositive(order[r].value - most) / denominator;
         out[order[r].index] = p;
         mass += p;
         kept = r + 1;
@@ -360,19 +365,6 @@ int specdec_top_k_top_p_rows(const float *x, int64_t x_stride, int64_t num_rows,
     return failed;
 }
 
-/* The sum of x[0..n) in a fixed order whatever the build: 16 running sums (element v into sum v mod 16), then
- * those added in order. */
-static float ordered_sum(const float *x, int64_t n) {
-    float lanes[16] = {0};
-    int64_t v = 0;
-    for (; v + 16 <= n; v += 16)
-        for (int lane = 0; lane < 16; lane++) lanes[lane] += x[v + lane];
-    for (; v < n; v++) lanes[v % 16] += x[v];
-    float total = 0.0f;
-    for (int lane = 0; lane < 16; lane++) total += lanes[lane];
-    return total;
-}
-
 /* A row's softmax weights at a temperature t > 0: w[v] = exp(x[v] / t - max_u x[u] / t), the exp our polynomial
  * (exp_poly.h: 0 below e^-87). (The max of x / t is max(x) / t: a correctly rounded division is monotone; t = 1
  * divides by nothing.) */
@@ -386,15 +378,15 @@ static void softmax_weights(const float *x, int64_t vocab, float temperature, fl
     }
 }
 
-/* specdec_softmax_rows: out[r] = softmax(x[r]): softmax_weights over their sum in a fixed order, the same bits
- * on every build; each row's values depend on that row alone. Returns 0. */
+/* specdec_softmax_rows: out[r] = softmax(x[r]): softmax_weights over their sum (ordered_sum), the same bits on
+ * every build; each row's values depend on that row alone. Returns 0. */
 int specdec_softmax_rows(const float *x, int64_t x_stride, int64_t num_rows, int64_t vocab, float *out,
                          int64_t out_stride, int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows > 1)
     for (int64_t r = 0; r < num_rows; r++) {
         float *row = out + r * out_stride;
         softmax_weights(x + r * x_stride, vocab, 1.0f, row);
-        float scale = 1.0f / ordered_sum(row, vocab);
+        float scale = 1.0f / (float)ordered_sum(row, vocab);
         for (int64_t v = 0; v < vocab; v++) row[v] = row[v] * scale;
     }
     return 0;
@@ -427,7 +419,7 @@ static int64_t keyed_race_row(const float *p, int64_t vocab, uint32_t key, const
  *                            which moves no argmax but for rounding)
  *                          : values[r] (a distribution, any scale)
  *   out[r] = the first v with the largest p[v] > 0 ? p[v] / E[v] : -1,   E[v] = the keyed Exp(1) noise of
- *            (row_keys[r], column_hashes[v]) as specdec_keyed_exponential_rows computes it
+ *            (row_keys[r], column_hashes[v]) as specdec_keyed_noise_rows computes it
  *
  * With temperature[r] = 0 that is bitwise race_rows(values, keyed exponentials). Returns 0, or 1 when scratch
  * memory cannot be had. */

@@ -140,6 +140,7 @@ def test_top_k_top_p_rows_keep_the_references_tokens(build, top_k, top_p):
         assert torch.equal(kept, kept_there)
         torch.testing.assert_close(got[row], want[row], rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(got.sum(dim=-1), torch.ones(6))
+    assert torch.equal(got, sampling_cpu.top_k_top_p_rows(scaled, top_ks, top_ps))  # every build: the same bits
 
 
 def test_top_k_top_p_rows_break_ties_by_the_lower_index():
