@@ -174,16 +174,15 @@ def _logprobs(
     """Each emitted token's log-probability in its row (the root's, then the accepted rows'), and where asked
     the row's likeliest tokens: a gather and a top-k on the device, and one copy of both to the host (on a GPU
     each copy waits for the GPU; token ids are exact in float64)."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     starts = list(itertools.accumulate(rows_per_seq[:-1], initial=0))
     rows = [start + row for start, path in zip(starts, paths) for row in [0, *path]]
     columns = [t for tokens in token_ids for t in tokens]
     device = logits.device
-    row_index = torch.tensor(rows, device=device)
-    parts = [log_probs[row_index, torch.tensor(columns, device=device)][:, None]]  # [E, 1]
+    log_probs = torch.log_softmax(logits[torch.tensor(rows, device=device)].float(), dim=-1)  # [E, V]: emitted rows
+    parts = [log_probs.gather(1, torch.tensor(columns, device=device)[:, None])]  # [E, 1]
     num_top = max(s.sampling.top_logprobs for s in states)
     if num_top:
-        parts += log_probs[row_index].topk(num_top, dim=-1)  # values, ids: [E, num_top] each
+        parts += log_probs.topk(num_top, dim=-1)  # values, ids: [E, num_top] each
     table = torch.cat([part.double() for part in parts], dim=1).tolist()  # [E, 1 + 2 num_top]
     flat = [row[0] for row in table]
     top_values = [row[1 : 1 + num_top] for row in table]
