@@ -188,9 +188,9 @@ int specdec_argmax_rows(const float *x, int64_t x_stride, int64_t num_rows, int6
  * their softmax p; a token kept while the mass of the kept tokens above it is below top_p (top_p >= 1 keeps
  * all; the first token is always kept); the kept p renormalised, every other token 0.
  *
- * Without sorting the vocabulary: the top_k set is found by selection (a copy of the row's values, partitioned
- * around its k-th largest) and only its k tokens are sorted; top-p alone finds its crossing token by radix
- * selection over the values' bits, weighted by their mass (top_p_radix). torch's sort of 49,152 values took
+ * Without sorting the vocabulary: the top_k set is found by radix selection of its k-th largest value (counts
+ * over the values' bits, nth_largest_radix) and only its k tokens are sorted; top-p alone finds its crossing
+ * token by radix selection weighted by the tokens' mass (top_p_radix). torch's sort of 49,152 values took
  * 2.6 ms a row.
  * Only the row's values decide its probabilities: batch invariant. exp is our polynomial (exp_poly.h) and the
  * row's mass a sum in a fixed order, so every build gives the same bits. */
@@ -230,20 +230,6 @@ static float nth_largest(float *values, int64_t count, int64_t n) {
     return values[n];
 }
 
-/* The first `limit` (< vocab) tokens of x in rank order (all those above the limit-th largest value, then as
- * many of its ties as fit, lowest indices first), sorted, into out; returns how many. scratch: vocab floats. */
-static int64_t top_ranked(const float *x, int64_t vocab, int64_t limit, float *scratch, ranked *out) {
-    memcpy(scratch, x, (size_t)vocab * sizeof(float));
-    float threshold = nth_largest(scratch, vocab, limit - 1);
-    int64_t count = 0;
-    for (int64_t v = 0; v < vocab; v++)
-        if (x[v] > threshold) out[count].value = x[v], out[count++].index = (int32_t)v;
-    for (int64_t v = 0; v < vocab && count < limit; v++) /* ties at the threshold, lowest index first */
-        if (x[v] == threshold) out[count].value = x[v], out[count++].index = (int32_t)v;
-    qsort(out, (size_t)count, sizeof *out, compare_ranked);
-    return count;
-}
-
 /* A float's bits as an unsigned number in the float's order (-inf lowest): radix selection's digits. */
 static inline uint32_t ordered_bits(float value) {
     uint32_t u;
@@ -253,6 +239,48 @@ static inline uint32_t ordered_bits(float value) {
 
 #define RADIX_BITS 12
 #define RADIX_BUCKETS (1 << RADIX_BITS)
+
+/* The bucket (of RADIX_BITS bits at `shift`) that holds the n-th largest of values[0..count), by counting them;
+ * *above: how many values lie in the buckets above it. */
+static uint32_t radix_bucket(const float *values, int64_t count, int shift, int64_t n, int64_t *above) {
+    int32_t counts[RADIX_BUCKETS];
+    memset(counts, 0, sizeof counts);
+    for (int64_t v = 0; v < count; v++) counts[(ordered_bits(values[v]) >> shift) & (RADIX_BUCKETS - 1)]++;
+    int bucket = RADIX_BUCKETS - 1;
+    while (bucket > 0 && *above + counts[bucket] <= n) *above += counts[bucket--];
+    return (uint32_t)bucket;
+}
+
+/* The n-th largest value of x (0-based, n < vocab) by radix selection over the values' bits: the bucket of their
+ * top 12 bits that holds it (a counting pass), that bucket's values copied out (a second pass), the bucket of
+ * their next 12 bits, then a quickselect among the few values left. A quickselect of the whole row moved it
+ * about several times. scratch: vocab floats. */
+static float nth_largest_radix(const float *x, int64_t vocab, int64_t n, float *scratch) {
+    int64_t above = 0; /* values ranked above the bucket in hand */
+    uint32_t high = radix_bucket(x, vocab, 32 - RADIX_BITS, n, &above);
+    int64_t count = 0;
+    for (int64_t v = 0; v < vocab; v++)
+        if (ordered_bits(x[v]) >> (32 - RADIX_BITS) == high) scratch[count++] = x[v];
+    uint32_t prefix = high << RADIX_BITS | radix_bucket(scratch, count, 32 - 2 * RADIX_BITS, n, &above);
+    int64_t left = 0;
+    for (int64_t i = 0; i < count; i++)
+        if (ordered_bits(scratch[i]) >> (32 - 2 * RADIX_BITS) == prefix) scratch[left++] = scratch[i];
+    return nth_largest(scratch, left, n - above);
+}
+
+/* The first `limit` (< vocab) tokens of x in rank order (all those above the limit-th largest value, then as
+ * many of its ties as fit, lowest indices first), sorted, into out; returns how many. scratch: vocab floats. */
+static int64_t top_ranked(const float *x, int64_t vocab, int64_t limit, float *scratch, ranked *out) {
+    float threshold = nth_largest_radix(x, vocab, limit - 1, scratch);
+    int64_t count = 0;
+    for (int64_t v = 0; v < vocab; v++)
+        if (x[v] > threshold) out[count].value = x[v], out[count++].index = (int32_t)v;
+    for (int64_t v = 0; v < vocab && count < limit; v++) /* ties at the threshold, lowest index first */
+        if (x[v] == threshold) out[count].value = x[v], out[count++].index = (int32_t)v;
+    qsort(out, (size_t)count, sizeof *out, compare_ranked);
+    return count;
+}
+
 
 /* Top-p over a whole row without sorting it: the token where the mass of the tokens ranked above it first
  * reaches `target` (top_p times the row's mass), found by the mass per bucket of the values' top 12 bits,
