@@ -12,6 +12,12 @@
  * scores -1 (its comparison is false), as in the reference; noise is positive and finite, so no score is NaN.
  * The AVX-512 path keeps 16 lanes' first maxima (a lane updates only on a strictly larger score) and then takes
  * the smallest index among the lanes that hold the largest: the same first maximum as the scalar loop.
+ *
+ * specdec_keyed_noise_rows: keyed_random.py's uniforms, or its Exp(1) noise -log u (the log our own polynomial).
+ * specdec_softmax_rows: a softmax with our own exp and a fixed order of summation.
+ * specdec_keyed_race_rows: a sampled token per row in one pass (the softmax's weights or a given distribution,
+ * the noise and the race). specdec_top_k_top_p_rows: top-k and top-p without sorting a row.
+ * Each is the same bits on every build (scalar, AVX2, AVX-512; tests/kernels/test_sampling_cpu.py).
  */
 #include <math.h>
 #include <stdint.h>

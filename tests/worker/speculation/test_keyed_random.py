@@ -52,7 +52,7 @@ def test_bits_match_the_integer_reference(device):
 def test_the_c_pass_gives_the_torch_passes_values(build, monkeypatch):
     """On the CPU the bits and the uniform are one C pass (kernels/sampling_cpu.py): bitwise the values of the
     torch passes, and of the integer reference, extreme keys included, on a plain x86-64 build too. The
-    exponentials' log is the C pass's own: within 3e-7 of torch's, bitwise the same on every build."""
+    exponentials' log is the C pass's own: within 3e-7 of the exact value, bitwise the same on every build."""
     seeds = [0, 1, 2**32 - 1, 2**63, 2**64 - 1, 0x0123456789ABCDEF]
     positions = [0, 7, 2**31, 2**32 - 1, 100, 12345]
     native_exponential = keyed_exponential(seeds, positions, STREAM_TOKEN, 49152)
@@ -71,9 +71,6 @@ def test_the_c_pass_gives_the_torch_passes_values(build, monkeypatch):
         assert values[1, [0, 4099, 49151]].tolist() == [w * 2**-23 for w in want]
     exact = -torch.log(with_c[STREAM_TOKEN].double())
     assert float(((exponential_c.double() - exact).abs() / exact).max()) < 3e-7
-    assert (
-        float(((keyed_exponential(seeds, positions, STREAM_TOKEN, 49152).double() - exact).abs() / exact).max()) < 3e-7
-    )
 
 
 @pytest.mark.parametrize("build", ["native", "scalar"])
@@ -83,7 +80,12 @@ def test_the_c_log_at_the_uniforms_extremes_and_every_binade(build):
     flags = ("-march=x86-64",) if build == "scalar" else ()
     library = sampling_cpu.bind(cpu_build.load_library("sampling_cpu", flags))
     k = [*range(4096), *range(2**23 - 4096, 2**23), *(2**shift + d for shift in range(23) for d in range(-3, 4))]
-    k = torch.cat([torch.tensor(k).clamp(0, 2**23 - 1), torch.randint(0, 2**23, (100_000,))])
+    k = torch.cat(
+        [
+            torch.tensor(k).clamp(0, 2**23 - 1),
+            torch.randint(0, 2**23, (100_000,), generator=torch.Generator().manual_seed(0)),
+        ]
+    )
     u = (k.double() + 0.5) * 2**-23  # the uniforms' values, exact in float32
     e = sampling_cpu.neg_log_unit(u.float(), library)
     exact = -torch.log(u)
