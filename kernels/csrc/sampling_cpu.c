@@ -290,26 +290,29 @@ static int64_t top_ranked(const float *x, int64_t vocab, int64_t limit, float *s
 
 /* Top-p over a whole row without sorting it: the token where the mass of the tokens ranked above it first
  * reaches `target` (top_p times the row's mass), found by the mass per bucket of the values' top 12 bits,
- * then of the next 12 within the bucket that crosses, then exactly among the few tokens left (sorted).
+ * then of the next 12 among the crossing bucket's tokens (copied out), then exactly among the few left (sorted).
  * Writes e / (mass kept) for the kept tokens (out is zero elsewhere). e: the row's exps. */
 static void top_p_radix(const float *x, const float *e, int64_t vocab, double target, float *out, ranked *order) {
     double mass[RADIX_BUCKETS]; /* on the stack: a thread-local array cost a TLS lookup per access */
     double above = 0.0; /* mass of the tokens in the buckets above the crossing one */
-    uint32_t prefix = 0;
-    for (int level = 0; level < 2; level++) { /* bits 31..20, then 19..8, of the tokens matching the prefix */
-        int shift = 32 - RADIX_BITS * (level + 1);
-        memset(mass, 0, sizeof mass);
-        for (int64_t v = 0; v < vocab; v++) {
-            uint32_t bits = ordered_bits(x[v]);
-            if (level == 0 || bits >> (shift + RADIX_BITS) == prefix) mass[(bits >> shift) & (RADIX_BUCKETS - 1)] += e[v];
-        }
-        int bucket = RADIX_BUCKETS - 1;
-        while (bucket > 0 && above + mass[bucket] < target) above += mass[bucket--];
-        prefix = prefix << RADIX_BITS | (uint32_t)bucket;
-    }
-    int64_t count = 0; /* the tokens of the crossing bucket, ranked */
+    memset(mass, 0, sizeof mass); /* by the top 12 bits of every token */
+    for (int64_t v = 0; v < vocab; v++) mass[ordered_bits(x[v]) >> (32 - RADIX_BITS)] += e[v];
+    int high = RADIX_BUCKETS - 1;
+    while (high > 0 && above + mass[high] < target) above += mass[high--];
+    int64_t count = 0; /* the crossing bucket's tokens, in vocabulary order */
     for (int64_t v = 0; v < vocab; v++)
-        if (ordered_bits(x[v]) >> 8 == prefix) order[count].value = x[v], order[count++].index = (int32_t)v;
+        if (ordered_bits(x[v]) >> (32 - RADIX_BITS) == (uint32_t)high)
+            order[count].value = x[v], order[count++].index = (int32_t)v;
+    memset(mass, 0, sizeof mass); /* by their next 12 bits, summed in the same order as over the whole row */
+    for (int64_t i = 0; i < count; i++)
+        mass[(ordered_bits(order[i].value) >> (32 - 2 * RADIX_BITS)) & (RADIX_BUCKETS - 1)] += e[order[i].index];
+    int low = RADIX_BUCKETS - 1;
+    while (low > 0 && above + mass[low] < target) above += mass[low--];
+    uint32_t prefix = (uint32_t)high << RADIX_BITS | (uint32_t)low;
+    int64_t left = 0; /* the tokens of the crossing bucket of 24 bits, ranked */
+    for (int64_t i = 0; i < count; i++)
+        if (ordered_bits(order[i].value) >> (32 - 2 * RADIX_BITS) == prefix) order[left++] = order[i];
+    count = left;
     qsort(order, (size_t)count, sizeof *order, compare_ranked);
     int64_t last = 0; /* the last kept token of the bucket: kept while the mass above it is short of target */
     double kept = above;
@@ -318,12 +321,17 @@ static void top_p_radix(const float *x, const float *e, int64_t vocab, double ta
         kept += e[order[r].index];
         last = r;
     }
-    const ranked *crossing = count ? &order[last] : NULL;
     float kept_mass = (float)kept;
+    if (!count) { /* (no token left: cannot happen with target below the row's mass) every token kept */
+        for (int64_t v = 0; v < vocab; v++) out[v] = e[v] / kept_mass;
+        return;
+    }
+    float crossing_value = order[last].value; /* kept: ranked at or above the crossing token */
+    int64_t crossing_index = order[last].index;
     for (int64_t v = 0; v < vocab; v++) {
-        ranked token = {x[v], (int32_t)v};
-        int is_kept = crossing ? !ranked_before(crossing, &token) : 1;
-        out[v] = is_kept ? e[v] / kept_mass : 0.0f;
+        float p = e[v] / kept_mass;
+        int is_kept = x[v] > crossing_value || (x[v] == crossing_value && v <= crossing_index);
+        out[v] = is_kept ? p : 0.0f;
     }
 }
 
