@@ -9,7 +9,7 @@ indices (ties, NaN, infinities and signed zeros alike; tests/kernels/test_sampli
 torch's. Not numpy's: reading a tensor into numpy is what a GPU's host read looks like to
 tests/worker/runtime/test_host_reads.py. Each row's index depends on that row alone: batch invariant.
 
-`keyed_uniform_rows` computes worker_service/speculation/keyed_random.py's keyed uniforms in one pass where
+`keyed_noise_rows` computes worker_service/speculation/keyed_random.py's keyed uniforms in one pass where
 torch took ~15 elementwise ones: bitwise the same values. With `exponential=True` it gives the sampling noise
 -log u, the log our own polynomial (no division; within 3e-7 of the exact value, the same bits on every build).
 
@@ -114,7 +114,7 @@ def race_rows(dist: torch.Tensor, noise: torch.Tensor, library: ctypes.CDLL | No
     return out.reshape(dist.shape[:-1])
 
 
-def keyed_uniform_rows(
+def keyed_noise_rows(
     row_keys: torch.Tensor,  # [N] int32: uint32 bit patterns
     column_hashes: torch.Tensor,  # [C] int32: uint32 bit patterns
     out: torch.Tensor,  # [N, C] float32, its rows contiguous
@@ -179,7 +179,7 @@ def keyed_race_rows(
 ) -> torch.Tensor | None:  # [N] int64
     """Each row's sampled token in one C pass, with no [N, V] temporaries: the race of its distribution
     (`softmax_last(values / temperature)` where the temperature is above 0, else the row itself) against the
-    keyed Exp(1) noise that `keyed_uniform_rows(..., exponential=True)` computes, bitwise `race_rows` of those.
+    keyed Exp(1) noise that `keyed_noise_rows(..., exponential=True)` computes, bitwise `race_rows` of those.
     None where it does not apply (not the CPU's fp32, no C library): the caller's passes then. `library`:
     another build (bind())."""
     library = _library_for(library, values)

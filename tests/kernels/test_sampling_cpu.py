@@ -169,7 +169,7 @@ def keyed_inputs(num_rows: int, vocab: int, seed: int):
 def keyed_exponentials(row_keys, column_hashes, library=None):
     """The keyed Exp(1) noise of (row key, column hash), as keyed_random.py's C pass computes it."""
     out = torch.empty(row_keys.numel(), column_hashes.numel())
-    return sampling_cpu.keyed_uniform_rows(
+    return sampling_cpu.keyed_noise_rows(
         row_keys, column_hashes, out, library or sampling_cpu.c_library(), exponential=True
     )
 
@@ -178,7 +178,7 @@ def keyed_exponentials(row_keys, column_hashes, library=None):
 @pytest.mark.parametrize("shape", [(1, 49152), (48, 4099), (5, 16), (3, 7)], ids=str)
 def test_keyed_race_rows_on_a_distribution_is_the_race_against_the_keyed_noise(build, shape):
     """temperature 0: the values are a distribution, and the token is bitwise race_rows' against the noise of
-    keyed_uniform_rows(exponential=True), on every build; the noise is the same on every build."""
+    keyed_noise_rows(exponential=True), on every build; the noise is the same on every build."""
     library = build_library(build) or sampling_cpu.c_library()
     logits, row_keys, column_hashes = keyed_inputs(*shape, seed=shape[0] + shape[1])
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # [R, V]: the masked row's NaN as no mass

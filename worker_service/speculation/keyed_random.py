@@ -157,7 +157,7 @@ def _keyed_floats(seeds, positions, stream, num_cols, device, exponential: bool)
     49152-token vocabulary (9 MB per pass) they took 2-3x longer per value
     than in chunks of 5 rows (1 MB). Where the C kernel builds, the whole is one
     pass of it: the same uniforms, and for the exponentials a log of our own
-    (kernels/csrc/sampling_cpu.c: within 3e-7 of torch's, the same bits on
+    (kernels/csrc/sampling_cpu.c: within 3e-7 of the exact value, the same bits on
     every build), which every CPU sampling path shares.
     """
     device = torch.device(device)
@@ -165,7 +165,7 @@ def _keyed_floats(seeds, positions, stream, num_cols, device, exponential: bool)
     out = torch.empty((len(keys), num_cols), dtype=torch.float32, device=device)  # [N, C]
     library = sampling_cpu.c_library() if device.type == "cpu" else None
     if library is not None:  # one C pass
-        return sampling_cpu.keyed_uniform_rows(keys, _column_hashes(num_cols, device), out, library, exponential)
+        return sampling_cpu.keyed_noise_rows(keys, _column_hashes(num_cols, device), out, library, exponential)
     rows_per_chunk = len(keys) if device.type != "cpu" else max(1, _CPU_CHUNK_ELEMENTS // max(num_cols, 1))
     for start in range(0, len(keys), rows_per_chunk):
         uniform = uniform_from_bits(

@@ -111,14 +111,27 @@ def sample_from_probs(
     """
     rows = [i for i in range(len(seeds)) if is_greedy is None or not is_greedy[i]]
     if len(rows) == len(seeds):
-        noise = keyed_exponential(seeds, positions, stream, probs.shape[-1], probs.device)  # [N, V]
-    else:
-        noise = torch.ones_like(probs, dtype=torch.float32)  # [N, V]
-        if rows:
-            noise[torch.tensor(rows, device=probs.device)] = keyed_exponential(
-                [seeds[i] for i in rows], [positions[i] for i in rows], stream, probs.shape[-1], probs.device
-            )
-    return race(probs.float(), noise)  # [N]
+        return _keyed_race(probs.float(), seeds, positions, stream)  # [N]
+    tokens = race(probs.float(), torch.ones_like(probs, dtype=torch.float32))  # [N]: the greedy rows' argmax
+    if rows:
+        index = torch.tensor(rows, device=probs.device)
+        tokens[index] = _keyed_race(
+            probs[index].float(), [seeds[i] for i in rows], [positions[i] for i in rows], stream
+        )
+    return tokens
+
+
+def _keyed_race(probs: torch.Tensor, seeds, positions, stream: int) -> torch.Tensor:  # [N] int64
+    """``race(probs, keyed_exponential(...))``: on the CPU one C pass with no noise tensor (bitwise the same
+    token), elsewhere the two passes."""
+    library = sampling_cpu.c_library() if probs.device.type == "cpu" else None
+    if library is not None:
+        row_keys, column_hashes = noise_keys(seeds, positions, stream, probs.shape[-1], probs.device)
+        temperature = torch.zeros(len(seeds))  # the rows are distributions
+        tokens = sampling_cpu.keyed_race_rows(probs, temperature, row_keys, column_hashes, library)
+        if tokens is not None:
+            return tokens
+    return race(probs, keyed_exponential(seeds, positions, stream, probs.shape[-1], probs.device))
 
 
 def sample_rows(
@@ -138,9 +151,10 @@ def sample_rows(
     """
     library = sampling_cpu.c_library() if logits.device.type == "cpu" else None
     tokens = None if library is None else _sample_rows_in_c(logits.float(), params, seeds, positions, stream, library)
-    if tokens is None:  # the passes one by one
-        probs = logits_to_probs(logits, *sampling_tensors(params, logits.device))  # [N, V]
-        tokens = race(probs, keyed_exponential(seeds, positions, stream, logits.shape[-1], logits.device))
+    if tokens is None:  # the distribution, then its race
+        tokens = _keyed_race(
+            logits_to_probs(logits, *sampling_tensors(params, logits.device)), seeds, positions, stream
+        )
     return tokens  # [N]
 
 
